@@ -1,0 +1,7 @@
+//! berth: runs Slurm job steps (and standalone commands) in containers isolated by cgroup v2 and
+//! namespaces. The library holds every piece; `main.rs` only parses the command line.
+
+pub mod cgroup;
+pub mod config;
+pub mod runtime;
+pub mod spec;
