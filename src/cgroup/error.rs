@@ -104,7 +104,11 @@ pub enum CgroupError {
     InvalidDeviceRule { rule: String, reason: String },
 
     /// A `bpf()` call for the device filter failed.
-    #[error("could not {op} the device filter of cgroup {}: {source}: {}{}", .path.display(), bpf_hint(.source), log_suffix(.log))]
+    #[error(
+        "could not {op} the device filter of cgroup {}: {source}: {}",
+        .path.display(),
+        bpf_advice(.source, .log)
+    )]
     Bpf {
         op: &'static str,
         path: PathBuf,
@@ -135,6 +139,15 @@ fn write_hint(err: &io::Error) -> &'static str {
     }
 }
 
+fn bpf_advice(err: &io::Error, log: &str) -> String {
+    if log.is_empty() {
+        bpf_hint(err).to_string()
+    } else {
+        // With a verifier log the program itself was refused, whatever the errno says.
+        format!("the kernel's verifier rejected the program (a berth bug, please report it): {log}")
+    }
+}
+
 fn bpf_hint(err: &io::Error) -> &'static str {
     match err.raw_os_error() {
         Some(libc::EPERM | libc::EACCES) => {
@@ -143,14 +156,6 @@ fn bpf_hint(err: &io::Error) -> &'static str {
         Some(libc::EINVAL) => "the kernel rejected the program or attach request",
         Some(libc::ENOSYS) => "this kernel was built without BPF support",
         _ => "check that the kernel supports cgroup v2 device programs (Linux 4.15 or later)",
-    }
-}
-
-fn log_suffix(log: &str) -> String {
-    if log.is_empty() {
-        String::new()
-    } else {
-        format!(" (verifier: {log})")
     }
 }
 
@@ -217,7 +222,11 @@ mod tests {
             log: "0: (61) r2 = *(u32 *)(r1 +0); invalid access".into(),
         };
         let s = e.to_string();
-        assert!(s.contains("verifier: 0: (61)"), "{s}");
+        assert!(
+            s.contains("verifier rejected the program") && s.contains(": 0: (61)"),
+            "{s}"
+        );
+        assert!(!s.contains("CAP_BPF"), "{s}");
         assert!(!s.contains('\n'));
     }
 }

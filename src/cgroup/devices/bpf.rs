@@ -1,7 +1,9 @@
 //! The `bpf()` syscalls the device filter needs: load a cgroup-device program, list, attach and
 //! detach the programs on a cgroup. Hand-written attribute structs instead of libbpf: five
 //! commands do not justify a C dependency (see notes/crates.md). Each struct is the prefix of
-//! the kernel's `union bpf_attr` for its command; the kernel zero-fills the rest.
+//! the kernel's `union bpf_attr` for its command; the kernel zero-fills the rest. The structs
+//! must have no padding: padding bytes are uninitialized, and the kernel rejects non-zero bytes
+//! in fields it knows (EINVAL), e.g. `relative_fd` right after `replace_bpf_fd` since Linux 6.6.
 
 use std::ffi::c_void;
 use std::io;
@@ -31,7 +33,7 @@ const LOG_SIZE: usize = 64 * 1024;
 /// How much of the verifier log goes into the one-line error.
 const LOG_TAIL: usize = 600;
 
-#[repr(C, align(8))]
+#[repr(C)]
 #[derive(Default)]
 struct ProgLoadAttr {
     prog_type: u32,
@@ -48,7 +50,7 @@ struct ProgLoadAttr {
     expected_attach_type: u32,
 }
 
-#[repr(C, align(8))]
+#[repr(C)]
 #[derive(Default)]
 struct AttachAttr {
     target_fd: u32,
@@ -58,7 +60,7 @@ struct AttachAttr {
     replace_bpf_fd: u32,
 }
 
-#[repr(C, align(8))]
+#[repr(C)]
 #[derive(Default)]
 struct QueryAttr {
     target_fd: u32,
@@ -71,7 +73,7 @@ struct QueryAttr {
     prog_attach_flags: u64,
 }
 
-#[repr(C, align(8))]
+#[repr(C)]
 #[derive(Default)]
 struct GetFdByIdAttr {
     prog_id: u32,
@@ -270,6 +272,15 @@ mod tests {
         assert_eq!(std::mem::offset_of!(QueryAttr, prog_ids), 16);
         assert_eq!(std::mem::offset_of!(QueryAttr, prog_cnt), 24);
         assert_eq!(std::mem::offset_of!(QueryAttr, prog_attach_flags), 32);
+    }
+
+    #[test]
+    fn attrs_have_no_padding() {
+        use std::mem::size_of;
+        assert_eq!(size_of::<ProgLoadAttr>(), 72);
+        assert_eq!(size_of::<AttachAttr>(), 5 * 4);
+        assert_eq!(size_of::<QueryAttr>(), 40);
+        assert_eq!(size_of::<GetFdByIdAttr>(), 3 * 4);
     }
 
     #[test]
