@@ -130,7 +130,8 @@ fn write_hint(err: &io::Error) -> &'static str {
             "the kernel rejected the value: check it is in range for this file"
         }
         Some(libc::EBUSY) => {
-            "the cgroup is busy: controllers cannot be enabled on a cgroup that has processes"
+            "the cgroup is busy: controllers cannot be enabled on a cgroup that has processes \
+             (move them into a leaf cgroup, or point cgroup.root at a delegated tree)"
         }
         Some(libc::EACCES | libc::EPERM) => "run berth as root or delegate the cgroup tree",
         Some(libc::ESRCH) => "the process has already exited",
