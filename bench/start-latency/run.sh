@@ -6,8 +6,9 @@
 #
 #   -n, --rounds N   timed rounds (default 30, or $BENCH_ROUNDS); 3 untimed warm-up rounds first
 #   --tools LIST     arms to run, comma-separated, from berth,runc,unshare (default: all three)
-#   BERTH_BENCH_CONFIG=FILE   berth config to use instead of the generated one, whose only
-#                             setting is [cgroup] root = "/sys/fs/cgroup/unified/berth-bench"
+#   BERTH_BENCH_CONFIG=FILE   berth config to use instead of the generated one, which sets
+#                             [cgroup] root = "/sys/fs/cgroup/unified/berth-bench" and
+#                             [runtime] state_dir = a directory under the bench's temp dir
 #
 # Builds berth with `cargo build --release` (honours CARGO_TARGET_DIR). Everything it creates
 # (rootfs, OCI bundle, runc state, config, the berth-bench cgroup if it made it) is removed at exit.
@@ -70,7 +71,13 @@ cleanup() {
     [ ! -d "$bench_cgroup" ] ||
       echo "start-latency: warning: could not remove $bench_cgroup (still populated?)" >&2
   fi
-  rm -rf "$tmp"
+  # Nothing should be mounted under $tmp (berth and runc mount in their own namespaces); if
+  # something is, unmount it rather than delete through it.
+  local m
+  while IFS= read -r m; do
+    umount -l "$m" 2>/dev/null || echo "start-latency: warning: could not unmount $m" >&2
+  done < <(awk -v t="$tmp/" 'index($2, t) == 1 { print $2 }' /proc/self/mounts | sort -r)
+  rm -rf --one-file-system "$tmp"
   exit "$rc"
 }
 trap cleanup EXIT
@@ -102,7 +109,7 @@ if want berth; then
     fi
     [ -d "$bench_cgroup" ] || made_cgroup=1
     config=$tmp/berth.toml
-    printf '[cgroup]\nroot = "%s"\n' "$bench_cgroup" >"$config"
+    printf '[cgroup]\nroot = "%s"\n\n[runtime]\nstate_dir = "%s"\n' "$bench_cgroup" "$tmp/berth-state" >"$config"
   fi
   # A berth that exits 0 without running anything would time as fast as can be: first check
   # that the command really runs inside the rootfs.
