@@ -20,7 +20,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     -n | --rounds) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; rounds=$2; shift 2 ;;
     --tools) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; tools=$2; shift 2 ;;
-    -h | --help) sed -n '5,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '5,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
