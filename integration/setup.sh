@@ -70,11 +70,11 @@ if [ "${#missing[@]}" -eq 0 ]; then
   say "all ${#PACKAGES[@]} packages present"
 else
   say "installing: ${missing[*]}"
-  if ! apt-get install -y -qq --no-install-recommends "${missing[@]}"; then
+  if ! apt-get install -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}"; then
     # A stale list can name package versions the mirror no longer has: update once and retry.
     [ "$updated" -eq 0 ] || die "apt-get install failed: ${missing[*]}"
     apt_update
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" ||
+    apt-get install -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}" ||
       die "apt-get install failed: ${missing[*]}"
   fi
 fi
