@@ -35,7 +35,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     Gc(gc::GcArgs),
 }
 

@@ -64,7 +64,7 @@ pub struct RunArgs {
     pub cpuset: Option<String>,
 
     /// Maximum number of tasks (pids.max)
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub pids: Option<String>,
 
     /// Expose a host device node (under /dev) and allow it in the device filter
@@ -91,8 +91,11 @@ pub struct RunArgs {
 /// Host files every container sees read-only, as docker gives them.
 const HOST_FILES: [&str; 3] = ["/etc/hosts", "/etc/resolv.conf", "/etc/hostname"];
 
-fn flag<T>(name: &str, value: &Option<String>, f: impl Fn(&str) -> Result<T, spec::SpecError>)
--> Result<Option<T>, Failure> {
+fn flag<T>(
+    name: &str,
+    value: &Option<String>,
+    f: impl Fn(&str) -> Result<T, spec::SpecError>,
+) -> Result<Option<T>, Failure> {
     value
         .as_deref()
         .map(|v| f(v).map_err(|e| Failure::input(format!("--{name}: {e}"))))
@@ -232,15 +235,14 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
         timeout: parse_timeout(&args.timeout)?,
         kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
     };
-    let outcome = runtime::run(&spec, std::slice::from_ref(&req.rootfs), &opts).map_err(|e| {
-        Failure {
+    let outcome =
+        runtime::run(&spec, std::slice::from_ref(&req.rootfs), &opts).map_err(|e| Failure {
             code: e.exit_code(),
             message: match &e {
                 RuntimeError::Setup(s) => s.message.clone(),
                 other => other.to_string(),
             },
-        }
-    })?;
+        })?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
         eprintln!("berth: {}", summary_line(&outcome));
@@ -248,7 +250,10 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     match outcome.exit {
         Exit::OutOfMemory => eprintln!(
             "berth: the command ran out of memory: the kernel's OOM killer ended it at the {} limit (--memory)",
-            req.limits.memory.map(human_bytes).unwrap_or_else(|| "memory".into())
+            req.limits
+                .memory
+                .map(human_bytes)
+                .unwrap_or_else(|| "memory".into())
         ),
         Exit::TimedOut => eprintln!(
             "berth: timed out after {} s: the container was killed (--timeout)",

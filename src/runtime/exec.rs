@@ -70,7 +70,10 @@ mod tests {
 
     #[test]
     fn path_search_order() {
-        assert_eq!(candidates("/bin/sh", Some("/x")), vec![PathBuf::from("/bin/sh")]);
+        assert_eq!(
+            candidates("/bin/sh", Some("/x")),
+            vec![PathBuf::from("/bin/sh")]
+        );
         assert_eq!(candidates("./run", None), vec![PathBuf::from("./run")]);
         assert_eq!(
             candidates("ls", Some("/usr/bin::/bin")),

@@ -61,16 +61,17 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
     let mut byte = [0u8; 1];
     if nix::unistd::read(&args.lifeline, &mut byte) != Ok(1) {
-        return Err(SetupError::new("berth exited before the container started".into()));
+        return Err(SetupError::new(
+            "berth exited before the container started".into(),
+        ));
     }
     // Our own session: the host terminal's job-control signals reach berth, which forwards them
     // once, instead of hitting the command directly as well.
     let _ = setsid();
     // The cgroup namespace is rooted where we are now, inside the container's cgroup, so its
     // limits appear at /sys/fs/cgroup.
-    unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| {
-        SetupError::new(format!("creating the cgroup namespace: {e}"))
-    })?;
+    unshare(CloneFlags::CLONE_NEWCGROUP)
+        .map_err(|e| SetupError::new(format!("creating the cgroup namespace: {e}")))?;
     let spec = args.spec;
     let linux = spec.linux().as_ref();
     let has_netns = linux
@@ -90,7 +91,10 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
         .as_ref()
         .ok_or_else(|| SetupError::new("the spec has no process".into()))?;
     let argv = cstrings(process.args().as_deref().unwrap_or_default(), "argument")?;
-    let env = cstrings(process.env().as_deref().unwrap_or_default(), "environment entry")?;
+    let env = cstrings(
+        process.env().as_deref().unwrap_or_default(),
+        "environment entry",
+    )?;
     let cwd = process.cwd().clone();
     drop_privileges(process)?;
     report::send(
@@ -122,8 +126,9 @@ fn cstrings(items: &[String], what: &str) -> Result<Vec<CString>, SetupError> {
     items
         .iter()
         .map(|s| {
-            CString::new(s.as_bytes())
-                .map_err(|_| SetupError::with_code(125, format!("{what} contains a NUL byte: {s:?}")))
+            CString::new(s.as_bytes()).map_err(|_| {
+                SetupError::with_code(125, format!("{what} contains a NUL byte: {s:?}"))
+            })
         })
         .collect()
 }
@@ -133,7 +138,10 @@ fn start_command(cwd: &std::path::Path, argv: &[CString], env: &[CString]) -> Se
     if let Err(e) = nix::unistd::chdir(cwd) {
         return SetupError::with_code(
             125,
-            format!("cannot enter the working directory {} in the container: {e}", cwd.display()),
+            format!(
+                "cannot enter the working directory {} in the container: {e}",
+                cwd.display()
+            ),
         );
     }
     exec::exec(argv, env)
@@ -154,7 +162,11 @@ fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<(), SetupErro
         .map(|g| Gid::from_raw(*g))
         .collect();
     nix::unistd::setgroups(&groups).map_err(|e| fail("setting groups", &e))?;
-    for set in [caps::CapSet::Bounding, caps::CapSet::Inheritable, caps::CapSet::Ambient] {
+    for set in [
+        caps::CapSet::Bounding,
+        caps::CapSet::Inheritable,
+        caps::CapSet::Ambient,
+    ] {
         caps::clear(None, set).map_err(|e| fail("clearing capabilities", &e))?;
     }
     let gid = Gid::from_raw(user.gid());

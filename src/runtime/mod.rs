@@ -30,7 +30,9 @@ pub use init::FORWARDED;
 pub enum RuntimeError {
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
-    #[error("creating the container state directory under {path}: {source} (check runtime.state_dir in the config)")]
+    #[error(
+        "creating the container state directory under {path}: {source} (check runtime.state_dir in the config)"
+    )]
     State {
         path: PathBuf,
         source: std::io::Error,
@@ -125,7 +127,10 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
     if !reclaimed.is_empty() {
         tracing::info!("reclaimed {} leftover container(s)", reclaimed.len());
     }
-    let linux = spec.linux().as_ref().ok_or(RuntimeError::Spec("no linux section"))?;
+    let linux = spec
+        .linux()
+        .as_ref()
+        .ok_or(RuntimeError::Spec("no linux section"))?;
     let resources = linux.resources().clone().unwrap_or_default();
 
     let id = new_id();
@@ -372,7 +377,10 @@ impl Drop for MaskGuard {
 pub fn check_rootfs(path: &Path) -> Result<(), String> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(format!("root filesystem {} is not a directory", path.display())),
+        Ok(_) => Err(format!(
+            "root filesystem {} is not a directory",
+            path.display()
+        )),
         Err(e) => Err(format!("root filesystem {}: {e}", path.display())),
     }
 }

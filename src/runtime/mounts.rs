@@ -109,7 +109,11 @@ pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd
                     openat2(parent.as_fd(), comp.as_os_str(), how)
                         .map_err(|e| err("creating mount point", e))?;
                 } else {
-                    match mkdirat(parent.as_fd(), comp.as_os_str(), Mode::from_bits_truncate(0o755)) {
+                    match mkdirat(
+                        parent.as_fd(),
+                        comp.as_os_str(),
+                        Mode::from_bits_truncate(0o755),
+                    ) {
                         Ok(()) | Err(Errno::EEXIST) => {}
                         Err(e) => return Err(err("creating mount point", e)),
                     }
@@ -222,7 +226,10 @@ mod tests {
         ensure_in_root(&root, Path::new("/slash/w"), false).unwrap();
         ensure_in_root(&root, Path::new("/etc/up/y/z"), false).unwrap();
         ensure_in_root(&root, Path::new("/etc/hosts"), true).unwrap();
-        assert!(!outside.join("x").exists(), "escaped through an absolute symlink");
+        assert!(
+            !outside.join("x").exists(),
+            "escaped through an absolute symlink"
+        );
         assert!(root_path.join("w").is_dir());
         assert!(root_path.join("y/z").is_dir());
         assert!(root_path.join("etc/hosts").is_file());

@@ -52,7 +52,9 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
         MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None::<&str>,
     )
-    .map_err(sys("making / private in the container's mount namespace".into()))?;
+    .map_err(sys(
+        "making / private in the container's mount namespace".into()
+    ))?;
     mount(
         Some("tmpfs"),
         work,
@@ -60,7 +62,10 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=700"),
     )
-    .map_err(sys(format!("mounting the upper-layer tmpfs on {}", work.display())))?;
+    .map_err(sys(format!(
+        "mounting the upper-layer tmpfs on {}",
+        work.display()
+    )))?;
     let merged = work.join("merged");
     for dir in ["upper", "work", "merged"] {
         std::fs::create_dir(work.join(dir))
@@ -85,7 +90,11 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     )
     .map_err(sys(format!(
         "mounting the overlay of {} (is it a directory on a filesystem overlayfs accepts?)",
-        lowers.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        lowers
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     )))?;
 
     let root = open(
@@ -107,7 +116,12 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
         )?;
     }
     let linux = spec.linux().as_ref();
-    create_devices(&root, linux.and_then(|l| l.devices().as_deref()).unwrap_or_default())?;
+    create_devices(
+        &root,
+        linux
+            .and_then(|l| l.devices().as_deref())
+            .unwrap_or_default(),
+    )?;
     if let Some(name) = spec.hostname() {
         let file = work.join("hostname");
         std::fs::write(&file, format!("{name}\n"))
@@ -133,7 +147,10 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
             None::<&str>,
             "/",
             None::<&str>,
-            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID
+            MsFlags::MS_REMOUNT
+                | MsFlags::MS_BIND
+                | MsFlags::MS_RDONLY
+                | MsFlags::MS_NOSUID
                 | MsFlags::MS_NODEV,
             None::<&str>,
         )
@@ -152,8 +169,12 @@ fn create_devices(
             continue;
         };
         let dir = ensure_in_root(root, parent, false)?;
-        let dir = open(&fd_path(&dir), OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-            .map_err(sys(format!("opening {}", parent.display())))?;
+        let dir = open(
+            &fd_path(&dir),
+            OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(sys(format!("opening {}", parent.display())))?;
         let kind = match dev.typ() {
             LinuxDeviceType::B => SFlag::S_IFBLK,
             _ => SFlag::S_IFCHR,
@@ -169,15 +190,17 @@ fn create_devices(
             mode,
             nix::sys::stat::FchmodatFlags::NoFollowSymlink,
         )
-        .or_else(|e| if e == nix::errno::Errno::EOPNOTSUPP {
-            nix::sys::stat::fchmodat(
-                dir.as_fd(),
-                name,
-                mode,
-                nix::sys::stat::FchmodatFlags::FollowSymlink,
-            )
-        } else {
-            Err(e)
+        .or_else(|e| {
+            if e == nix::errno::Errno::EOPNOTSUPP {
+                nix::sys::stat::fchmodat(
+                    dir.as_fd(),
+                    name,
+                    mode,
+                    nix::sys::stat::FchmodatFlags::FollowSymlink,
+                )
+            } else {
+                Err(e)
+            }
         })
         .map_err(fail)?;
         fchownat(
@@ -190,8 +213,12 @@ fn create_devices(
         .map_err(fail)?;
     }
     let dev = ensure_in_root(root, Path::new("/dev"), false)?;
-    let dev = open(&fd_path(&dev), OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(sys("opening /dev".into()))?;
+    let dev = open(
+        &fd_path(&dev),
+        OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys("opening /dev".into()))?;
     for (name, target) in [
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
@@ -219,7 +246,9 @@ fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
             continue;
         };
         let target = fd_path(&fd);
-        let is_dir = std::fs::metadata(&target).map(|m| m.is_dir()).unwrap_or(false);
+        let is_dir = std::fs::metadata(&target)
+            .map(|m| m.is_dir())
+            .unwrap_or(false);
         let result = if is_dir {
             mount(
                 Some("tmpfs"),

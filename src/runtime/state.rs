@@ -32,7 +32,10 @@ impl StateDir {
         let dir = StateDir { path };
         std::fs::create_dir(dir.work())?;
         let tmp = dir.path.join("state.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(record).map_err(std::io::Error::other)?,
+        )?;
         std::fs::rename(&tmp, dir.path.join("state.json"))?;
         Ok(dir)
     }

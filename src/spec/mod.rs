@@ -7,11 +7,11 @@ pub mod user;
 use std::path::PathBuf;
 
 use oci_spec::runtime::{
-    LinuxBuilder, LinuxCpuBuilder, LinuxDevice, LinuxDeviceBuilder, LinuxDeviceCgroup,
-    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder,
-    LinuxNamespaceType, LinuxPidsBuilder, LinuxResources, LinuxResourcesBuilder,
-    LinuxCapabilitiesBuilder, Mount, MountBuilder, ProcessBuilder, RootBuilder, Spec,
-    SpecBuilder, UserBuilder,
+    LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDevice, LinuxDeviceBuilder,
+    LinuxDeviceCgroup, LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder,
+    LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder, LinuxResources,
+    LinuxResourcesBuilder, Mount, MountBuilder, ProcessBuilder, RootBuilder, Spec, SpecBuilder,
+    UserBuilder,
 };
 
 pub use parse::BindMount;
@@ -38,7 +38,9 @@ pub enum SpecError {
     Env(String),
     #[error("invalid hostname '{0}': use up to 64 letters, digits, '-' and '.'")]
     Hostname(String),
-    #[error("unknown user '{0}': no such user on this host (use a name or uid from the host's passwd database)")]
+    #[error(
+        "unknown user '{0}': no such user on this host (use a name or uid from the host's passwd database)"
+    )]
     UnknownUser(String),
     #[error("unknown group '{0}': no such group on this host")]
     UnknownGroup(String),
@@ -293,7 +295,12 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
             "mqueue",
             &["nosuid", "noexec", "nodev"],
         )?,
-        mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
+        mount(
+            "/sys",
+            "sysfs",
+            "sysfs",
+            &["nosuid", "noexec", "nodev", "ro"],
+        )?,
         mount(
             "/sys/fs/cgroup",
             "cgroup2",
@@ -308,7 +315,12 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
             continue;
         }
         let path = file.display().to_string();
-        list.push(mount(&path, "bind", &path, &["rbind", "ro", "nosuid", "nodev"])?);
+        list.push(mount(
+            &path,
+            "bind",
+            &path,
+            &["rbind", "ro", "nosuid", "nodev"],
+        )?);
     }
     for m in &req.mounts {
         let mode = if m.readonly { "ro" } else { "rw" };
@@ -459,8 +471,7 @@ mod tests {
         for m in spec.mounts().as_ref().unwrap() {
             let opts = m.options().as_ref().unwrap();
             assert!(opts.iter().any(|o| o == "nosuid"), "{m:?}");
-            if m.destination() != &PathBuf::from("/dev") && m.typ().as_deref() != Some("devpts")
-            {
+            if m.destination() != &PathBuf::from("/dev") && m.typ().as_deref() != Some("devpts") {
                 assert!(opts.iter().any(|o| o == "nodev"), "{m:?}");
             }
         }
@@ -524,13 +535,7 @@ mod tests {
             ..request()
         })
         .unwrap();
-        let res = spec
-            .linux()
-            .as_ref()
-            .unwrap()
-            .resources()
-            .as_ref()
-            .unwrap();
+        let res = spec.linux().as_ref().unwrap().resources().as_ref().unwrap();
         let mem = res.memory().as_ref().unwrap();
         assert_eq!(mem.limit(), Some(32 << 20));
         assert_eq!(mem.swap(), Some(48 << 20));
@@ -570,7 +575,13 @@ mod tests {
         })
         .unwrap();
         let linux = spec.linux().as_ref().unwrap();
-        let rules = linux.resources().as_ref().unwrap().devices().clone().unwrap();
+        let rules = linux
+            .resources()
+            .as_ref()
+            .unwrap()
+            .devices()
+            .clone()
+            .unwrap();
         assert!(!rules[0].allow());
         assert_eq!(rules[0].major(), None);
         let allowed: Vec<(i64, Option<i64>)> = rules[1..]
@@ -580,7 +591,10 @@ mod tests {
         for want in [(1, Some(3)), (1, Some(11)), (5, Some(2)), (136, None)] {
             assert!(allowed.contains(&want), "{want:?} not allowed");
         }
-        assert!(!allowed.contains(&(1, Some(1))), "/dev/mem must not be allowed");
+        assert!(
+            !allowed.contains(&(1, Some(1))),
+            "/dev/mem must not be allowed"
+        );
         let paths: Vec<_> = linux
             .devices()
             .as_ref()

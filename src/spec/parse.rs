@@ -25,7 +25,9 @@ pub fn size(text: &str) -> Result<u64, SpecError> {
         return Err(bad());
     }
     let n: u64 = digits.parse().map_err(|_| bad())?;
-    n.checked_mul(1u64 << shift).filter(|&v| v > 0).ok_or_else(bad)
+    n.checked_mul(1u64 << shift)
+        .filter(|&v| v > 0)
+        .ok_or_else(bad)
 }
 
 /// Parses a CPU count such as `0.5` or `2` into a CFS quota for the given period (µs).
@@ -62,7 +64,11 @@ pub fn cpu_list(text: &str) -> Result<String, SpecError> {
             return Err(bad());
         }
     }
-    Ok(trimmed.split(',').map(str::trim).collect::<Vec<_>>().join(","))
+    Ok(trimmed
+        .split(',')
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(","))
 }
 
 /// A `--mount SRC:DST[:ro|rw]` request: a bind mount of a host path.

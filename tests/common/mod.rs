@@ -1,0 +1,166 @@
+//! Helpers shared by the root-tier tests: the berth binary with a test configuration, and a
+//! busybox root filesystem built once per target directory.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
+
+/// The host's cgroup2 mount here is /sys/fs/cgroup/unified (hybrid layout); tests use a subtree.
+pub const CGROUP_ROOT: &str = "/sys/fs/cgroup/unified/berth-test";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn work_dir() -> PathBuf {
+    let dir = repo().join("target").join("root-tier");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A busybox rootfs, built by integration/busybox-rootfs.sh on first use.
+pub fn rootfs() -> &'static Path {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| {
+        let dest = work_dir().join("busybox-rootfs");
+        let status = Command::new("bash")
+            .arg(repo().join("integration/busybox-rootfs.sh"))
+            .arg(&dest)
+            .status()
+            .expect("running integration/busybox-rootfs.sh");
+        assert!(status.success(), "building the busybox rootfs failed");
+        dest
+    })
+}
+
+pub fn state_dir() -> PathBuf {
+    work_dir().join("state")
+}
+
+/// The config file the tests run berth with.
+pub fn config() -> &'static Path {
+    static CONFIG: OnceLock<PathBuf> = OnceLock::new();
+    CONFIG.get_or_init(|| {
+        let path = work_dir().join("berth.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[cgroup]\nroot = \"{CGROUP_ROOT}\"\n[runtime]\nstate_dir = \"{}\"\n",
+                state_dir().display()
+            ),
+        )
+        .unwrap();
+        path
+    })
+}
+
+/// `berth --config <test config> ARGS...`
+pub fn berth(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BERTH);
+    cmd.arg("--config").arg(config()).args(args);
+    cmd
+}
+
+/// `berth run --rootfs <busybox> EXTRA... -- sh -c SCRIPT`
+pub fn run_sh(extra: &[&str], script: &str) -> Output {
+    let rootfs = rootfs().to_str().unwrap().to_string();
+    let mut args = vec!["run", "--rootfs", &rootfs];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--", "sh", "-c", script]);
+    berth(&args).output().expect("running berth")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts success and returns stdout.
+pub fn ok(o: Output) -> String {
+    assert!(
+        o.status.success(),
+        "berth failed: {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+/// Container cgroups currently under the test root.
+pub fn leftover_cgroups() -> Vec<String> {
+    std::fs::read_dir(CGROUP_ROOT)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().is_dir())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Mount entries of this (host) mount namespace that mention `needle`.
+pub fn host_mounts_with(needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(String::from)
+        .collect()
+}
+
+/// A host user for the tests, created once with a supplementary group.
+pub fn test_user() -> (u32, u32, u32) {
+    static USER: OnceLock<(u32, u32, u32)> = OnceLock::new();
+    *USER.get_or_init(|| {
+        let run = |args: &[&str]| {
+            let _ = Command::new(args[0]).args(&args[1..]).output();
+        };
+        run(&["groupadd", "-f", "berthtest-extra"]);
+        if Command::new("id")
+            .arg("berthtest")
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            run(&[
+                "useradd",
+                "-M",
+                "-s",
+                "/bin/sh",
+                "-G",
+                "berthtest-extra",
+                "berthtest",
+            ]);
+        }
+        let id = |flag: &str, who: &str| -> u32 {
+            let out = Command::new("id").arg(flag).arg(who).output().unwrap();
+            assert!(
+                out.status.success(),
+                "test user berthtest missing (useradd failed?)"
+            );
+            String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+        };
+        let extra = String::from_utf8_lossy(
+            &Command::new("getent")
+                .args(["group", "berthtest-extra"])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .split(':')
+        .nth(2)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+        (id("-u", "berthtest"), id("-g", "berthtest"), extra)
+    })
+}

@@ -1,0 +1,711 @@
+//! Root tier: `berth run` on this host's real kernel — namespaces, overlay, user switch, signals,
+//! exit codes, cleanup and cgroup2 tracking. Run by integration/test.sh as root:
+//! `cargo test --test root_run -- --ignored --test-threads=1`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Path → (mode, uid, gid, size, mtime, symlink target) for every entry under `root`.
+fn snapshot(root: &Path) -> BTreeMap<String, String> {
+    let mut map = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let m = std::fs::symlink_metadata(&path).unwrap();
+            let link = std::fs::read_link(&path).ok();
+            map.insert(
+                path.strip_prefix(root).unwrap().display().to_string(),
+                format!(
+                    "{:o} {} {} {} {} {:?}",
+                    m.mode(),
+                    m.uid(),
+                    m.gid(),
+                    m.size(),
+                    m.mtime(),
+                    link
+                ),
+            );
+            if m.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    map
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn command_sees_its_own_pid_uts_ipc_and_mount_namespaces() {
+    let host_ns = |ns: &str| std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+    let out = ok(run_sh(
+        &["--hostname", "inside"],
+        "echo pid=$$; hostname; cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'; \
+         for n in pid uts ipc mnt cgroup net; do echo $n=$(readlink /proc/self/ns/$n); done",
+    ));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0], "pid=2",
+        "the command is PID 2 under berth's init: {out}"
+    );
+    assert_eq!(lines[1], "inside");
+    assert!(lines[2].contains("berth"), "PID 1 is berth's init: {out}");
+    let procs: u32 = lines[3].trim().parse().unwrap();
+    assert!(
+        procs <= 4,
+        "only the container's processes are visible, saw {procs}"
+    );
+    for ns in ["pid", "uts", "ipc", "mnt", "cgroup"] {
+        let line = lines
+            .iter()
+            .find(|l| l.starts_with(&format!("{ns}=")))
+            .unwrap();
+        assert_ne!(
+            line[ns.len() + 1..],
+            *host_ns(if ns == "mnt" { "mnt" } else { ns }).to_string_lossy(),
+            "{ns} namespace is the host's"
+        );
+    }
+    let net = lines.iter().find(|l| l.starts_with("net=")).unwrap();
+    assert_eq!(
+        net[4..],
+        *host_ns("net").to_string_lossy(),
+        "--net host shares the network"
+    );
+    let host = nix::unistd::gethostname().unwrap();
+    assert_ne!(
+        host.to_string_lossy(),
+        "inside",
+        "the host's hostname changed"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn net_none_has_only_loopback_up() {
+    let out = ok(run_sh(
+        &["--net", "none"],
+        "cat /proc/net/dev | tail -n +3 | cut -d: -f1; ip link show lo 2>/dev/null | head -1",
+    ));
+    let ifaces: Vec<&str> = out
+        .lines()
+        .take_while(|l| !l.contains("<"))
+        .map(str::trim)
+        .collect();
+    assert_eq!(ifaces, vec!["lo"], "{out}");
+    assert!(out.contains("UP"), "lo is up: {out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn rootfs_is_never_modified() {
+    let before = snapshot(rootfs());
+    let out = ok(run_sh(
+        &[],
+        "echo new > /newfile && echo x >> /etc/passwd && rm /bin/ls && mkdir -p /usr/new/dir && \
+         chmod 700 /etc && rm -rf /var && ln -s /x /bin/dangling && ls /bin/ls 2>&1; echo done",
+    ));
+    assert!(out.contains("done"), "{out}");
+    assert_eq!(before, snapshot(rootfs()), "the rootfs directory changed");
+    // And the next container starts from the pristine tree again.
+    let out = ok(run_sh(&[], "ls /newfile 2>&1; ls /bin/ls"));
+    assert!(out.contains("No such file"), "{out}");
+    assert!(out.contains("/bin/ls"), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn readonly_root_refuses_writes_but_tmp_works() {
+    let o = run_sh(
+        &["--readonly"],
+        "touch /newfile; echo rc=$?; touch /tmp/ok && echo tmp-ok",
+    );
+    let out = stdout(&o) + &stderr(&o);
+    assert!(out.contains("Read-only file system"), "{out}");
+    assert!(out.contains("rc=1"), "{out}");
+    assert!(out.contains("tmp-ok"), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn runs_as_the_requested_user_with_groups_and_no_privileges() {
+    let (uid, gid, extra) = test_user();
+    let out = ok(run_sh(
+        &["--user", "berthtest"],
+        "id -u; id -g; id -G; grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs)' /proc/self/status",
+    ));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], uid.to_string());
+    assert_eq!(lines[1], gid.to_string());
+    assert!(
+        lines[2].split(' ').any(|g| g == extra.to_string()),
+        "supplementary group missing: {out}"
+    );
+    for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert!(
+            out.contains(&format!("{cap}:\t0000000000000000")),
+            "{cap} not empty: {out}"
+        );
+    }
+    assert!(out.contains("NoNewPrivs:\t1"), "{out}");
+    // uid 0 inside keeps no capabilities either.
+    let out = ok(run_sh(
+        &["--user", "0"],
+        "grep -E '^(CapEff|CapBnd)' /proc/self/status; cat /etc/shadow 2>&1 | head -1",
+    ));
+    assert!(out.contains("CapEff:\t0000000000000000"), "{out}");
+    assert!(out.contains("CapBnd:\t0000000000000000"), "{out}");
+    // Explicit uid:gid.
+    let out = ok(run_sh(
+        &["--user", &format!("{uid}:{extra}")],
+        "id -u; id -g",
+    ));
+    assert_eq!(out, format!("{uid}\n{extra}\n"));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn setuid_root_binary_in_the_image_does_not_give_root() {
+    let (uid, _, _) = test_user();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("rootfs");
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // busybox picks the applet from its name: a setuid-root copy named `cat`.
+    std::fs::create_dir(img.join("opt")).unwrap();
+    let suid = img.join("opt/cat");
+    std::fs::copy(img.join("bin/busybox"), &suid).unwrap();
+    std::os::unix::fs::chown(&suid, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&suid, std::os::unix::fs::PermissionsExt::from_mode(0o4755)).unwrap();
+    let o = Command::new(BERTH)
+        .arg("--config")
+        .arg(config())
+        .args([
+            "run",
+            "--rootfs",
+            img.to_str().unwrap(),
+            "--user",
+            "berthtest",
+            "--",
+            "/opt/cat",
+            "/proc/self/status",
+        ])
+        .output()
+        .unwrap();
+    let status = ok(o);
+    let ids = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    assert_eq!(
+        ids.split_whitespace().skip(1).collect::<Vec<_>>(),
+        vec![uid.to_string(); 4],
+        "the setuid bit raised privileges: {ids}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn exit_statuses_follow_the_command() {
+    let code = |extra: &[&str], script: &str| run_sh(extra, script).status.code().unwrap();
+    assert_eq!(code(&[], "exit 0"), 0);
+    assert_eq!(code(&[], "exit 7"), 7);
+    assert_eq!(code(&[], "kill -TERM $$"), 143);
+    assert_eq!(code(&[], "kill -KILL $$"), 137);
+    let start = Instant::now();
+    let o = run_sh(&["--timeout", "0.5"], "sleep 30");
+    assert_eq!(o.status.code(), Some(124));
+    assert!(stderr(&o).contains("timed out"), "{}", stderr(&o));
+    assert!(start.elapsed() < Duration::from_secs(10));
+
+    let rootfs = rootfs().to_str().unwrap();
+    let o = berth(&["run", "--rootfs", rootfs, "--", "no-such-command"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(127));
+    assert!(
+        stderr(&o).contains("command not found in the container: no-such-command"),
+        "{}",
+        stderr(&o)
+    );
+    let o = berth(&["run", "--rootfs", rootfs, "--", "/etc/passwd"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(126));
+    assert!(
+        stderr(&o).contains("cannot execute /etc/passwd"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn signals_are_forwarded_to_the_command() {
+    for (sig, name) in [
+        (libc::SIGTERM, "TERM"),
+        (libc::SIGINT, "INT"),
+        (libc::SIGHUP, "HUP"),
+        (libc::SIGUSR1, "USR1"),
+        (libc::SIGUSR2, "USR2"),
+        (libc::SIGQUIT, "QUIT"),
+        (libc::SIGWINCH, "WINCH"),
+    ] {
+        let rootfs = rootfs().to_str().unwrap();
+        let script = format!(
+            "trap 'echo got-{name}; exit 3' {name}; echo ready; while :; do sleep 0.05; done"
+        );
+        let mut child = berth(&["run", "--rootfs", rootfs, "--", "sh", "-c", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let mut buf = [0u8; 6];
+        std::io::Read::read_exact(&mut stdout, &mut buf).unwrap();
+        assert_eq!(&buf, b"ready\n");
+        // SAFETY: signalling the child we spawned.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = child.wait().unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+        assert_eq!(
+            rest.trim(),
+            format!("got-{name}"),
+            "SIG{name} not delivered"
+        );
+        assert_eq!(status.code(), Some(3), "SIG{name}");
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn init_reaps_orphans() {
+    // Orphans re-parent to init, which must reap them: no zombie piles up while the command runs.
+    let out = ok(run_sh(
+        &[],
+        "for i in 1 2 3 4 5; do sh -c 'sleep 0.01 &' ; done; sleep 0.5; ps -o stat,comm | grep -c '^Z' || true",
+    ));
+    assert_eq!(out.trim(), "0", "zombies were left: {out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn nothing_is_left_after_exit() {
+    let state = state_dir();
+    let o = run_sh(&[], "setsid sleep 300 & sleep 300 & echo started");
+    assert!(stdout(&o).contains("started"));
+    assert!(
+        leftover_cgroups().is_empty(),
+        "cgroups left: {:?}",
+        leftover_cgroups()
+    );
+    assert!(
+        host_mounts_with(state.to_str().unwrap()).is_empty(),
+        "mounts left on the host"
+    );
+    assert!(
+        host_mounts_with("overlay")
+            .iter()
+            .all(|l| !l.contains("berth")),
+        "overlay left"
+    );
+    let entries: Vec<_> = std::fs::read_dir(&state)
+        .map(|r| r.flatten().collect())
+        .unwrap_or_default();
+    assert!(entries.is_empty(), "state dirs left: {entries:?}");
+    let ps = Command::new("pgrep")
+        .args(["-f", "^sleep 300"])
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&ps).trim().is_empty(),
+        "background processes survived: {}",
+        stdout(&ps)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_killed_berth_leaves_nothing_after_gc() {
+    let rootfs = rootfs().to_str().unwrap();
+    let mut child = berth(&["run", "--rootfs", rootfs, "--", "sleep", "301"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while leftover_cgroups().is_empty() {
+        assert!(Instant::now() < deadline, "container never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The container's init notices its parent died and takes the namespace down.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ps = Command::new("pgrep")
+            .args(["-f", "^sleep 301"])
+            .output()
+            .unwrap();
+        if stdout(&ps).trim().is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the command outlived berth");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !leftover_cgroups().is_empty(),
+        "expected a leftover cgroup to reclaim"
+    );
+    let out = ok(berth(&["gc"]).output().unwrap());
+    assert!(out.contains("reclaimed"), "{out}");
+    assert!(
+        leftover_cgroups().is_empty(),
+        "gc left cgroups: {:?}",
+        leftover_cgroups()
+    );
+    let entries: Vec<_> = std::fs::read_dir(state_dir())
+        .map(|r| r.flatten().collect())
+        .unwrap_or_default();
+    assert!(entries.is_empty(), "gc left state dirs: {entries:?}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn container_processes_are_tracked_in_their_cgroup() {
+    let rootfs = rootfs().to_str().unwrap();
+    let mut child = berth(&[
+        "run",
+        "--rootfs",
+        rootfs,
+        "--",
+        "sh",
+        "-c",
+        "sleep 302 & sleep 302 & cat /proc/self/cgroup; wait",
+    ])
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    // Hybrid hosts list their v1 hierarchies first; the v2 line is the one starting "0::".
+    let mut reader = std::io::BufReader::new(&mut stdout);
+    let mut line = String::new();
+    while !line.starts_with("0::") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut reader, &mut line).unwrap() > 0);
+    }
+    assert_eq!(
+        line, "0::/\n",
+        "inside, the cgroup namespace is rooted at the container"
+    );
+    let cgroups = leftover_cgroups();
+    assert_eq!(cgroups.len(), 1);
+    let procs = std::fs::read_to_string(
+        Path::new(CGROUP_ROOT)
+            .join(&cgroups[0])
+            .join("cgroup.procs"),
+    )
+    .unwrap();
+    assert!(
+        procs.lines().count() >= 4,
+        "init, sh and two sleeps expected: {procs}"
+    );
+    // SAFETY: signalling the child we spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.wait().unwrap();
+    assert!(leftover_cgroups().is_empty());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mounts_env_workdir_and_host_files() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("data.txt"), "payload\n").unwrap();
+    let src = dir.path().to_str().unwrap();
+    let out = ok(run_sh(
+        &[
+            "--mount",
+            &format!("{src}:/data:ro"),
+            "--mount",
+            &format!("{src}:/rw"),
+            "--env",
+            "FOO=bar",
+            "--env",
+            "PATH=/bin",
+            "--workdir",
+            "/data",
+        ],
+        "cat data.txt; pwd; echo $FOO $PATH; touch /data/x 2>&1; echo w > /rw/written; \
+         grep -c . /etc/hosts >/dev/null && echo hosts; mount | grep -E ' /(data|rw) ' | grep -c nosuid,nodev",
+    ));
+    assert!(out.contains("payload"), "{out}");
+    assert!(out.contains("/data\n"), "{out}");
+    assert!(out.contains("bar /bin"), "{out}");
+    assert!(
+        out.contains("Read-only file system"),
+        "ro mount writable: {out}"
+    );
+    assert!(out.contains("hosts"), "{out}");
+    assert!(
+        out.trim_end().ends_with('2'),
+        "bind mounts must be nosuid,nodev: {out}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("written")).unwrap(),
+        "w\n"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn dev_has_the_minimal_set_and_requested_devices() {
+    let out = ok(run_sh(
+        &[],
+        "ls /dev | tr '\\n' ' '; echo; head -c 4 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok",
+    ));
+    for dev in [
+        "null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "shm", "mqueue", "fd",
+        "stdin", "stdout", "stderr",
+    ] {
+        assert!(
+            out.split_whitespace().any(|d| d == dev),
+            "/dev/{dev} missing: {out}"
+        );
+    }
+    assert!(!out.contains("loop-control"), "host devices leaked: {out}");
+    assert!(out.contains("null-ok"));
+    let out = ok(run_sh(
+        &["--device", "/dev/loop-control"],
+        "ls -l /dev/loop-control",
+    ));
+    assert!(out.starts_with('c'), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn proc_sys_and_sysrq_are_read_only() {
+    let o = run_sh(
+        &["--user", "0"],
+        "echo x > /proc/sys/kernel/hostname; echo 1 > /proc/sysrq-trigger; \
+         echo 1 > /proc/sys/vm/drop_caches; cat /proc/kcore 2>/dev/null | wc -c",
+    );
+    let all = stdout(&o) + &stderr(&o);
+    // Present on most kernels, not on every one (this VM's has no sysrq-trigger or kcore).
+    let expected = 2 + usize::from(Path::new("/proc/sysrq-trigger").exists());
+    assert_eq!(
+        all.matches("Read-only file system").count(),
+        expected,
+        "{all}"
+    );
+    assert!(
+        stdout(&o).trim().ends_with('0'),
+        "/proc/kcore not masked: {all}"
+    );
+    assert_eq!(
+        nix::unistd::gethostname().unwrap().to_string_lossy(),
+        String::from_utf8_lossy(&std::fs::read("/proc/sys/kernel/hostname").unwrap()).trim()
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_terminal_is_passed_through() {
+    // script(1) gives berth a pseudo-terminal on stdin.
+    let cmd = format!(
+        "{BERTH} --config {} run --rootfs {} -- sh -c 'test -t 0 && test -t 1 && echo is-a-tty; echo TERM=$TERM'",
+        config().display(),
+        rootfs().display()
+    );
+    let o = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .env("TERM", "xterm-256color")
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(out.contains("is-a-tty"), "{out}");
+    assert!(out.contains("TERM=xterm-256color"), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn limits_without_the_controller_fail_before_starting() {
+    // The host's cgroup2 has only hugetlb: a memory limit cannot be enforced there.
+    let o = run_sh(&["--memory", "32M"], "echo should-not-run");
+    assert_eq!(o.status.code(), Some(125));
+    let err = stderr(&o);
+    assert!(!stdout(&o).contains("should-not-run"));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("memory") && err.contains(CGROUP_ROOT), "{err}");
+    for (flag, val, ctrl) in [
+        ("--pids", "10", "pids"),
+        ("--cpus", "0.5", "cpu"),
+        ("--cpuset", "0", "cpuset"),
+    ] {
+        let o = run_sh(&[flag, val], "true");
+        assert_eq!(o.status.code(), Some(125));
+        assert!(stderr(&o).contains(&format!("'{ctrl}'")), "{}", stderr(&o));
+    }
+    assert!(leftover_cgroups().is_empty());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn bad_input_gets_one_line_and_a_distinct_status() {
+    let rootfs = rootfs().to_str().unwrap();
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["run", "--rootfs", "/no/such/rootfs", "--", "true"],
+            2,
+            "/no/such/rootfs",
+        ),
+        (
+            vec!["run", "--rootfs", rootfs, "--memory", "12Q", "--", "true"],
+            2,
+            "invalid size '12Q'",
+        ),
+        (
+            vec!["run", "--rootfs", rootfs, "--cpuset", "3-1", "--", "true"],
+            2,
+            "invalid CPU list '3-1'",
+        ),
+        (
+            vec!["run", "--rootfs", rootfs, "--cpus", "zero", "--", "true"],
+            2,
+            "invalid CPU count 'zero'",
+        ),
+        (
+            vec!["run", "--rootfs", rootfs, "--mount", "/tmp", "--", "true"],
+            2,
+            "invalid mount '/tmp'",
+        ),
+        (
+            vec![
+                "run",
+                "--rootfs",
+                rootfs,
+                "--mount",
+                "/no/such/src:/x",
+                "--",
+                "true",
+            ],
+            2,
+            "/no/such/src",
+        ),
+        (
+            vec![
+                "run",
+                "--rootfs",
+                rootfs,
+                "--user",
+                "no-such-user-x",
+                "--",
+                "true",
+            ],
+            2,
+            "unknown user 'no-such-user-x'",
+        ),
+        (
+            vec![
+                "run",
+                "--rootfs",
+                rootfs,
+                "--device",
+                "/etc/passwd",
+                "--",
+                "true",
+            ],
+            2,
+            "--device /etc/passwd",
+        ),
+        (
+            vec!["run", "--rootfs", rootfs, "--pids", "-3", "--", "true"],
+            2,
+            "--pids",
+        ),
+        (
+            vec![
+                "run",
+                "--rootfs",
+                rootfs,
+                "--workdir",
+                "/no/such/dir",
+                "--",
+                "true",
+            ],
+            125,
+            "/no/such/dir",
+        ),
+    ];
+    for (args, code, needle) in cases {
+        let o = berth(&args).output().unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: not one line: {err}");
+        assert!(
+            err.starts_with("berth: ") && err.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+    // A cgroup root that does not exist (and cannot be created: its parent is not cgroup2).
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[cgroup]\nroot = \"/nonexistent/berth\"\n").unwrap();
+    let o = Command::new(BERTH)
+        .arg("--config")
+        .arg(cfg.path())
+        .args(["run", "--rootfs", rootfs, "--", "true"])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(125), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("/nonexistent/berth"), "{err}");
+    assert!(leftover_cgroups().is_empty());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn device_filter_denies_devices_outside_the_allow_list() {
+    // A process that joins the container's cgroup from outside may open /dev/null (allowed) but
+    // not /dev/loop-control, even as root with every capability: the BPF filter decides.
+    let rootfs = rootfs().to_str().unwrap();
+    let mut child = berth(&["run", "--rootfs", rootfs, "--", "sleep", "303"])
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while leftover_cgroups().is_empty() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let cg = Path::new(CGROUP_ROOT).join(&leftover_cgroups()[0]);
+    let try_open = |dev: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > {}/cgroup.procs && exec cat {dev} < /dev/null",
+                cg.display()
+            ))
+            .output()
+            .unwrap()
+    };
+    let o = try_open("/dev/null");
+    assert!(o.status.success(), "/dev/null denied: {}", stderr(&o));
+    let o = try_open("/dev/loop-control");
+    assert!(
+        stderr(&o).contains("Operation not permitted"),
+        "loop-control not denied: {}",
+        stderr(&o)
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = berth(&["gc"]).output();
+}
