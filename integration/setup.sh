@@ -4,7 +4,8 @@
 #
 # - Runs `apt-get update` only when this script has not done so in the last 6 hours (or when apt
 #   has no package lists at all), then installs whatever in PACKAGES is missing.
-# - Then runs integration/vm/prepare.sh (the VM tier's kernel), if that file exists.
+# - Then runs integration/vm/prepare.sh (the VM tier's kernel), if that file exists, unless
+#   BERTH_SETUP_NO_VM is set (integration/demo.sh needs no VM).
 # To add a package, add it to PACKAGES below with a comment saying what needs it.
 set -euo pipefail
 
@@ -79,7 +80,9 @@ else
   fi
 fi
 
-if [ -f "$here/vm/prepare.sh" ]; then
+if [ -n "${BERTH_SETUP_NO_VM:-}" ]; then
+  say "BERTH_SETUP_NO_VM set: no VM kernel fetched"
+elif [ -f "$here/vm/prepare.sh" ]; then
   say "integration/vm/prepare.sh"
   bash "$here/vm/prepare.sh" || die "integration/vm/prepare.sh failed"
 else

@@ -26,18 +26,19 @@ pub struct Config {
     pub runtime: RuntimeConfig,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct CgroupConfig {
-    /// The delegated cgroup v2 directory under which berth creates one cgroup per container.
-    pub root: PathBuf,
+    /// The delegated cgroup v2 directory under which berth creates one cgroup per container;
+    /// `None` means `berth` under the host's cgroup2 mount (see `cgroup::default_root`).
+    pub root: Option<PathBuf>,
 }
 
-impl Default for CgroupConfig {
-    fn default() -> Self {
-        Self {
-            root: PathBuf::from("/sys/fs/cgroup/berth"),
-        }
+impl CgroupConfig {
+    pub fn root(&self) -> PathBuf {
+        self.root
+            .clone()
+            .unwrap_or_else(crate::cgroup::default_root)
     }
 }
 
@@ -93,7 +94,10 @@ mod tests {
     #[test]
     fn partial_config_keeps_other_defaults() {
         let c = Config::parse("[cgroup]\nroot = \"/sys/fs/cgroup/unified/berth\"\n").unwrap();
-        assert_eq!(c.cgroup.root, PathBuf::from("/sys/fs/cgroup/unified/berth"));
+        assert_eq!(
+            c.cgroup.root(),
+            PathBuf::from("/sys/fs/cgroup/unified/berth")
+        );
         assert_eq!(c.runtime, RuntimeConfig::default());
     }
 

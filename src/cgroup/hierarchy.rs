@@ -86,6 +86,20 @@ pub(crate) fn plan_delegation(
     Ok(writes)
 }
 
+/// The cgroup root berth uses when the config names none: `berth` under the host's cgroup2
+/// mount, which is /sys/fs/cgroup on cgroup v2 hosts and /sys/fs/cgroup/unified on hybrid ones.
+pub fn default_root() -> PathBuf {
+    let unified = Path::new("/sys/fs/cgroup/unified");
+    let mount = if !is_cgroup2_dir(Path::new("/sys/fs/cgroup")).unwrap_or(false)
+        && is_cgroup2_dir(unified).unwrap_or(false)
+    {
+        unified
+    } else {
+        Path::new("/sys/fs/cgroup")
+    };
+    mount.join("berth")
+}
+
 fn is_cgroup2_dir(path: &Path) -> Result<bool, nix::Error> {
     let fs = statfs(path)?;
     Ok(fs.filesystem_type() == CGROUP2_SUPER_MAGIC && path.is_dir())

@@ -20,7 +20,7 @@ use std::fmt;
 
 pub use error::CgroupError;
 pub use group::Cgroup;
-pub use hierarchy::Hierarchy;
+pub use hierarchy::{Hierarchy, default_root};
 pub use resources::{CgroupWrite, plan_writes, required_controllers};
 pub use stats::Stats;
 

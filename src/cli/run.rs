@@ -105,6 +105,9 @@ fn flag<T>(
 /// Validates the arguments against the host and builds the request.
 pub fn request(args: &RunArgs) -> Result<Request, Failure> {
     runtime::check_rootfs(&args.rootfs).map_err(Failure::input)?;
+    // Absolute, so the overlay's lowerdir does not depend on the working directory.
+    let rootfs = std::fs::canonicalize(&args.rootfs)
+        .map_err(|e| Failure::input(format!("root filesystem {}: {e}", args.rootfs.display())))?;
     let mut mounts = Vec::new();
     for text in &args.mounts {
         let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
@@ -169,7 +172,7 @@ pub fn request(args: &RunArgs) -> Result<Request, Failure> {
         .collect::<Result<Vec<_>, _>>()?;
     let terminal = std::io::stdin().is_terminal();
     Ok(Request {
-        rootfs: args.rootfs.clone(),
+        rootfs,
         args: args.command.clone(),
         env,
         workdir: args.workdir.clone(),
@@ -230,7 +233,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     let req = request(args)?;
     let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
     let opts = runtime::Options {
-        cgroup_root: config.cgroup.root.clone(),
+        cgroup_root: config.cgroup.root(),
         state_dir: config.runtime.state_dir.clone(),
         timeout: parse_timeout(&args.timeout)?,
         kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
