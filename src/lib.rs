@@ -4,5 +4,6 @@
 pub mod cgroup;
 pub mod cli;
 pub mod config;
+pub mod image;
 pub mod runtime;
 pub mod spec;
