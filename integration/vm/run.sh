@@ -17,7 +17,8 @@
 # /proc, /sys, /dev (devtmpfs, plus /dev/pts and /dev/shm), /tmp and /run (tmpfs), cgroup2 at
 # /sys/fs/cgroup with "+cpu +cpuset +memory +pids +io" in the root's cgroup.subtree_control, the
 # modules in the kernel cache loaded (overlay, squashfs, loop, erofs, fuse, veth), lo up, hostname
-# berth-vm. The root is a bind mount of the initramfs moved onto /, not rootfs itself, so
+# berth-vm, /etc/{passwd,group,hosts,hostname,resolv.conf} (root and nobody; no DNS). No network
+# device, no disk. The root is a bind mount of the initramfs moved onto /, not rootfs itself, so
 # pivot_root(2) works in the VM.
 #
 # The script's stdout and stderr come out on this script's stdout, without CR characters, and this
@@ -104,6 +105,12 @@ copy_libs() {
 }
 
 is_elf() { [ "$(head -c4 "$1" 2>/dev/null)" = $'\x7fELF' ]; }
+
+printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' > "$root/etc/passwd"
+printf 'root:x:0:\nnogroup:x:65534:\n' > "$root/etc/group"
+printf '127.0.0.1\tlocalhost\n127.0.1.1\tberth-vm\n::1\tlocalhost\n' > "$root/etc/hosts"
+echo berth-vm > "$root/etc/hostname"
+: > "$root/etc/resolv.conf"
 
 # busybox: the VM's userland. Its applet links are made inside the VM (`busybox --install -s`),
 # which is faster than hundreds of `ln` here.
