@@ -2,6 +2,7 @@
 //! namespaces. The library holds every piece; `main.rs` only parses the command line.
 
 pub mod cgroup;
+pub mod cli;
 pub mod config;
 pub mod runtime;
 pub mod spec;

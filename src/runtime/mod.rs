@@ -1,1 +1,378 @@
-//! runtime
+//! Executes an OCI Spec: cgroup, namespaces, root filesystem, user, exec, wait and cleanup.
+//! It decides nothing about what the container is; `spec/` did that.
+
+mod clone;
+mod exec;
+mod init;
+pub mod mounts;
+mod report;
+mod rootfs;
+pub mod state;
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::Pid;
+use oci_spec::runtime::{LinuxNamespaceType, Spec};
+
+use crate::cgroup::{self, Cgroup, CgroupError, Hierarchy, Stats};
+
+pub use init::FORWARDED;
+
+/// Why a container could not be started or waited for.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error("creating the container state directory under {path}: {source} (check runtime.state_dir in the config)")]
+    State {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{what}: {errno}")]
+    Sys { what: &'static str, errno: Errno },
+    #[error("{0}")]
+    Setup(SetupError),
+    #[error("the spec is incomplete: {0}")]
+    Spec(&'static str),
+}
+
+impl RuntimeError {
+    /// Exit status berth uses for this failure: the shell's 126/127 for the command, 125 for
+    /// everything else (as docker and podman do).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RuntimeError::Setup(e) => e.code,
+            _ => 125,
+        }
+    }
+}
+
+/// An error inside the container before the command runs, with berth's exit code for it.
+#[derive(Debug)]
+pub struct SetupError {
+    pub code: i32,
+    pub message: String,
+}
+
+impl SetupError {
+    pub fn new(message: String) -> Self {
+        Self { code: 125, message }
+    }
+    pub fn with_code(code: i32, message: String) -> Self {
+        Self { code, message }
+    }
+}
+
+impl std::fmt::Display for SetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Host paths and policies the runtime needs (from the config).
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub cgroup_root: PathBuf,
+    pub state_dir: PathBuf,
+    pub timeout: Option<Duration>,
+    pub kill_timeout: Duration,
+}
+
+/// How the command ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+    /// The memory limit's OOM killer ended it.
+    OutOfMemory,
+    TimedOut,
+}
+
+impl Exit {
+    /// The status berth exits with: the command's, 128+N for signal N, 137 for an OOM kill,
+    /// 124 for a timeout (as timeout(1)).
+    pub fn code(self) -> i32 {
+        match self {
+            Exit::Code(c) => c,
+            Exit::Signal(s) => 128 + s,
+            Exit::OutOfMemory => 137,
+            Exit::TimedOut => 124,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Outcome {
+    pub exit: Exit,
+    pub stats: Stats,
+    /// Setup stages in order: cgroup, mounts (inside the container), exec.
+    pub timings: Vec<(String, Duration)>,
+    pub elapsed: Duration,
+}
+
+/// Runs the container described by `spec` over the root filesystem layers `lowers` (topmost
+/// first) to completion.
+pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, RuntimeError> {
+    let started = Instant::now();
+    let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);
+    if !reclaimed.is_empty() {
+        tracing::info!("reclaimed {} leftover container(s)", reclaimed.len());
+    }
+    let linux = spec.linux().as_ref().ok_or(RuntimeError::Spec("no linux section"))?;
+    let resources = linux.resources().clone().unwrap_or_default();
+
+    let id = new_id();
+    let hierarchy = Hierarchy::open(&opts.cgroup_root, &cgroup::required_controllers(&resources))?;
+    let me = std::process::id() as i32;
+    let record = state::Record {
+        id: id.clone(),
+        owner_pid: me,
+        owner_start: state::process_start(me).unwrap_or(0),
+        cgroup: hierarchy.root().join(&id),
+    };
+    let state_dir = state::StateDir::create(&opts.state_dir, &record).map_err(|source| {
+        RuntimeError::State {
+            path: opts.state_dir.clone(),
+            source,
+        }
+    })?;
+    let cg = CgroupGuard {
+        cgroup: hierarchy.create(&id)?,
+        kill_timeout: opts.kill_timeout,
+    };
+    cg.cgroup.apply(&cgroup::plan_writes(&resources)?)?;
+    cg.cgroup
+        .set_device_filter(resources.devices().as_deref().unwrap_or_default())?;
+    let cg_fd = cg.cgroup.open_fd()?;
+    let mut timings = vec![("cgroup".to_string(), started.elapsed())];
+
+    let flags = namespace_flags(spec);
+    let sys = |what| move |errno| RuntimeError::Sys { what, errno };
+    let (report_r, report_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
+    let (life_r, life_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
+    let mut forwarded = SigSet::empty();
+    for sig in FORWARDED {
+        forwarded.add(sig);
+    }
+    let mut old_mask = SigSet::empty();
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&forwarded), Some(&mut old_mask))
+        .map_err(sys("blocking signals"))?;
+    let _restore = MaskGuard(old_mask);
+
+    let clone_at = Instant::now();
+    let (pid, in_cgroup) = match clone::clone_into(flags, cg_fd.as_fd())
+        .map_err(sys("creating the container's namespaces (clone3)"))?
+    {
+        clone::Forked::Child => {
+            drop(report_r);
+            drop(life_w);
+            init::main(init::InitArgs {
+                spec,
+                lowers,
+                work: state_dir.work(),
+                lifeline: life_r,
+                report: report_w,
+            })
+        }
+        clone::Forked::Parent { pid, in_cgroup } => (pid, in_cgroup),
+    };
+    drop(report_w);
+    drop(life_r);
+    let child = ChildGuard(pid);
+    if !in_cgroup {
+        cg.cgroup.add_process(pid.as_raw())?;
+    }
+    nix::unistd::write(&life_w, b"g").map_err(sys("starting the container"))?;
+    let pidfd = clone::pidfd_open(pid).map_err(sys("opening a pidfd for the container"))?;
+    let sfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .map_err(sys("creating a signalfd"))?;
+
+    let mut setup_error = None;
+    let mut inside = Duration::ZERO;
+    for msg in report::receive_all(report_r) {
+        match msg {
+            report::Received::Timing(stage, d) => {
+                inside += d;
+                timings.push((stage, d));
+            }
+            report::Received::Error(code, message) => {
+                setup_error = Some(SetupError::with_code(code, message))
+            }
+        }
+    }
+    timings.push((
+        "exec".to_string(),
+        clone_at.elapsed().saturating_sub(inside),
+    ));
+
+    let deadline = opts.timeout.map(|t| Instant::now() + t);
+    let status = wait(pid, &pidfd, &sfd, deadline)?;
+    std::mem::forget(child);
+    drop(life_w);
+    if status.is_none() {
+        cg.cgroup.kill()?;
+    }
+    if cg.cgroup.is_populated().unwrap_or(false) {
+        cg.cgroup.kill()?;
+    }
+    cg.cgroup.wait_empty(opts.kill_timeout)?;
+    let stats = cg.cgroup.stats();
+    drop(cg);
+    drop(state_dir);
+    if let Some(err) = setup_error {
+        return Err(RuntimeError::Setup(err));
+    }
+    let exit = match status {
+        None => Exit::TimedOut,
+        Some(_) if stats.oom_kills.unwrap_or(0) > 0 => Exit::OutOfMemory,
+        Some(WaitStatus::Exited(_, code)) => Exit::Code(code),
+        Some(WaitStatus::Signaled(_, sig, _)) => Exit::Signal(sig as i32),
+        Some(_) => Exit::Code(125),
+    };
+    Ok(Outcome {
+        exit,
+        stats,
+        timings,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Waits for init, forwarding signals to it; `None` when the deadline passed first.
+fn wait(
+    pid: Pid,
+    pidfd: &std::os::fd::OwnedFd,
+    sfd: &SignalFd,
+    deadline: Option<Instant>,
+) -> Result<Option<WaitStatus>, RuntimeError> {
+    loop {
+        let timeout = match deadline {
+            None => PollTimeout::NONE,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok(None);
+                }
+                PollTimeout::try_from(left.as_millis().min(i32::MAX as u128) as i32 + 1)
+                    .unwrap_or(PollTimeout::MAX)
+            }
+        };
+        let mut fds = [
+            PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(sfd.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(errno) => {
+                return Err(RuntimeError::Sys {
+                    what: "waiting for the container",
+                    errno,
+                });
+            }
+        }
+        while let Ok(Some(info)) = sfd.read_signal() {
+            if let Ok(sig) = Signal::try_from(info.ssi_signo as i32) {
+                let _ = kill(pid, sig);
+            }
+        }
+        if fds[0].any().unwrap_or(false) {
+            return match waitpid(pid, None) {
+                Ok(status) => Ok(Some(status)),
+                Err(errno) => Err(RuntimeError::Sys {
+                    what: "waiting for the container",
+                    errno,
+                }),
+            };
+        }
+    }
+}
+
+fn namespace_flags(spec: &Spec) -> libc::c_int {
+    let mut flags = 0;
+    let namespaces = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_deref())
+        .unwrap_or_default();
+    for ns in namespaces {
+        flags |= match ns.typ() {
+            LinuxNamespaceType::Pid => libc::CLONE_NEWPID,
+            LinuxNamespaceType::Mount => libc::CLONE_NEWNS,
+            LinuxNamespaceType::Ipc => libc::CLONE_NEWIPC,
+            LinuxNamespaceType::Uts => libc::CLONE_NEWUTS,
+            LinuxNamespaceType::Network => libc::CLONE_NEWNET,
+            // Unshared by init once it is inside its cgroup, so the namespace is rooted there.
+            LinuxNamespaceType::Cgroup => 0,
+            _ => 0,
+        };
+    }
+    flags
+}
+
+/// A short random container id.
+fn new_id() -> String {
+    let mut bytes = [0u8; 6];
+    // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        bytes.copy_from_slice(&(nanos as u64 ^ std::process::id() as u64).to_le_bytes()[..6]);
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Kills and removes the container's cgroup on every exit path.
+struct CgroupGuard {
+    cgroup: Cgroup,
+    kill_timeout: Duration,
+}
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        if self.cgroup.is_populated().unwrap_or(false) {
+            let _ = self.cgroup.kill();
+            let _ = self.cgroup.wait_empty(self.kill_timeout);
+        }
+        if let Err(e) = self.cgroup.remove() {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Reaps init if an error return leaves it behind (the cgroup guard has killed it by then).
+struct ChildGuard(Pid);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = kill(self.0, Signal::SIGKILL);
+        let _ = waitpid(self.0, None);
+    }
+}
+
+struct MaskGuard(SigSet);
+
+impl Drop for MaskGuard {
+    fn drop(&mut self) {
+        let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&self.0), None);
+    }
+}
+
+/// Whether `path` is an existing directory usable as a root filesystem.
+pub fn check_rootfs(path: &Path) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(format!("root filesystem {} is not a directory", path.display())),
+        Err(e) => Err(format!("root filesystem {}: {e}", path.display())),
+    }
+}

@@ -1,0 +1,83 @@
+//! The command line: one file per verb. Each verb turns its arguments into library calls and
+//! returns the process exit status.
+
+pub mod gc;
+pub mod run;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{self, Config};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "berth",
+    version,
+    about = "Run commands and Slurm job steps in containers isolated by cgroup v2 and namespaces",
+    long_about = "berth runs a command in a container: its own mount, PID, UTS, IPC and cgroup \
+namespaces, an overlay of a root filesystem that is never modified, cgroup v2 limits and a device \
+allow-list, as an unprivileged user. It is the node-side runtime behind the Slurm SPANK plugin and \
+can be used on its own."
+)]
+pub struct Cli {
+    /// Configuration file [default: /etc/berth/berth.toml, or $BERTH_CONFIG]
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Print setup stage timings and a resource summary (-vv: debug logs)
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    Run(run::RunArgs),
+    Gc(gc::GcArgs),
+}
+
+/// A failure before or around the container, printed as one line `berth: …`.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
+}
+
+impl Failure {
+    /// Bad input from the user (flags, paths): exit 2, like a usage error.
+    pub fn input(message: impl Into<String>) -> Self {
+        Self {
+            code: 2,
+            message: message.into(),
+        }
+    }
+    /// The host could not do what was asked: exit 125.
+    pub fn system(message: impl Into<String>) -> Self {
+        Self {
+            code: 125,
+            message: message.into(),
+        }
+    }
+}
+
+impl Cli {
+    pub fn load_config(&self) -> Result<Config, Failure> {
+        let (path, explicit) = match (&self.config, std::env::var_os("BERTH_CONFIG")) {
+            (Some(p), _) => (p.clone(), true),
+            (None, Some(p)) => (PathBuf::from(p), true),
+            (None, None) => (PathBuf::from(config::DEFAULT_PATH), false),
+        };
+        Config::load(&path, explicit).map_err(|e| Failure::input(e.to_string()))
+    }
+
+    pub fn execute(self) -> Result<i32, Failure> {
+        let config = self.load_config()?;
+        match &self.command {
+            Command::Run(args) => run::execute(args, &config, self.verbose > 0),
+            Command::Gc(args) => gc::execute(args, &config),
+        }
+    }
+}

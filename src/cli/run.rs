@@ -1,0 +1,326 @@
+//! `berth run`: run one command in a new container and exit with its status.
+
+use std::io::IsTerminal;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::Failure;
+use crate::config::Config;
+use crate::runtime::{self, Exit, Outcome, RuntimeError};
+use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
+
+/// Run a command in a new container
+///
+/// The command runs in new mount, PID, UTS, IPC and cgroup namespaces, on an overlay of the root
+/// filesystem (writes go to a tmpfs and vanish at exit), as the given user with no capabilities
+/// and no_new_privs, in its own cgroup v2 with the requested limits. berth exits with the
+/// command's status, 128+N when signal N ended it, 137 when the memory limit's OOM killer did,
+/// 124 on --timeout, 126/127 when the command cannot be executed or is not found, 125 when the
+/// container cannot be set up and 2 for invalid arguments.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Root filesystem directory (never modified: the container writes to an overlay)
+    #[arg(long, value_name = "DIR")]
+    pub rootfs: PathBuf,
+
+    /// Bind-mount a host path (nosuid,nodev; rw unless :ro)
+    #[arg(long = "mount", value_name = "SRC:DST[:ro|rw]")]
+    pub mounts: Vec<String>,
+
+    /// Set an environment variable; KEY alone passes the caller's value
+    #[arg(short, long = "env", value_name = "KEY=VAL")]
+    pub env: Vec<String>,
+
+    /// Working directory inside the container [default: /]
+    #[arg(short, long, value_name = "DIR")]
+    pub workdir: Option<PathBuf>,
+
+    /// Run as this host user (name or uid) and group, with the user's supplementary groups
+    /// [default: the invoking user]
+    #[arg(short, long, value_name = "UID[:GID]")]
+    pub user: Option<String>,
+
+    /// Hostname inside the container (also written to its /etc/hostname) [default: the host's]
+    #[arg(long, value_name = "NAME")]
+    pub hostname: Option<String>,
+
+    /// Memory limit (memory.max), e.g. 512M or 4G
+    #[arg(short, long, value_name = "SIZE")]
+    pub memory: Option<String>,
+
+    /// Swap allowed on top of --memory (memory.swap.max)
+    #[arg(long, value_name = "SIZE")]
+    pub memory_swap: Option<String>,
+
+    /// CPU time limit in CPUs, e.g. 0.5 (cpu.max)
+    #[arg(long, value_name = "N")]
+    pub cpus: Option<String>,
+
+    /// CPUs the container may run on, e.g. 0-3,8 (cpuset.cpus)
+    #[arg(long, value_name = "LIST")]
+    pub cpuset: Option<String>,
+
+    /// Maximum number of tasks (pids.max)
+    #[arg(long, value_name = "N")]
+    pub pids: Option<String>,
+
+    /// Expose a host device node (under /dev) and allow it in the device filter
+    #[arg(long = "device", value_name = "PATH")]
+    pub devices: Vec<PathBuf>,
+
+    /// Network: share the host's, or a new namespace with only loopback
+    #[arg(long, value_enum, default_value_t = Net::Host)]
+    pub net: Net,
+
+    /// Mount the root filesystem read-only
+    #[arg(long)]
+    pub readonly: bool,
+
+    /// Kill the container after this many seconds and exit 124
+    #[arg(long, value_name = "SECONDS")]
+    pub timeout: Option<String>,
+
+    /// The command and its arguments
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// Host files every container sees read-only, as docker gives them.
+const HOST_FILES: [&str; 3] = ["/etc/hosts", "/etc/resolv.conf", "/etc/hostname"];
+
+fn flag<T>(name: &str, value: &Option<String>, f: impl Fn(&str) -> Result<T, spec::SpecError>)
+-> Result<Option<T>, Failure> {
+    value
+        .as_deref()
+        .map(|v| f(v).map_err(|e| Failure::input(format!("--{name}: {e}"))))
+        .transpose()
+}
+
+/// Validates the arguments against the host and builds the request.
+pub fn request(args: &RunArgs) -> Result<Request, Failure> {
+    runtime::check_rootfs(&args.rootfs).map_err(Failure::input)?;
+    let mut mounts = Vec::new();
+    for text in &args.mounts {
+        let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
+        if let Err(e) = std::fs::metadata(&m.source) {
+            return Err(Failure::input(format!(
+                "--mount {text}: source {}: {e}",
+                m.source.display()
+            )));
+        }
+        mounts.push(m);
+    }
+    let mut env = Vec::new();
+    for text in &args.env {
+        if !text.contains('=') && !text.is_empty() {
+            match std::env::var(text) {
+                Ok(v) => env.push((text.clone(), v)),
+                Err(_) => {
+                    return Err(Failure::input(format!(
+                        "--env {text}: not set in the caller's environment (use KEY=VALUE)"
+                    )));
+                }
+            }
+        } else {
+            env.push(parse::env_pair(text).map_err(|e| Failure::input(format!("--env: {e}")))?);
+        }
+    }
+    if let Some(dir) = &args.workdir
+        && !dir.is_absolute()
+    {
+        return Err(Failure::input(format!(
+            "--workdir {}: must be an absolute path",
+            dir.display()
+        )));
+    }
+    let user = match &args.user {
+        Some(text) => spec::user::resolve(text),
+        None => spec::user::current(),
+    }
+    .map_err(|e| Failure::input(format!("--user: {e}")))?;
+    let limits = Limits {
+        memory: flag("memory", &args.memory, parse::size)?,
+        memory_swap: flag("memory-swap", &args.memory_swap, parse::size)?,
+        cpu_quota: flag("cpus", &args.cpus, |v| parse::cpus(v, spec::CPU_PERIOD_US))?,
+        cpuset: flag("cpuset", &args.cpuset, parse::cpu_list)?,
+        pids: flag("pids", &args.pids, |v| {
+            v.parse::<i64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| spec::SpecError::Size(v.to_string()))
+        })
+        .map_err(|_| {
+            Failure::input(format!(
+                "--pids {}: use a positive number of tasks",
+                args.pids.as_deref().unwrap_or_default()
+            ))
+        })?,
+    };
+    let devices = args
+        .devices
+        .iter()
+        .map(host_device)
+        .collect::<Result<Vec<_>, _>>()?;
+    let terminal = std::io::stdin().is_terminal();
+    Ok(Request {
+        rootfs: args.rootfs.clone(),
+        args: args.command.clone(),
+        env,
+        workdir: args.workdir.clone(),
+        user,
+        hostname: flag("hostname", &args.hostname, parse::hostname)?,
+        mounts,
+        devices,
+        limits,
+        net: args.net,
+        readonly: args.readonly,
+        terminal,
+        host_files: HOST_FILES
+            .iter()
+            .map(PathBuf::from)
+            .filter(|p| p.is_file())
+            .collect(),
+        term: std::env::var("TERM").ok(),
+    })
+}
+
+fn host_device(path: &PathBuf) -> Result<HostDevice, Failure> {
+    let bad = |why: String| Failure::input(format!("--device {}: {why}", path.display()));
+    if !path.starts_with("/dev/") {
+        return Err(bad("must be a device node under /dev".into()));
+    }
+    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    let ft = meta.file_type();
+    if !ft.is_char_device() && !ft.is_block_device() {
+        return Err(bad("not a character or block device".into()));
+    }
+    let rdev = meta.rdev();
+    Ok(HostDevice {
+        path: path.clone(),
+        block: ft.is_block_device(),
+        major: libc::major(rdev) as i64,
+        minor: libc::minor(rdev) as i64,
+        mode: meta.mode() & 0o7777,
+        uid: meta.uid(),
+        gid: meta.gid(),
+    })
+}
+
+fn parse_timeout(text: &Option<String>) -> Result<Option<Duration>, Failure> {
+    text.as_deref()
+        .map(|t| {
+            t.parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64)
+                .ok_or_else(|| {
+                    Failure::input(format!("--timeout {t}: use a positive number of seconds"))
+                })
+        })
+        .transpose()
+}
+
+pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
+    let req = request(args)?;
+    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let opts = runtime::Options {
+        cgroup_root: config.cgroup.root.clone(),
+        state_dir: config.runtime.state_dir.clone(),
+        timeout: parse_timeout(&args.timeout)?,
+        kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
+    };
+    let outcome = runtime::run(&spec, std::slice::from_ref(&req.rootfs), &opts).map_err(|e| {
+        Failure {
+            code: e.exit_code(),
+            message: match &e {
+                RuntimeError::Setup(s) => s.message.clone(),
+                other => other.to_string(),
+            },
+        }
+    })?;
+    if verbose {
+        eprintln!("berth: {}", timings_line(&outcome));
+        eprintln!("berth: {}", summary_line(&outcome));
+    }
+    match outcome.exit {
+        Exit::OutOfMemory => eprintln!(
+            "berth: the command ran out of memory: the kernel's OOM killer ended it at the {} limit (--memory)",
+            req.limits.memory.map(human_bytes).unwrap_or_else(|| "memory".into())
+        ),
+        Exit::TimedOut => eprintln!(
+            "berth: timed out after {} s: the container was killed (--timeout)",
+            args.timeout.as_deref().unwrap_or("?")
+        ),
+        _ => {}
+    }
+    Ok(outcome.exit.code())
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn timings_line(o: &Outcome) -> String {
+    let stages: Vec<String> = o
+        .timings
+        .iter()
+        .map(|(stage, d)| format!("{stage} {}", ms(*d)))
+        .collect();
+    let setup: Duration = o.timings.iter().map(|(_, d)| *d).sum();
+    format!("setup: {}; total {}", stages.join(", "), ms(setup))
+}
+
+fn summary_line(o: &Outcome) -> String {
+    let s = &o.stats;
+    let na = || "n/a".to_string();
+    format!(
+        "exit {} after {}; cpu {}, memory.peak {}, pids.peak {}",
+        o.exit.code(),
+        ms(o.elapsed),
+        s.cpu_usage_usec
+            .map(|u| ms(Duration::from_micros(u)))
+            .unwrap_or_else(na),
+        s.memory_peak.map(human_bytes).unwrap_or_else(na),
+        s.pids_peak.map(|p| p.to_string()).unwrap_or_else(na),
+    )
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_formatting() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(32 << 20), "32.0 MiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+    }
+
+    #[test]
+    fn timeouts() {
+        assert_eq!(
+            parse_timeout(&Some("1.5".into())).unwrap(),
+            Some(Duration::from_millis(1500))
+        );
+        assert!(parse_timeout(&Some("0".into())).is_err());
+        assert!(parse_timeout(&Some("x".into())).is_err());
+    }
+}

@@ -1,0 +1,231 @@
+//! Turns OCI mount entries into mount(2) calls, and creates mount points inside the container root
+//! without ever following a symlink out of it (the root filesystem comes from an untrusted image).
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+use nix::mount::{MsFlags, mount};
+use nix::sys::stat::{Mode, mkdirat};
+
+use super::SetupError;
+
+/// mount(2) flags and filesystem data of an OCI option list.
+#[derive(Debug, PartialEq, Eq)]
+pub struct MountOptions {
+    pub flags: MsFlags,
+    /// Filesystem-specific options (mode=, size=, ...), passed as mount(2)'s data.
+    pub data: String,
+}
+
+impl MountOptions {
+    pub fn parse(options: &[String]) -> Self {
+        let mut flags = MsFlags::empty();
+        let mut data = Vec::new();
+        for opt in options {
+            match opt.as_str() {
+                "ro" => flags |= MsFlags::MS_RDONLY,
+                "rw" => flags &= !MsFlags::MS_RDONLY,
+                "nosuid" => flags |= MsFlags::MS_NOSUID,
+                "nodev" => flags |= MsFlags::MS_NODEV,
+                "noexec" => flags |= MsFlags::MS_NOEXEC,
+                "strictatime" => flags |= MsFlags::MS_STRICTATIME,
+                "relatime" => flags |= MsFlags::MS_RELATIME,
+                "noatime" => flags |= MsFlags::MS_NOATIME,
+                "bind" => flags |= MsFlags::MS_BIND,
+                "rbind" => flags |= MsFlags::MS_BIND | MsFlags::MS_REC,
+                other => data.push(other),
+            }
+        }
+        Self {
+            flags,
+            data: data.join(","),
+        }
+    }
+
+    fn is_bind(&self) -> bool {
+        self.flags.contains(MsFlags::MS_BIND)
+    }
+}
+
+/// Escapes a path for overlayfs's lowerdir/upperdir option syntax, where `,` and `:` separate
+/// values and `\` escapes.
+pub fn overlay_escape(path: &Path) -> String {
+    let mut out = String::new();
+    for c in path.to_string_lossy().chars() {
+        if matches!(c, '\\' | ',' | ':') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The `/proc/self/fd/N` path through which mount(2) reaches an already-resolved target.
+pub fn fd_path(fd: &impl AsRawFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+fn in_root(path: &Path) -> PathBuf {
+    path.components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .collect()
+}
+
+fn open_in_root(root: &OwnedFd, rel: &Path, flags: OFlag) -> nix::Result<OwnedFd> {
+    let how = OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    openat2(root.as_fd(), rel, how)
+}
+
+/// Opens (creating when missing) `path` inside `root` as an O_PATH fd: a directory, or an empty
+/// file when `file` is set. Symlinks are resolved as if `root` were `/`.
+pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd, SetupError> {
+    let rel = in_root(path);
+    let err = |what: &str, e: Errno| SetupError::new(format!("{what} {}: {e}", path.display()));
+    let mut so_far = PathBuf::new();
+    let mut parent = open_in_root(root, Path::new("."), OFlag::O_PATH | OFlag::O_DIRECTORY)
+        .map_err(|e| err("opening the container root for", e))?;
+    let count = rel.components().count();
+    for (i, comp) in rel.components().enumerate() {
+        so_far.push(comp);
+        let last = i + 1 == count;
+        let want_file = last && file;
+        let dir_flag = if want_file {
+            OFlag::empty()
+        } else {
+            OFlag::O_DIRECTORY
+        };
+        match open_in_root(root, &so_far, OFlag::O_PATH | dir_flag) {
+            Ok(fd) => parent = fd,
+            Err(Errno::ENOENT) => {
+                if want_file {
+                    let how = OpenHow::new()
+                        .flags(OFlag::O_CREAT | OFlag::O_WRONLY | OFlag::O_CLOEXEC)
+                        .mode(Mode::from_bits_truncate(0o644))
+                        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_SYMLINKS);
+                    openat2(parent.as_fd(), comp.as_os_str(), how)
+                        .map_err(|e| err("creating mount point", e))?;
+                } else {
+                    match mkdirat(parent.as_fd(), comp.as_os_str(), Mode::from_bits_truncate(0o755)) {
+                        Ok(()) | Err(Errno::EEXIST) => {}
+                        Err(e) => return Err(err("creating mount point", e)),
+                    }
+                }
+                parent = open_in_root(root, &so_far, OFlag::O_PATH | dir_flag)
+                    .map_err(|e| err("opening mount point", e))?;
+            }
+            Err(e) => return Err(err("opening mount point", e)),
+        }
+    }
+    Ok(parent)
+}
+
+/// Makes one OCI mount at `destination` inside `root`.
+pub fn apply(
+    root: &OwnedFd,
+    destination: &Path,
+    typ: &str,
+    source: &Path,
+    options: &[String],
+) -> Result<(), SetupError> {
+    let opts = MountOptions::parse(options);
+    let bind = opts.is_bind() || typ == "bind";
+    let source_is_file = bind && source.metadata().map(|m| !m.is_dir()).unwrap_or(false);
+    let target = ensure_in_root(root, destination, source_is_file)?;
+    let target_path = fd_path(&target);
+    let fail = |e: Errno| {
+        SetupError::new(format!(
+            "mounting {} on {} ({typ}): {e}",
+            source.display(),
+            destination.display()
+        ))
+    };
+    if bind {
+        let rec = opts.flags & MsFlags::MS_REC;
+        mount(
+            Some(source),
+            &target_path,
+            None::<&str>,
+            MsFlags::MS_BIND | rec,
+            None::<&str>,
+        )
+        .map_err(fail)?;
+        let extra = opts.flags - (MsFlags::MS_BIND | MsFlags::MS_REC);
+        if !extra.is_empty() {
+            // The bind created a new mount; reopen the target so the remount reaches it, not the
+            // mount it covers.
+            let target = ensure_in_root(root, destination, source_is_file)?;
+            mount(
+                None::<&str>,
+                &fd_path(&target),
+                None::<&str>,
+                MsFlags::MS_REMOUNT | MsFlags::MS_BIND | extra,
+                None::<&str>,
+            )
+            .map_err(fail)?;
+        }
+    } else {
+        let data = (!opts.data.is_empty()).then_some(opts.data.as_str());
+        mount(Some(source), &target_path, Some(typ), opts.flags, data).map_err(fail)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(list: &[&str]) -> MountOptions {
+        MountOptions::parse(&list.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn options_split_into_flags_and_data() {
+        let o = opts(&["nosuid", "strictatime", "mode=755", "size=65536k"]);
+        assert_eq!(o.flags, MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME);
+        assert_eq!(o.data, "mode=755,size=65536k");
+        let o = opts(&["rbind", "ro", "nosuid", "nodev"]);
+        assert!(o.is_bind());
+        assert!(o.flags.contains(MsFlags::MS_REC | MsFlags::MS_RDONLY));
+        assert_eq!(o.data, "");
+        assert!(!opts(&["ro", "rw"]).flags.contains(MsFlags::MS_RDONLY));
+    }
+
+    #[test]
+    fn overlay_paths_are_escaped() {
+        assert_eq!(overlay_escape(Path::new("/a,b:c\\d")), "/a\\,b\\:c\\\\d");
+        assert_eq!(overlay_escape(Path::new("/plain")), "/plain");
+    }
+
+    #[test]
+    fn mount_points_never_leave_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let root_path = dir.path().join("root");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(root_path.join("etc")).unwrap();
+        std::fs::create_dir(&outside).unwrap();
+        // An image's symlinks resolve as if the root were `/`: an absolute one to the host's
+        // directory is dangling in the root and refused; `..` stops at the root.
+        std::os::unix::fs::symlink(&outside, root_path.join("evil")).unwrap();
+        std::os::unix::fs::symlink("/", root_path.join("slash")).unwrap();
+        std::os::unix::fs::symlink("../../..", root_path.join("etc/up")).unwrap();
+        let root = nix::fcntl::open(
+            &root_path,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap();
+        assert!(ensure_in_root(&root, Path::new("/evil/x"), false).is_err());
+        ensure_in_root(&root, Path::new("/slash/w"), false).unwrap();
+        ensure_in_root(&root, Path::new("/etc/up/y/z"), false).unwrap();
+        ensure_in_root(&root, Path::new("/etc/hosts"), true).unwrap();
+        assert!(!outside.join("x").exists(), "escaped through an absolute symlink");
+        assert!(root_path.join("w").is_dir());
+        assert!(root_path.join("y/z").is_dir());
+        assert!(root_path.join("etc/hosts").is_file());
+        assert!(!dir.path().join("y").exists());
+    }
+}

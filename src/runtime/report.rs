@@ -1,0 +1,82 @@
+//! The one-way channel from the container's init (and the command, until it execs) to berth:
+//! setup timings and the one error that stopped the start. One line per message.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::Duration;
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Message {
+    Timing(&'static str, Duration),
+    Error(i32, String),
+}
+
+impl Message {
+    fn encode(&self) -> String {
+        match self {
+            Message::Timing(stage, d) => format!("T {stage} {}\n", d.as_micros()),
+            Message::Error(code, msg) => format!("E {code} {}\n", msg.replace('\n', " ")),
+        }
+    }
+}
+
+/// A message as the parent reads it back (stage names become owned strings).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Received {
+    Timing(String, Duration),
+    Error(i32, String),
+}
+
+/// Writes one message; best effort, as the reader may be gone.
+pub fn send(fd: &OwnedFd, msg: &Message) {
+    let line = msg.encode();
+    // SAFETY: write(2) from a valid buffer to an fd we hold; a short write of these small lines
+    // cannot happen on a pipe (PIPE_BUF atomicity) unless the message is huge.
+    let _ = unsafe { libc::write(fd.as_raw_fd(), line.as_ptr().cast(), line.len()) };
+}
+
+/// Reads messages until every writer has closed the pipe.
+pub fn receive_all(fd: OwnedFd) -> Vec<Received> {
+    let mut text = String::new();
+    let _ = std::fs::File::from(fd).read_to_string(&mut text);
+    parse(&text)
+}
+
+pub fn parse(text: &str) -> Vec<Received> {
+    text.lines()
+        .filter_map(|line| {
+            let (kind, rest) = line.split_once(' ')?;
+            let (a, b) = rest.split_once(' ').unwrap_or((rest, ""));
+            match kind {
+                "T" => Some(Received::Timing(
+                    a.to_string(),
+                    Duration::from_micros(b.parse().ok()?),
+                )),
+                "E" => Some(Received::Error(a.parse().ok()?, b.to_string())),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let text = [
+            Message::Timing("mounts", Duration::from_micros(1234)).encode(),
+            Message::Error(127, "command not found\nin the container: x".into()).encode(),
+        ]
+        .concat();
+        assert_eq!(
+            parse(&text),
+            vec![
+                Received::Timing("mounts".into(), Duration::from_micros(1234)),
+                Received::Error(127, "command not found in the container: x".into()),
+            ]
+        );
+        assert!(parse("garbage\nT x notanumber\n").is_empty());
+    }
+}

@@ -1,0 +1,271 @@
+//! Builds the container's root inside its new mount namespace: an overlay of the image over a
+//! tmpfs upper layer, the Spec's mounts, a minimal /dev, masked /proc paths, then pivot_root.
+//! Every mount lives only in the container's namespace, so the kernel drops them all when the
+//! container's last process exits: nothing to unmount on the host, even after a crash.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{OFlag, open};
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sys::stat::{Mode, SFlag, makedev, mknodat};
+use nix::unistd::{Gid, Uid, chdir, fchownat, pivot_root, symlinkat};
+use oci_spec::runtime::{LinuxDeviceType, Spec};
+
+use super::SetupError;
+use super::mounts::{self, ensure_in_root, fd_path, overlay_escape};
+
+/// /proc and /sys paths hidden from containers, as docker and runc hide them.
+pub const MASKED_PATHS: [&str; 10] = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+/// /proc paths made read-only: writable by uid 0 without any capability (sysrq-trigger!).
+pub const READONLY_PATHS: [&str; 5] = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+fn sys(what: String) -> impl FnOnce(nix::errno::Errno) -> SetupError {
+    move |e| SetupError::new(format!("{what}: {e}"))
+}
+
+/// Lays out the root under `work` (a per-container directory) and pivots into it.
+pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupError> {
+    // Nothing mounted from here on may reach the host's mount table.
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(sys("making / private in the container's mount namespace".into()))?;
+    mount(
+        Some("tmpfs"),
+        work,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=700"),
+    )
+    .map_err(sys(format!("mounting the upper-layer tmpfs on {}", work.display())))?;
+    let merged = work.join("merged");
+    for dir in ["upper", "work", "merged"] {
+        std::fs::create_dir(work.join(dir))
+            .map_err(|e| SetupError::new(format!("creating {}: {e}", work.join(dir).display())))?;
+    }
+    let lowerdir = lowers
+        .iter()
+        .map(|p| overlay_escape(p))
+        .collect::<Vec<_>>()
+        .join(":");
+    let data = format!(
+        "lowerdir={lowerdir},upperdir={},workdir={}",
+        overlay_escape(&work.join("upper")),
+        overlay_escape(&work.join("work"))
+    );
+    mount(
+        Some("overlay"),
+        &merged,
+        Some("overlay"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(data.as_str()),
+    )
+    .map_err(sys(format!(
+        "mounting the overlay of {} (is it a directory on a filesystem overlayfs accepts?)",
+        lowers.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )))?;
+
+    let root = open(
+        &merged,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys(format!("opening {}", merged.display())))?;
+
+    for m in spec.mounts().as_deref().unwrap_or_default() {
+        let typ = m.typ().as_deref().unwrap_or("bind");
+        let source = m.source().clone().unwrap_or_else(|| PathBuf::from(typ));
+        mounts::apply(
+            &root,
+            m.destination(),
+            typ,
+            &source,
+            m.options().as_deref().unwrap_or_default(),
+        )?;
+    }
+    let linux = spec.linux().as_ref();
+    create_devices(&root, linux.and_then(|l| l.devices().as_deref()).unwrap_or_default())?;
+    if let Some(name) = spec.hostname() {
+        let file = work.join("hostname");
+        std::fs::write(&file, format!("{name}\n"))
+            .map_err(|e| SetupError::new(format!("writing {}: {e}", file.display())))?;
+        mounts::apply(
+            &root,
+            Path::new("/etc/hostname"),
+            "bind",
+            &file,
+            &["bind".into(), "ro".into(), "nosuid".into(), "nodev".into()],
+        )?;
+    }
+    mask_paths(&root)?;
+
+    chdir(&merged).map_err(sys(format!("entering {}", merged.display())))?;
+    // pivot_root(".", ".") stacks the old root on the new one; detaching it leaves only the
+    // container's tree, without needing a directory for the old root inside the image.
+    pivot_root(".", ".").map_err(sys("pivot_root into the container root".into()))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(sys("detaching the host root".into()))?;
+    chdir("/").map_err(sys("entering /".into()))?;
+    if spec.root().as_ref().and_then(|r| r.readonly()) == Some(true) {
+        mount(
+            None::<&str>,
+            "/",
+            None::<&str>,
+            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID
+                | MsFlags::MS_NODEV,
+            None::<&str>,
+        )
+        .map_err(sys("making the root read-only".into()))?;
+    }
+    Ok(())
+}
+
+fn create_devices(
+    root: &OwnedFd,
+    devices: &[oci_spec::runtime::LinuxDevice],
+) -> Result<(), SetupError> {
+    for dev in devices {
+        let path = dev.path();
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            continue;
+        };
+        let dir = ensure_in_root(root, parent, false)?;
+        let dir = open(&fd_path(&dir), OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(sys(format!("opening {}", parent.display())))?;
+        let kind = match dev.typ() {
+            LinuxDeviceType::B => SFlag::S_IFBLK,
+            _ => SFlag::S_IFCHR,
+        };
+        let mode = Mode::from_bits_truncate(dev.file_mode().unwrap_or(0o600));
+        let rdev = makedev(dev.major() as u64, dev.minor() as u64);
+        let fail = |e| SetupError::new(format!("creating device {}: {e}", path.display()));
+        mknodat(dir.as_fd(), name, kind, mode, rdev).map_err(fail)?;
+        // mknod applies the umask; the Spec's mode is what the container must see.
+        nix::sys::stat::fchmodat(
+            dir.as_fd(),
+            name,
+            mode,
+            nix::sys::stat::FchmodatFlags::NoFollowSymlink,
+        )
+        .or_else(|e| if e == nix::errno::Errno::EOPNOTSUPP {
+            nix::sys::stat::fchmodat(
+                dir.as_fd(),
+                name,
+                mode,
+                nix::sys::stat::FchmodatFlags::FollowSymlink,
+            )
+        } else {
+            Err(e)
+        })
+        .map_err(fail)?;
+        fchownat(
+            dir.as_fd(),
+            name,
+            dev.uid().map(Uid::from_raw),
+            dev.gid().map(Gid::from_raw),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .map_err(fail)?;
+    }
+    let dev = ensure_in_root(root, Path::new("/dev"), false)?;
+    let dev = open(&fd_path(&dev), OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+        .map_err(sys("opening /dev".into()))?;
+    for (name, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        match symlinkat(target, dev.as_fd(), name) {
+            Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+            Err(e) => return Err(SetupError::new(format!("creating /dev/{name}: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
+    let open_existing = |path: &str| {
+        let how = nix::fcntl::OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+            .resolve(nix::fcntl::ResolveFlag::RESOLVE_IN_ROOT);
+        nix::fcntl::openat2(root.as_fd(), &path[1..], how).ok()
+    };
+    for path in MASKED_PATHS {
+        let Some(fd) = open_existing(path) else {
+            continue;
+        };
+        let target = fd_path(&fd);
+        let is_dir = std::fs::metadata(&target).map(|m| m.is_dir()).unwrap_or(false);
+        let result = if is_dir {
+            mount(
+                Some("tmpfs"),
+                &target,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("size=0"),
+            )
+        } else {
+            mount(
+                Some("/dev/null"),
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+        };
+        result.map_err(sys(format!("masking {path}")))?;
+    }
+    for path in READONLY_PATHS {
+        let Some(fd) = open_existing(path) else {
+            continue;
+        };
+        let target = fd_path(&fd);
+        mount(
+            Some(&target),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .map_err(sys(format!("binding {path}")))?;
+        let fd = open_existing(path).ok_or_else(|| SetupError::new(format!("reopening {path}")))?;
+        mount(
+            None::<&str>,
+            &fd_path(&fd),
+            None::<&str>,
+            MsFlags::MS_REMOUNT
+                | MsFlags::MS_BIND
+                | MsFlags::MS_RDONLY
+                | MsFlags::MS_NOSUID
+                | MsFlags::MS_NODEV
+                | MsFlags::MS_NOEXEC,
+            None::<&str>,
+        )
+        .map_err(sys(format!("making {path} read-only")))?;
+    }
+    Ok(())
+}

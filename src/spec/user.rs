@@ -1,0 +1,97 @@
+//! Resolves `--user NAME|UID[:GROUP|GID]` against the host's user database: the container runs
+//! as a host identity, with that user's supplementary groups.
+
+use std::ffi::CString;
+use std::path::PathBuf;
+
+use nix::unistd::{Gid, Group, Uid, User, getgrouplist};
+
+use super::SpecError;
+
+/// The identity a container's command runs as.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UserIds {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups (may include `gid`).
+    pub groups: Vec<u32>,
+    pub home: Option<PathBuf>,
+}
+
+/// The invoking user (real uid/gid of this process) with its groups.
+pub fn current() -> Result<UserIds, SpecError> {
+    let uid = Uid::current();
+    let user = User::from_uid(uid).ok().flatten();
+    let gid = Gid::current();
+    Ok(with_groups(uid.as_raw(), gid.as_raw(), user))
+}
+
+/// Resolves a `--user` value. The user must exist on the host; the group may be a name or a
+/// number, defaulting to the user's primary group.
+pub fn resolve(spec: &str) -> Result<UserIds, SpecError> {
+    let (user_part, group_part) = match spec.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (spec, None),
+    };
+    let unknown = || SpecError::UnknownUser(user_part.to_string());
+    let user = match user_part.parse::<u32>() {
+        Ok(uid) => User::from_uid(Uid::from_raw(uid)).ok().flatten(),
+        Err(_) => User::from_name(user_part).ok().flatten(),
+    }
+    .ok_or_else(unknown)?;
+    let gid = match group_part {
+        None => user.gid.as_raw(),
+        Some(g) => match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => Group::from_name(g)
+                .ok()
+                .flatten()
+                .ok_or_else(|| SpecError::UnknownGroup(g.to_string()))?
+                .gid
+                .as_raw(),
+        },
+    };
+    Ok(with_groups(user.uid.as_raw(), gid, Some(user)))
+}
+
+fn with_groups(uid: u32, gid: u32, user: Option<User>) -> UserIds {
+    let (groups, home) = match user {
+        Some(user) => {
+            let groups = CString::new(user.name.as_bytes())
+                .ok()
+                .and_then(|name| getgrouplist(&name, Gid::from_raw(gid)).ok())
+                .map(|g| g.into_iter().map(Gid::as_raw).collect())
+                .unwrap_or_else(|| vec![gid]);
+            (groups, Some(user.dir))
+        }
+        None => (vec![gid], None),
+    };
+    UserIds {
+        uid,
+        gid,
+        groups,
+        home,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn root_resolves_by_name_and_number() {
+        let by_name = resolve("root").unwrap();
+        assert_eq!((by_name.uid, by_name.gid), (0, 0));
+        assert!(by_name.groups.contains(&0));
+        assert_eq!(resolve("0").unwrap().uid, 0);
+        assert_eq!(resolve("0:5").unwrap().gid, 5);
+    }
+
+    #[test]
+    fn unknown_users_and_groups_are_errors() {
+        let err = resolve("no-such-user-berth").unwrap_err().to_string();
+        assert!(err.contains("no-such-user-berth"), "{err}");
+        assert!(resolve("4000000000").is_err());
+        assert!(resolve("root:no-such-group-berth").is_err());
+    }
+}
