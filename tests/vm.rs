@@ -252,7 +252,8 @@ try() { sh -c "echo \$\$ > $cg/cgroup.procs && { : > $1; } 2>&1 && echo ok"; }
 echo "kmsg=$(try /dev/kmsg)"
 echo "mem=$(try /dev/mem)"
 echo "null=$(try /dev/null)"
-kill $berth; wait $berth
+wait $berth
+echo "berth=$?"
 "#);
     assert_eq!(field(&out, "vm-kmsg"), "ok", "/dev/kmsg opens outside the container:\n{out}");
     assert_eq!(field(&out, "cgroups"), "1", "one container cgroup:\n{out}");
@@ -265,6 +266,7 @@ kill $berth; wait $berth
         );
     }
     assert_eq!(field(&out, "null"), "ok", "/dev/null is allowed:\n{out}");
+    assert_eq!(field(&out, "berth"), "0", "the container ran on undisturbed:\n{out}");
 }
 
 #[test]
@@ -323,14 +325,15 @@ for p in /proc/[0-9]*; do
 done
 echo "END processes"
 "#);
+    assert_eq!(section(&out, "cgroups"), "", "cgroups left under /sys/fs/cgroup/berth");
+    assert_eq!(section(&out, "mounts"), "", "mounts left behind");
+    assert_eq!(section(&out, "state"), "", "state directories left in /run/berth");
+    assert_eq!(section(&out, "processes"), "", "processes left behind");
+    // The runs above must have ended the way each was meant to, or the check proves less.
     assert_eq!(field(&out, "true"), "0", "{out}");
     assert_eq!(field(&out, "exit7"), "7", "{out}");
     assert_eq!(field(&out, "background"), "0", "{out}");
     assert_eq!(field(&out, "timeout"), "124", "{out}");
     assert_eq!(field(&out, "oom"), "137", "{out}");
     assert_eq!(field(&out, "limits"), "0", "{out}");
-    assert_eq!(section(&out, "cgroups"), "", "cgroups left under /sys/fs/cgroup/berth");
-    assert_eq!(section(&out, "mounts"), "", "mounts left behind");
-    assert_eq!(section(&out, "state"), "", "state directories left in /run/berth");
-    assert_eq!(section(&out, "processes"), "", "processes left behind");
 }

@@ -11,7 +11,7 @@
 #                        (default: what linux-image-cloud-amd64 depends on)
 #   BERTH_VM_KERNEL_DEB  a local .deb of that package to unpack instead of downloading one
 #
-# Needs: apt-get/apt-cache with current package lists (run `apt-get update` once), dpkg.
+# Needs: apt-get/apt-cache with current package lists (run `apt-get update` once), dpkg, flock.
 # Layout written: $cache/<package>/{vmlinuz,config,modules/*.ko,modules.load} and the symlink
 # $cache/current -> <package>. run.sh boots $cache/current. The kernel directory is built under a
 # temporary name and renamed into place, so a cached kernel is always complete.
@@ -36,6 +36,9 @@ done
 wanted_modules=(overlay squashfs loop erofs fuse veth)
 
 mkdir -p "$cache"
+# One preparer at a time (tests may start several VMs at once on a cold cache).
+exec 9> "$cache/.lock"
+flock 9
 
 if [ -z "${BERTH_VM_KERNEL:-}" ] && [ "$refresh" = 0 ] && [ -f "$cache/current/vmlinuz" ]; then
   exit 0

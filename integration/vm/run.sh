@@ -41,7 +41,10 @@ qemu=${BERTH_VM_QEMU:-qemu-system-x86_64}
 debug=${BERTH_VM_DEBUG:-0}
 
 die() { echo "vm: $*" >&2; exit 125; }
-usage() { sed -n '4,6p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}/usage: /;2,$s/^usage: /       /' >&2; exit 125; }
+usage() {
+  echo "usage: integration/vm/run.sh [--file HOSTPATH[:VMPATH]]... [--mem MB] [--smp N] [--timeout S] SCRIPT_FILE" >&2
+  exit 125
+}
 
 files=()
 mem=1024
