@@ -28,7 +28,8 @@
 # Environment: BERTH_VM_CACHE (kernel cache, default <repo>/.cache/vm; filled by prepare.sh when
 # empty), BERTH_VM_BUSYBOX (static busybox to use, default: busybox on PATH),
 # BERTH_VM_QEMU (default qemu-system-x86_64), BERTH_VM_DEBUG=1 (show the whole console and keep
-# the work directory).
+# the work directory), BERTH_VM_APPEND (extra kernel command line), BERTH_VM_KERNEL_IMAGE (boot
+# this kernel image instead of the cached one, e.g. an uncompressed vmlinux via PVH).
 #
 # Needs: qemu-system-x86 cpio busybox-static (Debian 12), and for prepare.sh apt + dpkg.
 set -euo pipefail
@@ -58,7 +59,7 @@ while [ $# -gt 0 ]; do
     --mem) [ $# -ge 2 ] || usage; mem=$2; shift 2 ;;
     --smp) [ $# -ge 2 ] || usage; smp=$2; shift 2 ;;
     --timeout) [ $# -ge 2 ] || usage; timeout=$2; shift 2 ;;
-    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     -*) echo "vm: unknown option: $1" >&2; usage ;;
     *) break ;;
@@ -79,14 +80,21 @@ fi
 kdir=$(readlink -f "$cache/current")
 
 busybox=${BERTH_VM_BUSYBOX:-$(command -v busybox || true)}
-[ -n "$busybox" ] && [ -x "$busybox" ] || die "busybox not found: apt-get install busybox-static"
+if [ -z "$busybox" ] || [ ! -x "$busybox" ]; then
+  die "busybox not found: apt-get install busybox-static"
+fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/berth-vm.XXXXXX")
-if [ "$debug" = 1 ]; then
-  echo "vm: work directory $work" >&2
-else
-  trap 'rm -rf "$work"' EXIT
-fi
+# shellcheck disable=SC2317  # called by the EXIT trap
+cleanup() {
+  # QEMU writes its pid file once started; stop it if we are leaving before it exited.
+  if [ -s "$work/qemu.pid" ]; then kill "$(cat "$work/qemu.pid")" 2>/dev/null || true; fi
+  if [ "$debug" = 1 ]; then echo "vm: work directory $work" >&2; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 root=$work/root
 mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,usr/local/bin,usr/local/sbin,etc,root,newroot} \
          "$root"/{proc,sys,dev,tmp,run,mnt,berth/modules}
@@ -209,14 +217,14 @@ cmdline="$cmdline ${BERTH_VM_APPEND:-}"
 qemu_args=(
   -accel tcg -cpu max -m "$mem" -smp "$smp"
   -nodefaults -no-user-config -display none -no-reboot
-  -serial stdio -monitor none -net none
+  -serial stdio -monitor none -net none -pidfile "$work/qemu.pid"
   -kernel "${BERTH_VM_KERNEL_IMAGE:-$kdir/vmlinuz}" -initrd "$work/initrd" -append "$cmdline"
 )
 
 status=
 started=0
 set +e
-timeout -k 5 "$timeout" "$qemu" "${qemu_args[@]}" < /dev/null 2> "$work/qemu.err" |
+timeout --foreground -k 5 "$timeout" "$qemu" "${qemu_args[@]}" < /dev/null 2> "$work/qemu.err" |
 while true; do
   nl=1
   IFS= read -r line || { nl=0; [ -n "$line" ] || break; }
@@ -240,6 +248,7 @@ while true; do
 done
 qemu_rc=${PIPESTATUS[0]}
 set -e
+rm -f "$work/qemu.pid"   # QEMU has exited; never signal a recycled pid
 
 case $status in
   ''|*[!0-9]*) ;;
