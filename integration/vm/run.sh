@@ -59,7 +59,7 @@ while [ $# -gt 0 ]; do
     --mem) [ $# -ge 2 ] || usage; mem=$2; shift 2 ;;
     --smp) [ $# -ge 2 ] || usage; smp=$2; shift 2 ;;
     --timeout) [ $# -ge 2 ] || usage; timeout=$2; shift 2 ;;
-    -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     -*) echo "vm: unknown option: $1" >&2; usage ;;
     *) break ;;
