@@ -1,33 +1,75 @@
-//! TEMPORARY STUB (not to be committed): the real module comes from the cgroup worktree.
-use std::path::{Path, PathBuf};
-use oci_spec::runtime::{LinuxDeviceCgroup, LinuxResources};
-#[derive(Debug, Clone, Copy)]
-pub enum Controller { Cpu, Cpuset, Memory, Pids, Io }
-#[derive(Debug, thiserror::Error)]
-#[error("cgroup error {0}")]
-pub struct CgroupError(String);
-pub fn required_controllers(_res: &LinuxResources) -> Vec<Controller> { vec![] }
-pub struct CgroupWrite { pub file: &'static str, pub value: String }
-pub fn plan_writes(_res: &LinuxResources) -> Result<Vec<CgroupWrite>, CgroupError> { Ok(vec![]) }
-pub struct Hierarchy { root: PathBuf }
-impl Hierarchy {
-    pub fn open(root: &Path, _needed: &[Controller]) -> Result<Hierarchy, CgroupError> { std::fs::create_dir_all(root).map_err(|e| CgroupError(e.to_string()))?; Ok(Hierarchy { root: root.to_path_buf() }) }
-    pub fn root(&self) -> &Path { &self.root }
-    pub fn create(&self, name: &str) -> Result<Cgroup, CgroupError> { let p = self.root.join(name); std::fs::create_dir(&p).map_err(|e| CgroupError(e.to_string()))?; Ok(Cgroup { path: p }) }
+//! cgroup v2 for berth: a delegated subtree ([`Hierarchy`]) under which every container gets its
+//! own cgroup ([`Cgroup`]) with resource limits, a BPF device filter, statistics and a reliable
+//! kill. Deciding what to write ([`plan_writes`], [`required_controllers`]) is pure; the rest is
+//! a thin layer over cgroupfs and the `bpf()` syscall, tested for real in the root tier.
+//!
+//! Every path comes from the caller (the `cgroup.root` config value), never from a constant, so
+//! the same code runs on a pure cgroup v2 host (`/sys/fs/cgroup/...`), on a hybrid host
+//! (`/sys/fs/cgroup/unified/...`) and inside a systemd-delegated slice.
+
+mod devices;
+mod error;
+mod files;
+mod group;
+mod hierarchy;
+mod kill;
+mod resources;
+mod stats;
+
+use std::fmt;
+
+pub use error::CgroupError;
+pub use group::Cgroup;
+pub use hierarchy::Hierarchy;
+pub use resources::{CgroupWrite, plan_writes, required_controllers};
+pub use stats::Stats;
+
+/// A cgroup v2 controller that berth enables for its containers. Device control has no
+/// controller on v2 (it is a BPF program), so it is not listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Controller {
+    Cpu,
+    Cpuset,
+    Memory,
+    Pids,
+    Io,
 }
-pub struct Cgroup { path: PathBuf }
-#[derive(Debug, Default)]
-pub struct Stats { pub cpu_usage_usec: Option<u64>, pub memory_peak: Option<u64>, pub pids_peak: Option<u64>, pub oom_kills: Option<u64> }
-impl Cgroup {
-    pub fn at(path: PathBuf) -> Cgroup { Cgroup { path } }
-    pub fn path(&self) -> &Path { &self.path }
-    pub fn apply(&self, _w: &[CgroupWrite]) -> Result<(), CgroupError> { Ok(()) }
-    pub fn open_fd(&self) -> Result<std::os::fd::OwnedFd, CgroupError> { Ok(std::fs::File::open(&self.path).map_err(|e| CgroupError(e.to_string()))?.into()) }
-    pub fn add_process(&self, pid: i32) -> Result<(), CgroupError> { std::fs::write(self.path.join("cgroup.procs"), pid.to_string()).map_err(|e| CgroupError(e.to_string())) }
-    pub fn is_populated(&self) -> Result<bool, CgroupError> { Ok(std::fs::read_to_string(self.path.join("cgroup.events")).map_err(|e| CgroupError(e.to_string()))?.contains("populated 1")) }
-    pub fn kill(&self) -> Result<(), CgroupError> { std::fs::write(self.path.join("cgroup.kill"), "1").map_err(|e| CgroupError(e.to_string())) }
-    pub fn wait_empty(&self, _t: std::time::Duration) -> Result<bool, CgroupError> { for _ in 0..1000 { if !self.is_populated()? { return Ok(true) } std::thread::sleep(std::time::Duration::from_millis(1)); } Ok(false) }
-    pub fn stats(&self) -> Stats { Stats::default() }
-    pub fn remove(&self) -> Result<(), CgroupError> { std::fs::remove_dir(&self.path).map_err(|e| CgroupError(e.to_string())) }
-    pub fn set_device_filter(&self, _rules: &[LinuxDeviceCgroup]) -> Result<(), CgroupError> { Ok(()) }
+
+impl Controller {
+    #[cfg(test)]
+    pub(crate) const ALL: [Controller; 5] = [
+        Controller::Cpu,
+        Controller::Cpuset,
+        Controller::Memory,
+        Controller::Pids,
+        Controller::Io,
+    ];
+
+    /// The name the kernel uses in cgroup.controllers and interface-file prefixes.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Controller::Cpu => "cpu",
+            Controller::Cpuset => "cpuset",
+            Controller::Memory => "memory",
+            Controller::Pids => "pids",
+            Controller::Io => "io",
+        }
+    }
+}
+
+impl fmt::Display for Controller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn controller_display_is_the_kernel_name() {
+        let names: Vec<String> = Controller::ALL.iter().map(ToString::to_string).collect();
+        assert_eq!(names, ["cpu", "cpuset", "memory", "pids", "io"]);
+    }
 }

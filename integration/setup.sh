@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Installs everything berth's test tiers and benchmarks need on a fresh Debian 12 machine.
+# Usage: integration/setup.sh            (as root; idempotent, safe to run before every test run)
+#
+# - Runs `apt-get update` only when this script has not done so in the last 6 hours (or when apt
+#   has no package lists at all), then installs whatever in PACKAGES is missing.
+# - Then runs integration/vm/prepare.sh (the VM tier's kernel), if that file exists.
+# To add a package, add it to PACKAGES below with a comment saying what needs it.
+set -euo pipefail
+
+PACKAGES=(
+  busybox-static  # integration/busybox-rootfs.sh: the test and benchmark rootfs; VM initramfs
+  runc            # bench/start-latency: the runtime berth is compared with
+  qemu-system-x86 # VM tier: boots a kernel with real cgroup v2 controllers (TCG)
+  cpio            # VM tier: builds the initramfs
+  util-linux      # unshare, mount, losetup: root tier, bench/start-latency
+  iproute2        # ip: network namespace tests
+  file            # integration/busybox-rootfs.sh: checks busybox is statically linked
+  python3         # bench/start-latency: the timing driver
+)
+
+# apt-get update is skipped while this stamp is younger than this many seconds.
+APT_MAX_AGE_S=$((6 * 3600))
+APT_STAMP=/var/lib/apt/periodic/berth-update-success-stamp
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export DEBIAN_FRONTEND=noninteractive
+
+say() { echo "setup: $*"; }
+die() { echo "setup: error: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (it installs Debian packages): sudo $0"
+command -v apt-get >/dev/null || die "apt-get not found: this script supports Debian 12 only"
+
+apt_lists_fresh() {
+  # apt keeps the server's Last-Modified as the mtime of its list files, so their age says
+  # nothing about when `apt-get update` last ran: keep a stamp of our own.
+  [ -f "$APT_STAMP" ] || return 1
+  compgen -G '/var/lib/apt/lists/*_Packages*' >/dev/null || return 1
+  local age=$(($(date +%s) - $(stat -c %Y "$APT_STAMP")))
+  [ "$age" -ge 0 ] && [ "$age" -lt "$APT_MAX_AGE_S" ]
+}
+
+apt_update() {
+  say "apt-get update"
+  apt-get update -qq || die "apt-get update failed (is the Debian mirror reachable?)"
+  mkdir -p "$(dirname "$APT_STAMP")"
+  touch "$APT_STAMP"
+}
+
+missing_packages() {
+  local p
+  for p in "${PACKAGES[@]}"; do
+    if [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" != "install ok installed" ]; then
+      echo "$p"
+    fi
+  done
+}
+
+updated=0
+if apt_lists_fresh; then
+  say "apt lists updated less than $((APT_MAX_AGE_S / 3600)) h ago; not updating"
+else
+  apt_update
+  updated=1
+fi
+
+mapfile -t missing < <(missing_packages)
+if [ "${#missing[@]}" -eq 0 ]; then
+  say "all ${#PACKAGES[@]} packages present"
+else
+  say "installing: ${missing[*]}"
+  if ! apt-get install -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}"; then
+    # A stale list can name package versions the mirror no longer has: update once and retry.
+    [ "$updated" -eq 0 ] || die "apt-get install failed: ${missing[*]}"
+    apt_update
+    apt-get install -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}" ||
+      die "apt-get install failed: ${missing[*]}"
+  fi
+fi
+
+if [ -f "$here/vm/prepare.sh" ]; then
+  say "integration/vm/prepare.sh"
+  bash "$here/vm/prepare.sh" || die "integration/vm/prepare.sh failed"
+else
+  say "integration/vm/prepare.sh not present; no VM kernel fetched"
+fi
+say "done"
