@@ -120,7 +120,10 @@ exit 3
     assert_eq!(status, 3, "the script's exit status comes back:\n{out}");
     let controllers: Vec<&str> = field(&out, "controllers").split(' ').collect();
     for c in ["cpu", "cpuset", "memory", "pids", "io"] {
-        assert!(controllers.contains(&c), "{c} is not enabled: {controllers:?}");
+        assert!(
+            controllers.contains(&c),
+            "{c} is not enabled: {controllers:?}"
+        );
     }
     assert_eq!(field(&out, "berth"), "/usr/bin/berth");
     assert_eq!(field(&out, "rootfs"), "ok");
@@ -142,7 +145,11 @@ echo "control=$?"
 echo "BEGIN control-stderr"; cat /tmp/err; echo "END control-stderr"
 "#);
     let stderr = section(&out, "limited-stderr");
-    assert_eq!(field(&out, "limited"), "137", "a 64 MiB buffer under --memory 32M:\n{out}");
+    assert_eq!(
+        field(&out, "limited"),
+        "137",
+        "a 64 MiB buffer under --memory 32M:\n{out}"
+    );
     assert!(
         stderr.contains("out of memory"),
         "berth says the command ran out of memory: {stderr}"
@@ -181,7 +188,10 @@ echo "status=$?"
         "fork fails at the limit:\n{out}"
     );
     assert!(num(&out, "pids.current") <= 16.0, "{out}");
-    assert!(num(&out, "events.max") >= 1.0, "pids.events counts refused forks:\n{out}");
+    assert!(
+        num(&out, "events.max") >= 1.0,
+        "pids.events counts refused forks:\n{out}"
+    );
 }
 
 #[test]
@@ -207,10 +217,21 @@ echo "status=$?"
     let used = (num(&out, "u1") - num(&out, "u0")) / 1e6;
     let wall = num(&out, "t1") - num(&out, "t0");
     let share = used / wall;
-    eprintln!("busy loop used {used:.3} s of CPU in {wall:.2} s: {:.0}%", share * 100.0);
+    eprintln!(
+        "busy loop used {used:.3} s of CPU in {wall:.2} s: {:.0}%",
+        share * 100.0
+    );
     assert!(wall >= 1.9, "the window is 2 s of guest time, was {wall}");
-    assert!(share <= 0.55, "--cpus 0.5 let the loop use {:.0}% of a CPU", share * 100.0);
-    assert!(share > 0.20, "the loop hardly ran ({:.0}%): the test proves nothing", share * 100.0);
+    assert!(
+        share <= 0.55,
+        "--cpus 0.5 let the loop use {:.0}% of a CPU",
+        share * 100.0
+    );
+    assert!(
+        share > 0.20,
+        "the loop hardly ran ({:.0}%): the test proves nothing",
+        share * 100.0
+    );
 }
 
 #[test]
@@ -255,9 +276,16 @@ echo "null=$(try /dev/null)"
 wait $berth
 echo "berth=$?"
 "#);
-    assert_eq!(field(&out, "vm-kmsg"), "ok", "/dev/kmsg opens outside the container:\n{out}");
+    assert_eq!(
+        field(&out, "vm-kmsg"),
+        "ok",
+        "/dev/kmsg opens outside the container:\n{out}"
+    );
     assert_eq!(field(&out, "cgroups"), "1", "one container cgroup:\n{out}");
-    assert!(field(&out, "cg").starts_with("/sys/fs/cgroup/berth/"), "{out}");
+    assert!(
+        field(&out, "cg").starts_with("/sys/fs/cgroup/berth/"),
+        "{out}"
+    );
     for dev in ["kmsg", "mem"] {
         let v = field(&out, dev);
         assert!(
@@ -266,7 +294,11 @@ echo "berth=$?"
         );
     }
     assert_eq!(field(&out, "null"), "ok", "/dev/null is allowed:\n{out}");
-    assert_eq!(field(&out, "berth"), "0", "the container ran on undisturbed:\n{out}");
+    assert_eq!(
+        field(&out, "berth"),
+        "0",
+        "the container ran on undisturbed:\n{out}"
+    );
 }
 
 #[test]
@@ -280,10 +312,22 @@ berth run --rootfs /rootfs --device /dev/kmsg -- sh -c '
 echo "with-status=$?"
 berth run --rootfs /rootfs -- sh -c 'test -e /dev/kmsg && echo without=present || echo without=absent' 2>&1
 "#);
-    assert_eq!(field(&out, "with-node"), "yes", "--device /dev/kmsg creates the node:\n{out}");
-    assert_eq!(field(&out, "with-open"), "ok", "--device /dev/kmsg allows it:\n{out}");
+    assert_eq!(
+        field(&out, "with-node"),
+        "yes",
+        "--device /dev/kmsg creates the node:\n{out}"
+    );
+    assert_eq!(
+        field(&out, "with-open"),
+        "ok",
+        "--device /dev/kmsg allows it:\n{out}"
+    );
     assert_eq!(field(&out, "with-status"), "0", "{out}");
-    assert_eq!(field(&out, "without"), "absent", "no /dev/kmsg without --device:\n{out}");
+    assert_eq!(
+        field(&out, "without"),
+        "absent",
+        "no /dev/kmsg without --device:\n{out}"
+    );
 }
 
 #[test]
@@ -300,7 +344,11 @@ echo "status=$?"
     assert_eq!(field(&out, "status"), "0", "{out}");
     assert_eq!(field(&out, "memory.max"), "67108864", "{out}");
     assert_eq!(field(&out, "pids.max"), "50", "{out}");
-    assert_eq!(field(&out, "cgroup"), "0::/", "the container is the root of its cgroup namespace");
+    assert_eq!(
+        field(&out, "cgroup"),
+        "0::/",
+        "the container is the root of its cgroup namespace"
+    );
 }
 
 #[test]
@@ -325,9 +373,17 @@ for p in /proc/[0-9]*; do
 done
 echo "END processes"
 "#);
-    assert_eq!(section(&out, "cgroups"), "", "cgroups left under /sys/fs/cgroup/berth");
+    assert_eq!(
+        section(&out, "cgroups"),
+        "",
+        "cgroups left under /sys/fs/cgroup/berth"
+    );
     assert_eq!(section(&out, "mounts"), "", "mounts left behind");
-    assert_eq!(section(&out, "state"), "", "state directories left in /run/berth");
+    assert_eq!(
+        section(&out, "state"),
+        "",
+        "state directories left in /run/berth"
+    );
     assert_eq!(section(&out, "processes"), "", "processes left behind");
     // The runs above must have ended the way each was meant to, or the check proves less.
     assert_eq!(field(&out, "true"), "0", "{out}");
