@@ -1,0 +1,395 @@
+//! VM tier: `berth run` under a real cgroup v2 hierarchy with the memory, pids, cpu, cpuset and io
+//! controllers, which this host's hybrid layout does not offer. Each test boots a throwaway VM with
+//! `integration/vm/run.sh` (QEMU, TCG, a Debian cloud kernel, busybox userland), with the berth
+//! binary at /usr/bin/berth and a busybox rootfs at /rootfs, and runs a shell script in it as
+//! root. berth uses its default configuration there: cgroup root /sys/fs/cgroup/berth.
+//!
+//! Run by integration/test.sh: `cargo test --test vm -- --ignored --test-threads=1`.
+//! Needs qemu-system-x86, cpio and busybox-static, and the kernel cached by
+//! integration/vm/prepare.sh (run.sh fetches it on first use).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+const BERTH: &str = env!("CARGO_BIN_EXE_berth");
+const REPO: &str = env!("CARGO_MANIFEST_DIR");
+const WORK: &str = env!("CARGO_TARGET_TMPDIR");
+
+/// A busybox rootfs built on the host once (the VM has no bash to run the builder).
+fn rootfs() -> &'static Path {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| {
+        let dest = Path::new(WORK).join("vm-busybox-rootfs");
+        let status = Command::new("bash")
+            .arg(Path::new(REPO).join("integration/busybox-rootfs.sh"))
+            .arg(&dest)
+            .status()
+            .expect("running integration/busybox-rootfs.sh");
+        assert!(status.success(), "building the busybox rootfs failed");
+        dest
+    })
+}
+
+/// Runs `script` with /bin/sh as root in a fresh VM (2 CPUs), with berth at /usr/bin/berth and the
+/// busybox rootfs at /rootfs. Returns the script's output (stdout and stderr) and exit status.
+/// Panics when the VM itself fails (the harness's status 125 with a `vm:` reason).
+fn vm(script: &str) -> (String, i32) {
+    vm_with(&[], script)
+}
+
+fn vm_with(harness_args: &[&str], script: &str) -> (String, i32) {
+    static COUNT: AtomicU32 = AtomicU32::new(0);
+    let dir = Path::new(WORK).join("vm-scripts");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!(
+        "{}-{}.sh",
+        std::process::id(),
+        COUNT.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::write(&file, script).unwrap();
+    let out = Command::new(Path::new(REPO).join("integration/vm/run.sh"))
+        .arg("--file")
+        .arg(format!("{BERTH}:/usr/bin/berth"))
+        .arg("--file")
+        .arg(format!("{}:/rootfs", rootfs().display()))
+        .args(["--smp", "2", "--mem", "1024", "--timeout", "180"])
+        .args(harness_args)
+        .arg(&file)
+        .output()
+        .expect("running integration/vm/run.sh");
+    let _ = std::fs::remove_file(&file);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let status = out.status.code().unwrap_or(-1);
+    eprintln!("--- VM script:\n{script}\n--- VM output (status {status}):\n{stdout}");
+    if !stderr.is_empty() {
+        eprintln!("--- harness stderr:\n{stderr}");
+    }
+    assert!(
+        !(status == 125 && stderr.contains("vm: ")),
+        "the VM failed, not the test: {stderr}\n{stdout}"
+    );
+    (stdout, status)
+}
+
+/// The value of the first `key=value` line of `out`.
+fn field<'a>(out: &'a str, key: &str) -> &'a str {
+    let prefix = format!("{key}=");
+    out.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .unwrap_or_else(|| panic!("no {key}= line in the VM output:\n{out}"))
+        .trim()
+}
+
+fn num(out: &str, key: &str) -> f64 {
+    let v = field(out, key);
+    v.parse()
+        .unwrap_or_else(|_| panic!("{key}={v} is not a number in the VM output:\n{out}"))
+}
+
+/// The text between `BEGIN name` and `END name` lines.
+fn section<'a>(out: &'a str, name: &str) -> &'a str {
+    let begin = format!("BEGIN {name}\n");
+    let end = format!("END {name}");
+    let start = out
+        .find(&begin)
+        .unwrap_or_else(|| panic!("no BEGIN {name} in the VM output:\n{out}"))
+        + begin.len();
+    let len = out[start..]
+        .find(&end)
+        .unwrap_or_else(|| panic!("no END {name} in the VM output:\n{out}"));
+    &out[start..start + len]
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn harness_boots_with_cgroup2_controllers_and_reports_the_exit_status() {
+    let (out, status) = vm(r#"
+echo "controllers=$(cat /sys/fs/cgroup/cgroup.subtree_control)"
+echo "berth=$(command -v berth)"
+test -x /rootfs/bin/busybox && echo rootfs=ok
+mkdir -p /tmp/o/l /tmp/o/u /tmp/o/w /tmp/o/m && echo lower > /tmp/o/l/f
+mount -t overlay overlay -o lowerdir=/tmp/o/l,upperdir=/tmp/o/u,workdir=/tmp/o/w /tmp/o/m &&
+  echo "overlay=$(cat /tmp/o/m/f)"
+unshare -m -p -f sh -c 'mount --make-rprivate / && mkdir /tmp/nr && mount -t tmpfs t /tmp/nr &&
+  mkdir /tmp/nr/old && cd /tmp/nr && pivot_root . old && echo "pivot_root=ok pid=$$"'
+exit 3
+"#);
+    assert_eq!(status, 3, "the script's exit status comes back:\n{out}");
+    let controllers: Vec<&str> = field(&out, "controllers").split(' ').collect();
+    for c in ["cpu", "cpuset", "memory", "pids", "io"] {
+        assert!(
+            controllers.contains(&c),
+            "{c} is not enabled: {controllers:?}"
+        );
+    }
+    assert_eq!(field(&out, "berth"), "/usr/bin/berth");
+    assert_eq!(field(&out, "rootfs"), "ok");
+    assert_eq!(field(&out, "overlay"), "lower");
+    assert_eq!(field(&out, "pivot_root"), "ok pid=1");
+    assert!(!out.contains('\r'), "CR characters in the output: {out:?}");
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn memory_limit_oom_kills_and_exits_137() {
+    let (out, _) = vm(r#"
+hog='dd if=/dev/zero of=/dev/null bs=64M count=1'
+berth run --rootfs /rootfs --memory 32M -- $hog 2>/tmp/err
+echo "limited=$?"
+echo "BEGIN limited-stderr"; cat /tmp/err; echo "END limited-stderr"
+berth run --rootfs /rootfs --memory 128M -- $hog 2>/tmp/err
+echo "control=$?"
+echo "BEGIN control-stderr"; cat /tmp/err; echo "END control-stderr"
+"#);
+    let stderr = section(&out, "limited-stderr");
+    assert_eq!(
+        field(&out, "limited"),
+        "137",
+        "a 64 MiB buffer under --memory 32M:\n{out}"
+    );
+    assert!(
+        stderr.contains("out of memory"),
+        "berth says the command ran out of memory: {stderr}"
+    );
+    assert_eq!(
+        field(&out, "control"),
+        "0",
+        "the same command under --memory 128M succeeds:\n{out}"
+    );
+    assert!(!section(&out, "control-stderr").contains("out of memory"));
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn pids_limit_stops_forks() {
+    // The inner shell starts 30 `sleep`s, each announcing itself once forked; forks fail at the
+    // limit. The outer shell then reads the cgroup with builtins only, since it cannot fork either
+    // while the sleeps hold the slots. berth's init and both shells count against the 16.
+    let (out, _) = vm(r#"
+berth run --rootfs /rootfs --pids 16 -- sh -c '
+  read max < /sys/fs/cgroup/pids.max; echo "pids.max=$max"
+  sh -c "i=0; while [ \$i -lt 30 ]; do { echo started; exec sleep 10; } & i=\$((i+1)); done" 2>&1
+  read current < /sys/fs/cgroup/pids.current; echo "pids.current=$current"
+  while read k v; do echo "events.$k=$v"; done < /sys/fs/cgroup/pids.events
+' 2>&1
+echo "status=$?"
+"#);
+    assert_eq!(field(&out, "pids.max"), "16", "{out}");
+    let started = out.lines().filter(|l| *l == "started").count();
+    assert!(
+        (4..=14).contains(&started),
+        "started {started} sleeps of 30 under --pids 16:\n{out}"
+    );
+    assert!(
+        out.contains("can't fork") || out.contains("Resource temporarily unavailable"),
+        "fork fails at the limit:\n{out}"
+    );
+    assert!(num(&out, "pids.current") <= 16.0, "{out}");
+    assert!(
+        num(&out, "events.max") >= 1.0,
+        "pids.events counts refused forks:\n{out}"
+    );
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn cpu_limit_throttles_a_busy_loop_to_half_a_cpu() {
+    let (out, _) = vm(r#"
+berth run --rootfs /rootfs --cpus 0.5 -- sh -c '
+  echo "cpu.max=$(cat /sys/fs/cgroup/cpu.max)"
+  usage() { sed -n "s/^usage_usec //p" /sys/fs/cgroup/cpu.stat; }
+  while :; do :; done &
+  loop=$!
+  sleep 0.2
+  u0=$(usage); t0=$(cut -d" " -f1 /proc/uptime)
+  sleep 2
+  u1=$(usage); t1=$(cut -d" " -f1 /proc/uptime)
+  kill $loop
+  echo "u0=$u0"; echo "u1=$u1"; echo "t0=$t0"; echo "t1=$t1"
+'
+echo "status=$?"
+"#);
+    assert_eq!(field(&out, "cpu.max"), "50000 100000", "{out}");
+    assert_eq!(field(&out, "status"), "0", "{out}");
+    let used = (num(&out, "u1") - num(&out, "u0")) / 1e6;
+    let wall = num(&out, "t1") - num(&out, "t0");
+    let share = used / wall;
+    eprintln!(
+        "busy loop used {used:.3} s of CPU in {wall:.2} s: {:.0}%",
+        share * 100.0
+    );
+    assert!(wall >= 1.9, "the window is 2 s of guest time, was {wall}");
+    assert!(
+        share <= 0.55,
+        "--cpus 0.5 let the loop use {:.0}% of a CPU",
+        share * 100.0
+    );
+    assert!(
+        share > 0.20,
+        "the loop hardly ran ({:.0}%): the test proves nothing",
+        share * 100.0
+    );
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn cpuset_pins_the_container() {
+    let (out, _) = vm(r#"
+echo "vm=$(grep Cpus_allowed_list /proc/self/status | cut -f2)"
+berth run --rootfs /rootfs --cpuset 1 -- sh -c 'echo "pinned=$(grep Cpus_allowed_list /proc/self/status | cut -f2)"'
+echo "status=$?"
+berth run --rootfs /rootfs -- sh -c 'echo "unpinned=$(grep Cpus_allowed_list /proc/self/status | cut -f2)"'
+"#);
+    assert_eq!(field(&out, "vm"), "0-1", "the VM has two CPUs:\n{out}");
+    assert_eq!(field(&out, "status"), "0", "{out}");
+    assert_eq!(field(&out, "pinned"), "1", "{out}");
+    assert_eq!(field(&out, "unpinned"), "0-1", "{out}");
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn device_filter_denies_devices_outside_the_allow_list() {
+    // A process that joins the container's cgroup from outside is subject to its device filter:
+    // /dev/kmsg and /dev/mem are not on the allow-list, /dev/null is. Opens are write-only, so
+    // that only the device filter (not dmesg_restrict) can refuse them.
+    let (out, _) = vm(r#"
+: > /dev/kmsg && echo "vm-kmsg=ok"
+berth run --rootfs /rootfs -- sleep 5 &
+berth=$!
+cg=
+for i in $(seq 100); do
+  for d in /sys/fs/cgroup/berth/*/; do
+    grep -q . "$d/cgroup.procs" 2>/dev/null && cg=${d%/}
+  done
+  [ -n "$cg" ] && break
+  sleep 0.1
+done
+echo "cgroups=$(ls -d /sys/fs/cgroup/berth/*/ | wc -l)"
+echo "cg=$cg"
+try() { sh -c "echo \$\$ > $cg/cgroup.procs && { : > $1; } 2>&1 && echo ok"; }
+echo "kmsg=$(try /dev/kmsg)"
+echo "mem=$(try /dev/mem)"
+echo "null=$(try /dev/null)"
+wait $berth
+echo "berth=$?"
+"#);
+    assert_eq!(
+        field(&out, "vm-kmsg"),
+        "ok",
+        "/dev/kmsg opens outside the container:\n{out}"
+    );
+    assert_eq!(field(&out, "cgroups"), "1", "one container cgroup:\n{out}");
+    assert!(
+        field(&out, "cg").starts_with("/sys/fs/cgroup/berth/"),
+        "{out}"
+    );
+    for dev in ["kmsg", "mem"] {
+        let v = field(&out, dev);
+        assert!(
+            v.contains("Operation not permitted") && !v.ends_with("ok"),
+            "/dev/{dev} from inside the container's cgroup: {v}"
+        );
+    }
+    assert_eq!(field(&out, "null"), "ok", "/dev/null is allowed:\n{out}");
+    assert_eq!(
+        field(&out, "berth"),
+        "0",
+        "the container ran on undisturbed:\n{out}"
+    );
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn device_flag_exposes_and_allows_a_device() {
+    let (out, _) = vm(r#"
+berth run --rootfs /rootfs --device /dev/kmsg -- sh -c '
+  test -c /dev/kmsg && echo "with-node=yes"
+  : > /dev/kmsg && echo "with-open=ok"
+' 2>&1
+echo "with-status=$?"
+berth run --rootfs /rootfs -- sh -c 'test -e /dev/kmsg && echo without=present || echo without=absent' 2>&1
+"#);
+    assert_eq!(
+        field(&out, "with-node"),
+        "yes",
+        "--device /dev/kmsg creates the node:\n{out}"
+    );
+    assert_eq!(
+        field(&out, "with-open"),
+        "ok",
+        "--device /dev/kmsg allows it:\n{out}"
+    );
+    assert_eq!(field(&out, "with-status"), "0", "{out}");
+    assert_eq!(
+        field(&out, "without"),
+        "absent",
+        "no /dev/kmsg without --device:\n{out}"
+    );
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn limits_are_visible_inside_the_container() {
+    let (out, _) = vm(r#"
+berth run --rootfs /rootfs --memory 64M --pids 50 -- sh -c '
+  echo "memory.max=$(cat /sys/fs/cgroup/memory.max)"
+  echo "pids.max=$(cat /sys/fs/cgroup/pids.max)"
+  echo "cgroup=$(cat /proc/self/cgroup)"
+'
+echo "status=$?"
+"#);
+    assert_eq!(field(&out, "status"), "0", "{out}");
+    assert_eq!(field(&out, "memory.max"), "67108864", "{out}");
+    assert_eq!(field(&out, "pids.max"), "50", "{out}");
+    assert_eq!(
+        field(&out, "cgroup"),
+        "0::/",
+        "the container is the root of its cgroup namespace"
+    );
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn nothing_is_left_after_containers_exit() {
+    let (out, _) = vm(r#"
+cat /proc/mounts > /tmp/mounts.before
+berth run --rootfs /rootfs -- true; echo "true=$?"
+berth run --rootfs /rootfs -- sh -c 'exit 7'; echo "exit7=$?"
+berth run --rootfs /rootfs -- sh -c 'sleep 100 & echo bg'; echo "background=$?"
+berth run --rootfs /rootfs --timeout 1 -- sleep 100; echo "timeout=$?"
+berth run --rootfs /rootfs --memory 32M -- dd if=/dev/zero of=/dev/null bs=64M count=1 2>/dev/null
+echo "oom=$?"
+berth run --rootfs /rootfs --pids 8 --cpus 0.5 --cpuset 0 --device /dev/kmsg -- true; echo "limits=$?"
+echo "BEGIN cgroups"; find /sys/fs/cgroup/berth -mindepth 1 -type d; echo "END cgroups"
+echo "BEGIN mounts"; grep -vxF -f /tmp/mounts.before /proc/mounts; echo "END mounts"
+echo "BEGIN state"; ls -A /run/berth 2>/dev/null; echo "END state"
+echo "BEGIN processes"
+for p in /proc/[0-9]*; do
+  c=$(tr '\0' ' ' < $p/cmdline 2>/dev/null)
+  case $c in "/bin/sh /berth/script"*) ;; *berth*|*sleep*) echo "${p#/proc/}: $c" ;; esac
+done
+echo "END processes"
+"#);
+    assert_eq!(
+        section(&out, "cgroups"),
+        "",
+        "cgroups left under /sys/fs/cgroup/berth"
+    );
+    assert_eq!(section(&out, "mounts"), "", "mounts left behind");
+    assert_eq!(
+        section(&out, "state"),
+        "",
+        "state directories left in /run/berth"
+    );
+    assert_eq!(section(&out, "processes"), "", "processes left behind");
+    // The runs above must have ended the way each was meant to, or the check proves less.
+    assert_eq!(field(&out, "true"), "0", "{out}");
+    assert_eq!(field(&out, "exit7"), "7", "{out}");
+    assert_eq!(field(&out, "background"), "0", "{out}");
+    assert_eq!(field(&out, "timeout"), "124", "{out}");
+    assert_eq!(field(&out, "oom"), "137", "{out}");
+    assert_eq!(field(&out, "limits"), "0", "{out}");
+}
