@@ -59,7 +59,11 @@ pub enum Rootfs {
     /// Extracted layer directories in overlayfs form, bottom layer first.
     Layers(Vec<PathBuf>),
     /// One squashfs filesystem (an Enroot image or a SIF partition) at `offset` in `file`.
-    Squashfs { file: PathBuf, offset: u64, size: u64 },
+    Squashfs {
+        file: PathBuf,
+        offset: u64,
+        size: u64,
+    },
 }
 
 /// An image in the store, ready to run.

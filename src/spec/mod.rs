@@ -1,6 +1,7 @@
 //! Builds the OCI runtime `Spec` that describes a container, from what the job asked for.
 //! Pure: nothing here touches the host, so every decision is unit-tested. `runtime/` executes it.
 
+pub mod image;
 pub mod parse;
 pub mod user;
 
