@@ -334,8 +334,10 @@ berth run --rootfs /rootfs -- sh -c 'test -e /dev/kmsg && echo without=present |
 #[ignore = "vm tier: run by integration/test.sh"]
 fn limits_are_visible_inside_the_container() {
     let (out, _) = vm(r#"
-berth run --rootfs /rootfs --memory 64M --pids 50 -- sh -c '
+berth run --rootfs /rootfs --memory 64M --memory-swap 16M --cpus 1.5 --pids 50 -- sh -c '
   echo "memory.max=$(cat /sys/fs/cgroup/memory.max)"
+  echo "memory.swap.max=$(cat /sys/fs/cgroup/memory.swap.max)"
+  echo "cpu.max=$(cat /sys/fs/cgroup/cpu.max)"
   echo "pids.max=$(cat /sys/fs/cgroup/pids.max)"
   echo "cgroup=$(cat /proc/self/cgroup)"
 '
@@ -343,6 +345,8 @@ echo "status=$?"
 "#);
     assert_eq!(field(&out, "status"), "0", "{out}");
     assert_eq!(field(&out, "memory.max"), "67108864", "{out}");
+    assert_eq!(field(&out, "memory.swap.max"), "16777216", "{out}");
+    assert_eq!(field(&out, "cpu.max"), "150000 100000", "{out}");
     assert_eq!(field(&out, "pids.max"), "50", "{out}");
     assert_eq!(
         field(&out, "cgroup"),
