@@ -411,7 +411,7 @@ fn container_processes_are_tracked_in_their_cgroup() {
     let cgroups = leftover_cgroups();
     assert_eq!(cgroups.len(), 1);
     let procs = std::fs::read_to_string(
-        Path::new(CGROUP_ROOT)
+        Path::new(cgroup_root())
             .join(&cgroups[0])
             .join("cgroup.procs"),
     )
@@ -545,7 +545,7 @@ fn limits_without_the_controller_fail_before_starting() {
     let err = stderr(&o);
     assert!(!stdout(&o).contains("should-not-run"));
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("memory") && err.contains(CGROUP_ROOT), "{err}");
+    assert!(err.contains("memory") && err.contains(cgroup_root()), "{err}");
     for (flag, val, ctrl) in [
         ("--pids", "10", "pids"),
         ("--cpus", "0.5", "cpu"),
@@ -686,7 +686,7 @@ fn device_filter_denies_devices_outside_the_allow_list() {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(10));
     }
-    let cg = Path::new(CGROUP_ROOT).join(&leftover_cgroups()[0]);
+    let cg = Path::new(cgroup_root()).join(&leftover_cgroups()[0]);
     let try_open = |dev: &str| {
         Command::new("sh")
             .arg("-c")
