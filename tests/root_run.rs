@@ -545,7 +545,10 @@ fn limits_without_the_controller_fail_before_starting() {
     let err = stderr(&o);
     assert!(!stdout(&o).contains("should-not-run"));
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("memory") && err.contains(cgroup_root()), "{err}");
+    assert!(
+        err.contains("memory") && err.contains(cgroup_root()),
+        "{err}"
+    );
     for (flag, val, ctrl) in [
         ("--pids", "10", "pids"),
         ("--cpus", "0.5", "cpu"),

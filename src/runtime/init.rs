@@ -134,7 +134,7 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     }
 }
 
-fn cstrings(items: &[String], what: &str) -> Result<Vec<CString>, SetupError> {
+pub(super) fn cstrings(items: &[String], what: &str) -> Result<Vec<CString>, SetupError> {
     items
         .iter()
         .map(|s| {
@@ -161,7 +161,7 @@ fn start_command(cwd: &std::path::Path, argv: &[CString], env: &[CString]) -> Se
 
 /// Switches to the job's user with its groups, no capabilities in any set and no_new_privs, so
 /// neither a setuid binary nor file capabilities in the image can raise privileges.
-fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<(), SetupError> {
+pub(super) fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<(), SetupError> {
     let user = process.user();
     let fail = |what: &str, e: &dyn std::fmt::Display| {
         SetupError::new(format!("{what} for uid {}: {e}", user.uid()))

@@ -4,6 +4,7 @@
 mod clone;
 mod exec;
 mod init;
+pub mod join;
 pub mod mounts;
 mod report;
 mod rootfs;
@@ -44,6 +45,8 @@ pub enum RuntimeError {
     Setup(SetupError),
     #[error("the spec is incomplete: {0}")]
     Spec(&'static str),
+    #[error("no running container '{0}' (see `berth ps`)")]
+    NoContainer(String),
 }
 
 impl RuntimeError {

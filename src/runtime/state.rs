@@ -71,7 +71,10 @@ impl Drop for StateDir {
 /// Writes JSON under a temporary name and renames it, so readers never see half a file.
 fn write_json(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(value).map_err(std::io::Error::other)?)?;
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec(value).map_err(std::io::Error::other)?,
+    )?;
     std::fs::rename(&tmp, path)
 }
 

@@ -97,6 +97,8 @@ pub struct Request {
     pub user: UserIds,
     pub hostname: Option<String>,
     pub mounts: Vec<BindMount>,
+    /// Empty tmpfs mounts (Pyxis's `tmpfs` mount source).
+    pub tmpfs: Vec<PathBuf>,
     pub devices: Vec<HostDevice>,
     pub limits: Limits,
     pub net: Net,
@@ -330,6 +332,14 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
             "bind",
             &m.source.display().to_string(),
             &["rbind", mode, "nosuid", "nodev"],
+        )?);
+    }
+    for dst in &req.tmpfs {
+        list.push(mount(
+            &dst.display().to_string(),
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "nodev", "mode=1777"],
         )?);
     }
     Ok(list)
