@@ -712,3 +712,45 @@ fn device_filter_denies_devices_outside_the_allow_list() {
     child.wait().unwrap();
     let _ = berth(&["gc"]).output();
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn read_only_binds_are_read_only_all_the_way_down_and_hide_berths_mounts() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "tmpfs"])
+        .arg(&sub)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _guard = Unmount(sub.clone());
+    let src = dir.path().to_str().unwrap();
+    let o = run_sh(
+        &["--mount", &format!("{src}:/data:ro")],
+        "touch /data/sub/x 2>&1; mount | grep -c ' /data/sub ' ",
+    );
+    let out = stdout(&o);
+    assert!(
+        out.contains("Read-only file system"),
+        "submount writable: {out}"
+    );
+    assert!(
+        out.trim_end().ends_with('1'),
+        "the submount came along: {out}"
+    );
+    // Binding a parent of berth's state directory must not show the container's own mounts.
+    let state_parent = state_dir().parent().unwrap().to_str().unwrap().to_string();
+    let out = ok(run_sh(
+        &["--mount", &format!("{state_parent}:/host-state")],
+        "mount | grep -c /host-state/ || true",
+    ));
+    assert_eq!(out.trim(), "0", "berth's mounts leaked into a bind: {out}");
+}

@@ -55,6 +55,18 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     .map_err(sys(
         "making / private in the container's mount namespace".into()
     ))?;
+    // Host trees to bind are cloned now, before berth's own mounts below exist, so a recursive
+    // bind of a parent of the state directory cannot carry them into the container.
+    let mut trees = Vec::new();
+    for m in spec.mounts().as_deref().unwrap_or_default() {
+        let options = m.options().as_deref().unwrap_or_default();
+        let is_bind = m.typ().as_deref() == Some("bind")
+            || options.iter().any(|o| o == "bind" || o == "rbind");
+        trees.push(match (is_bind, m.source()) {
+            (true, Some(src)) => mounts::Tree::clone(src, options)?,
+            _ => None,
+        });
+    }
     mount(
         Some("tmpfs"),
         work,
@@ -104,7 +116,13 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     )
     .map_err(sys(format!("opening {}", merged.display())))?;
 
-    for m in spec.mounts().as_deref().unwrap_or_default() {
+    for (m, tree) in spec
+        .mounts()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .zip(&trees)
+    {
         let typ = m.typ().as_deref().unwrap_or("bind");
         let source = m.source().clone().unwrap_or_else(|| PathBuf::from(typ));
         mounts::apply(
@@ -113,6 +131,7 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
             typ,
             &source,
             m.options().as_deref().unwrap_or_default(),
+            tree.as_ref(),
         )?;
     }
     let linux = spec.linux().as_ref();
@@ -132,6 +151,7 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
             "bind",
             &file,
             &["bind".into(), "ro".into(), "nosuid".into(), "nodev".into()],
+            None,
         )?;
     }
     mask_paths(&root)?;
