@@ -277,3 +277,56 @@ fn named_step_containers_persist_across_steps_of_a_job() {
     );
     ok(berth(&["rm", &id]).output().unwrap());
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn epilog_removes_the_jobs_containers_but_not_global_ones() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let req = |step: u32, name: Option<&str>, scope: &str| {
+        let name = name
+            .map(|n| format!(r#", "container-name": "{n}""#))
+            .unwrap_or_default();
+        format!(
+            r#"{{"job_id": 4245, "step_id": {step}, "uid": {uid}, "gid": {gid},
+                "options": {{"container-image": "{rootfs}"{name}}},
+                "plugin": {{"container_scope": "{scope}"}}}}"#
+        )
+    };
+    let a = json(&ok(step_create(&req(0, None, "job"))));
+    let b = json(&ok(step_create(&req(1, Some("jobnamed"), "job"))));
+    let g = json(&ok(step_create(&req(2, Some("globalnamed"), "global"))));
+    let other = json(&ok(step_create(
+        &req(0, None, "job").replace("4245", "4246"),
+    )));
+    let o = berth(&["epilog"])
+        .env("SLURM_JOB_ID", "4245")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ps = ok(berth(&["ps"]).output().unwrap());
+    for gone in [&a, &b] {
+        assert!(!ps.contains(gone["id"].as_str().unwrap()), "{ps}");
+    }
+    for kept in [&g, &other] {
+        assert!(ps.contains(kept["id"].as_str().unwrap()), "{ps}");
+    }
+    ok(berth(&[
+        "rm",
+        g["id"].as_str().unwrap(),
+        other["id"].as_str().unwrap(),
+    ])
+    .output()
+    .unwrap());
+    let o = berth(&["epilog"])
+        .env_remove("SLURM_JOB_ID")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("SLURM_JOB_ID"), "{}", stderr(&o));
+    let o = berth(&["prolog"])
+        .env("SLURM_JOB_ID", "4245")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

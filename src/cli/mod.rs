@@ -4,6 +4,7 @@
 pub mod container;
 pub mod gc;
 pub mod image;
+pub mod prolog;
 pub mod run;
 pub mod step;
 
@@ -45,6 +46,8 @@ pub enum Command {
     Ps(container::PsArgs),
     Gc(gc::GcArgs),
     Step(step::StepArgs),
+    Prolog(prolog::PrologArgs),
+    Epilog(prolog::EpilogArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -91,6 +94,8 @@ impl Cli {
             Command::Ps(args) => container::ps(args, &config),
             Command::Gc(args) => gc::execute(args, &config),
             Command::Step(args) => step::execute(args, &config),
+            Command::Prolog(args) => prolog::prolog(args, &config),
+            Command::Epilog(args) => prolog::epilog(args, &config),
         }
     }
 }
