@@ -55,10 +55,11 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
         let l = &record.labels;
         let of_job = l.get("job") == Some(&job);
         let global = l.get("scope").map(String::as_str) == Some("global");
-        if of_job && !global {
-            if let Err(e) = runtime::remove(&opts, &record.id) {
-                failures.push(runtime_failure(e).message);
-            }
+        if of_job
+            && !global
+            && let Err(e) = runtime::remove(&opts, &record.id)
+        {
+            failures.push(runtime_failure(e).message);
         }
     }
     let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);
