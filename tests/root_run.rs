@@ -754,3 +754,27 @@ fn read_only_binds_are_read_only_all_the_way_down_and_hide_berths_mounts() {
     ));
     assert_eq!(out.trim(), "0", "berth's mounts leaked into a bind: {out}");
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_user_is_added_to_the_containers_passwd_and_group() {
+    let (uid, gid, _) = test_user();
+    let before = snapshot(rootfs());
+    for extra in [&[][..], &["--readonly"][..]] {
+        let mut args = vec!["--user", "berthtest"];
+        args.extend_from_slice(extra);
+        let out = ok(run_sh(
+            &args,
+            "id -un; id -gn; grep '^berthtest:' /etc/passwd /etc/group",
+        ));
+        assert!(out.starts_with("berthtest\nberthtest\n"), "{out}");
+        assert!(
+            out.contains(&format!("berthtest:x:{uid}:{gid}::/home/berthtest:/bin/sh")),
+            "{out}"
+        );
+    }
+    // Users the image knows are not added twice.
+    let out = ok(run_sh(&["--user", "0"], "grep -c '^root:' /etc/passwd"));
+    assert_eq!(out.trim(), "1");
+    assert_eq!(before, snapshot(rootfs()), "the rootfs changed");
+}

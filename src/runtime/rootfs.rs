@@ -162,6 +162,7 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     pivot_root(".", ".").map_err(sys("pivot_root into the container root".into()))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(sys("detaching the host root".into()))?;
     chdir("/").map_err(sys("entering /".into()))?;
+    add_user_entries(spec)?;
     if spec.root().as_ref().and_then(|r| r.readonly()) == Some(true) {
         mount(
             None::<&str>,
@@ -317,4 +318,76 @@ fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
         .map_err(sys(format!("making {path} read-only")))?;
     }
     Ok(())
+}
+
+/// Makes the container's user known to the image: appends it to /etc/passwd and its primary
+/// group to /etc/group when missing, as Enroot and Pyxis do, so tools that look the user up
+/// (`id`, `whoami`, ssh, MPI launchers) work. Runs after pivot_root, so paths resolve inside the
+/// container; the writes land in the tmpfs upper layer. An image without these files is left
+/// alone.
+fn add_user_entries(spec: &Spec) -> Result<(), SetupError> {
+    let Some(process) = spec.process() else {
+        return Ok(());
+    };
+    let user = process.user();
+    let annotations = spec.annotations().clone().unwrap_or_default();
+    let uid = user.uid();
+    let gid = user.gid();
+    let name = user
+        .username()
+        .clone()
+        .unwrap_or_else(|| format!("user{uid}"));
+    let home = annotations
+        .get(crate::spec::HOME_ANNOTATION)
+        .cloned()
+        .unwrap_or_else(|| "/".into());
+    let group = annotations
+        .get(crate::spec::GROUP_NAME_ANNOTATION)
+        .cloned()
+        .unwrap_or_else(|| format!("group{gid}"));
+    append_missing(
+        Path::new("/etc/passwd"),
+        2,
+        uid,
+        &format!("{name}:x:{uid}:{gid}::{home}:/bin/sh"),
+    )?;
+    append_missing(
+        Path::new("/etc/group"),
+        2,
+        gid,
+        &format!("{group}:x:{gid}:"),
+    )
+}
+
+/// Appends `line` to a colon-separated database unless an entry has `id` in field `field`.
+fn append_missing(path: &Path, field: usize, id: u32, line: &str) -> Result<(), SetupError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let id = id.to_string();
+    if text
+        .lines()
+        .any(|l| l.split(':').nth(field) == Some(id.as_str()))
+    {
+        return Ok(());
+    }
+    let sep = if text.is_empty() || text.ends_with('\n') {
+        ""
+    } else {
+        "\n"
+    };
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(path)?;
+        f.write_all(format!("{sep}{line}\n").as_bytes())
+    };
+    match write() {
+        // A read-only image root (or file) keeps the image's database as it is.
+        Err(e) if e.raw_os_error() == Some(libc::EROFS) => Ok(()),
+        Err(e) => Err(SetupError::new(format!(
+            "adding the user to {}: {e}",
+            path.display()
+        ))),
+        Ok(()) => Ok(()),
+    }
 }

@@ -219,6 +219,7 @@ mod tests {
             gid: 1000,
             groups: vec![1000],
             home: Some("/home/alice".into()),
+            ..Default::default()
         }
     }
 

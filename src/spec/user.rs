@@ -16,6 +16,10 @@ pub struct UserIds {
     /// Supplementary groups (may include `gid`).
     pub groups: Vec<u32>,
     pub home: Option<PathBuf>,
+    /// The host's names for the user and its primary group, written into the container's
+    /// /etc/passwd and /etc/group when the image lacks them.
+    pub name: Option<String>,
+    pub group_name: Option<String>,
 }
 
 /// The invoking user (real uid/gid of this process) with its groups.
@@ -94,6 +98,11 @@ pub fn can_read(path: &std::path::Path, user: &UserIds) -> bool {
 }
 
 fn with_groups(uid: u32, gid: u32, user: Option<User>) -> UserIds {
+    let name = user.as_ref().map(|u| u.name.clone());
+    let group_name = Group::from_gid(Gid::from_raw(gid))
+        .ok()
+        .flatten()
+        .map(|g| g.name);
     let (groups, home) = match user {
         Some(user) => {
             let groups = CString::new(user.name.as_bytes())
@@ -110,6 +119,8 @@ fn with_groups(uid: u32, gid: u32, user: Option<User>) -> UserIds {
         gid,
         groups,
         home,
+        name,
+        group_name,
     }
 }
 
