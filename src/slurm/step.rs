@@ -135,6 +135,13 @@ pub fn to_request(
             mounts::Mount::Tmpfs { destination } => tmpfs.push(destination),
         }
     }
+    for dir in pmix_dirs(&step.job_env) {
+        binds.push(BindMount {
+            source: dir.clone(),
+            destination: dir,
+            readonly: false,
+        });
+    }
     if o.container_mount_home == Some(true)
         && let Some(home) = &user.home
     {
@@ -205,6 +212,30 @@ pub fn to_request(
     })
 }
 
+/// Environment variables through which Slurm's PMIx plugin tells clients where its server's
+/// sockets live; the directories are bind-mounted at the same path so ranks in the container
+/// reach the server.
+const PMIX_DIR_VARS: [&str; 3] = [
+    "PMIX_SERVER_TMPDIR",
+    "PMIX_SYSTEM_TMPDIR",
+    "SLURM_PMIX_TMPDIR",
+];
+
+fn pmix_dirs(job_env: &[String]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for (k, v) in env::pairs(job_env) {
+        let dir = PathBuf::from(&v);
+        if PMIX_DIR_VARS.contains(&k.as_str())
+            && dir.is_absolute()
+            && dir.is_dir()
+            && !dirs.contains(&dir)
+        {
+            dirs.push(dir);
+        }
+    }
+    dirs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,6 +295,20 @@ mod tests {
         let err =
             to_request(&bad, user(), &["/img".into()], &Default::default(), vec![]).unwrap_err();
         assert!(err.contains("rel"), "{err}");
+    }
+
+    #[test]
+    fn pmix_server_directories_are_mounted() {
+        let tmp = std::env::temp_dir();
+        let t = tmp.display();
+        let s = step(&format!(
+            r#"{{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                "job_env":["PMIX_SERVER_TMPDIR={t}","PMIX_SYSTEM_TMPDIR={t}","PMIX_RANK=0",
+                           "SLURM_PMIX_TMPDIR=/nonexistent/x"]}}"#
+        ));
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        let sources: Vec<_> = req.mounts.iter().map(|m| m.source.clone()).collect();
+        assert_eq!(sources, vec![tmp]);
     }
 
     #[test]
