@@ -362,11 +362,14 @@ impl Transport {
 
     fn transport_error(&self, t: &Target, e: ureq::Error) -> RegistryError {
         match &e {
-            ureq::Error::Rustls(_) | ureq::Error::Tls(_) | ureq::Error::Pem(_) => {
+            _ if tls_failure(&e).is_some() => {
                 let detail = describe(&e);
-                let plain = detail.contains("corrupt message")
-                    || detail.contains("InvalidContentType")
-                    || detail.contains("invalid content type");
+                let plain = matches!(
+                    tls_failure(&e),
+                    Some(rustls::Error::InvalidMessage(
+                        rustls::InvalidMessage::InvalidContentType
+                    ))
+                ) || detail.contains("corrupt message");
                 RegistryError::Tls {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
@@ -436,14 +439,25 @@ pub fn error_body(resp: Resp) -> (StatusCode, String, String) {
     }
 }
 
+/// The TLS failure inside a transport error: rustls reports handshake failures as io errors,
+/// which must not be retried like a dropped connection.
+fn tls_failure(e: &ureq::Error) -> Option<&rustls::Error> {
+    match e {
+        ureq::Error::Rustls(r) => Some(r),
+        ureq::Error::Io(io) => io.get_ref()?.downcast_ref::<rustls::Error>(),
+        _ => None,
+    }
+}
+
 fn retryable(e: &ureq::Error) -> bool {
-    matches!(
-        e,
-        ureq::Error::Io(_)
-            | ureq::Error::Timeout(_)
-            | ureq::Error::ConnectionFailed
-            | ureq::Error::BodyStalled
-    )
+    tls_failure(e).is_none()
+        && matches!(
+            e,
+            ureq::Error::Io(_)
+                | ureq::Error::Timeout(_)
+                | ureq::Error::ConnectionFailed
+                | ureq::Error::BodyStalled
+        )
 }
 
 /// One line for a transport error (ureq's texts, with the io cause spelled out).

@@ -388,7 +388,11 @@ impl Client {
     }
 
     fn not_ok(&self, t: &Target, resp: http::Resp, what: &str) -> RegistryError {
-        let (status, code, message) = http::error_body(resp);
+        let (status, mut code, message) = http::error_body(resp);
+        if status == StatusCode::NOT_FOUND && code != "NAME_UNKNOWN" && !self.repository_exists(t) {
+            // Registry 2.8 says MANIFEST_UNKNOWN for a missing repository too.
+            code = "NAME_UNKNOWN".to_string();
+        }
         match (status, code.as_str()) {
             (StatusCode::NOT_FOUND, "NAME_UNKNOWN") => RegistryError::NotFound {
                 image: t.image.clone(),
@@ -421,6 +425,15 @@ impl Client {
                 registry: t.registry.clone(),
                 detail: format!("fetching the {what} answered {status} {code} {message}"),
             },
+        }
+    }
+
+    /// Whether the repository exists (its tag list is there); `true` when that cannot be told.
+    fn repository_exists(&self, t: &Target) -> bool {
+        let url = format!("{}tags/list", self.transport.repo_url(t));
+        match self.transport.send(t, Method::Get, &url, None, None, None) {
+            Ok(resp) => resp.status() != StatusCode::NOT_FOUND,
+            Err(_) => true,
         }
     }
 
