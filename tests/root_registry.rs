@@ -415,18 +415,12 @@ fn read(dir: &Path, rel: &str) -> String {
         .unwrap_or_else(|e| panic!("{}/{rel}: {e}", dir.display()))
 }
 
+/// What a user sees for `e` (via ImageError); it must be one line.
 fn one_line(e: &RegistryError) -> String {
-    let text = ImageError::from(clone_error(e)).to_string();
+    let text = ImageError::Registry(e.to_string()).to_string();
     assert!(!text.contains('\n'), "{text}");
     eprintln!("error seen: {text}");
     text
-}
-
-/// RegistryError is not Clone; its one-line text is what users see.
-fn clone_error(e: &RegistryError) -> RegistryError {
-    RegistryError::Config {
-        detail: e.to_string(),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

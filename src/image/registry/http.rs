@@ -268,6 +268,18 @@ impl Transport {
         }
         url.push_str(&format!("scope={}", auth::query_escape(&scope)));
         let realm_host = auth::url_host(realm).unwrap_or_default();
+        let plain_ok = |h: &str| self.insecure.iter().any(|i| i == h);
+        if !(realm.starts_with("https://") || plain_ok(realm_host) || plain_ok(&t.registry)) {
+            // A login must not travel in clear text to a token server the admin did not list.
+            return Err(RegistryError::Protocol {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                detail: format!(
+                    "its token server {realm} is not HTTPS; list {realm_host} in \
+                     registry.insecure if that is intended"
+                ),
+            });
+        }
         let login = self.login_for(t, &[realm_host, &t.registry])?;
         let protocol = |detail: String| RegistryError::Protocol {
             image: t.image.clone(),

@@ -289,6 +289,33 @@ mod tests {
     }
 
     #[test]
+    fn random_manifests_never_panic() {
+        let seeds: [&[u8]; 4] = [
+            br#"{"schemaVersion":2,"config":{"digest":"sha256:aa","size":2},"layers":[]}"#,
+            br#"{"manifests":[{"digest":"x","size":1,"platform":{"architecture":"arm64","os":"linux"}}]}"#,
+            br#"{"mediaType":"application/vnd.oci.image.index.v1+json"}"#,
+            b"[1,2,{}]",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for seed in seeds {
+            for _ in 0..5_000 {
+                let mut doc = seed.to_vec();
+                for _ in 0..3 {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let at = (state % doc.len() as u64) as usize;
+                    doc[at] = (state >> 32) as u8;
+                }
+                if let Ok(Manifest::Index(entries)) = parse(&doc, None) {
+                    let _ = select(&entries, &Wanted::host());
+                    let _ = platforms(&entries);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn manifest_kinds() {
         let image = br#"{"schemaVersion":2,"config":{"digest":"sha256:aa","size":2},
             "layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:bb","size":3}]}"#;
