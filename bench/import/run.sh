@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Registry import: `berth import` against the pipeline Enroot's users effectively run
 # (skopeo copy → umoci unpack → mksquashfs) and against `skopeo copy` alone, on a ~1.2 GiB,
-# 4-layer gzip image in a local docker-registry. See bench/README.md.
+# 4-layer gzip image in a local docker-registry. See bench/import/README.md.
 #
 # Usage: sudo bench/import/run.sh [--arms skopeo,pipeline,berth] [--work DIR] [--keep]
 #
