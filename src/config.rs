@@ -24,6 +24,7 @@ pub enum ConfigError {
 pub struct Config {
     pub cgroup: CgroupConfig,
     pub runtime: RuntimeConfig,
+    pub store: StoreConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -56,6 +57,24 @@ impl Default for RuntimeConfig {
         Self {
             state_dir: PathBuf::from("/run/berth"),
             kill_timeout_s: 10,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// The node's image store (layers, image records, references), shared by all users.
+    pub root: PathBuf,
+    /// Layers an archive or layout import decompresses and extracts at once.
+    pub parallel_layers: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            root: PathBuf::from("/var/lib/berth"),
+            parallel_layers: 4,
         }
     }
 }

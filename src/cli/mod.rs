@@ -2,6 +2,8 @@
 //! returns the process exit status.
 
 pub mod gc;
+pub mod images;
+pub mod import;
 pub mod run;
 
 use std::path::PathBuf;
@@ -37,6 +39,8 @@ pub struct Cli {
 pub enum Command {
     Run(Box<run::RunArgs>),
     Gc(gc::GcArgs),
+    Import(import::ImportArgs),
+    Images(images::ImagesArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -78,6 +82,8 @@ impl Cli {
         match &self.command {
             Command::Run(args) => run::execute(args, &config, self.verbose > 0),
             Command::Gc(args) => gc::execute(args, &config),
+            Command::Import(args) => import::execute(args, &config),
+            Command::Images(args) => images::execute(args, &config),
         }
     }
 }

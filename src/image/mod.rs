@@ -9,7 +9,9 @@
 //! - `store`, `layer`, `archive`: the store, tar-layer extraction, archives and OCI layouts;
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
+pub mod archive;
 pub mod layer;
+pub mod store;
 
 use std::io::Read;
 use std::path::PathBuf;
