@@ -18,6 +18,9 @@ PACKAGES=(
   iproute2        # ip: network namespace tests
   file            # integration/busybox-rootfs.sh: checks busybox is statically linked
   python3         # bench/start-latency: the timing driver
+  skopeo          # root tier (tests/root_store.rs): converts test images to oci-archive, docker-archive
+  podman          # root tier (tests/root_store.rs): podman:// imports (podman image save)
+  zstd            # root tier (tests/root_store.rs): zstd-compressed test layers
 )
 
 # apt-get update is skipped while this stamp is younger than this many seconds.

@@ -1415,6 +1415,86 @@ mod tests {
     }
 
     #[test]
+    fn layer_media_types_oci_and_docker() {
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar"),
+            Some(Compression::None)
+        );
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar+gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar+zstd"),
+            Some(Compression::Zstd)
+        );
+        assert_eq!(
+            compression("application/vnd.docker.image.rootfs.diff.tar.gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            compression("application/vnd.docker.image.rootfs.foreign.diff.tar.gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar+bzip2"),
+            None
+        );
+        assert_eq!(sniff(&[0x1f, 0x8b, 8]), Compression::Gzip);
+        assert_eq!(sniff(&[0x28, 0xb5, 0x2f, 0xfd]), Compression::Zstd);
+        assert_eq!(sniff(b"etc/"), Compression::None);
+    }
+
+    #[test]
+    fn a_nested_index_resolves_to_the_host_platform() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let arm = add_to_layout(&layout, None, &[(layer(&[("arch", b"arm64")]), Comp::Gzip)]);
+        let host = add_to_layout(&layout, None, &[(layer(&[("arch", b"host")]), Comp::Gzip)]);
+        let size = |d: &str| {
+            std::fs::metadata(layout.join("blobs/sha256").join(&d[7..]))
+                .unwrap()
+                .len()
+        };
+        let nested = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "manifests": [
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": arm, "size": size(&arm),
+                 "platform": {"os": "linux", "architecture": "arm64"}},
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": host, "size": size(&host),
+                 "platform": {"os": "linux", "architecture": host_platform().1}},
+            ],
+        }))
+        .unwrap();
+        let nested_digest = sha(&nested);
+        std::fs::write(
+            layout.join("blobs/sha256").join(&nested_digest[7..]),
+            &nested,
+        )
+        .unwrap();
+        let index = serde_json::json!({"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.index.v1+json", "digest": nested_digest,
+            "size": nested.len(), "annotations": {REF_NAME: "multi"}}]});
+        std::fs::write(
+            layout.join("index.json"),
+            serde_json::to_vec(&index).unwrap(),
+        )
+        .unwrap();
+        let s = store(t.path());
+        let r = Reference::OciLayout {
+            dir: layout,
+            name: Some("multi".into()),
+        };
+        let image = import(&s, &r, &quiet).unwrap();
+        assert_eq!(image.digest, host, "the host platform's manifest");
+        let Rootfs::Layers(dirs) = &image.rootfs else {
+            panic!()
+        };
+        assert_eq!(std::fs::read(dirs[0].join("arch")).unwrap(), b"host");
+    }
+
+    #[test]
     fn layouts_and_oci_archives_import_with_every_compression() {
         let t = tempfile::tempdir().unwrap();
         let layout = t.path().join("layout");

@@ -31,7 +31,7 @@ pub use gc::{Entry, GcPolicy, GcReport, Removed, Selector, parse_duration};
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -252,9 +252,25 @@ impl Store {
             parallel_layers: parallel_layers.max(1),
             workspace: Mutex::new(None),
         };
+        // Root only: layers hold images' setuid binaries on a file system that is not
+        // necessarily nosuid, and private images' files. Containers reach them through overlay
+        // mounts made by root, which this does not hinder.
+        let mut builder = std::fs::DirBuilder::new();
+        builder.recursive(true).mode(0o700);
+        builder
+            .create(root)
+            .map_err(|e| store.io("creating the store directory", e))?;
         for dir in ["layers", "images", "refs", "use", "locks", "files", "tmp"] {
-            std::fs::create_dir_all(root.join(dir))
+            let path = root.join(dir);
+            builder
+                .create(&path)
                 .map_err(|e| store.io(format!("creating {dir}/"), e))?;
+            let meta =
+                std::fs::metadata(&path).map_err(|e| store.io(format!("reading {dir}/"), e))?;
+            if meta.mode() & 0o077 != 0 {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
+                    .map_err(|e| store.io(format!("making {dir}/ private (mode 0700)"), e))?;
+            }
         }
         Ok(store)
     }

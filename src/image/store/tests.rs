@@ -451,3 +451,26 @@ fn records_from_other_sources_and_their_files() {
     assert!(matches!(removed, Removed::Image { .. }));
     assert!(!copy.exists(), "the store's copy goes with its image");
 }
+
+#[test]
+fn the_store_is_private_to_root() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("store");
+    std::fs::create_dir_all(root.join("layers")).unwrap();
+    std::fs::set_permissions(root.join("layers"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let s = Store::open_at(&root, 1).unwrap();
+    for dir in ["layers", "images", "refs", "tmp", "files"] {
+        let mode = std::fs::metadata(s.root().join(dir))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700, "{dir}");
+    }
+    let fresh = Store::open_at(&t.path().join("fresh"), 1).unwrap();
+    let mode = std::fs::metadata(fresh.root())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+}
