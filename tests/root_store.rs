@@ -1145,3 +1145,97 @@ fn layers_without_end_of_archive_blocks_import() {
         b"by umoci\n"
     );
 }
+
+/// A tar stream entry by entry (tar crate headers), for the extractor itself.
+fn raw_tar(entries: &[(&str, tar::EntryType, &[u8])], pax: Option<(&str, &[u8])>) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (i, (name, kind, data)) in entries.iter().enumerate() {
+        if i == entries.len() - 1
+            && let Some((key, value)) = pax
+        {
+            // A PAX record is "<length> <key>=<value>\n", the length counting its own digits.
+            let mut rec = format!(" {key}=").into_bytes();
+            rec.extend_from_slice(value);
+            rec.push(b'\n');
+            let mut len = rec.len() + 1;
+            while rec.len() + len.to_string().len() != len {
+                len = rec.len() + len.to_string().len();
+            }
+            let mut data = len.to_string().into_bytes();
+            data.extend_from_slice(&rec);
+            let mut h = tar::Header::new_ustar();
+            h.set_entry_type(tar::EntryType::XHeader);
+            h.set_size(data.len() as u64);
+            b.append_data(&mut h, "PaxHeader", &data[..]).unwrap();
+        }
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(*kind);
+        h.set_size(data.len() as u64);
+        h.set_mode(if *kind == tar::EntryType::Directory {
+            0o755
+        } else {
+            0o644
+        });
+        b.append_data(&mut h, name, *data).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn whiteouts_replace_earlier_entries_and_images_cannot_set_overlay_xattrs() {
+    use tar::EntryType::{Directory, Regular};
+    let t = tempfile::tempdir().unwrap();
+    let layer = t.path().join("layer");
+    std::fs::create_dir(&layer).unwrap();
+    let bytes = raw_tar(
+        &[
+            ("d/", Directory, b""),
+            ("d/f", Regular, b"f"),
+            (".wh.d", Regular, b""),
+            (".wh..wh.plnk/123", Regular, b""),
+            ("x/.wh..wh..opq", Regular, b""),
+            ("x/kept", Regular, b"kept"),
+            ("y", Regular, b"y"),
+        ],
+        Some(("SCHILY.xattr.trusted.overlay.redirect", b"/etc")),
+    );
+    let out = berth::image::layer::extract(&mut &bytes[..], &layer).unwrap();
+    assert_eq!(out.diff_id, sha(&bytes));
+    let d = std::fs::symlink_metadata(layer.join("d")).unwrap();
+    assert!(
+        d.file_type().is_char_device() && d.rdev() == 0,
+        "d is now a whiteout"
+    );
+    assert!(
+        !layer.join(".wh..wh.plnk").exists(),
+        "AUFS metadata is skipped"
+    );
+    assert!(
+        out.skipped.iter().any(|s| s.contains("AUFS")),
+        "{:?}",
+        out.skipped
+    );
+    assert_eq!(
+        get_xattr(&layer.join("x"), "trusted.overlay.opaque"),
+        Some(b"y".to_vec())
+    );
+    assert_eq!(std::fs::read(layer.join("x/kept")).unwrap(), b"kept");
+    assert_eq!(
+        get_xattr(&layer.join("y"), "trusted.overlay.redirect"),
+        None
+    );
+    assert!(
+        out.skipped
+            .iter()
+            .any(|s| s.contains("trusted.overlay.redirect")),
+        "{:?}",
+        out.skipped
+    );
+
+    let bytes = raw_tar(&[(".wh.", Regular, b"")], None);
+    let layer2 = t.path().join("layer2");
+    std::fs::create_dir(&layer2).unwrap();
+    let e = berth::image::layer::extract(&mut &bytes[..], &layer2).unwrap_err();
+    assert!(e.to_string().contains("a whiteout without a name"), "{e}");
+}

@@ -7,7 +7,7 @@
 //!   mtime and extended attributes (`security.capability` included);
 //! - OCI whiteouts `.wh.NAME` become a 0/0 character device `NAME` (overlayfs' whiteout), and
 //!   `.wh..wh..opq` sets `trusted.overlay.opaque=y` on its directory. Other `.wh..wh.*` entries
-//!   (AUFS bookkeeping) are skipped.
+//!   and everything under them (AUFS bookkeeping such as `.wh..wh.plnk/`) are skipped.
 //!
 //! Nothing is ever written outside the directory:
 //! - names are made relative (a leading `/` is dropped, `.` components are ignored) and any
@@ -910,7 +910,16 @@ impl Extractor {
         };
         let name: &[u8] = name;
 
+        if parent_comps.iter().any(|c| c.starts_with(b".wh..wh.")) {
+            self.out
+                .skipped
+                .push(format!("{}: AUFS metadata", String::from_utf8_lossy(&rel)));
+            return Ok(());
+        }
         if let Some(target) = name.strip_prefix(b".wh.") {
+            if target.is_empty() {
+                return Err(Self::refuse(e, "a whiteout without a name"));
+            }
             let parent = self.dir(parent_comps, true)?;
             if target == b".wh..opq" {
                 set_xattr_fd(parent.as_fd(), c"trusted.overlay.opaque", b"y").map_err(|err| {
