@@ -846,16 +846,6 @@ fn import_layer(
         )
         .into());
     }
-    for note in staged.skipped().iter().take(5) {
-        tracing::warn!("{what}: layer {}: skipped {note}", short(&job.diff_id));
-    }
-    if staged.skipped().len() > 5 {
-        tracing::warn!(
-            "{what}: layer {}: skipped {} more entries",
-            short(&job.diff_id),
-            staged.skipped().len() - 5
-        );
-    }
     let extracted = staged
         .extracted()
         .then(|| (staged.size(), staged.tar_bytes()));
@@ -978,8 +968,9 @@ fn run_plan(
         let needed = estimate(&missing);
         store.check_space(&what, needed)?;
         progress(&format!(
-            "importing {what} as {digest}: {} layers, {} to extract (about {})",
+            "importing {what} as {digest}: {} layer{}, {} to extract (about {})",
             layers.len(),
+            if layers.len() == 1 { "" } else { "s" },
             missing.len(),
             human_size(needed)
         ));

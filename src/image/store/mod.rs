@@ -637,6 +637,19 @@ impl Store {
                 });
             }
         };
+        if !x.skipped.is_empty() {
+            let shown: Vec<&str> = x.skipped.iter().take(3).map(String::as_str).collect();
+            let more = x.skipped.len().saturating_sub(shown.len());
+            tracing::warn!(
+                "layer {diff_id}: left out {}{}",
+                shown.join("; "),
+                if more > 0 {
+                    format!("; and {more} more")
+                } else {
+                    String::new()
+                }
+            );
+        }
         Ok(Staged {
             root: self.root.clone(),
             dest,
