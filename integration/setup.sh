@@ -24,6 +24,9 @@ PACKAGES=(
   skopeo          # bench/import: pushes the benchmark image; the skopeo and pipeline arms
   umoci           # bench/import: the pipeline arm (umoci unpack)
   squashfs-tools  # bench/import: the pipeline arm (mksquashfs)
+  # skopeo also converts the root tier's test images (tests/root_store.rs) to oci-archive, docker-archive
+  podman          # root tier (tests/root_store.rs): podman:// imports (podman image save)
+  zstd            # root tier (tests/root_store.rs): zstd-compressed test layers
 )
 
 # apt-get update is skipped while this stamp is younger than this many seconds.

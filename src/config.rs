@@ -25,6 +25,7 @@ pub struct Config {
     pub cgroup: CgroupConfig,
     pub runtime: RuntimeConfig,
     pub registry: RegistryConfig,
+    pub store: StoreConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -101,6 +102,24 @@ impl Default for RegistryConfig {
             read_timeout_s: 60,
             retries: 5,
             retry_backoff_ms: 500,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// The node's image store (layers, image records, references), shared by all users.
+    pub root: PathBuf,
+    /// Layers an archive or layout import decompresses and extracts at once.
+    pub parallel_layers: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            root: PathBuf::from("/var/lib/berth"),
+            parallel_layers: 4,
         }
     }
 }

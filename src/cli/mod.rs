@@ -4,6 +4,8 @@
 pub mod container;
 pub mod gc;
 pub mod image;
+pub mod images;
+pub mod import;
 pub mod prolog;
 pub mod run;
 pub mod step;
@@ -48,6 +50,8 @@ pub enum Command {
     Step(step::StepArgs),
     Prolog(prolog::PrologArgs),
     Epilog(prolog::EpilogArgs),
+    Import(import::ImportArgs),
+    Images(images::ImagesArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -96,6 +100,8 @@ impl Cli {
             Command::Step(args) => step::execute(args, &config),
             Command::Prolog(args) => prolog::prolog(args, &config),
             Command::Epilog(args) => prolog::epilog(args, &config),
+            Command::Import(args) => import::execute(args, &config),
+            Command::Images(args) => images::execute(args, &config),
         }
     }
 }

@@ -9,8 +9,11 @@
 //! - `store`, `layer`, `archive`: the store, tar-layer extraction, archives and OCI layouts;
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
+pub mod archive;
+pub mod layer;
 pub mod reference;
 pub mod registry;
+pub mod store;
 
 use std::io::Read;
 use std::path::PathBuf;

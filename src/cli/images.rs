@@ -1,0 +1,214 @@
+//! `berth images ls|inspect|rm|gc`: what the node's image store holds, and keeping it bounded.
+
+use std::time::SystemTime;
+
+use clap::{Args, Subcommand};
+
+use super::Failure;
+use super::import::{failure, open_store, parse_reference};
+use crate::config::Config;
+use crate::image::store::{self, Entry, GcPolicy, Removed, Store};
+use crate::spec::parse;
+
+/// List, inspect and remove the images in the node's store, or collect garbage
+#[derive(Debug, Args)]
+pub struct ImagesArgs {
+    #[command(subcommand)]
+    pub command: ImagesCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImagesCommand {
+    /// List stored images: reference, digest, size, last use
+    Ls,
+    /// Print an image's record, references, size and use as JSON
+    Inspect {
+        /// A reference as `ls` shows it or as imported, or a digest (a unique prefix will do)
+        #[arg(value_name = "REF|DIGEST")]
+        target: String,
+    },
+    /// Remove a reference (and its image when no other reference keeps it), or an image by
+    /// digest; refuses an image a running container uses
+    Rm {
+        #[arg(value_name = "REF|DIGEST")]
+        target: String,
+    },
+    /// Remove leftovers of killed imports, layers no image uses, and (with options) the least
+    /// recently used images; never an image in use
+    Gc {
+        /// Remove least recently used images until the store holds at most SIZE (e.g. 50G)
+        #[arg(long, value_name = "SIZE")]
+        max_size: Option<String>,
+        /// Remove images not used for DURATION (e.g. 30m, 12h, 7d)
+        #[arg(long, value_name = "DURATION")]
+        unused_for: Option<String>,
+    },
+}
+
+fn select(store: &Store, text: &str) -> Result<store::Selector, Failure> {
+    store.select(text, &parse_reference).map_err(failure)
+}
+
+/// `5 minutes ago`
+fn ago(t: SystemTime) -> String {
+    let s = SystemTime::now()
+        .duration_since(t)
+        .unwrap_or_default()
+        .as_secs();
+    let plural = |n: u64, unit: &str| format!("{n} {unit}{} ago", if n == 1 { "" } else { "s" });
+    match s {
+        0..60 => "just now".into(),
+        60..3600 => plural(s / 60, "minute"),
+        3600..86400 => plural(s / 3600, "hour"),
+        _ => plural(s / 86400, "day"),
+    }
+}
+
+fn short(digest: &str) -> &str {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    &hex[..hex.len().min(12)]
+}
+
+fn table(entries: &[Entry]) -> String {
+    let mut rows = vec![[
+        "REFERENCE".to_string(),
+        "DIGEST".to_string(),
+        "SIZE".to_string(),
+        "LAST USED".to_string(),
+    ]];
+    for e in entries {
+        let refs = if e.references.is_empty() {
+            vec!["<none>".to_string()]
+        } else {
+            e.references.clone()
+        };
+        for r in refs {
+            rows.push([
+                r,
+                short(&e.image.digest).to_string(),
+                store::human_size(e.size),
+                if e.in_use {
+                    "in use".into()
+                } else {
+                    ago(e.last_used)
+                },
+            ]);
+        }
+    }
+    let widths: Vec<usize> = (0..4)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    rows.iter()
+        .map(|r| {
+            format!(
+                "{:w0$}  {:w1$}  {:>w2$}  {}\n",
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2]
+            )
+        })
+        .collect()
+}
+
+fn inspect_json(e: &Entry) -> serde_json::Value {
+    let mut v = serde_json::to_value(&e.image).unwrap_or_default();
+    if let Some(map) = v.as_object_mut() {
+        map.insert("references".into(), e.references.clone().into());
+        map.insert("size".into(), e.size.into());
+        let secs = e
+            .last_used
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        map.insert("last_used".into(), secs.into());
+        map.insert("in_use".into(), e.in_use.into());
+    }
+    v
+}
+
+pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
+    let store = open_store(config)?;
+    match &args.command {
+        ImagesCommand::Ls => print!("{}", table(&store.list())),
+        ImagesCommand::Inspect { target } => {
+            let entry = store.inspect(&select(&store, target)?).map_err(failure)?;
+            let text = serde_json::to_string_pretty(&inspect_json(&entry)).unwrap_or_default();
+            println!("{text}");
+        }
+        ImagesCommand::Rm { target } => {
+            match store.remove(&select(&store, target)?).map_err(failure)? {
+                Removed::Untagged(r) => println!("untagged {r}"),
+                Removed::Image {
+                    digest, references, ..
+                } => {
+                    println!("removed {digest} {}", references.join(" "));
+                }
+            }
+        }
+        ImagesCommand::Gc {
+            max_size,
+            unused_for,
+        } => {
+            let policy = GcPolicy {
+                max_size: max_size
+                    .as_deref()
+                    .map(|s| parse::size(s).map_err(|e| Failure::input(format!("--max-size: {e}"))))
+                    .transpose()?,
+                unused_for: unused_for
+                    .as_deref()
+                    .map(|s| {
+                        store::parse_duration(s)
+                            .map_err(|e| Failure::input(format!("--unused-for: {e}")))
+                    })
+                    .transpose()?,
+            };
+            let report = store.gc(&policy).map_err(failure)?;
+            for (digest, refs, size) in &report.removed {
+                println!(
+                    "removed {digest} {} ({})",
+                    refs.join(" "),
+                    store::human_size(*size)
+                );
+            }
+            for digest in &report.kept_in_use {
+                eprintln!("berth: kept {digest}: in use by a running container");
+            }
+            eprintln!(
+                "berth: gc removed {} images, {} layers and {} leftover workspaces, freed {}; the store holds {}",
+                report.removed.len(),
+                report.layers_removed,
+                report.workspaces_removed,
+                store::human_size(report.bytes_freed),
+                store::human_size(report.size_after)
+            );
+        }
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_times() {
+        let now = SystemTime::now();
+        assert_eq!(ago(now), "just now");
+        assert_eq!(
+            ago(now - std::time::Duration::from_secs(61)),
+            "1 minute ago"
+        );
+        assert_eq!(
+            ago(now - std::time::Duration::from_secs(7300)),
+            "2 hours ago"
+        );
+        assert_eq!(
+            ago(now - std::time::Duration::from_secs(3 * 86400)),
+            "3 days ago"
+        );
+    }
+}

@@ -1,0 +1,57 @@
+//! `berth import REF`: imports an image into the node's store (once) and prints its digest.
+
+use clap::Args;
+
+use super::Failure;
+use crate::config::Config;
+use crate::image::store::Store;
+use crate::image::{ImageError, Reference, archive};
+
+/// Import an image into the node's image store and print its digest
+///
+/// The image is imported once per node: layers already in the store are reused, and a second
+/// import of the same image (even from another process at the same time) waits for the first
+/// and reuses its result. Progress goes to stderr; stdout gets only the digest.
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    /// oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REF], podman://IMAGE[:TAG]
+    /// or dockerd://IMAGE[:TAG]
+    #[arg(value_name = "REF")]
+    pub reference: String,
+}
+
+/// Parses an image reference from the command line.
+pub fn parse_reference(text: &str) -> Result<Reference, ImageError> {
+    archive::parse_local(text).unwrap_or_else(|| {
+        Err(ImageError::Reference(
+            text.to_string(),
+            "use oci:DIR, oci-archive:FILE, docker-archive:FILE, podman://IMAGE or dockerd://IMAGE \
+             (registry, .sqsh and .sif references are not supported yet)"
+                .into(),
+        ))
+    })
+}
+
+/// Exit status and one line for an image error: 2 for a bad reference, 1 otherwise.
+pub fn failure(e: ImageError) -> Failure {
+    match e {
+        ImageError::Reference(..) => Failure::input(e.to_string()),
+        other => Failure {
+            code: 1,
+            message: other.to_string(),
+        },
+    }
+}
+
+pub fn open_store(config: &Config) -> Result<Store, Failure> {
+    Store::open(&config.store).map_err(failure)
+}
+
+pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
+    let reference = parse_reference(&args.reference).map_err(failure)?;
+    let store = open_store(config)?;
+    let progress = |line: &str| eprintln!("berth: {line}");
+    let image = store.import(&reference, &progress).map_err(failure)?;
+    println!("{}", image.digest);
+    Ok(0)
+}
