@@ -9,6 +9,8 @@
 //! - `store`, `layer`, `archive`: the store, tar-layer extraction, archives and OCI layouts;
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
+pub mod sif;
+
 use std::io::Read;
 use std::path::PathBuf;
 
@@ -59,7 +61,11 @@ pub enum Rootfs {
     /// Extracted layer directories in overlayfs form, bottom layer first.
     Layers(Vec<PathBuf>),
     /// One squashfs filesystem (an Enroot image or a SIF partition) at `offset` in `file`.
-    Squashfs { file: PathBuf, offset: u64, size: u64 },
+    Squashfs {
+        file: PathBuf,
+        offset: u64,
+        size: u64,
+    },
 }
 
 /// An image in the store, ready to run.
