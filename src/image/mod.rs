@@ -10,6 +10,7 @@
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
 pub mod sif;
+pub mod synth;
 
 use std::io::Read;
 use std::path::PathBuf;
