@@ -9,7 +9,10 @@
 //! - `store`, `layer`, `archive`: the store, tar-layer extraction, archives and OCI layouts;
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
+pub mod loopdev;
+pub mod mount;
 pub mod sif;
+pub mod squashfs;
 pub mod synth;
 
 use std::io::Read;
