@@ -18,6 +18,7 @@ PACKAGES=(
   iproute2        # ip: network namespace tests
   file            # integration/busybox-rootfs.sh: checks busybox is statically linked
   python3         # bench/start-latency: the timing driver
+  squashfs-tools  # berth export (mksquashfs); image tests build .sqsh and SIF images with it
 )
 
 # apt-get update is skipped while this stamp is younger than this many seconds.

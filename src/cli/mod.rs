@@ -1,6 +1,7 @@
 //! The command line: one file per verb. Each verb turns its arguments into library calls and
 //! returns the process exit status.
 
+pub mod export;
 pub mod gc;
 pub mod run;
 
@@ -37,6 +38,7 @@ pub struct Cli {
 pub enum Command {
     Run(Box<run::RunArgs>),
     Gc(gc::GcArgs),
+    Export(export::ExportArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -78,6 +80,7 @@ impl Cli {
         match &self.command {
             Command::Run(args) => run::execute(args, &config, self.verbose > 0),
             Command::Gc(args) => gc::execute(args, &config),
+            Command::Export(args) => export::execute(args, &config),
         }
     }
 }

@@ -9,6 +9,7 @@
 //! - `store`, `layer`, `archive`: the store, tar-layer extraction, archives and OCI layouts;
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
+pub mod export;
 pub mod loopdev;
 pub mod mount;
 pub mod sif;
