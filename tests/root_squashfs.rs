@@ -308,6 +308,57 @@ fn containers_run_on_the_shared_mount_and_never_write_the_image() {
     assert_eq!(loops_on(&sqsh, 0).len(), 1);
 }
 
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn loop_devices_are_read_only_autoclear_with_either_method_and_race_safe() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data");
+    std::fs::write(&file, vec![7u8; 3 * 4096]).unwrap();
+    for method in [loopdev::Method::Configure, loopdev::Method::SetFd] {
+        let dev = loopdev::LoopDevice::attach_with(&file, 4096, 8192, method).unwrap();
+        assert_eq!(
+            loopdev::backing(dev.number),
+            Some((file.clone(), 4096)),
+            "{method:?}"
+        );
+        assert_eq!(
+            loopdev::flags(dev.number),
+            Some((true, true)),
+            "{method:?}: ro, autoclear"
+        );
+        let size: u64 = std::fs::read_to_string(format!("/sys/block/loop{}/size", dev.number))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert_eq!(size * 512, 8192, "{method:?}: the size limit applies");
+        let n = dev.number;
+        // Nothing mounted on it: closing the last handle detaches it.
+        drop(dev);
+        wait_for("autoclear", || loopdev::backing(n).is_none());
+    }
+    // Many attaches at once race for the same free device; each gets its own.
+    let file = Arc::new(file);
+    let barrier = Arc::new(Barrier::new(6));
+    let threads: Vec<_> = (0..6)
+        .map(|_| {
+            let (file, barrier) = (file.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                loopdev::LoopDevice::attach(&file, 0, 4096).unwrap()
+            })
+        })
+        .collect();
+    let devices: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut numbers: Vec<u32> = devices.iter().map(|d| d.number).collect();
+    numbers.sort();
+    numbers.dedup();
+    assert_eq!(numbers.len(), 6, "{numbers:?}");
+    assert_eq!(loops_on(&file, 0).len(), 6);
+    drop(devices);
+    wait_for("all six to detach", || loops_on(&file, 0).is_empty());
+}
+
 /// A SIF around a squashfs, with a definition file before it so the partition sits at an
 /// offset that is not the first aligned one, as `apptainer build` writes them.
 fn write_sif(out: &Path, sqsh: &Path, fs: FsType, part: PartType) {

@@ -231,8 +231,7 @@ mod tests {
             Source::Layers(vec![rootfs.clone()])
         );
 
-        let sif = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/testdata/sif");
-        let one = sif.join("one-group.sif");
+        let one = crate::image::sif::testdata_sif("one-group.sif");
         let a = parse(&[one.to_str().unwrap(), "-o", "x"]).unwrap();
         assert_eq!(
             source(&a, &cfg).unwrap(),
@@ -242,7 +241,7 @@ mod tests {
                 size: 4096
             }
         );
-        let oci = sif.join("one-object-oci-root-index.sif");
+        let oci = crate::image::sif::testdata_sif("one-object-oci-root-index.sif");
         let a = parse(&[oci.to_str().unwrap(), "-o", "x"]).unwrap();
         assert!(source(&a, &cfg).unwrap_err().message.contains("OCI-SIF"));
 

@@ -389,14 +389,20 @@ fn check(r: libc::c_int) -> std::io::Result<()> {
 }
 
 /// Runs mksquashfs and turns its failure into one line.
-fn run_mksquashfs(mut cmd: Command, tmp: &Path, out: &Path) -> Result<(), ExportError> {
+/// `setup` names what the child does before exec, for the error if that fails.
+fn run_mksquashfs(
+    mut cmd: Command,
+    setup: &str,
+    tmp: &Path,
+    out: &Path,
+) -> Result<(), ExportError> {
     let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| ExportError::Io {
-            what: "starting mksquashfs".into(),
+            what: format!("starting mksquashfs ({setup})"),
             source,
         })?;
     let output = child.wait_with_output().map_err(|source| ExportError::Io {
@@ -459,7 +465,7 @@ fn squash_layers(
         }
         let mut cmd = Command::new(&mksquashfs);
         cmd.args(mksquashfs_args(top, tmp, offset, config));
-        return run_mksquashfs(cmd, tmp, out);
+        return run_mksquashfs(cmd, "reading the directory", tmp, out);
     }
     // A private mount namespace in the child holds the overlay: nothing appears on the host,
     // and the two empty directories it needs go with the scratch guard.
@@ -502,7 +508,12 @@ fn squash_layers(
             ))
         });
     }
-    run_mksquashfs(cmd, tmp, out)
+    run_mksquashfs(
+        cmd,
+        "mounting a read-only overlay of the layers in a private mount namespace",
+        tmp,
+        out,
+    )
 }
 
 fn squash_container(
@@ -598,7 +609,12 @@ fn squash_container(
             check(libc::chdir(c"/".as_ptr()))
         });
     }
-    let result = run_mksquashfs(cmd, tmp, out);
+    let result = run_mksquashfs(
+        cmd,
+        "joining a copy of the container's mount namespace",
+        tmp,
+        out,
+    );
     drop(placeholder);
     result
 }
@@ -745,8 +761,7 @@ mod tests {
     #[test]
     fn copying_a_squashfs_into_a_sif_and_back_preserves_its_bytes() {
         let dir = tempfile::tempdir().unwrap();
-        let sif_in =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/testdata/sif/one-group.sif");
+        let sif_in = crate::image::sif::testdata_sif("one-group.sif");
         let cfg = SquashfsConfig::default();
         // SIF partition -> .sqsh
         let sqsh = dir.path().join("hello.sqsh");

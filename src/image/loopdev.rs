@@ -143,9 +143,28 @@ fn ioctl_ptr<T>(fd: &File, request: libc::c_ulong, arg: *const T) -> Result<libc
     Errno::result(r)
 }
 
+/// How a device is configured; [`LoopDevice::attach`] tries the first and falls back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// `LOOP_CONFIGURE`: one atomic call (Linux 5.8+).
+    Configure,
+    /// `LOOP_SET_FD` then `LOOP_SET_STATUS64`, for older kernels.
+    SetFd,
+}
+
 impl LoopDevice {
     /// Attaches `size` bytes of `file` starting at `offset`, read-only, with autoclear.
     pub fn attach(file: &Path, offset: u64, size: u64) -> Result<LoopDevice, LoopError> {
+        Self::attach_with(file, offset, size, Method::Configure)
+    }
+
+    /// [`Self::attach`] starting with `method` (tests use it to exercise the fallback).
+    pub fn attach_with(
+        file: &Path,
+        offset: u64,
+        size: u64,
+        method: Method,
+    ) -> Result<LoopDevice, LoopError> {
         let control = OpenOptions::new()
             .read(true)
             .write(true)
@@ -184,19 +203,21 @@ impl LoopDevice {
                 file: file.to_path_buf(),
                 errno,
             };
-            match ioctl_ptr(&device, LOOP_CONFIGURE, &config) {
-                Ok(_) => {
-                    return Ok(LoopDevice {
-                        path,
-                        number: n,
-                        device,
-                    });
+            if method == Method::Configure {
+                match ioctl_ptr(&device, LOOP_CONFIGURE, &config) {
+                    Ok(_) => {
+                        return Ok(LoopDevice {
+                            path,
+                            number: n,
+                            device,
+                        });
+                    }
+                    // Another process configured this free device first: take the next one.
+                    Err(Errno::EBUSY) => continue,
+                    // Kernels before 5.8 lack LOOP_CONFIGURE.
+                    Err(Errno::EINVAL | Errno::ENOTTY) => {}
+                    Err(e) => return Err(configure_err(e)),
                 }
-                // Another process configured this free device first: take the next one.
-                Err(Errno::EBUSY) => continue,
-                // Kernels before 5.8 lack LOOP_CONFIGURE.
-                Err(Errno::EINVAL | Errno::ENOTTY) => {}
-                Err(e) => return Err(configure_err(e)),
             }
             match ioctl_ptr::<u8>(
                 &device,
@@ -242,6 +263,15 @@ pub fn backing(number: u32) -> Option<(PathBuf, u64)> {
         .parse()
         .ok()?;
     Some((PathBuf::from(file.trim_end_matches('\n')), offset))
+}
+
+/// Whether loop device `number` is read-only and set to autoclear, from sysfs.
+pub fn flags(number: u32) -> Option<(bool, bool)> {
+    let read = |p: String| std::fs::read_to_string(p).ok().map(|s| s.trim() == "1");
+    Some((
+        read(format!("/sys/block/loop{number}/ro"))?,
+        read(format!("/sys/block/loop{number}/loop/autoclear"))?,
+    ))
 }
 
 /// The loop device number of a `/dev/loopN` path.

@@ -714,24 +714,30 @@ pub fn random_id() -> [u8; 16] {
     id
 }
 
+/// A SIF file of the shared test data (sylabs/sif's test images, see its README), found next to
+/// the checkout or inside it.
+#[cfg(test)]
+pub(crate) fn testdata_sif(name: &str) -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let candidates = [
+        manifest.join("shared/testdata/sif"),
+        manifest.join("../shared/testdata/sif"),
+        PathBuf::from("/work/shared/testdata/sif"),
+    ];
+    candidates
+        .iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("SIF test data {name} not found in {candidates:?}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Cursor;
 
-    const TESTDATA: &str = "/work/shared/testdata/sif";
-
     fn testdata(name: &str) -> PathBuf {
-        // The shared test data sits next to the repository's checkout; CI copies it there too.
-        let candidates = [
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/testdata/sif"),
-            PathBuf::from(TESTDATA),
-        ];
-        candidates
-            .iter()
-            .map(|d| d.join(name))
-            .find(|p| p.exists())
-            .unwrap_or_else(|| panic!("SIF test data {name} not found in {candidates:?}"))
+        testdata_sif(name)
     }
 
     fn load(name: &str) -> (Vec<u8>, Sif) {

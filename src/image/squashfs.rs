@@ -492,9 +492,7 @@ mod tests {
     use std::process::Command;
 
     fn testdata(name: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared/testdata/sif")
-            .join(name)
+        crate::image::sif::testdata_sif(name)
     }
 
     /// Builds a squashfs of `tree` with mksquashfs (squashfs-tools, see integration/setup.sh).
@@ -674,6 +672,73 @@ mod tests {
             assert_eq!(image.source, Reference::Squashfs(sqsh.clone()));
             assert_eq!(image.digest, sha256_file(&sqsh).unwrap());
         }
+    }
+
+    #[test]
+    fn apptainer_sif_config_from_its_partition() {
+        use crate::image::sif::{self, FsType, ObjectKind, PartType, Partition};
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join(".singularity.d/env")).unwrap();
+        std::fs::write(
+            tree.join(".singularity.d/env/10-docker2singularity.sh"),
+            "#!/bin/sh\nexport PATH=\"/opt/bin:/usr/bin\"\nexport LANG=\"${LANG:-\"C.UTF-8\"}\"\n",
+        )
+        .unwrap();
+        std::fs::write(
+            tree.join(".singularity.d/runscript"),
+            "#!/bin/sh\nexec \"$@\"\n",
+        )
+        .unwrap();
+        std::fs::write(tree.join(".singularity.d/labels.json"), "{\"a\": \"b\"}").unwrap();
+        // Apptainer images link /environment and /singularity to their .singularity.d files.
+        symlink(".singularity.d/runscript", tree.join("singularity")).unwrap();
+        let sqsh = dir.path().join("root.sqsh");
+        mksquashfs(&tree, &sqsh, &["-comp", "xz"]);
+        let path = dir.path().join("image.sif");
+        let mut w = sif::Writer::new(File::create(&path).unwrap());
+        let mut labels: &[u8] = b"{}";
+        let labels_kind = ObjectKind::Other {
+            data_type: sif::DataType::Labels,
+            extra: Vec::new(),
+        };
+        w.add(labels_kind, "", &mut labels, 1).unwrap();
+        let partition = ObjectKind::Partition(Partition {
+            fs_type: FsType::Squashfs,
+            part_type: PartType::PrimarySystem,
+            arch: sif::host_arch().into(),
+        });
+        let mut data = File::open(&sqsh).unwrap();
+        w.add(partition, "", &mut data, sif::PARTITION_ALIGNMENT)
+            .unwrap();
+        w.finish(0, sif::random_id()).unwrap();
+        let image = inspect_sif(&path).unwrap();
+        let config = image.config.config().clone().unwrap();
+        assert_eq!(
+            config.env().as_deref().unwrap(),
+            ["PATH=/opt/bin:/usr/bin", "LANG=C.UTF-8"]
+        );
+        assert_eq!(
+            config.entrypoint().as_deref().unwrap(),
+            ["/.singularity.d/runscript"]
+        );
+        assert_eq!(config.labels().as_ref().unwrap()["a"], "b");
+        assert_eq!(
+            image.source,
+            Reference::Sif(std::fs::canonicalize(&path).unwrap())
+        );
+        assert_eq!(
+            image.digest,
+            sha256_file(&path).unwrap(),
+            "the whole SIF is hashed"
+        );
+        let Rootfs::Squashfs { offset, size, .. } = image.rootfs else {
+            panic!("{:?}", image.rootfs)
+        };
+        assert_eq!(
+            (offset, size),
+            (32768, std::fs::metadata(&sqsh).unwrap().len())
+        );
     }
 
     #[test]
