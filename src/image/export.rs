@@ -252,36 +252,70 @@ pub fn export(
         committed: false,
     };
     let _ = std::fs::remove_file(&tmp.path);
+    let bytes = match write_temp(source, &tmp.path, &out, format, config) {
+        Ok(bytes) => bytes,
+        Err(ExportError::NoSpace { .. }) => {
+            // Report the space there is once the partial output is gone.
+            drop(tmp);
+            return Err(no_space(&out));
+        }
+        Err(e) => return Err(e),
+    };
+    std::fs::rename(&tmp.path, &out)
+        .map_err(io_err(&out, format!("renaming into {}", out.display())))?;
+    tmp.committed = true;
+    if let Some(dir) = out.parent()
+        && let Ok(d) = File::open(dir)
+    {
+        let _ = d.sync_all();
+    }
+    Ok(Written {
+        path: out,
+        bytes,
+        format,
+    })
+}
+
+/// Writes the complete file at `tmp` and flushes it to disk; returns its length.
+fn write_temp(
+    source: &Source,
+    tmp: &Path,
+    out: &Path,
+    format: Format,
+    config: &SquashfsConfig,
+) -> Result<u64, ExportError> {
     let offset = match format {
         Format::Sqsh => 0,
         Format::Sif => sif::DATA_OFFSET.next_multiple_of(sif::PARTITION_ALIGNMENT),
     };
-    let written = match source {
+    match source {
         Source::Squashfs {
             file,
             offset: at,
             size,
-        } => probe_squashfs_magic(file, *at)
-            .map_err(ExportError::from)
-            .and_then(|_| copy_range(file, *at, *size, &tmp.path, offset, &out)),
-        Source::Layers(layers) => squash_layers(layers, &tmp.path, offset, config, &out),
-        Source::Container { pid } => squash_container(*pid, &tmp.path, offset, config, &out),
-    };
-    if let Err(ExportError::NoSpace { .. }) = written {
-        // Report the space there is once the partial output is gone.
-        drop(tmp);
-        return Err(no_space(&out));
+        } => {
+            probe_squashfs_magic(file, *at)?;
+            copy_range(file, *at, *size, tmp, offset, out)?;
+        }
+        Source::Layers(layers) => squash_layers(layers, tmp, offset, config, out)?,
+        Source::Container { pid } => squash_container(*pid, tmp, offset, config, out)?,
     }
-    written?;
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .open(&tmp.path)
-        .map_err(io_err(&out, format!("opening {}", tmp.path.display())))?;
+        .open(tmp)
+        .map_err(io_err(out, format!("opening {}", tmp.display())))?;
     let len = file
         .metadata()
-        .map_err(io_err(&out, format!("reading {}", tmp.path.display())))?
+        .map_err(io_err(out, format!("reading {}", tmp.display())))?
         .len();
+    // Not even a superblock: nothing a reader could mount.
+    if len < offset + 96 {
+        return Err(ExportError::Invalid(format!(
+            "{}: only {len} bytes were written, too few for a squashfs",
+            tmp.display()
+        )));
+    }
     if format == Format::Sif {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -298,26 +332,13 @@ pub fn export(
             Err(e) => Err(e),
         };
         header.map_err(io_err(
-            &out,
+            out,
             format!("writing the SIF header of {}", out.display()),
         ))?;
     }
     file.sync_all()
-        .map_err(io_err(&out, format!("flushing {}", tmp.path.display())))?;
-    drop(file);
-    std::fs::rename(&tmp.path, &out)
-        .map_err(io_err(&out, format!("renaming into {}", out.display())))?;
-    tmp.committed = true;
-    if let Some(dir) = out.parent()
-        && let Ok(d) = File::open(dir)
-    {
-        let _ = d.sync_all();
-    }
-    Ok(Written {
-        path: out,
-        bytes: len,
-        format,
-    })
+        .map_err(io_err(out, format!("flushing {}", tmp.display())))?;
+    Ok(len)
 }
 
 fn absolute(out: &Path) -> Result<PathBuf, ExportError> {

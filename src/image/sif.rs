@@ -449,6 +449,11 @@ impl Sif {
         let table = bytes
             .get(start as usize..(start + len) as usize)
             .ok_or_else(|| Fault::Truncated("the descriptor table is incomplete".into()))?;
+        Sif::with_table(header, table, file_len)
+    }
+
+    /// A SIF from its parsed header and the bytes of its descriptor table.
+    fn with_table(header: Header, table: &[u8], file_len: u64) -> Result<Sif, Fault> {
         let mut descriptors = Vec::new();
         for raw in table.chunks_exact(DESCRIPTOR_LEN) {
             if let Some(d) = parse_descriptor(raw, file_len)? {
@@ -477,11 +482,12 @@ impl Sif {
         let mut head = vec![0u8; HEADER_LEN.min(file_len as usize)];
         file.read_exact(&mut head).map_err(io)?;
         let header = parse_header(&head, file_len).map_err(fault)?;
+        // Only the table is read: its offset comes from the file and may be anywhere in it.
         let (start, len) = header.table_extent();
-        let mut bytes = vec![0u8; (start + len) as usize];
-        file.seek(SeekFrom::Start(0)).map_err(io)?;
-        file.read_exact(&mut bytes).map_err(io)?;
-        Sif::parse(&bytes, file_len).map_err(fault)
+        let mut table = vec![0u8; len as usize];
+        file.seek(SeekFrom::Start(start)).map_err(io)?;
+        file.read_exact(&mut table).map_err(io)?;
+        Sif::with_table(header, &table, file_len).map_err(fault)
     }
 
     /// The root file system: the one primary system partition, which must be a plain squashfs.

@@ -374,13 +374,18 @@ impl SquashfsFiles {
             path: path.to_path_buf(),
             source,
         })?;
-        let fs = FilesystemReader::from_reader_with_offset(BufReader::new(file), offset).map_err(
-            |e| SquashfsError::Corrupt {
-                path: path.to_path_buf(),
-                offset,
-                why: format!("reading its directory tree failed: {e}"),
-            },
-        )?;
+        let corrupt = |why: String| SquashfsError::Corrupt {
+            path: path.to_path_buf(),
+            offset,
+            why: format!("reading its directory tree failed: {why}"),
+        };
+        // The image is untrusted input to a parser berth does not own: a panic in it is a
+        // corrupt image, not a crash.
+        let parsed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            FilesystemReader::from_reader_with_offset(BufReader::new(file), offset)
+        }))
+        .map_err(|_| corrupt("the squashfs reader gave up".into()))?;
+        let fs = parsed.map_err(|e| corrupt(e.to_string()))?;
         Ok(Self {
             fs,
             path: path.to_path_buf(),
@@ -449,7 +454,11 @@ impl FileSource for SquashfsFiles {
             return None;
         }
         let mut out = Vec::with_capacity(file.file_len());
-        match self.fs.file(file).reader().read_to_end(&mut out) {
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.fs.file(file).reader().read_to_end(&mut out)
+        }))
+        .unwrap_or_else(|_| Err(std::io::Error::other("the squashfs reader gave up")));
+        match read {
             Ok(_) => Some(out),
             Err(e) => {
                 tracing::warn!(
@@ -739,6 +748,30 @@ mod tests {
             (offset, size),
             (32768, std::fs::metadata(&sqsh).unwrap().len())
         );
+    }
+
+    #[test]
+    fn damaged_images_fail_without_panicking() {
+        let dir = tempfile::tempdir().unwrap();
+        let sif = std::fs::read(testdata("one-group.sif")).unwrap();
+        let good = &sif[36864..36864 + 4096];
+        let path = dir.path().join("damaged.sqsh");
+        let mut failures = 0;
+        for at in (0..700).step_by(3) {
+            for value in [0x00u8, 0xff, 0x80] {
+                let mut b = good.to_vec();
+                b[at] = value;
+                std::fs::write(&path, &b).unwrap();
+                match inspect_squashfs(&path) {
+                    Ok(_) => {}
+                    Err(e) => {
+                        failures += 1;
+                        assert!(!e.to_string().contains('\n'), "{e}");
+                    }
+                }
+            }
+        }
+        assert!(failures > 0, "some damage must be detected");
     }
 
     #[test]
