@@ -23,7 +23,7 @@ PACKAGES=(
   openssl         # registry tests: CA, leaf and token-signing certificates, JWT signatures
   skopeo          # bench/import: pushes the benchmark image; the skopeo and pipeline arms
   umoci           # bench/import: the pipeline arm (umoci unpack)
-  squashfs-tools  # bench/import: the pipeline arm (mksquashfs)
+  squashfs-tools  # berth export (mksquashfs), .sqsh/SIF image tests; bench/import: the pipeline arm
   # skopeo also converts the root tier's test images (tests/root_store.rs) to oci-archive, docker-archive
   podman          # root tier (tests/root_store.rs): podman:// imports (podman image save)
   zstd            # root tier (tests/root_store.rs): zstd-compressed test layers

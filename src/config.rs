@@ -26,6 +26,7 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub registry: RegistryConfig,
     pub store: StoreConfig,
+    pub squashfs: SquashfsConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -124,6 +125,89 @@ impl Default for StoreConfig {
     }
 }
 
+/// Squashfs and SIF images: where they are mounted, and how `berth export` compresses.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SquashfsConfig {
+    /// Where squashfs and SIF images are loop-mounted, once per node: one directory per image
+    /// digest, used as the overlay lower layer of every container of that image.
+    pub mount_dir: PathBuf,
+    /// mksquashfs compression for `berth export`.
+    pub compression: Compression,
+    /// Compression level for zstd (1-22) and gzip (1-9); the other compressors have none.
+    pub compression_level: u32,
+    /// Run an Enroot image's /etc/rc as its entrypoint (what Pyxis --container-entrypoint does).
+    pub enroot_entrypoint: bool,
+}
+
+impl Default for SquashfsConfig {
+    fn default() -> Self {
+        Self {
+            mount_dir: PathBuf::from("/run/berth/images"),
+            compression: Compression::Zstd,
+            compression_level: 3,
+            enroot_entrypoint: false,
+        }
+    }
+}
+
+impl SquashfsConfig {
+    /// Checks values serde cannot: the level's range for the compressor.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(range) = self.compression.levels()
+            && !range.contains(&self.compression_level)
+        {
+            return Err(format!(
+                "[squashfs] compression_level = {}: {} takes {}-{}",
+                self.compression_level,
+                self.compression.name(),
+                range.start(),
+                range.end()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    Zstd,
+    Gzip,
+    Lz4,
+    Xz,
+    Lzo,
+    /// Uncompressed: fastest to write and read, largest.
+    None,
+}
+
+impl Compression {
+    /// The name mksquashfs knows it by.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::Zstd => "zstd",
+            Compression::Gzip => "gzip",
+            Compression::Lz4 => "lz4",
+            Compression::Xz => "xz",
+            Compression::Lzo => "lzo",
+            Compression::None => "none",
+        }
+    }
+
+    /// The levels `-Xcompression-level` accepts, for compressors whose level berth sets.
+    pub fn levels(self) -> Option<std::ops::RangeInclusive<u32>> {
+        match self {
+            Compression::Zstd => Some(1..=22),
+            Compression::Gzip => Some(1..=9),
+            _ => None,
+        }
+    }
+
+    pub fn takes_level(self) -> bool {
+        self.levels().is_some()
+    }
+}
+
 impl Config {
     /// Loads `path`; when `path` is the default location and absent, the defaults apply.
     pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
@@ -176,5 +260,26 @@ mod tests {
         let missing = Path::new("/nonexistent/berth.toml");
         assert_eq!(Config::load(missing, false).unwrap(), Config::default());
         assert!(Config::load(missing, true).is_err());
+    }
+
+    #[test]
+    fn squashfs_section() {
+        let c = Config::parse(
+            "[squashfs]\nmount_dir = \"/var/lib/berth/mnt\"\ncompression = \"gzip\"\ncompression_level = 9\n",
+        )
+        .unwrap();
+        assert_eq!(c.squashfs.mount_dir, PathBuf::from("/var/lib/berth/mnt"));
+        assert_eq!(c.squashfs.compression, Compression::Gzip);
+        assert!(c.squashfs.check().is_ok());
+        assert!(!c.squashfs.enroot_entrypoint);
+        let bad = Config::parse("[squashfs]\ncompression_level = 23\n").unwrap();
+        let err = bad.squashfs.check().unwrap_err();
+        assert!(err.contains("zstd takes 1-22"), "{err}");
+        let lz4 = Config::parse("[squashfs]\ncompression = \"lz4\"\ncompression_level = 99\n");
+        assert!(
+            lz4.unwrap().squashfs.check().is_ok(),
+            "lz4 has no level to check"
+        );
+        assert!(Config::parse("[squashfs]\ncompression = \"brotli\"\n").is_err());
     }
 }

@@ -2,6 +2,7 @@
 //! returns the process exit status.
 
 pub mod container;
+pub mod export;
 pub mod gc;
 pub mod image;
 pub mod images;
@@ -52,6 +53,7 @@ pub enum Command {
     Epilog(prolog::EpilogArgs),
     Import(import::ImportArgs),
     Images(images::ImagesArgs),
+    Export(export::ExportArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -102,6 +104,7 @@ impl Cli {
             Command::Epilog(args) => prolog::epilog(args, &config),
             Command::Import(args) => import::execute(args, &config),
             Command::Images(args) => images::execute(args, &config),
+            Command::Export(args) => export::execute(args, &config),
         }
     }
 }

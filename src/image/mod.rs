@@ -10,10 +10,16 @@
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
 pub mod archive;
+pub mod export;
 pub mod layer;
+pub mod loopdev;
+pub mod mount;
 pub mod reference;
 pub mod registry;
+pub mod sif;
+pub mod squashfs;
 pub mod store;
+pub mod synth;
 
 use std::io::Read;
 use std::path::PathBuf;
