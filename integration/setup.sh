@@ -18,6 +18,14 @@ PACKAGES=(
   iproute2        # ip: network namespace tests
   file            # integration/busybox-rootfs.sh: checks busybox is statically linked
   python3         # bench/start-latency: the timing driver
+  slurmctld       # integration/slurm: the one-host Slurm cluster of tests/root_slurm.rs
+  slurmd          #   (its compute daemon; slurmstepd loads the SPANK plugin)
+  slurm-client    #   (srun, sbatch, sinfo, squeue, scancel)
+  munge           #   (Slurm's authentication daemon)
+  libslurm-dev    # spank/build.rs: slurm/spank.h, slurm_version.h (plugin_version)
+  openmpi-bin     # Slurm MPI tests: mpirun, an MPI runtime
+  libopenmpi-dev  #   (mpicc for the test program)
+  libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)
 )
 
 # apt-get update is skipped while this stamp is younger than this many seconds.
