@@ -68,10 +68,17 @@ ctld_port=${BERTH_SLURM_PORT:-17817}
 node_names=()
 if [ "$nodes" -eq 1 ]; then node_names=("$host"); else node_names=(n1 n2); fi
 
+for port in $(seq "$ctld_port" $((ctld_port + nodes))); do
+  if ss -Hltn "sport = :$port" 2>/dev/null | grep -q .; then
+    die "port $port is in use (another Slurm?): stop it or set BERTH_SLURM_PORT"
+  fi
+done
+
 # munged with its own key and socket, so the host's munge (if any) is untouched.
 dd if=/dev/urandom of="$state/munge/munge.key" bs=1024 count=1 status=none
 chown -R munge:munge "$state/munge"
-chmod 700 "$state/munge"
+# Clients (srun as any user) connect to the socket in it.
+chmod 755 "$state/munge"
 chmod 400 "$state/munge/munge.key"
 socket=$state/munge/munge.socket
 runuser -u munge -- munged --force --socket="$socket" --key-file="$state/munge/munge.key" \

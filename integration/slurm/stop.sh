@@ -23,7 +23,7 @@ stop_pid() {
   [ -f "$file" ] || return 0
   pid=$(cat "$file" 2>/dev/null) || return 0
   [[ $pid =~ ^[0-9]+$ ]] || return 0
-  [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(command -v "$prog")" ] || return 0
+  [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f "$(command -v "$prog")")" ] || return 0
   kill -TERM "$pid" 2>/dev/null || return 0
   for i in $(seq 100); do
     kill -0 "$pid" 2>/dev/null || return 0

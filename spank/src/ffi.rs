@@ -181,6 +181,38 @@ pub fn job_env(sp: spank_t) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// The step's command line (S_JOB_ARGV): for the batch step, the script's path in the spool.
+pub fn job_argv(sp: spank_t) -> Result<Vec<String>, String> {
+    let mut argc: c_int = 0;
+    let mut argv: *const *const c_char = std::ptr::null();
+    // SAFETY: S_JOB_ARGV takes an `int *` and a `char ***`; Slurm fills in its own array.
+    let rc = unsafe {
+        spank_get_item(
+            sp,
+            S_JOB_ARGV,
+            &mut argc as *mut c_int,
+            &mut argv as *mut *const *const c_char,
+        )
+    };
+    if rc != ESPANK_SUCCESS {
+        return Err(strerror(rc));
+    }
+    let mut out = Vec::new();
+    if argv.is_null() {
+        return Ok(out);
+    }
+    for i in 0..usize::try_from(argc).unwrap_or(0) {
+        // SAFETY: `argc` entries, each NUL-terminated or NULL.
+        let p = unsafe { *argv.add(i) };
+        if p.is_null() {
+            break;
+        }
+        // SAFETY: as above.
+        out.push(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+    }
+    Ok(out)
+}
+
 /// One variable of the job's environment (remote context).
 pub fn getenv(sp: spank_t, name: &str) -> Option<String> {
     let n = cstring(name);

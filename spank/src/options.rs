@@ -433,6 +433,22 @@ impl Options {
         }
     }
 
+    /// Adds the bind mount of the batch script `path` (a file in slurmd's spool directory) at
+    /// the same path, read-only, so slurmstepd can execute it inside the container.
+    pub fn add_batch_script(&mut self, path: &str) -> Result<(), String> {
+        if !path.starts_with('/') || path.contains([':', ',']) {
+            return Err(format!(
+                "the batch script path '{path}' cannot be mounted into the container: \
+                 SlurmdSpoolDir must be an absolute path without ':' or ','"
+            ));
+        }
+        push_unique(
+            &mut self.mounts,
+            std::iter::once(format!("{path}:{path}:ro").as_str()),
+        );
+        Ok(())
+    }
+
     /// A container is wanted when an image or a name was given (as in Pyxis).
     pub fn enabled(&self) -> bool {
         self.image.is_some() || self.name.is_some()
@@ -822,6 +838,21 @@ mod tests {
         flag(&mut o, "container-name", Some("x")).unwrap();
         assert!(o.enabled());
         assert!(o.ignored().is_empty());
+    }
+
+    #[test]
+    fn batch_script_is_mounted_read_only_at_its_own_path() {
+        let mut o = Options::default();
+        flag(&mut o, "container-mounts", Some("/data:/data")).unwrap();
+        o.add_batch_script("/var/spool/slurmd/job00012/slurm_script")
+            .unwrap();
+        assert_eq!(
+            o.to_json()["container-mounts"],
+            "/data:/data,/var/spool/slurmd/job00012/slurm_script:/var/spool/slurmd/job00012/slurm_script:ro"
+        );
+        for bad in ["relative/slurm_script", "/a:b/slurm_script", "/a,b/x"] {
+            assert!(o.add_batch_script(bad).unwrap_err().contains(bad));
+        }
     }
 
     #[test]

@@ -301,7 +301,18 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         .ok_or_else(|| berth_line("no step information"))?;
     let job_env = ffi::job_env(sp)
         .map_err(|e| berth_line(format!("cannot read the job's environment: {e}")))?;
-    let request = request::create_request(&step, &st.options.to_json(), &st.config, &job_env);
+    let mut options = st.options.clone();
+    if step.step_id == ffi::SLURM_BATCH_SCRIPT {
+        // slurmstepd executes the batch script from its spool directory on the host: the script
+        // must be at the same path inside the container (read-only), as Pyxis does.
+        let argv = ffi::job_argv(sp)
+            .map_err(|e| berth_line(format!("cannot read the batch script's path: {e}")))?;
+        let script = argv
+            .first()
+            .ok_or_else(|| berth_line("the batch step has no script"))?;
+        options.add_batch_script(script).map_err(berth_line)?;
+    }
+    let request = request::create_request(&step, &options.to_json(), &st.config, &job_env);
     if let Some(dir) = &st.config.debug_request_dir {
         let path = dir.join(format!("{}.{}.json", step.job_id, step.step_id));
         if let Err(e) = std::fs::write(&path, &request) {
