@@ -6,4 +6,5 @@ pub mod cli;
 pub mod config;
 pub mod image;
 pub mod runtime;
+pub mod slurm;
 pub mod spec;

@@ -411,7 +411,7 @@ fn container_processes_are_tracked_in_their_cgroup() {
     let cgroups = leftover_cgroups();
     assert_eq!(cgroups.len(), 1);
     let procs = std::fs::read_to_string(
-        Path::new(CGROUP_ROOT)
+        Path::new(cgroup_root())
             .join(&cgroups[0])
             .join("cgroup.procs"),
     )
@@ -545,7 +545,10 @@ fn limits_without_the_controller_fail_before_starting() {
     let err = stderr(&o);
     assert!(!stdout(&o).contains("should-not-run"));
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("memory") && err.contains(CGROUP_ROOT), "{err}");
+    assert!(
+        err.contains("memory") && err.contains(cgroup_root()),
+        "{err}"
+    );
     for (flag, val, ctrl) in [
         ("--pids", "10", "pids"),
         ("--cpus", "0.5", "cpu"),
@@ -686,7 +689,7 @@ fn device_filter_denies_devices_outside_the_allow_list() {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(10));
     }
-    let cg = Path::new(CGROUP_ROOT).join(&leftover_cgroups()[0]);
+    let cg = Path::new(cgroup_root()).join(&leftover_cgroups()[0]);
     let try_open = |dev: &str| {
         Command::new("sh")
             .arg("-c")
@@ -708,4 +711,70 @@ fn device_filter_denies_devices_outside_the_allow_list() {
     child.kill().unwrap();
     child.wait().unwrap();
     let _ = berth(&["gc"]).output();
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn read_only_binds_are_read_only_all_the_way_down_and_hide_berths_mounts() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "tmpfs"])
+        .arg(&sub)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _guard = Unmount(sub.clone());
+    let src = dir.path().to_str().unwrap();
+    let o = run_sh(
+        &["--mount", &format!("{src}:/data:ro")],
+        "touch /data/sub/x 2>&1; mount | grep -c ' /data/sub ' ",
+    );
+    let out = stdout(&o);
+    assert!(
+        out.contains("Read-only file system"),
+        "submount writable: {out}"
+    );
+    assert!(
+        out.trim_end().ends_with('1'),
+        "the submount came along: {out}"
+    );
+    // Binding a parent of berth's state directory must not show the container's own mounts.
+    let state_parent = state_dir().parent().unwrap().to_str().unwrap().to_string();
+    let out = ok(run_sh(
+        &["--mount", &format!("{state_parent}:/host-state")],
+        "mount | grep -c /host-state/ || true",
+    ));
+    assert_eq!(out.trim(), "0", "berth's mounts leaked into a bind: {out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_user_is_added_to_the_containers_passwd_and_group() {
+    let (uid, gid, _) = test_user();
+    let before = snapshot(rootfs());
+    for extra in [&[][..], &["--readonly"][..]] {
+        let mut args = vec!["--user", "berthtest"];
+        args.extend_from_slice(extra);
+        let out = ok(run_sh(
+            &args,
+            "id -un; id -gn; grep '^berthtest:' /etc/passwd /etc/group",
+        ));
+        assert!(out.starts_with("berthtest\nberthtest\n"), "{out}");
+        assert!(
+            out.contains(&format!("berthtest:x:{uid}:{gid}::/home/berthtest:/bin/sh")),
+            "{out}"
+        );
+    }
+    // Users the image knows are not added twice.
+    let out = ok(run_sh(&["--user", "0"], "grep -c '^root:' /etc/passwd"));
+    assert_eq!(out.trim(), "1");
+    assert_eq!(before, snapshot(rootfs()), "the rootfs changed");
 }

@@ -1,8 +1,12 @@
 //! The command line: one file per verb. Each verb turns its arguments into library calls and
 //! returns the process exit status.
 
+pub mod container;
 pub mod gc;
+pub mod image;
+pub mod prolog;
 pub mod run;
+pub mod step;
 
 use std::path::PathBuf;
 
@@ -36,7 +40,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     Run(Box<run::RunArgs>),
+    Create(Box<container::CreateArgs>),
+    Exec(container::ExecArgs),
+    Rm(container::RmArgs),
+    Ps(container::PsArgs),
     Gc(gc::GcArgs),
+    Step(step::StepArgs),
+    Prolog(prolog::PrologArgs),
+    Epilog(prolog::EpilogArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -77,7 +88,14 @@ impl Cli {
         let config = self.load_config()?;
         match &self.command {
             Command::Run(args) => run::execute(args, &config, self.verbose > 0),
+            Command::Create(args) => container::create(args, &config),
+            Command::Exec(args) => container::exec(args, &config),
+            Command::Rm(args) => container::rm(args, &config),
+            Command::Ps(args) => container::ps(args, &config),
             Command::Gc(args) => gc::execute(args, &config),
+            Command::Step(args) => step::execute(args, &config),
+            Command::Prolog(args) => prolog::prolog(args, &config),
+            Command::Epilog(args) => prolog::epilog(args, &config),
         }
     }
 }

@@ -22,6 +22,21 @@ use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
 /// container cannot be set up and 2 for invalid arguments.
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub container: ContainerArgs,
+
+    /// Kill the container after this many seconds and exit 124
+    #[arg(long, value_name = "SECONDS")]
+    pub timeout: Option<String>,
+
+    /// The command and its arguments
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// What a container is made of: shared by `run` and `create`.
+#[derive(Debug, Args)]
+pub struct ContainerArgs {
     /// Root filesystem directory (never modified: the container writes to an overlay)
     #[arg(long, value_name = "DIR")]
     pub rootfs: PathBuf,
@@ -78,14 +93,6 @@ pub struct RunArgs {
     /// Mount the root filesystem read-only
     #[arg(long)]
     pub readonly: bool,
-
-    /// Kill the container after this many seconds and exit 124
-    #[arg(long, value_name = "SECONDS")]
-    pub timeout: Option<String>,
-
-    /// The command and its arguments
-    #[arg(last = true, required = true, value_name = "CMD")]
-    pub command: Vec<String>,
 }
 
 /// Host files every container sees read-only, as docker gives them.
@@ -103,7 +110,7 @@ fn flag<T>(
 }
 
 /// Validates the arguments against the host and builds the request.
-pub fn request(args: &RunArgs) -> Result<Request, Failure> {
+pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Failure> {
     runtime::check_rootfs(&args.rootfs).map_err(Failure::input)?;
     // Absolute, so the overlay's lowerdir does not depend on the working directory.
     let rootfs = std::fs::canonicalize(&args.rootfs)
@@ -173,24 +180,30 @@ pub fn request(args: &RunArgs) -> Result<Request, Failure> {
     let terminal = std::io::stdin().is_terminal();
     Ok(Request {
         rootfs,
-        args: args.command.clone(),
+        args: command.to_vec(),
         env,
         workdir: args.workdir.clone(),
         user,
         hostname: flag("hostname", &args.hostname, parse::hostname)?,
         mounts,
+        tmpfs: Vec::new(),
         devices,
         limits,
         net: args.net,
         readonly: args.readonly,
         terminal,
-        host_files: HOST_FILES
-            .iter()
-            .map(PathBuf::from)
-            .filter(|p| p.is_file())
-            .collect(),
+        host_files: host_files(),
         term: std::env::var("TERM").ok(),
     })
+}
+
+/// The host files every container gets read-only, those that exist here.
+pub fn host_files() -> Vec<PathBuf> {
+    HOST_FILES
+        .iter()
+        .map(PathBuf::from)
+        .filter(|p| p.is_file())
+        .collect()
 }
 
 fn host_device(path: &PathBuf) -> Result<HostDevice, Failure> {
@@ -229,23 +242,33 @@ fn parse_timeout(text: &Option<String>) -> Result<Option<Duration>, Failure> {
         .transpose()
 }
 
-pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
-    let req = request(args)?;
-    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
-    let opts = runtime::Options {
+/// The runtime's options from the config.
+pub fn options(config: &Config, timeout: Option<Duration>) -> runtime::Options {
+    runtime::Options {
         cgroup_root: config.cgroup.root(),
         state_dir: config.runtime.state_dir.clone(),
-        timeout: parse_timeout(&args.timeout)?,
+        timeout,
         kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
-    };
+    }
+}
+
+/// A runtime error as the one line berth prints, with its exit status.
+pub fn runtime_failure(e: RuntimeError) -> Failure {
+    Failure {
+        code: e.exit_code(),
+        message: match &e {
+            RuntimeError::Setup(s) => s.message.clone(),
+            other => other.to_string(),
+        },
+    }
+}
+
+pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
+    let req = request(&args.container, &args.command)?;
+    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let opts = options(config, parse_timeout(&args.timeout)?);
     let outcome =
-        runtime::run(&spec, std::slice::from_ref(&req.rootfs), &opts).map_err(|e| Failure {
-            code: e.exit_code(),
-            message: match &e {
-                RuntimeError::Setup(s) => s.message.clone(),
-                other => other.to_string(),
-            },
-        })?;
+        runtime::run(&spec, std::slice::from_ref(&req.rootfs), &opts).map_err(runtime_failure)?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
         eprintln!("berth: {}", summary_line(&outcome));

@@ -40,6 +40,8 @@ pub struct InitArgs<'a> {
     pub lifeline: OwnedFd,
     /// Where setup errors and timings go; closed on the command's exec.
     pub report: OwnedFd,
+    /// Hold the namespaces with no command (`runtime::Mode::Hold`).
+    pub hold: bool,
 }
 
 /// Runs init; never returns.
@@ -103,6 +105,16 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     );
 
     let sfd = signal_fd()?;
+    if args.hold {
+        // The container outlives the berth that made it: no parent-death signal, and none of
+        // berth's pipes (a caller reading berth's stdout to the end must not wait for us).
+        let _ = nix::sys::prctl::set_pdeathsig(None);
+        detach_stdio()?;
+        // SAFETY: closing our copy of the fd, which is not used again; the parent sees
+        // end-of-file and knows the container is ready.
+        unsafe { libc::close(args.report.as_raw_fd()) };
+        return Ok(hold(&sfd));
+    }
     // SAFETY: this process is single-threaded (the runtime never starts threads), so the child
     // may run arbitrary code until it execs.
     match unsafe { fork() }.map_err(|e| SetupError::new(format!("forking the command: {e}")))? {
@@ -122,7 +134,7 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     }
 }
 
-fn cstrings(items: &[String], what: &str) -> Result<Vec<CString>, SetupError> {
+pub(super) fn cstrings(items: &[String], what: &str) -> Result<Vec<CString>, SetupError> {
     items
         .iter()
         .map(|s| {
@@ -149,7 +161,7 @@ fn start_command(cwd: &std::path::Path, argv: &[CString], env: &[CString]) -> Se
 
 /// Switches to the job's user with its groups, no capabilities in any set and no_new_privs, so
 /// neither a setuid binary nor file capabilities in the image can raise privileges.
-fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<(), SetupError> {
+pub(super) fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<(), SetupError> {
     let user = process.user();
     let fail = |what: &str, e: &dyn std::fmt::Display| {
         SetupError::new(format!("{what} for uid {}: {e}", user.uid()))
@@ -229,6 +241,44 @@ fn supervise(command: Pid, sfd: &SignalFd, lifeline: &OwnedFd) -> i32 {
             {
                 let _ = kill(command, sig);
             }
+        }
+    }
+}
+
+fn detach_stdio() -> Result<(), SetupError> {
+    let null = nix::fcntl::open(
+        "/dev/null",
+        nix::fcntl::OFlag::O_RDWR,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| SetupError::new(format!("opening /dev/null in the container: {e}")))?;
+    for fd in 0..3 {
+        // SAFETY: dup2 onto the standard descriptors, which this process owns.
+        unsafe { libc::dup2(null.as_raw_fd(), fd) };
+    }
+    Ok(())
+}
+
+/// Holds the container until told to stop, reaping whatever joined its PID namespace and was
+/// orphaned there.
+fn hold(sfd: &SignalFd) -> i32 {
+    loop {
+        match sfd.read_signal() {
+            Ok(Some(info)) if info.ssi_signo as i32 == libc::SIGCHLD => {
+                while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                    if status == WaitStatus::StillAlive {
+                        break;
+                    }
+                }
+            }
+            Ok(Some(info))
+                if [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT]
+                    .contains(&(info.ssi_signo as i32)) =>
+            {
+                return 0;
+            }
+            Ok(_) | Err(Errno::EINTR) | Err(Errno::EAGAIN) => {}
+            Err(_) => return 125,
         }
     }
 }

@@ -4,11 +4,13 @@
 mod clone;
 mod exec;
 mod init;
+pub mod join;
 pub mod mounts;
 mod report;
 mod rootfs;
 pub mod state;
 
+use std::collections::BTreeMap;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -43,6 +45,8 @@ pub enum RuntimeError {
     Setup(SetupError),
     #[error("the spec is incomplete: {0}")]
     Spec(&'static str),
+    #[error("no running container '{0}' (see `berth ps`)")]
+    NoContainer(String),
 }
 
 impl RuntimeError {
@@ -119,9 +123,40 @@ pub struct Outcome {
     pub elapsed: Duration,
 }
 
-/// Runs the container described by `spec` over the root filesystem layers `lowers` (topmost
-/// first) to completion.
-pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, RuntimeError> {
+/// What the container's init does once the root is ready.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Run the Spec's command and exit with it (`berth run`).
+    Run,
+    /// Hold the namespaces open with no command until the container is removed, so that other
+    /// processes can join it (a Slurm step's tasks, `berth exec`). Outlives the berth process.
+    Hold,
+}
+
+/// A container whose init has finished setting up; the guards undo everything on drop.
+struct Started {
+    id: String,
+    pid: Pid,
+    pidfd: std::os::fd::OwnedFd,
+    sfd: SignalFd,
+    lifeline: std::os::fd::OwnedFd,
+    cg: CgroupGuard,
+    state: state::StateDir,
+    record: state::Record,
+    child: ChildGuard,
+    _mask: MaskGuard,
+    timings: Vec<(String, Duration)>,
+}
+
+/// Creates the cgroup and namespaces, starts init and waits until it has set up the root (and,
+/// in `Mode::Run`, exec'd the command).
+fn start(
+    spec: &Spec,
+    lowers: &[PathBuf],
+    opts: &Options,
+    mode: Mode,
+    labels: &BTreeMap<String, String>,
+) -> Result<Started, RuntimeError> {
     let started = Instant::now();
     let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);
     if !reclaimed.is_empty() {
@@ -136,13 +171,15 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
     let id = new_id();
     let hierarchy = Hierarchy::open(&opts.cgroup_root, &cgroup::required_controllers(&resources))?;
     let me = std::process::id() as i32;
-    let record = state::Record {
+    let mut record = state::Record {
         id: id.clone(),
         owner_pid: me,
         owner_start: state::process_start(me).unwrap_or(0),
         cgroup: hierarchy.root().join(&id),
+        init_pid: 0,
+        labels: labels.clone(),
     };
-    let state_dir = state::StateDir::create(&opts.state_dir, &record).map_err(|source| {
+    let state = state::StateDir::create(&opts.state_dir, &record).map_err(|source| {
         RuntimeError::State {
             path: opts.state_dir.clone(),
             source,
@@ -159,19 +196,15 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
     let mut timings = vec![("cgroup".to_string(), started.elapsed())];
 
     let flags = namespace_flags(spec);
-    let sys = |what| move |errno| RuntimeError::Sys { what, errno };
     let (report_r, report_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
     let (life_r, life_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
-    let mut forwarded = SigSet::empty();
-    for sig in FORWARDED {
-        forwarded.add(sig);
-    }
+    let forwarded = forwarded_signals();
     let mut old_mask = SigSet::empty();
     sigprocmask(SigmaskHow::SIG_BLOCK, Some(&forwarded), Some(&mut old_mask))
         .map_err(sys("blocking signals"))?;
-    let _restore = MaskGuard(old_mask);
+    let mask = MaskGuard(old_mask);
 
     let clone_at = Instant::now();
     let (pid, in_cgroup) = match clone::clone_into(flags, cg_fd.as_fd())
@@ -183,9 +216,10 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
             init::main(init::InitArgs {
                 spec,
                 lowers,
-                work: state_dir.work(),
+                work: state.work(),
                 lifeline: life_r,
                 report: report_w,
+                hold: mode == Mode::Hold,
             })
         }
         clone::Forked::Parent { pid, in_cgroup } => (pid, in_cgroup),
@@ -201,7 +235,6 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
     let sfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(sys("creating a signalfd"))?;
 
-    let mut setup_error = None;
     let mut inside = Duration::ZERO;
     for msg in report::receive_all(report_r) {
         match msg {
@@ -210,7 +243,7 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
                 timings.push((stage, d));
             }
             report::Received::Error(code, message) => {
-                setup_error = Some(SetupError::with_code(code, message))
+                return Err(RuntimeError::Setup(SetupError::with_code(code, message)));
             }
         }
     }
@@ -218,24 +251,39 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
         "exec".to_string(),
         clone_at.elapsed().saturating_sub(inside),
     ));
+    record.init_pid = pid.as_raw();
+    Ok(Started {
+        id,
+        pid,
+        pidfd,
+        sfd,
+        lifeline: life_w,
+        cg,
+        state,
+        record,
+        child,
+        _mask: mask,
+        timings,
+    })
+}
 
+/// Runs the container described by `spec` over the root filesystem layers `lowers` (topmost
+/// first) to completion.
+pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, RuntimeError> {
+    let begun = Instant::now();
+    let c = start(spec, lowers, opts, Mode::Run, &BTreeMap::new())?;
     let deadline = opts.timeout.map(|t| Instant::now() + t);
-    let status = wait(pid, &pidfd, &sfd, deadline)?;
-    std::mem::forget(child);
-    drop(life_w);
-    if status.is_none() {
-        cg.cgroup.kill()?;
+    let status = wait(c.pid, &c.pidfd, &c.sfd, deadline)?;
+    std::mem::forget(c.child);
+    drop(c.lifeline);
+    let cgroup = &c.cg.cgroup;
+    if status.is_none() || cgroup.is_populated().unwrap_or(false) {
+        cgroup.kill()?;
     }
-    if cg.cgroup.is_populated().unwrap_or(false) {
-        cg.cgroup.kill()?;
-    }
-    cg.cgroup.wait_empty(opts.kill_timeout)?;
-    let stats = cg.cgroup.stats();
-    drop(cg);
-    drop(state_dir);
-    if let Some(err) = setup_error {
-        return Err(RuntimeError::Setup(err));
-    }
+    cgroup.wait_empty(opts.kill_timeout)?;
+    let stats = cgroup.stats();
+    drop(c.cg);
+    drop(c.state);
     let exit = match status {
         None => Exit::TimedOut,
         Some(_) if stats.oom_kills.unwrap_or(0) > 0 => Exit::OutOfMemory,
@@ -246,9 +294,75 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
     Ok(Outcome {
         exit,
         stats,
-        timings,
-        elapsed: started.elapsed(),
+        timings: c.timings,
+        elapsed: begun.elapsed(),
     })
+}
+
+/// A container left running in `Mode::Hold`.
+#[derive(Clone, Debug)]
+pub struct Created {
+    pub id: String,
+    /// The container's init, whose /proc/PID/ns/* other processes join.
+    pub pid: i32,
+    pub timings: Vec<(String, Duration)>,
+}
+
+/// Creates a container that holds its namespaces until [`remove`]; `labels` (job, step, name,
+/// uid, ...) are recorded for lookups. The Spec's process is what joining processes run as.
+pub fn create(
+    spec: &Spec,
+    lowers: &[PathBuf],
+    opts: &Options,
+    labels: &BTreeMap<String, String>,
+) -> Result<Created, RuntimeError> {
+    let c = start(spec, lowers, opts, Mode::Hold, labels)?;
+    let mut record = c.record;
+    // The container now lives as long as its init: that is the owner gc checks.
+    record.owner_pid = c.pid.as_raw();
+    record.owner_start = state::process_start(c.pid.as_raw()).unwrap_or(0);
+    c.state
+        .save(&record, spec)
+        .map_err(|source| RuntimeError::State {
+            path: c.state.path.clone(),
+            source,
+        })?;
+    // Detach: the init is reparented to init(1) of the host when berth exits; the guards
+    // must not undo the container.
+    std::mem::forget(c.child);
+    std::mem::forget(c.cg);
+    c.state.keep();
+    Ok(Created {
+        id: c.id,
+        pid: record.init_pid,
+        timings: c.timings,
+    })
+}
+
+/// Kills and removes a container by id (idempotent: a missing one is not an error).
+pub fn remove(opts: &Options, id: &str) -> Result<bool, RuntimeError> {
+    let Some((record, _)) = state::load(&opts.state_dir, id) else {
+        return Ok(false);
+    };
+    let cgroup = Cgroup::at(record.cgroup.clone());
+    cgroup.kill()?;
+    cgroup.wait_empty(opts.kill_timeout)?;
+    cgroup.remove()?;
+    let dir = opts.state_dir.join(&record.id);
+    std::fs::remove_dir_all(&dir).map_err(|source| RuntimeError::State { path: dir, source })?;
+    Ok(true)
+}
+
+fn sys(what: &'static str) -> impl Fn(Errno) -> RuntimeError {
+    move |errno| RuntimeError::Sys { what, errno }
+}
+
+fn forwarded_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    for sig in FORWARDED {
+        set.add(sig);
+    }
+    set
 }
 
 /// Waits for init, forwarding signals to it; `None` when the deadline passed first.

@@ -55,6 +55,18 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     .map_err(sys(
         "making / private in the container's mount namespace".into()
     ))?;
+    // Host trees to bind are cloned now, before berth's own mounts below exist, so a recursive
+    // bind of a parent of the state directory cannot carry them into the container.
+    let mut trees = Vec::new();
+    for m in spec.mounts().as_deref().unwrap_or_default() {
+        let options = m.options().as_deref().unwrap_or_default();
+        let is_bind = m.typ().as_deref() == Some("bind")
+            || options.iter().any(|o| o == "bind" || o == "rbind");
+        trees.push(match (is_bind, m.source()) {
+            (true, Some(src)) => mounts::Tree::clone(src, options)?,
+            _ => None,
+        });
+    }
     mount(
         Some("tmpfs"),
         work,
@@ -104,7 +116,13 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     )
     .map_err(sys(format!("opening {}", merged.display())))?;
 
-    for m in spec.mounts().as_deref().unwrap_or_default() {
+    for (m, tree) in spec
+        .mounts()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .zip(&trees)
+    {
         let typ = m.typ().as_deref().unwrap_or("bind");
         let source = m.source().clone().unwrap_or_else(|| PathBuf::from(typ));
         mounts::apply(
@@ -113,6 +131,7 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
             typ,
             &source,
             m.options().as_deref().unwrap_or_default(),
+            tree.as_ref(),
         )?;
     }
     let linux = spec.linux().as_ref();
@@ -132,6 +151,7 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
             "bind",
             &file,
             &["bind".into(), "ro".into(), "nosuid".into(), "nodev".into()],
+            None,
         )?;
     }
     mask_paths(&root)?;
@@ -142,6 +162,7 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
     pivot_root(".", ".").map_err(sys("pivot_root into the container root".into()))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(sys("detaching the host root".into()))?;
     chdir("/").map_err(sys("entering /".into()))?;
+    add_user_entries(spec)?;
     if spec.root().as_ref().and_then(|r| r.readonly()) == Some(true) {
         mount(
             None::<&str>,
@@ -297,4 +318,76 @@ fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
         .map_err(sys(format!("making {path} read-only")))?;
     }
     Ok(())
+}
+
+/// Makes the container's user known to the image: appends it to /etc/passwd and its primary
+/// group to /etc/group when missing, as Enroot and Pyxis do, so tools that look the user up
+/// (`id`, `whoami`, ssh, MPI launchers) work. Runs after pivot_root, so paths resolve inside the
+/// container; the writes land in the tmpfs upper layer. An image without these files is left
+/// alone.
+fn add_user_entries(spec: &Spec) -> Result<(), SetupError> {
+    let Some(process) = spec.process() else {
+        return Ok(());
+    };
+    let user = process.user();
+    let annotations = spec.annotations().clone().unwrap_or_default();
+    let uid = user.uid();
+    let gid = user.gid();
+    let name = user
+        .username()
+        .clone()
+        .unwrap_or_else(|| format!("user{uid}"));
+    let home = annotations
+        .get(crate::spec::HOME_ANNOTATION)
+        .cloned()
+        .unwrap_or_else(|| "/".into());
+    let group = annotations
+        .get(crate::spec::GROUP_NAME_ANNOTATION)
+        .cloned()
+        .unwrap_or_else(|| format!("group{gid}"));
+    append_missing(
+        Path::new("/etc/passwd"),
+        2,
+        uid,
+        &format!("{name}:x:{uid}:{gid}::{home}:/bin/sh"),
+    )?;
+    append_missing(
+        Path::new("/etc/group"),
+        2,
+        gid,
+        &format!("{group}:x:{gid}:"),
+    )
+}
+
+/// Appends `line` to a colon-separated database unless an entry has `id` in field `field`.
+fn append_missing(path: &Path, field: usize, id: u32, line: &str) -> Result<(), SetupError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let id = id.to_string();
+    if text
+        .lines()
+        .any(|l| l.split(':').nth(field) == Some(id.as_str()))
+    {
+        return Ok(());
+    }
+    let sep = if text.is_empty() || text.ends_with('\n') {
+        ""
+    } else {
+        "\n"
+    };
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(path)?;
+        f.write_all(format!("{sep}{line}\n").as_bytes())
+    };
+    match write() {
+        // A read-only image root (or file) keeps the image's database as it is.
+        Err(e) if e.raw_os_error() == Some(libc::EROFS) => Ok(()),
+        Err(e) => Err(SetupError::new(format!(
+            "adding the user to {}: {e}",
+            path.display()
+        ))),
+        Ok(()) => Ok(()),
+    }
 }

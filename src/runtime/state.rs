@@ -2,6 +2,7 @@
 //! killed with SIGKILL left behind: its cgroup and its directory (its mounts died with the
 //! container's mount namespace).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -17,11 +18,18 @@ pub struct Record {
     pub owner_pid: i32,
     pub owner_start: u64,
     pub cgroup: PathBuf,
+    /// The container's init (its namespaces are /proc/PID/ns/*); 0 before it started.
+    #[serde(default)]
+    pub init_pid: i32,
+    /// What the container belongs to: `job`, `step`, `name`, `uid`, ...
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
 }
 
-/// A container's state directory; removed on drop.
+/// A container's state directory; removed on drop unless kept.
 pub struct StateDir {
     pub path: PathBuf,
+    keep: bool,
 }
 
 impl StateDir {
@@ -29,15 +37,21 @@ impl StateDir {
         std::fs::create_dir_all(state_dir)?;
         let path = state_dir.join(&record.id);
         std::fs::create_dir(&path)?;
-        let dir = StateDir { path };
+        let dir = StateDir { path, keep: false };
         std::fs::create_dir(dir.work())?;
-        let tmp = dir.path.join("state.json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec(record).map_err(std::io::Error::other)?,
-        )?;
-        std::fs::rename(&tmp, dir.path.join("state.json"))?;
+        write_json(&dir.path.join("state.json"), record)?;
         Ok(dir)
+    }
+
+    /// Rewrites the record and stores the Spec (what joining processes run as).
+    pub fn save(&self, record: &Record, spec: &oci_spec::runtime::Spec) -> std::io::Result<()> {
+        write_json(&self.path.join("config.json"), spec)?;
+        write_json(&self.path.join("state.json"), record)
+    }
+
+    /// Leaves the directory in place when this value is dropped.
+    pub fn keep(mut self) {
+        self.keep = true;
     }
 
     /// Where init mounts the tmpfs that holds the overlay's upper layer.
@@ -48,8 +62,47 @@ impl StateDir {
 
 impl Drop for StateDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
+}
+
+/// Writes JSON under a temporary name and renames it, so readers never see half a file.
+fn write_json(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec(value).map_err(std::io::Error::other)?,
+    )?;
+    std::fs::rename(&tmp, path)
+}
+
+/// A container's record and Spec (the Spec only for held containers).
+pub fn load(state_dir: &Path, id: &str) -> Option<(Record, Option<oci_spec::runtime::Spec>)> {
+    if id.is_empty() || id.contains('/') || id.starts_with('.') {
+        return None;
+    }
+    let dir = state_dir.join(id);
+    let record = serde_json::from_slice(&std::fs::read(dir.join("state.json")).ok()?).ok()?;
+    let spec = std::fs::read(dir.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    Some((record, spec))
+}
+
+/// Every container record in the state directory.
+pub fn list(state_dir: &Path) -> Vec<Record> {
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let bytes = std::fs::read(e.path().join("state.json")).ok()?;
+            serde_json::from_slice(&bytes).ok()
+        })
+        .collect()
 }
 
 /// Start time of a process in clock ticks since boot (field 22 of /proc/PID/stat).
@@ -79,6 +132,7 @@ pub fn reclaim(state_dir: &Path, kill_timeout: Duration) -> Vec<String> {
         let Ok(record) = serde_json::from_slice::<Record>(&bytes) else {
             continue;
         };
+        // A record still being written by a starting berth has its owner alive too.
         if owner_alive(&record) {
             continue;
         }
@@ -115,6 +169,8 @@ mod tests {
             owner_pid: me,
             owner_start: start,
             cgroup: "/nonexistent".into(),
+            init_pid: 0,
+            labels: Default::default(),
         };
         assert!(owner_alive(&rec));
         rec.owner_start += 1;
@@ -130,6 +186,8 @@ mod tests {
             owner_pid: me,
             owner_start: process_start(me).unwrap(),
             cgroup: dir.path().join("no-cgroup-live"),
+            init_pid: 0,
+            labels: Default::default(),
         };
         let dead = Record {
             id: "dead".into(),
@@ -151,6 +209,8 @@ mod tests {
             owner_pid: r.owner_pid,
             owner_start: r.owner_start,
             cgroup: r.cgroup.clone(),
+            init_pid: r.init_pid,
+            labels: r.labels.clone(),
         }
     }
 }

@@ -18,6 +18,11 @@ use oci_spec::runtime::{
 pub use parse::BindMount;
 pub use user::UserIds;
 
+/// Spec annotations carrying the user's primary group name and home directory, for the entries
+/// the runtime adds to the container's /etc/group and /etc/passwd.
+pub const GROUP_NAME_ANNOTATION: &str = "io.berth.user.group-name";
+pub const HOME_ANNOTATION: &str = "io.berth.user.home";
+
 /// The CFS period berth uses for `--cpus`, as docker and runc do.
 pub const CPU_PERIOD_US: u64 = 100_000;
 
@@ -97,6 +102,8 @@ pub struct Request {
     pub user: UserIds,
     pub hostname: Option<String>,
     pub mounts: Vec<BindMount>,
+    /// Empty tmpfs mounts (Pyxis's `tmpfs` mount source).
+    pub tmpfs: Vec<PathBuf>,
     pub devices: Vec<HostDevice>,
     pub limits: Limits,
     pub net: Net,
@@ -186,11 +193,14 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
         .permitted(none())
         .ambient(none())
         .build()?;
-    let user = UserBuilder::default()
+    let mut user = UserBuilder::default()
         .uid(req.user.uid)
         .gid(req.user.gid)
-        .additional_gids(req.user.groups.clone())
-        .build()?;
+        .additional_gids(req.user.groups.clone());
+    if let Some(name) = &req.user.name {
+        user = user.username(name.clone());
+    }
+    let user = user.build()?;
     let process = ProcessBuilder::default()
         .terminal(req.terminal)
         .user(user)
@@ -216,6 +226,14 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
     // oci-spec's defaults carry a hostname of their own; the container keeps the host's unless
     // one was asked for.
     spec.set_hostname(req.hostname.clone());
+    let mut annotations = std::collections::HashMap::new();
+    if let Some(group) = &req.user.group_name {
+        annotations.insert(GROUP_NAME_ANNOTATION.to_string(), group.clone());
+    }
+    if let Some(home) = &req.user.home {
+        annotations.insert(HOME_ANNOTATION.to_string(), home.display().to_string());
+    }
+    spec.set_annotations(Some(annotations));
     Ok(spec)
 }
 
@@ -332,6 +350,14 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
             &["rbind", mode, "nosuid", "nodev"],
         )?);
     }
+    for dst in &req.tmpfs {
+        list.push(mount(
+            &dst.display().to_string(),
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "nodev", "mode=1777"],
+        )?);
+    }
     Ok(list)
 }
 
@@ -401,6 +427,7 @@ mod tests {
                 gid: 1000,
                 groups: vec![1000, 27],
                 home: Some("/home/alice".into()),
+                ..Default::default()
             },
             host_files: vec!["/etc/hosts".into(), "/etc/hostname".into()],
             ..Default::default()

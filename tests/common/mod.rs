@@ -9,8 +9,20 @@ use std::sync::OnceLock;
 
 pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
-/// The host's cgroup2 mount here is /sys/fs/cgroup/unified (hybrid layout); tests use a subtree.
-pub const CGROUP_ROOT: &str = "/sys/fs/cgroup/unified/berth-test";
+/// The host's cgroup2 mount here is /sys/fs/cgroup/unified (hybrid layout); tests use a subtree
+/// of their own per checkout, so that two checkouts testing at once don't see each other's
+/// containers.
+pub fn cgroup_root() -> &'static str {
+    static ROOT: OnceLock<String> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(env!("CARGO_MANIFEST_DIR"), &mut h);
+        format!(
+            "/sys/fs/cgroup/unified/berth-test-{:08x}",
+            std::hash::Hasher::finish(&h) as u32
+        )
+    })
+}
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -49,7 +61,8 @@ pub fn config() -> &'static Path {
         std::fs::write(
             &path,
             format!(
-                "[cgroup]\nroot = \"{CGROUP_ROOT}\"\n[runtime]\nstate_dir = \"{}\"\n",
+                "[cgroup]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n",
+                cgroup_root(),
                 state_dir().display()
             ),
         )
@@ -96,7 +109,7 @@ pub fn ok(o: Output) -> String {
 
 /// Container cgroups currently under the test root.
 pub fn leftover_cgroups() -> Vec<String> {
-    std::fs::read_dir(CGROUP_ROOT)
+    std::fs::read_dir(cgroup_root())
         .map(|rd| {
             rd.flatten()
                 .filter(|e| e.path().is_dir())

@@ -1,0 +1,194 @@
+//! `berth create`, `berth exec`, `berth rm`, `berth ps`: containers that outlive one command and
+//! that other processes join (the model of a Slurm step's container).
+
+use std::collections::BTreeMap;
+
+use clap::Args;
+use serde::Serialize;
+
+use super::Failure;
+use super::run::{ContainerArgs, options, request, runtime_failure};
+use crate::config::Config;
+use crate::runtime::{self, join, state};
+use crate::spec::{self, parse};
+
+/// Create a container that stays up, holding its namespaces, until `berth rm`
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    pub container: ContainerArgs,
+
+    /// A name to find the container by (unique per user)
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+
+    /// Print a JSON description (id, init pid, namespaces, environment, working directory)
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Run a command in a container made by `berth create`
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Container id or name
+    pub container: String,
+
+    /// Add or override an environment variable
+    #[arg(short, long = "env", value_name = "KEY=VAL")]
+    pub env: Vec<String>,
+
+    /// The command and its arguments
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// Stop and remove containers made by `berth create`
+#[derive(Debug, Args)]
+pub struct RmArgs {
+    /// Container ids or names
+    #[arg(required = true)]
+    pub containers: Vec<String>,
+}
+
+/// List containers on this node
+#[derive(Debug, Args)]
+pub struct PsArgs {
+    /// Print JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What a joining process needs to know, as `berth create --json` and `berth step create` print it.
+#[derive(Debug, Serialize)]
+pub struct Description {
+    pub id: String,
+    pub pid: i32,
+    pub namespaces: BTreeMap<String, String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+}
+
+impl Description {
+    pub fn new(created: &runtime::Created, spec: &oci_spec::runtime::Spec) -> Self {
+        let process = spec.process().as_ref();
+        Self {
+            id: created.id.clone(),
+            pid: created.pid,
+            namespaces: join::namespaces_to_join(created.pid),
+            env: process.and_then(|p| p.env().clone()).unwrap_or_default(),
+            cwd: process
+                .map(|p| p.cwd().display().to_string())
+                .unwrap_or_else(|| "/".into()),
+        }
+    }
+}
+
+/// Resolves an id or a name (of the calling user) to an id.
+pub fn resolve(config: &Config, key: &str) -> Option<String> {
+    let uid = nix::unistd::getuid().as_raw().to_string();
+    let records = state::list(&config.runtime.state_dir);
+    records
+        .iter()
+        .find(|r| r.id == key)
+        .or_else(|| {
+            records.iter().find(|r| {
+                r.labels.get("name").map(String::as_str) == Some(key)
+                    && r.labels.get("uid") == Some(&uid)
+            })
+        })
+        .map(|r| r.id.clone())
+}
+
+pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
+    let req = request(&args.container, &[])?;
+    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let mut labels = BTreeMap::new();
+    labels.insert(
+        "uid".to_string(),
+        nix::unistd::getuid().as_raw().to_string(),
+    );
+    if let Some(name) = &args.name {
+        if resolve(config, name).is_some() {
+            return Err(Failure::input(format!(
+                "--name {name}: a container of that name exists (berth rm {name})"
+            )));
+        }
+        labels.insert("name".to_string(), name.clone());
+    }
+    let created = runtime::create(
+        &spec,
+        std::slice::from_ref(&req.rootfs),
+        &options(config, None),
+        &labels,
+    )
+    .map_err(runtime_failure)?;
+    if args.json {
+        let text = serde_json::to_string(&Description::new(&created, &spec))
+            .map_err(|e| Failure::system(e.to_string()))?;
+        println!("{text}");
+    } else {
+        println!("{}", created.id);
+    }
+    Ok(0)
+}
+
+pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
+    let id = resolve(config, &args.container).ok_or_else(|| {
+        Failure::input(format!("no container '{}' (see berth ps)", args.container))
+    })?;
+    let env = args
+        .env
+        .iter()
+        .map(|e| parse::env_pair(e).map_err(|err| Failure::input(format!("--env: {err}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let exit =
+        join::exec(&options(config, None), &id, &args.command, &env).map_err(runtime_failure)?;
+    Ok(exit.code())
+}
+
+pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
+    let opts = options(config, None);
+    let mut code = 0;
+    for key in &args.containers {
+        match resolve(config, key) {
+            Some(id) => {
+                runtime::remove(&opts, &id).map_err(runtime_failure)?;
+                println!("{id}");
+            }
+            None => {
+                eprintln!("berth: no container '{key}' (see berth ps)");
+                code = 1;
+            }
+        }
+    }
+    Ok(code)
+}
+
+pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
+    let mut records = state::list(&config.runtime.state_dir);
+    records.retain(state::owner_alive);
+    records.sort_by(|a, b| a.id.cmp(&b.id));
+    if args.json {
+        let text =
+            serde_json::to_string_pretty(&records).map_err(|e| Failure::system(e.to_string()))?;
+        println!("{text}");
+        return Ok(0);
+    }
+    println!("{:<14} {:>8}  {:<16} LABELS", "ID", "PID", "NAME");
+    for r in records {
+        let labels: Vec<String> = r
+            .labels
+            .iter()
+            .filter(|(k, _)| *k != "name")
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        println!(
+            "{:<14} {:>8}  {:<16} {}",
+            r.id,
+            r.init_pid,
+            r.labels.get("name").map(String::as_str).unwrap_or("-"),
+            labels.join(",")
+        );
+    }
+    Ok(0)
+}

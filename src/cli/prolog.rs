@@ -1,0 +1,80 @@
+//! `berth prolog` and `berth epilog`: the job's start and end on a node, run by slurmd as root
+//! with the job in Slurm's environment (SLURM_JOB_ID, SLURM_JOB_UID, SPANK_BERTH_IMAGE, ...).
+
+use clap::Args;
+
+use super::Failure;
+use super::run::{options, runtime_failure};
+use crate::config::Config;
+use crate::runtime::{self, state};
+
+/// Prepare the node for a job (Slurm Prolog): fetch the job's image ahead of its first step
+#[derive(Debug, Args)]
+pub struct PrologArgs {}
+
+/// Clean up after a job (Slurm Epilog): remove its containers and leftovers; exit non-zero with a
+/// drain reason when the node is left unhealthy
+#[derive(Debug, Args)]
+pub struct EpilogArgs {}
+
+/// The job this Prolog/Epilog runs for.
+fn job_id() -> Result<String, Failure> {
+    match std::env::var("SLURM_JOB_ID") {
+        Ok(id) if !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()) => Ok(id),
+        _ => Err(Failure::input(
+            "SLURM_JOB_ID is not set: berth prolog/epilog run from Slurm's Prolog/Epilog",
+        )),
+    }
+}
+
+pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
+    let job = job_id()?;
+    let reclaimed = state::reclaim(
+        &config.runtime.state_dir,
+        std::time::Duration::from_secs(config.runtime.kill_timeout_s),
+    );
+    if !reclaimed.is_empty() {
+        tracing::info!(
+            "job {job}: reclaimed {} leftover container(s)",
+            reclaimed.len()
+        );
+    }
+    if let Ok(image) = std::env::var("SPANK_BERTH_IMAGE") {
+        // Fetching early only saves the first step the wait; a failure here must not drain
+        // the node, so the step reports it instead.
+        tracing::info!("job {job}: image {image} will be prepared by its first step");
+    }
+    Ok(0)
+}
+
+pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
+    let job = job_id()?;
+    let opts = options(config, None);
+    let mut failures = Vec::new();
+    for record in state::list(&config.runtime.state_dir) {
+        let l = &record.labels;
+        let of_job = l.get("job") == Some(&job);
+        let global = l.get("scope").map(String::as_str) == Some("global");
+        if of_job
+            && !global
+            && let Err(e) = runtime::remove(&opts, &record.id)
+        {
+            failures.push(runtime_failure(e).message);
+        }
+    }
+    let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);
+    if !reclaimed.is_empty() {
+        tracing::info!(
+            "job {job}: reclaimed {} leftover container(s)",
+            reclaimed.len()
+        );
+    }
+    if let Some(first) = failures.first() {
+        // Slurm shows this line as the node's drain reason.
+        return Err(Failure::system(format!(
+            "job {job}: {} container(s) could not be cleaned up: {first}",
+            failures.len()
+        )));
+    }
+    Ok(0)
+}

@@ -1,0 +1,153 @@
+//! `berth step create|destroy`: the container of a Slurm job step, asked for by the SPANK plugin
+//! in slurmstepd. The request comes as JSON on stdin; the answer is one JSON object on stdout.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+
+use clap::{Args, Subcommand};
+
+use super::Failure;
+use super::container::Description;
+use super::run::{host_files, options, runtime_failure};
+use crate::config::Config;
+use crate::runtime::{self, state};
+use crate::slurm::step::{NameMode, Scope, StepRequest, parse_name, to_request};
+use crate::spec;
+
+/// Containers of Slurm job steps (called by the SPANK plugin)
+#[derive(Debug, Args)]
+pub struct StepArgs {
+    #[command(subcommand)]
+    pub command: StepCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StepCommand {
+    /// Create (or find, for a named container) a step's container; reads the request as JSON on
+    /// stdin, prints {id, pid, namespaces, env, cwd} as JSON
+    Create,
+    /// Remove a step's unnamed container (idempotent)
+    Destroy(DestroyArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DestroyArgs {
+    #[arg(long)]
+    pub job_id: u64,
+    #[arg(long)]
+    pub step_id: u64,
+}
+
+pub fn execute(args: &StepArgs, config: &Config) -> Result<i32, Failure> {
+    match &args.command {
+        StepCommand::Create => create(config),
+        StepCommand::Destroy(d) => destroy(d, config),
+    }
+}
+
+fn label(labels: &BTreeMap<String, String>, key: &str) -> String {
+    labels.get(key).cloned().unwrap_or_default()
+}
+
+fn create(config: &Config) -> Result<i32, Failure> {
+    let mut text = String::new();
+    std::io::stdin()
+        .read_to_string(&mut text)
+        .map_err(|e| Failure::system(format!("reading the step request on stdin: {e}")))?;
+    let step: StepRequest = serde_json::from_str(&text)
+        .map_err(|e| Failure::input(format!("invalid step request from the SPANK plugin: {e}")))?;
+    let opts = options(config, None);
+    let mut labels = BTreeMap::from([
+        ("job".to_string(), step.job_id.to_string()),
+        ("step".to_string(), step.step_id.to_string()),
+        ("uid".to_string(), step.uid.to_string()),
+    ]);
+    if let Some(name_opt) = &step.options.container_name {
+        let (name, mode) = parse_name(name_opt).map_err(Failure::input)?;
+        let scope = step.plugin.container_scope;
+        let existing = state::list(&config.runtime.state_dir)
+            .into_iter()
+            .find(|r| {
+                state::owner_alive(r)
+                    && label(&r.labels, "name") == name
+                    && label(&r.labels, "uid") == step.uid.to_string()
+                    && (scope == Scope::Global
+                        || label(&r.labels, "job") == step.job_id.to_string())
+            });
+        match (existing, mode) {
+            (Some(_), NameMode::Create) => {
+                return Err(Failure::input(format!(
+                    "container '{name}' exists already (--container-name={name}:create)"
+                )));
+            }
+            (Some(record), _) => {
+                let (_, spec) = runtime::join::held(&opts, &record.id).map_err(runtime_failure)?;
+                let created = runtime::Created {
+                    id: record.id.clone(),
+                    pid: record.init_pid,
+                    timings: Vec::new(),
+                };
+                return print(&Description::new(&created, &spec));
+            }
+            (None, NameMode::Exec) => {
+                return Err(Failure::input(format!(
+                    "no container named '{name}' (--container-name={name}:exec needs one)"
+                )));
+            }
+            (None, _) => {}
+        }
+        labels.insert("name".into(), name);
+        labels.insert(
+            "scope".into(),
+            match scope {
+                Scope::Job => "job".into(),
+                Scope::Global => "global".into(),
+            },
+        );
+    }
+    let image_text = step.options.container_image.as_deref().ok_or_else(|| {
+        Failure::input("no --container-image given (and no existing --container-name to use)")
+    })?;
+    let user = spec::user::by_id(step.uid, step.gid);
+    let image = super::image::resolve(image_text, config, &user)?;
+    let req = to_request(
+        &step,
+        user.clone(),
+        &image.lowers,
+        &image.defaults,
+        host_files(),
+    )
+    .map_err(Failure::input)?;
+    for m in &req.mounts {
+        if !spec::user::can_read(&m.source, &user) {
+            return Err(Failure::input(format!(
+                "--container-mounts: uid {} cannot read {} (or it does not exist)",
+                user.uid,
+                m.source.display()
+            )));
+        }
+    }
+    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let created = runtime::create(&spec, &image.lowers, &opts, &labels).map_err(runtime_failure)?;
+    print(&Description::new(&created, &spec))
+}
+
+fn print(description: &Description) -> Result<i32, Failure> {
+    let text = serde_json::to_string(description).map_err(|e| Failure::system(e.to_string()))?;
+    println!("{text}");
+    Ok(0)
+}
+
+fn destroy(args: &DestroyArgs, config: &Config) -> Result<i32, Failure> {
+    let opts = options(config, None);
+    for record in state::list(&config.runtime.state_dir) {
+        let l = &record.labels;
+        if label(l, "job") == args.job_id.to_string()
+            && label(l, "step") == args.step_id.to_string()
+            && !l.contains_key("name")
+        {
+            runtime::remove(&opts, &record.id).map_err(runtime_failure)?;
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,76 @@
+//! The environment of a containerized task, by Pyxis's rule: the job's environment overlaid by
+//! the image's, except for the variables the user named in `--container-env`, which keep the
+//! job's value.
+
+/// Merges `job` and `image` (both `KEY=VALUE` pairs in order) into the task's environment.
+pub fn merge(
+    job: &[(String, String)],
+    image: &[(String, String)],
+    keep_from_job: &[String],
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::with_capacity(job.len() + image.len());
+    let mut set = |k: &str, v: &str| match out.iter_mut().find(|(key, _)| key == k) {
+        Some(slot) => slot.1 = v.to_string(),
+        None => out.push((k.to_string(), v.to_string())),
+    };
+    for (k, v) in job {
+        set(k, v);
+    }
+    for (k, v) in image {
+        if !keep_from_job.iter().any(|name| name == k) || !job.iter().any(|(jk, _)| jk == k) {
+            set(k, v);
+        }
+    }
+    out
+}
+
+/// Splits `KEY=VALUE` strings, dropping malformed ones.
+pub fn pairs(list: &[String]) -> Vec<(String, String)> {
+    list.iter()
+        .filter_map(|e| e.split_once('='))
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(list: &[&str]) -> Vec<(String, String)> {
+        pairs(&list.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn image_wins_unless_named() {
+        let job = p(&[
+            "PATH=/host/bin",
+            "SLURM_JOB_ID=7",
+            "LANG=en_US",
+            "PMIX_RANK=0",
+        ]);
+        let image = p(&["PATH=/usr/bin", "LANG=C.UTF-8", "CUDA_HOME=/usr/local/cuda"]);
+        let merged = merge(&job, &image, &["LANG".to_string()]);
+        assert_eq!(
+            merged,
+            p(&[
+                "PATH=/usr/bin",
+                "SLURM_JOB_ID=7",
+                "LANG=en_US",
+                "PMIX_RANK=0",
+                "CUDA_HOME=/usr/local/cuda"
+            ])
+        );
+    }
+
+    #[test]
+    fn a_named_variable_missing_from_the_job_comes_from_the_image() {
+        let merged = merge(&[], &p(&["A=1"]), &["A".to_string()]);
+        assert_eq!(merged, p(&["A=1"]));
+    }
+
+    #[test]
+    fn malformed_entries_are_dropped() {
+        assert_eq!(p(&["novalue", "=x", "K=v=w"]), p(&["K=v=w"]));
+    }
+}

@@ -1,0 +1,332 @@
+//! A step's container request as the SPANK plugin sends it (Pyxis options, job identity, job
+//! environment), and the pure translation into a container [`Request`](crate::spec::Request).
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::{env, mounts};
+use crate::spec::image::ImageDefaults;
+use crate::spec::{BindMount, Net, Request, UserIds};
+
+/// What `berth step create` reads on stdin.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepRequest {
+    pub job_id: u64,
+    pub step_id: u64,
+    pub uid: u32,
+    pub gid: u32,
+    #[serde(default)]
+    pub local_task_count: u32,
+    #[serde(default)]
+    pub options: Options,
+    #[serde(default)]
+    pub plugin: PluginConfig,
+    #[serde(default)]
+    pub job_env: Vec<String>,
+}
+
+/// The Pyxis options that were set (flags or their environment variables).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Options {
+    pub container_image: Option<String>,
+    pub container_mounts: Option<String>,
+    pub container_workdir: Option<String>,
+    pub container_name: Option<String>,
+    pub container_save: Option<String>,
+    pub container_mount_home: Option<bool>,
+    pub container_remap_root: Option<bool>,
+    pub container_entrypoint: Option<bool>,
+    pub container_entrypoint_log: Option<bool>,
+    pub container_writable: Option<bool>,
+    pub container_readonly: Option<bool>,
+    pub container_env: Option<String>,
+    pub container_unshare: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// Named containers live until the job ends (the Epilog removes them).
+    #[default]
+    Job,
+    /// Named containers outlive the job, per user.
+    Global,
+}
+
+/// plugstack.conf settings that shape a step.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PluginConfig {
+    pub container_scope: Scope,
+    pub execute_entrypoint: bool,
+    pub sbatch_support: bool,
+}
+
+/// `--container-name=NAME[:MODE]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NameMode {
+    /// Use the named container if it exists, else create it.
+    Auto,
+    /// Create it; fail if it exists.
+    Create,
+    /// Use it; fail if it does not exist.
+    Exec,
+}
+
+pub fn parse_name(text: &str) -> Result<(String, NameMode), String> {
+    let (name, mode) = match text.split_once(':') {
+        Some((n, m)) => (n, m),
+        None => (text, "auto"),
+    };
+    let mode = match mode {
+        "auto" => NameMode::Auto,
+        "create" => NameMode::Create,
+        "exec" | "no_exec" => NameMode::Exec,
+        other => {
+            return Err(format!(
+                "invalid --container-name '{text}': unknown mode '{other}' (use auto, create, exec or no_exec)"
+            ));
+        }
+    };
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid {
+        return Err(format!(
+            "invalid --container-name '{text}': use letters, digits, '-', '_' and '.'"
+        ));
+    }
+    Ok((name.to_string(), mode))
+}
+
+/// Builds the container request for a step. `lowers`/`image` describe the resolved image;
+/// `home_mount` is the user's home when it is to be mounted (already checked to exist).
+pub fn to_request(
+    step: &StepRequest,
+    user: UserIds,
+    lowers: &[PathBuf],
+    image: &ImageDefaults,
+    host_files: Vec<PathBuf>,
+) -> Result<Request, String> {
+    let o = &step.options;
+    if o.container_remap_root == Some(true) {
+        return Err(
+            "--container-remap-root is not supported by berth yet: run without it".to_string(),
+        );
+    }
+    let mut binds = Vec::new();
+    let mut tmpfs = Vec::new();
+    for m in mounts::parse(o.container_mounts.as_deref().unwrap_or(""))? {
+        match m {
+            mounts::Mount::Bind {
+                source,
+                destination,
+                readonly,
+            } => binds.push(BindMount {
+                source,
+                destination,
+                readonly,
+            }),
+            mounts::Mount::Tmpfs { destination } => tmpfs.push(destination),
+        }
+    }
+    for dir in pmix_dirs(&step.job_env) {
+        binds.push(BindMount {
+            source: dir.clone(),
+            destination: dir,
+            readonly: false,
+        });
+    }
+    if o.container_mount_home == Some(true)
+        && let Some(home) = &user.home
+    {
+        binds.push(BindMount {
+            source: home.clone(),
+            destination: home.clone(),
+            readonly: false,
+        });
+    }
+    let mut net = Net::Host;
+    for what in o
+        .container_unshare
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .filter(|s| !s.is_empty())
+    {
+        match what.trim() {
+            "net" => net = Net::None,
+            // Every step container has its own IPC and UTS namespaces already.
+            "ipc" | "uts" => {}
+            other => {
+                return Err(format!(
+                    "invalid --container-unshare '{other}': use net, ipc or uts"
+                ));
+            }
+        }
+    }
+    let workdir = match &o.container_workdir {
+        Some(w) if !w.starts_with('/') => {
+            return Err(format!(
+                "invalid --container-workdir '{w}': use an absolute path"
+            ));
+        }
+        Some(w) => Some(PathBuf::from(w)),
+        None => image.workdir.clone(),
+    };
+    let keep: Vec<String> = o
+        .container_env
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
+    let env = env::merge(&env::pairs(&step.job_env), &image.env, &keep);
+    let rootfs = lowers
+        .first()
+        .cloned()
+        .ok_or_else(|| "the image has no root filesystem".to_string())?;
+    Ok(Request {
+        rootfs,
+        args: Vec::new(),
+        env,
+        workdir,
+        user,
+        hostname: None,
+        mounts: binds,
+        tmpfs,
+        devices: Vec::new(),
+        limits: Default::default(),
+        net,
+        readonly: o.container_readonly == Some(true) && o.container_writable != Some(true),
+        terminal: false,
+        host_files,
+        term: None,
+    })
+}
+
+/// Environment variables through which Slurm's PMIx plugin tells clients where its server's
+/// sockets live; the directories are bind-mounted at the same path so ranks in the container
+/// reach the server.
+const PMIX_DIR_VARS: [&str; 3] = [
+    "PMIX_SERVER_TMPDIR",
+    "PMIX_SYSTEM_TMPDIR",
+    "SLURM_PMIX_TMPDIR",
+];
+
+fn pmix_dirs(job_env: &[String]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for (k, v) in env::pairs(job_env) {
+        let dir = PathBuf::from(&v);
+        if PMIX_DIR_VARS.contains(&k.as_str())
+            && dir.is_absolute()
+            && dir.is_dir()
+            && !dirs.contains(&dir)
+        {
+            dirs.push(dir);
+        }
+    }
+    dirs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(json: &str) -> StepRequest {
+        serde_json::from_str(json).unwrap()
+    }
+
+    fn user() -> UserIds {
+        UserIds {
+            uid: 1000,
+            gid: 1000,
+            groups: vec![1000],
+            home: Some("/home/alice".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_plugin_request_parses() {
+        let s = step(
+            r#"{"job_id": 12, "step_id": 0, "uid": 1000, "gid": 1000, "local_task_count": 2,
+                "options": {"container-image": "/img", "container-mount-home": true,
+                            "container-env": "LANG", "container-unshare": "net"},
+                "plugin": {"container_scope": "global", "execute_entrypoint": false, "sbatch_support": true},
+                "job_env": ["SLURM_JOB_ID=12", "LANG=en_US", "PATH=/host"]}"#,
+        );
+        assert_eq!(s.plugin.container_scope, Scope::Global);
+        let image = ImageDefaults {
+            env: vec![
+                ("PATH".into(), "/usr/bin".into()),
+                ("LANG".into(), "C".into()),
+            ],
+            workdir: Some("/app".into()),
+            ..Default::default()
+        };
+        let req = to_request(&s, user(), &["/img".into()], &image, vec![]).unwrap();
+        assert_eq!(req.net, Net::None);
+        assert_eq!(req.workdir, Some(PathBuf::from("/app")));
+        assert_eq!(req.mounts[0].source, PathBuf::from("/home/alice"));
+        assert!(req.env.contains(&("PATH".into(), "/usr/bin".into())));
+        assert!(req.env.contains(&("LANG".into(), "en_US".into())));
+        assert!(req.env.contains(&("SLURM_JOB_ID".into(), "12".into())));
+    }
+
+    #[test]
+    fn unknown_options_and_bad_values_are_refused() {
+        assert!(
+            serde_json::from_str::<StepRequest>(
+                r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-imag":"x"}}"#
+            )
+            .is_err()
+        );
+        let bad = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-workdir":"rel"}}"#,
+        );
+        let err =
+            to_request(&bad, user(), &["/img".into()], &Default::default(), vec![]).unwrap_err();
+        assert!(err.contains("rel"), "{err}");
+    }
+
+    #[test]
+    fn pmix_server_directories_are_mounted() {
+        let tmp = std::env::temp_dir();
+        let t = tmp.display();
+        let s = step(&format!(
+            r#"{{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                "job_env":["PMIX_SERVER_TMPDIR={t}","PMIX_SYSTEM_TMPDIR={t}","PMIX_RANK=0",
+                           "SLURM_PMIX_TMPDIR=/nonexistent/x"]}}"#
+        ));
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        let sources: Vec<_> = req.mounts.iter().map(|m| m.source.clone()).collect();
+        assert_eq!(sources, vec![tmp]);
+    }
+
+    #[test]
+    fn names_and_modes() {
+        assert_eq!(parse_name("dev").unwrap(), ("dev".into(), NameMode::Auto));
+        assert_eq!(parse_name("dev:exec").unwrap().1, NameMode::Exec);
+        assert_eq!(parse_name("dev:create").unwrap().1, NameMode::Create);
+        assert!(parse_name("dev:bogus").is_err());
+        assert!(parse_name("a/b").is_err());
+        assert!(parse_name("").is_err());
+    }
+
+    #[test]
+    fn readonly_unless_writable() {
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-readonly":true}}"#,
+        );
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        assert!(req.readonly);
+    }
+}

@@ -1,0 +1,332 @@
+//! Root tier: held containers (`berth create`, `exec`, `rm`, `ps`) and the step containers the
+//! SPANK plugin asks for (`berth step create|destroy`). Run by integration/test.sh.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use common::*;
+
+fn step_create(json: &str) -> std::process::Output {
+    let mut child = berth(&["step", "create"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(json.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Whether a process runs (a zombie waiting for its reaper does not).
+fn running(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s[s.rfind(')').unwrap() + 2..].chars().next().unwrap();
+            state != 'Z' && state != 'X'
+        })
+        .unwrap_or(false)
+}
+
+fn json(out: &str) -> serde_json::Value {
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn create_exec_rm_share_one_container() {
+    let rootfs = rootfs().to_str().unwrap();
+    let out = ok(berth(&[
+        "create",
+        "--rootfs",
+        rootfs,
+        "--name",
+        "t1",
+        "--hostname",
+        "held",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let desc = json(&out);
+    let id = desc["id"].as_str().unwrap().to_string();
+    let pid = desc["pid"].as_i64().unwrap();
+    assert!(
+        desc["namespaces"]["mnt"]
+            .as_str()
+            .unwrap()
+            .ends_with("/ns/mnt")
+    );
+    assert!(running(pid), "init is not running");
+    // Two execs see the same filesystem, hostname and IPC, and run in the container's cgroup.
+    ok(berth(&[
+        "exec",
+        "t1",
+        "--",
+        "sh",
+        "-c",
+        "echo shared > /dev/shm/f; echo x > /root/w",
+    ])
+    .output()
+    .unwrap());
+    let out = ok(berth(&[
+        "exec",
+        "t1",
+        "--",
+        "sh",
+        "-c",
+        "cat /dev/shm/f /root/w; hostname; echo pid=$$",
+    ])
+    .output()
+    .unwrap());
+    assert!(out.starts_with("shared\nx\nheld\n"), "{out}");
+    let cgroup = std::path::Path::new(cgroup_root()).join(&id);
+    assert!(cgroup.is_dir());
+    let o = berth(&["exec", &id, "--", "sh", "-c", "exit 9"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(9));
+    let o = berth(&["exec", &id, "--", "no-such-cmd"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(127));
+    let ps = ok(berth(&["ps"]).output().unwrap());
+    assert!(ps.contains(&id) && ps.contains("t1"), "{ps}");
+    // berth itself exited long ago: the container lives on its own until rm.
+    ok(berth(&["rm", "t1"]).output().unwrap());
+    assert!(!cgroup.exists(), "cgroup left after rm");
+    assert!(!running(pid), "init survived rm");
+    let o = berth(&["exec", "t1", "--", "true"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("no container 't1'"), "{}", stderr(&o));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn exec_runs_as_the_containers_user_without_privileges() {
+    let (uid, _, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let id = ok(
+        berth(&["create", "--rootfs", rootfs, "--user", "berthtest"])
+            .output()
+            .unwrap(),
+    );
+    let id = id.trim();
+    let out = ok(berth(&[
+        "exec",
+        id,
+        "--",
+        "sh",
+        "-c",
+        "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status",
+    ])
+    .output()
+    .unwrap());
+    ok(berth(&["rm", id]).output().unwrap());
+    assert!(out.starts_with(&format!("{uid}\n")), "{out}");
+    assert!(out.contains("CapEff:\t0000000000000000"), "{out}");
+    assert!(out.contains("NoNewPrivs:\t1"), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn step_containers_follow_the_plugin_contract() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    std::fs::write(data.path().join("in.txt"), "input\n").unwrap();
+    std::fs::set_permissions(
+        data.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let request = format!(
+        r#"{{"job_id": 4242, "step_id": 3, "uid": {uid}, "gid": {gid}, "local_task_count": 2,
+            "options": {{"container-image": "{rootfs}", "container-mounts": "{}:/data:ro,tmpfs:/scratch",
+                         "container-workdir": "/scratch", "container-env": "KEEP"}},
+            "job_env": ["SLURM_JOB_ID=4242", "PATH=/usr/bin:/bin", "KEEP=job"]}}"#,
+        data.path().display()
+    );
+    let o = step_create(&request);
+    let desc = json(&ok(o));
+    let id = desc["id"].as_str().unwrap().to_string();
+    assert_eq!(desc["cwd"], "/scratch");
+    let env: Vec<String> = serde_json::from_value(desc["env"].clone()).unwrap();
+    assert!(env.contains(&"SLURM_JOB_ID=4242".to_string()), "{env:?}");
+    assert!(env.contains(&"KEEP=job".to_string()), "{env:?}");
+    for ns in ["mnt", "ipc", "uts", "cgroup"] {
+        assert!(desc["namespaces"][ns].is_string(), "{ns} missing: {desc}");
+    }
+    assert!(
+        desc["namespaces"].get("net").is_none(),
+        "net is shared unless unshared"
+    );
+    // A task joining the mount namespace sees the image and the mounts.
+    let ns = desc["namespaces"]["mnt"].as_str().unwrap();
+    let o = Command::new("nsenter")
+        .arg(format!("--mount={ns}"))
+        .args([
+            "--",
+            "/bin/sh",
+            "-c",
+            "cat /etc/os-release /data/in.txt; touch /data/x 2>&1; ls -d /scratch",
+        ])
+        .output()
+        .unwrap();
+    let out = stdout(&o) + &stderr(&o);
+    assert!(out.contains("berth-busybox"), "{out}");
+    assert!(out.contains("input"), "{out}");
+    assert!(out.contains("Read-only file system"), "{out}");
+    let labels = ok(berth(&["ps"]).output().unwrap());
+    assert!(
+        labels.contains("job=4242") && labels.contains("step=3"),
+        "{labels}"
+    );
+    ok(
+        berth(&["step", "destroy", "--job-id", "4242", "--step-id", "3"])
+            .output()
+            .unwrap(),
+    );
+    assert!(!std::path::Path::new(cgroup_root()).join(&id).exists());
+    // Idempotent.
+    ok(
+        berth(&["step", "destroy", "--job-id", "4242", "--step-id", "3"])
+            .output()
+            .unwrap(),
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn step_mounts_are_checked_with_the_users_credentials() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let secret = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        secret.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    let request = format!(
+        r#"{{"job_id": 4243, "step_id": 0, "uid": {uid}, "gid": {gid},
+            "options": {{"container-image": "{rootfs}", "container-mounts": "{}:/secret"}}}}"#,
+        secret.path().display()
+    );
+    let o = step_create(&request);
+    assert_ne!(o.status.code(), Some(0));
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("cannot read") && err.contains(secret.path().to_str().unwrap()),
+        "{err}"
+    );
+    // The same request as root (uid 0) is allowed.
+    let request = request.replace(
+        &format!("\"uid\": {uid}, \"gid\": {gid}"),
+        "\"uid\": 0, \"gid\": 0",
+    );
+    let desc = json(&ok(step_create(&request)));
+    ok(
+        berth(&["step", "destroy", "--job-id", "4243", "--step-id", "0"])
+            .output()
+            .unwrap(),
+    );
+    assert!(desc["id"].is_string());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn named_step_containers_persist_across_steps_of_a_job() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let req = |step: u32, name: &str| {
+        format!(
+            r#"{{"job_id": 4244, "step_id": {step}, "uid": {uid}, "gid": {gid},
+                "options": {{"container-image": "{rootfs}", "container-name": "{name}"}}}}"#
+        )
+    };
+    let first = json(&ok(step_create(&req(0, "dev"))));
+    let id = first["id"].as_str().unwrap().to_string();
+    ok(
+        berth(&["exec", &id, "--", "sh", "-c", "echo kept > /tmp/marker"])
+            .output()
+            .unwrap(),
+    );
+    ok(
+        berth(&["step", "destroy", "--job-id", "4244", "--step-id", "0"])
+            .output()
+            .unwrap(),
+    );
+    let second = json(&ok(step_create(&req(1, "dev"))));
+    assert_eq!(second["id"], first["id"], "a named container is reused");
+    let out = ok(berth(&["exec", &id, "--", "cat", "/tmp/marker"])
+        .output()
+        .unwrap());
+    assert_eq!(out, "kept\n");
+    let o = step_create(&req(2, "dev:create"));
+    assert!(stderr(&o).contains("exists already"), "{}", stderr(&o));
+    let o = step_create(&req(2, "other:exec"));
+    assert!(
+        stderr(&o).contains("no container named 'other'"),
+        "{}",
+        stderr(&o)
+    );
+    ok(berth(&["rm", &id]).output().unwrap());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn epilog_removes_the_jobs_containers_but_not_global_ones() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let req = |step: u32, name: Option<&str>, scope: &str| {
+        let name = name
+            .map(|n| format!(r#", "container-name": "{n}""#))
+            .unwrap_or_default();
+        format!(
+            r#"{{"job_id": 4245, "step_id": {step}, "uid": {uid}, "gid": {gid},
+                "options": {{"container-image": "{rootfs}"{name}}},
+                "plugin": {{"container_scope": "{scope}"}}}}"#
+        )
+    };
+    let a = json(&ok(step_create(&req(0, None, "job"))));
+    let b = json(&ok(step_create(&req(1, Some("jobnamed"), "job"))));
+    let g = json(&ok(step_create(&req(2, Some("globalnamed"), "global"))));
+    let other = json(&ok(step_create(
+        &req(0, None, "job").replace("4245", "4246"),
+    )));
+    let o = berth(&["epilog"])
+        .env("SLURM_JOB_ID", "4245")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ps = ok(berth(&["ps"]).output().unwrap());
+    for gone in [&a, &b] {
+        assert!(!ps.contains(gone["id"].as_str().unwrap()), "{ps}");
+    }
+    for kept in [&g, &other] {
+        assert!(ps.contains(kept["id"].as_str().unwrap()), "{ps}");
+    }
+    ok(berth(&[
+        "rm",
+        g["id"].as_str().unwrap(),
+        other["id"].as_str().unwrap(),
+    ])
+    .output()
+    .unwrap());
+    let o = berth(&["epilog"])
+        .env_remove("SLURM_JOB_ID")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("SLURM_JOB_ID"), "{}", stderr(&o));
+    let o = berth(&["prolog"])
+        .env("SLURM_JOB_ID", "4245")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}
