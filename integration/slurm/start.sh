@@ -65,8 +65,12 @@ chmod 1777 "$state/requests"
 
 host=$(hostname -s)
 ctld_port=${BERTH_SLURM_PORT:-17817}
+# Node names unique to the state directory: slurmd names its cgroup v1 directories after the
+# node (slurm_NODE/uid_U/job_J), and two clusters on this host, or a restarted one whose job ids
+# start again at 1, must not meet in them.
+prefix=b$(printf %s "$state" | md5sum | cut -c1-6)
 node_names=()
-if [ "$nodes" -eq 1 ]; then node_names=("$host"); else node_names=(n1 n2); fi
+if [ "$nodes" -eq 1 ]; then node_names=("$prefix"); else node_names=("${prefix}n1" "${prefix}n2"); fi
 
 for port in $(seq "$ctld_port" $((ctld_port + nodes))); do
   if ss -Hltn "sport = :$port" 2>/dev/null | grep -q .; then
@@ -167,6 +171,8 @@ EOF
     i=$((i + 1))
   done
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+  # stop.sh reads the node names from here to remove their cgroup directories.
+  echo "# nodes: ${node_names[*]}"
 } >"$state/etc/slurm.conf"
 # cgroup.conf must exist next to slurm.conf, or every step fails "Nodes … are still not ready".
 cat >"$state/etc/cgroup.conf" <<EOF

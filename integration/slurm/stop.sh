@@ -50,4 +50,13 @@ for f in "$state"/run/slurmd-*.pid; do
 done
 stop_pid "$state/run/slurmctld.pid" slurmctld
 stop_pid "$state/munge/munged.pid" munged
+
+# Slurm's task/cgroup plugin on cgroup v1 leaves empty job directories behind; remove the ones
+# of this cluster's nodes (empty directories only, deepest first).
+nodes=$(sed -n 's/^# nodes: //p' "$SLURM_CONF" 2>/dev/null)
+for n in $nodes; do
+  for d in /sys/fs/cgroup/*/slurm_"$n"; do
+    [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null
+  done
+done
 exit 0

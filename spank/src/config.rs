@@ -29,7 +29,8 @@ pub struct PluginConfig {
     pub berth: PathBuf,
     /// Passed to berth as `--config PATH`.
     pub config: Option<PathBuf>,
-    /// Pyxis's runtime directory; passed on to berth in the request when set.
+    /// Pyxis's runtime directory: accepted so a Pyxis plugstack.conf line works unchanged;
+    /// berth's own directories come from berth.toml.
     pub runtime_path: Option<String>,
     pub execute_entrypoint: bool,
     pub container_scope: Scope,

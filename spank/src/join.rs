@@ -84,9 +84,9 @@ pub enum JoinError {
          Slurm version"
     )]
     NoCapability,
-    #[error("cannot join the container's {ns} namespace: {source}")]
+    #[error("cannot join the container's {ns} namespace: {}", crate::io_text(.source))]
     Setns { ns: &'static str, source: io::Error },
-    #[error("cannot change the task's capabilities: {0}")]
+    #[error("cannot change the task's capabilities: {}", crate::io_text(.0))]
     Caps(io::Error),
 }
 

@@ -20,3 +20,24 @@ mod runner;
 mod ffi;
 #[cfg(not(test))]
 mod plugin;
+
+/// An I/O error as a user reads it: "No such file or directory", without Rust's
+/// " (os error 2)" suffix.
+pub(crate) fn io_text(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" (os error ") {
+        Some(i) if text.ends_with(')') => text[..i].to_string(),
+        _ => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn io_text_drops_the_os_error_suffix() {
+        let e = std::io::Error::from_raw_os_error(2);
+        assert_eq!(super::io_text(&e), "No such file or directory");
+        let e = std::io::Error::other("plain");
+        assert_eq!(super::io_text(&e), "plain");
+    }
+}

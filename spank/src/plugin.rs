@@ -4,8 +4,9 @@
 //!   environment, and pass the image to the Prolog (`SPANK_BERTH_IMAGE`).
 //! - slurmstepd (remote), once per step and node: `user_init` runs `berth step create` and opens
 //!   the namespaces it reports; in each task, `task_init_privileged` (root) replaces the task's
-//!   environment and `task_init` joins the namespaces and enters the working directory; `exit`
-//!   runs `berth step destroy`.
+//!   environment and `task_init` joins the namespaces and enters the working directory; when the
+//!   last local task has ended (`task_exit`), or at the latest in `exit`, `berth step destroy`
+//!   removes the container.
 //!
 //! Every entry point catches panics (none may unwind into Slurm) and reports failures as one
 //! `berth: …` line, which srun prints on the user's terminal.
@@ -17,6 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::config::PluginConfig;
 use crate::ffi::{self, Context, spank_t};
+use crate::io_text;
 use crate::join;
 use crate::options::{FLAGS, Options};
 use crate::request::{self, Created, Namespace, Step};
@@ -44,8 +46,12 @@ struct State {
     /// slurmstepd: this step gets a container.
     enabled: bool,
     step: Option<Step>,
-    /// `berth step create` ran (successfully or not), so `exit` runs `berth step destroy`.
+    /// `berth step create` ran (successfully or not), so `berth step destroy` must run.
     create_ran: bool,
+    /// `berth step destroy` ran.
+    destroyed: bool,
+    /// Local tasks that ended (slurmstepd).
+    tasks_exited: u32,
     /// The line already shown for a failed `user_init`; the tasks fail with it.
     failure: Option<String>,
     container: Option<Container>,
@@ -123,6 +129,8 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
             enabled: false,
             step: None,
             create_ran: false,
+            destroyed: false,
+            tasks_exited: 0,
             failure: None,
             container: None,
         });
@@ -316,15 +324,20 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
     if let Some(dir) = &st.config.debug_request_dir {
         let path = dir.join(format!("{}.{}.json", step.job_id, step.step_id));
         if let Err(e) = std::fs::write(&path, &request) {
-            ffi::log_info(&format!("berth: cannot write {}: {e}", path.display()));
+            ffi::log_info(&format!(
+                "berth: cannot write {}: {}",
+                path.display(),
+                io_text(&e)
+            ));
         }
     }
     let inv = berth_invocation(&st.config, &["step", "create"], request.into_bytes());
     st.create_ran = true;
     let outcome = runner::run(&inv).map_err(|e| {
         berth_line(format!(
-            "cannot run {}: {e}: check berth= in plugstack.conf",
-            inv.program.display()
+            "cannot run {}: {}: check berth= in plugstack.conf",
+            inv.program.display(),
+            io_text(&e)
         ))
     })?;
     if !outcome.status.success() {
@@ -341,8 +354,9 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
             .and_then(|r| r)
             .map_err(|e| {
                 berth_line(format!(
-                    "cannot open the container's {} namespace {path}: {e} (did its holder process {} exit?)",
+                    "cannot open the container's {} namespace {path}: {} (did its holder process {} exit?)",
                     ns.key(),
+                    io_text(&e),
                     created.pid
                 ))
             })?;
@@ -381,7 +395,8 @@ pub unsafe extern "C" fn slurm_spank_task_init_privileged(
         };
         join::keep_caps_across_setuid().map_err(|e| {
             berth_line(format!(
-                "cannot keep the capabilities to join the container: {e}"
+                "cannot keep the capabilities to join the container: {}",
+                io_text(&e)
             ))
         })?;
         let current = ffi::job_env(sp)
@@ -419,10 +434,36 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         // As the job's user, without capabilities: the directory is checked with its rights.
         std::env::set_current_dir(&c.cwd).map_err(|e| {
             berth_line(format!(
-                "cannot enter the working directory {} in the container: {e}",
-                c.cwd
+                "cannot enter the working directory {} in the container: {}",
+                c.cwd,
+                io_text(&e)
             ))
         })?;
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle, in slurmstepd, once per local task that ended.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_task_exit(
+    _sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("task_exit", || {
+        let mut guard = state();
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        st.tasks_exited += 1;
+        let all = st.step.as_ref().map_or(0, |s| s.local_task_count);
+        if st.tasks_exited >= all {
+            // The container's last task ended: remove it now rather than in `exit`, which
+            // Slurm calls only after it has tried to remove the step's cgroups (which the
+            // container's holder process, forked from slurmstepd, would keep busy).
+            destroy(st)?;
+        }
         Ok(())
     })
 }
@@ -437,37 +478,48 @@ pub unsafe extern "C" fn slurm_spank_exit(
 ) -> c_int {
     guard("exit", || {
         let mut guard = state();
-        let Some(st) = guard.take() else {
+        let Some(mut st) = guard.take() else {
             return Ok(());
         };
-        if ffi::context() != Context::Remote || !st.create_ran {
+        if ffi::context() != Context::Remote {
             return Ok(());
         }
-        // Close the namespace descriptors before berth tears the container down.
-        drop(st.container);
-        let Some(step) = &st.step else {
-            return Ok(());
-        };
-        let (job, stepid) = (step.job_id.to_string(), step.step_id.to_string());
-        let inv = berth_invocation(
-            &st.config,
-            &["step", "destroy", "--job-id", &job, "--step-id", &stepid],
-            Vec::new(),
-        );
-        let outcome = runner::run(&inv).map_err(|e| {
-            berth_line(format!(
-                "cannot run {}: {e}: check berth= in plugstack.conf",
-                inv.program.display()
-            ))
-        })?;
-        if !outcome.status.success() {
-            return Err(request::failure_line(
-                &outcome.stderr,
-                "step destroy",
-                &outcome.describe(),
-            )
-            .into());
-        }
+        destroy(&mut st)?;
         Ok(())
     })
+}
+
+/// Runs `berth step destroy` once, if `berth step create` ran (it may have created part of a
+/// container before failing). Named containers are berth's to keep.
+fn destroy(st: &mut State) -> Result<(), String> {
+    if !st.create_ran || st.destroyed {
+        return Ok(());
+    }
+    st.destroyed = true;
+    // Close the namespace descriptors before berth tears the container down.
+    st.container = None;
+    let Some(step) = &st.step else {
+        return Ok(());
+    };
+    let (job, stepid) = (step.job_id.to_string(), step.step_id.to_string());
+    let inv = berth_invocation(
+        &st.config,
+        &["step", "destroy", "--job-id", &job, "--step-id", &stepid],
+        Vec::new(),
+    );
+    let outcome = runner::run(&inv).map_err(|e| {
+        berth_line(format!(
+            "cannot run {}: {}: check berth= in plugstack.conf",
+            inv.program.display(),
+            io_text(&e)
+        ))
+    })?;
+    if !outcome.status.success() {
+        return Err(request::failure_line(
+            &outcome.stderr,
+            "step destroy",
+            &outcome.describe(),
+        ));
+    }
+    Ok(())
 }

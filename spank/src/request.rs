@@ -20,12 +20,10 @@ pub struct Step {
 }
 
 #[derive(Debug, Serialize)]
-struct PluginSettings<'a> {
+struct PluginSettings {
     container_scope: &'static str,
     execute_entrypoint: bool,
     sbatch_support: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    runtime_path: Option<&'a str>,
 }
 
 #[derive(Debug, Serialize)]
@@ -33,7 +31,7 @@ struct CreateRequest<'a> {
     #[serde(flatten)]
     step: &'a Step,
     options: &'a Map<String, Value>,
-    plugin: PluginSettings<'a>,
+    plugin: PluginSettings,
     job_env: &'a [String],
 }
 
@@ -51,7 +49,6 @@ pub fn create_request(
             container_scope: config.container_scope.as_str(),
             execute_entrypoint: config.execute_entrypoint,
             sbatch_support: config.sbatch_support,
-            runtime_path: config.runtime_path.as_deref(),
         },
         job_env,
     };
@@ -261,13 +258,14 @@ mod tests {
                 "job_env": ["SLURM_JOB_ID=12", "A=b=c"],
             })
         );
+        // Pyxis's runtime_path is accepted in plugstack.conf but berth has its own directories.
         let config = PluginConfig {
             runtime_path: Some("/run/pyxis".into()),
             ..PluginConfig::default()
         };
         let json: Value =
             serde_json::from_str(&create_request(&step(), &options, &config, &env)).unwrap();
-        assert_eq!(json["plugin"]["runtime_path"], "/run/pyxis");
+        assert_eq!(json["plugin"].as_object().unwrap().len(), 3);
     }
 
     const GOOD: &str = r#"{"id": "c0ffee123456", "pid": 4242,
