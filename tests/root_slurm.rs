@@ -558,3 +558,78 @@ fn nothing_of_the_container_is_left_after_the_job() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// An MPI program summing the ranks (1 + 2 + … + size) with MPI_Allreduce, built with the
+/// host's mpicc into a directory the tasks can read.
+fn mpi_program() -> &'static Path {
+    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        let dir = cluster().state.join("mpi");
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = dir.join("allreduce.c");
+        std::fs::write(
+            &source,
+            r#"#include <mpi.h>
+#include <stdio.h>
+int main(int argc, char **argv) {
+    int rank, size, one, sum = 0;
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    one = rank + 1;
+    MPI_Allreduce(&one, &sum, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    printf("rank %d of %d: sum %d\n", rank, size, sum);
+    MPI_Finalize();
+    return 0;
+}
+"#,
+        )
+        .unwrap();
+        let out = Command::new("mpicc")
+            .arg("-o")
+            .arg(dir.join("allreduce"))
+            .arg(&source)
+            .output()
+            .expect("mpicc not found: apt-get install libopenmpi-dev (integration/setup.sh)");
+        assert!(out.status.success(), "mpicc failed: {}", stderr(&out));
+        dir
+    })
+}
+
+/// `srun --mpi=pmix -n 2` of the MPI program in a container whose image is the host's root
+/// filesystem (which has Open MPI), as root or as the test user.
+fn mpi_allreduce(as_user: bool) {
+    let dir = mpi_program();
+    let args = [
+        "--mpi=pmix",
+        "-n",
+        "2",
+        "--container-image=/",
+        &format!("--container-mounts={}:/mpi:ro", dir.display()),
+        "/mpi/allreduce",
+    ];
+    let cmd = if as_user {
+        slurm_as_user("srun", &args)
+    } else {
+        slurm("srun", &args)
+    };
+    let out = succeeded(run(cmd));
+    for rank in 0..2 {
+        assert!(
+            out.contains(&format!("rank {rank} of 2: sum 3")),
+            "rank {rank}: {out}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mpi_ranks_in_one_container_reach_slurms_pmix_server() {
+    mpi_allreduce(false);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mpi_ranks_of_a_user_reach_slurms_pmix_server() {
+    mpi_allreduce(true);
+}

@@ -307,8 +307,17 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         .step
         .clone()
         .ok_or_else(|| berth_line("no step information"))?;
-    let job_env = ffi::job_env(sp)
+    let mut job_env = ffi::job_env(sp)
         .map_err(|e| berth_line(format!("cannot read the job's environment: {e}")))?;
+    // Slurm's mpi/pmix plugin sets PMIX_SERVER_TMPDIR in slurmstepd's own environment before
+    // user_init; tasks get it (and the other PMIX_* variables) only later, when they start.
+    // berth bind-mounts the directory into the container, so PMIx clients reach the server's
+    // shared-memory data store: pass it on.
+    request::add_missing(
+        &mut job_env,
+        "PMIX_SERVER_TMPDIR",
+        std::env::var("PMIX_SERVER_TMPDIR").ok(),
+    );
     let mut options = st.options.clone();
     if step.step_id == ffi::SLURM_BATCH_SCRIPT {
         // slurmstepd executes the batch script from its spool directory on the host: the script

@@ -182,6 +182,16 @@ impl Created {
     }
 }
 
+/// Appends `NAME=value` to `env` when `value` is set and `env` has no `NAME` yet.
+pub fn add_missing(env: &mut Vec<String>, name: &str, value: Option<String>) {
+    let prefix = format!("{name}=");
+    if let Some(v) = value
+        && !env.iter().any(|e| e.starts_with(&prefix))
+    {
+        env.push(format!("{prefix}{v}"));
+    }
+}
+
 /// How to turn the task's environment `current` into `target`: the names to unset (in `current`
 /// but not in `target`) and the `(name, value)` pairs to set (new or changed).
 pub fn env_changes(current: &[String], target: &[String]) -> (Vec<String>, Vec<(String, String)>) {
@@ -338,6 +348,15 @@ mod tests {
                 ("PATH".to_string(), "/usr/bin".to_string()),
             ]
         );
+    }
+
+    #[test]
+    fn add_missing_never_overrides() {
+        let mut env = vec!["A=1".to_string()];
+        add_missing(&mut env, "A", Some("2".into()));
+        add_missing(&mut env, "AB", None);
+        add_missing(&mut env, "B", Some("/x/".into()));
+        assert_eq!(env, ["A=1", "B=/x/"]);
     }
 
     #[test]
