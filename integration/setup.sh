@@ -17,7 +17,13 @@ PACKAGES=(
   util-linux      # unshare, mount, losetup: root tier, bench/start-latency
   iproute2        # ip: network namespace tests
   file            # integration/busybox-rootfs.sh: checks busybox is statically linked
-  python3         # bench/start-latency: the timing driver
+  python3         # bench/start-latency: the timing driver; bench/import: image generator
+  docker-registry # registry tests (tests/root_registry.rs), bench/import: the local registry
+  apache2-utils   # htpasswd: bcrypt logins for the registry's Basic auth tests
+  openssl         # registry tests: CA, leaf and token-signing certificates, JWT signatures
+  skopeo          # bench/import: pushes the benchmark image; the skopeo and pipeline arms
+  umoci           # bench/import: the pipeline arm (umoci unpack)
+  squashfs-tools  # bench/import: the pipeline arm (mksquashfs)
   slurmctld       # integration/slurm: the one-host Slurm cluster of tests/root_slurm.rs
   slurmd          #   (its compute daemon; slurmstepd loads the SPANK plugin)
   slurm-client    #   (srun, sbatch, sinfo, squeue, scancel)

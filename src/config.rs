@@ -24,6 +24,7 @@ pub enum ConfigError {
 pub struct Config {
     pub cgroup: CgroupConfig,
     pub runtime: RuntimeConfig,
+    pub registry: RegistryConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -56,6 +57,50 @@ impl Default for RuntimeConfig {
         Self {
             state_dir: PathBuf::from("/run/berth"),
             kill_timeout_s: 10,
+        }
+    }
+}
+
+/// How images are pulled from OCI distribution registries (`image::registry`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// berth's own netrc-style credentials file (`machine HOST login USER password PASS`); `~`
+    /// is the home of the user who asked for the image. Read before Enroot's file.
+    pub credentials: String,
+    /// Also read Enroot's credentials file, `$ENROOT_CONFIG_PATH/.credentials`
+    /// (default `~/.config/enroot/.credentials`), so Pyxis users keep their logins.
+    pub enroot_credentials: bool,
+    /// PEM files of extra certificate authorities trusted for registries, on top of the system's.
+    pub ca_files: Vec<PathBuf>,
+    /// Registries (`HOST[:PORT]`, exactly as in image references) spoken to over plain HTTP.
+    /// Every other registry must use TLS.
+    pub insecure: Vec<String>,
+    /// Layers downloaded at once per image.
+    pub parallel_downloads: usize,
+    /// Seconds to wait for a TCP (and TLS) connection.
+    pub connect_timeout_s: u64,
+    /// Seconds a response may stall (no byte received) before the transfer is retried.
+    pub read_timeout_s: u64,
+    /// Attempts per request on server errors (5xx, 429) and dropped connections; a dropped layer
+    /// download resumes where it stopped.
+    pub retries: u32,
+    /// Delay before the first retry in milliseconds; it doubles with each further attempt.
+    pub retry_backoff_ms: u64,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            credentials: "~/.config/berth/credentials".to_string(),
+            enroot_credentials: true,
+            ca_files: Vec::new(),
+            insecure: Vec::new(),
+            parallel_downloads: 8,
+            connect_timeout_s: 30,
+            read_timeout_s: 60,
+            retries: 5,
+            retry_backoff_ms: 500,
         }
     }
 }

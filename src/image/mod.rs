@@ -9,6 +9,9 @@
 //! - `store`, `layer`, `archive`: the store, tar-layer extraction, archives and OCI layouts;
 //! - `sif`, `squashfs`: Apptainer SIF and Enroot squashfs images, loop mounts, export.
 
+pub mod reference;
+pub mod registry;
+
 use std::io::Read;
 use std::path::PathBuf;
 

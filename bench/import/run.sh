@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Registry import: `berth import` against the pipeline Enroot's users effectively run
+# (skopeo copy → umoci unpack → mksquashfs) and against `skopeo copy` alone, on a ~1.2 GiB,
+# 4-layer gzip image in a local docker-registry. See bench/import/README.md.
+#
+# Usage: sudo bench/import/run.sh [--arms skopeo,pipeline,berth] [--work DIR] [--keep]
+#
+#   --arms LIST   arms to run (default: all; berth also runs a warm re-import)
+#   --work DIR    where the image, registry storage and outputs go (default
+#                 /var/tmp/berth-bench-import); the generated image and the registry storage
+#                 are reused by later runs, outputs are removed at exit unless --keep
+#   BERTH=PATH    berth binary (default: cargo build --release, honouring CARGO_TARGET_DIR)
+#   ENROOT_SQUASH_OPTIONS   mksquashfs options of the pipeline arm (default Enroot's:
+#                 -comp lzo -noI -noD -noF -noX -no-duplicates)
+#
+# Goals (issue 3): berth cold ≥ 3× faster than the pipeline; warm re-import < 50 ms.
+set -euo pipefail
+
+arms=skopeo,pipeline,berth
+work=/var/tmp/berth-bench-import
+keep=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --arms) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; arms=$2; shift 2 ;;
+    --work) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; work=$2; shift 2 ;;
+    --keep) keep=1; shift ;;
+    -h | --help) sed -n '6,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+squash_opts=${ENROOT_SQUASH_OPTIONS:--comp lzo -noI -noD -noF -noX -no-duplicates}
+
+die() { echo "bench/import: error: $*" >&2; exit 1; }
+say() { echo "bench/import: $*" >&2; }
+want() { [[ ,$arms, == *",$1,"* ]]; }
+for a in ${arms//,/ }; do
+  case $a in skopeo | pipeline | berth) ;; *) die "unknown arm '$a' (expected skopeo, pipeline, berth)" ;; esac
+done
+[ "$(id -u)" -eq 0 ] || die "must run as root (umoci unpack keeps ownership; berth's store): sudo $0"
+for t in docker-registry skopeo python3 gzip tar sha256sum; do
+  command -v "$t" >/dev/null || die "$t not found: run integration/setup.sh"
+done
+if want pipeline; then
+  for t in umoci mksquashfs; do command -v "$t" >/dev/null || die "$t not found: run integration/setup.sh"; done
+fi
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+registry_sh=$repo/integration/registry/registry.sh
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+out=$work/out
+rm -rf "$out"
+mkdir -p "$out"
+
+cleanup() {
+  bash "$registry_sh" stop "$work/registry" || true
+  [ "$keep" -eq 1 ] || rm -rf "$out"
+}
+trap cleanup EXIT
+
+now() { date +%s%N; }
+secs() { awk -v ns="$1" 'BEGIN { printf "%.3f", ns / 1e9 }'; }
+
+# --- the image: layer trees → gzip layers → OCI layout (built once, reused) -------------------
+layout=$work/layout
+if [ ! -f "$layout/index.json" ]; then
+  say "generating the image (one-time, a few minutes)"
+  rm -rf "$work/trees" "$layout"
+  bb=/bin/busybox
+  [ -x "$bb" ] || die "/bin/busybox missing: apt-get install busybox-static"
+  python3 "$here/make-image.py" "$work/trees" "$bb"
+  mkdir -p "$layout/blobs/sha256"
+  for l in l1 l2 l3 l4; do
+    (
+      tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$work/trees/$l" \
+        -cf "$layout/$l.tar" .
+      sha256sum "$layout/$l.tar" | cut -d' ' -f1 >"$layout/$l.diffid"
+      gzip -n -6 <"$layout/$l.tar" >"$layout/$l.gz"
+      rm "$layout/$l.tar"
+      d=$(sha256sum "$layout/$l.gz" | cut -d' ' -f1)
+      mv "$layout/$l.gz" "$layout/blobs/sha256/$d"
+      echo "$d" >"$layout/$l.digest"
+    ) &
+  done
+  wait
+  diff_ids=() layers=()
+  for l in l1 l2 l3 l4; do
+    diff_ids+=("\"sha256:$(cat "$layout/$l.diffid")\"")
+    d=$(cat "$layout/$l.digest")
+    size=$(stat -c %s "$layout/blobs/sha256/$d")
+    layers+=("{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar+gzip\",\"digest\":\"sha256:$d\",\"size\":$size}")
+  done
+  config="{\"architecture\":\"amd64\",\"os\":\"linux\",\"config\":{\"Env\":[\"PATH=/bin\"],\"Cmd\":[\"/bin/sh\"]},\"rootfs\":{\"type\":\"layers\",\"diff_ids\":[$(IFS=,; echo "${diff_ids[*]}")]}}"
+  printf '%s' "$config" >"$layout/config.json"
+  cd_=$(sha256sum "$layout/config.json" | cut -d' ' -f1)
+  mv "$layout/config.json" "$layout/blobs/sha256/$cd_"
+  manifest="{\"schemaVersion\":2,\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\"config\":{\"mediaType\":\"application/vnd.oci.image.config.v1+json\",\"digest\":\"sha256:$cd_\",\"size\":${#config}},\"layers\":[$(IFS=,; echo "${layers[*]}")]}"
+  printf '%s' "$manifest" >"$layout/manifest.json"
+  md=$(sha256sum "$layout/manifest.json" | cut -d' ' -f1)
+  mv "$layout/manifest.json" "$layout/blobs/sha256/$md"
+  printf '{"imageLayoutVersion":"1.0.0"}' >"$layout/oci-layout"
+  printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%s,"annotations":{"org.opencontainers.image.ref.name":"1"}}]}' \
+    "$md" "${#manifest}" >"$layout/index.json"
+  rm -rf "$work/trees"
+fi
+uncompressed=0
+compressed=0
+for l in l1 l2 l3 l4; do
+  d=$(cat "$layout/$l.digest")
+  compressed=$((compressed + $(stat -c %s "$layout/blobs/sha256/$d")))
+done
+
+# --- the registry ---------------------------------------------------------------------------
+host=$(bash "$registry_sh" start "$work/registry")
+say "registry on $host; pushing bench/big:1 (skipped blobs it already holds)"
+skopeo copy --quiet --dest-tls-verify=false "oci:$layout:1" "docker://$host/bench/big:1"
+ref_docker="docker://$host/bench/big:1"
+ref_enroot="$host#bench/big:1"
+
+declare -A t
+report=()
+
+# --- arms -----------------------------------------------------------------------------------
+if want skopeo; then
+  rm -rf "$out/skopeo"
+  s=$(now)
+  skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/skopeo:1"
+  t[skopeo]=$(($(now) - s))
+  rm -rf "$out/skopeo"
+fi
+
+if want pipeline; then
+  rm -rf "$out/pipeline"
+  mkdir -p "$out/pipeline"
+  s=$(now)
+  skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/pipeline/oci:1"
+  s1=$(now)
+  umoci unpack --image "$out/pipeline/oci:1" "$out/pipeline/bundle" >/dev/null
+  s2=$(now)
+  # shellcheck disable=SC2086 # the options are a word list, as Enroot passes them
+  mksquashfs "$out/pipeline/bundle/rootfs" "$out/pipeline/image.sqsh" $squash_opts -quiet -no-progress >/dev/null
+  e=$(now)
+  t[pipeline]=$((e - s))
+  uncompressed=$(du -sb "$out/pipeline/bundle/rootfs" | cut -f1)
+  report+=("pipeline stages: skopeo $(secs $((s1 - s))) s, umoci unpack $(secs $((s2 - s1))) s, mksquashfs $(secs $((e - s2))) s")
+  rm -rf "$out/pipeline"
+fi
+
+if want berth; then
+  if [ -z "${BERTH:-}" ]; then
+    say "building berth (cargo build --release)"
+    (cd "$repo" && cargo build --release --quiet --bin berth)
+    BERTH=${CARGO_TARGET_DIR:-$repo/target}/release/berth
+  fi
+  cfg=$out/berth.toml
+  printf '[store]\nroot = "%s"\n[registry]\ninsecure = ["%s"]\n' "$out/berth-store" "$host" >"$cfg"
+  rm -rf "$out/berth-store"
+  s=$(now)
+  if "$BERTH" --config "$cfg" import "$ref_enroot" >"$out/berth.out" 2>"$out/berth.err"; then
+    t[berth]=$(($(now) - s))
+    s=$(now)
+    "$BERTH" --config "$cfg" import "$ref_enroot" >/dev/null 2>>"$out/berth.err" ||
+      die "warm berth import failed: $(tail -1 "$out/berth.err")"
+    t[berth_warm]=$(($(now) - s))
+    report+=("berth printed: $(head -1 "$out/berth.out")")
+  else
+    report+=("berth arm FAILED (is 'berth import' of registry references merged?): $(tail -1 "$out/berth.err")")
+  fi
+fi
+
+# --- report ---------------------------------------------------------------------------------
+echo
+echo "image: 4 gzip layers, $((compressed / 1048576)) MiB compressed$([ "$uncompressed" -gt 0 ] && echo ", $((uncompressed / 1048576)) MiB unpacked"); $(nproc) CPUs"
+for k in skopeo pipeline berth berth_warm; do
+  [ -n "${t[$k]:-}" ] || continue
+  case $k in
+    skopeo) label="skopeo copy docker:// → oci: (download only)" ;;
+    pipeline) label="skopeo → umoci unpack → mksquashfs ($squash_opts)" ;;
+    berth) label="berth import, cold" ;;
+    berth_warm) label="berth import, warm (same ref again)" ;;
+  esac
+  printf '%-62s %9s s\n' "$label" "$(secs "${t[$k]}")"
+done
+for line in "${report[@]}"; do echo "$line"; done
+if [ -n "${t[berth]:-}" ] && [ -n "${t[pipeline]:-}" ]; then
+  awk -v p="${t[pipeline]}" -v b="${t[berth]}" 'BEGIN { r = p / b; printf "berth cold vs pipeline: %.2fx faster (goal >= 3x: %s)\n", r, (r >= 3 ? "met" : "NOT met") }'
+fi
+if [ -n "${t[berth]:-}" ] && [ -n "${t[skopeo]:-}" ]; then
+  awk -v s="${t[skopeo]}" -v b="${t[berth]}" 'BEGIN { printf "berth cold vs skopeo copy alone: %.2fx\n", s / b }'
+fi
+if [ -n "${t[berth_warm]:-}" ]; then
+  awk -v w="${t[berth_warm]}" 'BEGIN { ms = w / 1e6; printf "berth warm re-import: %.1f ms (goal < 50 ms: %s)\n", ms, (ms < 50 ? "met" : "NOT met") }'
+fi
