@@ -27,6 +27,14 @@ PACKAGES=(
   # skopeo also converts the root tier's test images (tests/root_store.rs) to oci-archive, docker-archive
   podman          # root tier (tests/root_store.rs): podman:// imports (podman image save)
   zstd            # root tier (tests/root_store.rs): zstd-compressed test layers
+  slurmctld       # integration/slurm: the one-host Slurm cluster of tests/root_slurm.rs
+  slurmd          #   (its compute daemon; slurmstepd loads the SPANK plugin)
+  slurm-client    #   (srun, sbatch, sinfo, squeue, scancel)
+  munge           #   (Slurm's authentication daemon)
+  libslurm-dev    # spank/build.rs: slurm/spank.h, slurm_version.h (plugin_version)
+  openmpi-bin     # Slurm MPI tests: mpirun, an MPI runtime
+  libopenmpi-dev  #   (mpicc for the test program)
+  libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)
 )
 
 # apt-get update is skipped while this stamp is younger than this many seconds.

@@ -1,0 +1,165 @@
+//! The plugin's arguments from its plugstack.conf line, e.g.
+//! `required /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_berth.so berth=/usr/local/bin/berth sbatch_support=1`.
+//! The keys are Pyxis's (`runtime_path`, `execute_entrypoint`, `container_scope`,
+//! `sbatch_support`) plus berth's own (`berth`, `config`, `debug_request_dir`).
+
+use std::path::PathBuf;
+
+use crate::options::parse_bool;
+
+/// Where named containers live: per job (removed by the Epilog) or per user across jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    Job,
+    Global,
+}
+
+impl Scope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Job => "job",
+            Scope::Global => "global",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginConfig {
+    /// The berth binary the plugin runs.
+    pub berth: PathBuf,
+    /// Passed to berth as `--config PATH`.
+    pub config: Option<PathBuf>,
+    /// Pyxis's runtime directory: accepted so a Pyxis plugstack.conf line works unchanged;
+    /// berth's own directories come from berth.toml.
+    pub runtime_path: Option<String>,
+    pub execute_entrypoint: bool,
+    pub container_scope: Scope,
+    /// Whether sbatch/salloc accept the options and the batch step gets a container.
+    pub sbatch_support: bool,
+    /// Test hook for the admin: slurmstepd writes each request to `DIR/JOB.STEP.json`.
+    pub debug_request_dir: Option<PathBuf>,
+}
+
+pub const DEFAULT_BERTH: &str = "/usr/local/bin/berth";
+
+impl Default for PluginConfig {
+    fn default() -> Self {
+        Self {
+            berth: PathBuf::from(DEFAULT_BERTH),
+            config: None,
+            runtime_path: None,
+            execute_entrypoint: false,
+            container_scope: Scope::Job,
+            sbatch_support: true,
+            debug_request_dir: None,
+        }
+    }
+}
+
+/// A plugstack.conf argument berth cannot use; the message names it and says what is expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("plugstack.conf argument '{arg}': {hint}")]
+pub struct ConfigError {
+    pub arg: String,
+    pub hint: &'static str,
+}
+
+impl PluginConfig {
+    pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Self, ConfigError> {
+        let mut config = Self::default();
+        for arg in args {
+            let arg = arg.as_ref();
+            let err = |hint| ConfigError {
+                arg: arg.to_string(),
+                hint,
+            };
+            let (key, value) = arg
+                .split_once('=')
+                .ok_or_else(|| err("expected KEY=VALUE"))?;
+            let bool_value = || parse_bool(value).ok_or_else(|| err("expected 0 or 1"));
+            let path_value = || {
+                if value.starts_with('/') {
+                    Ok(PathBuf::from(value))
+                } else {
+                    Err(err("expected an absolute path"))
+                }
+            };
+            match key {
+                "berth" => config.berth = path_value()?,
+                "config" => config.config = Some(path_value()?),
+                "runtime_path" => config.runtime_path = Some(path_value()?.display().to_string()),
+                "debug_request_dir" => config.debug_request_dir = Some(path_value()?),
+                "execute_entrypoint" => config.execute_entrypoint = bool_value()?,
+                "sbatch_support" => config.sbatch_support = bool_value()?,
+                "container_scope" => {
+                    config.container_scope = match value {
+                        "job" => Scope::Job,
+                        "global" => Scope::Global,
+                        _ => return Err(err("expected job or global")),
+                    }
+                }
+                _ => {
+                    return Err(err(
+                        "unknown key: expected berth=, config=, runtime_path=, execute_entrypoint=, \
+                         container_scope=, sbatch_support= or debug_request_dir=",
+                    ));
+                }
+            }
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_pyxis_and_the_installed_berth() {
+        let c = PluginConfig::parse::<&str>(&[]).unwrap();
+        assert_eq!(c.berth, PathBuf::from("/usr/local/bin/berth"));
+        assert_eq!(c.config, None);
+        assert!(!c.execute_entrypoint);
+        assert!(c.sbatch_support);
+        assert_eq!(c.container_scope, Scope::Job);
+    }
+
+    #[test]
+    fn every_key_parses() {
+        let c = PluginConfig::parse(&[
+            "berth=/opt/berth/bin/berth",
+            "config=/etc/berth/slurm.toml",
+            "runtime_path=/run/pyxis",
+            "execute_entrypoint=1",
+            "container_scope=global",
+            "sbatch_support=0",
+            "debug_request_dir=/tmp/req",
+        ])
+        .unwrap();
+        assert_eq!(c.berth, PathBuf::from("/opt/berth/bin/berth"));
+        assert_eq!(c.config, Some(PathBuf::from("/etc/berth/slurm.toml")));
+        assert_eq!(c.runtime_path.as_deref(), Some("/run/pyxis"));
+        assert!(c.execute_entrypoint);
+        assert_eq!(c.container_scope, Scope::Global);
+        assert!(!c.sbatch_support);
+        assert_eq!(c.debug_request_dir, Some(PathBuf::from("/tmp/req")));
+    }
+
+    #[test]
+    fn bad_arguments_name_themselves() {
+        for (arg, hint) in [
+            ("berth", "KEY=VALUE"),
+            ("berth=berth", "absolute path"),
+            ("sbatch_support=perhaps", "0 or 1"),
+            ("container_scope=node", "job or global"),
+            ("remap_root=1", "unknown key"),
+        ] {
+            let e = PluginConfig::parse(&[arg]).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("plugstack.conf argument '{arg}': ")),
+                "{e}"
+            );
+            assert!(e.contains(hint), "{e}");
+        }
+    }
+}

@@ -1,0 +1,534 @@
+//! The SPANK entry points Slurm calls, per context:
+//!
+//! - srun (local), sbatch/salloc (allocator): register the options, fill unset ones from the
+//!   environment, and pass the image to the Prolog (`SPANK_BERTH_IMAGE`).
+//! - slurmstepd (remote), once per step and node: `user_init` runs `berth step create` and opens
+//!   the namespaces it reports; in each task, `task_init_privileged` (root) replaces the task's
+//!   environment and `task_init` joins the namespaces and enters the working directory; when the
+//!   last local task has ended (`task_exit`), or at the latest in `exit`, `berth step destroy`
+//!   removes the container.
+//!
+//! Every entry point catches panics (none may unwind into Slurm) and reports failures as one
+//! `berth: …` line, which srun prints on the user's terminal.
+
+use std::ffi::{OsString, c_char, c_int};
+use std::os::fd::OwnedFd;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::config::PluginConfig;
+use crate::ffi::{self, Context, spank_t};
+use crate::io_text;
+use crate::join;
+use crate::options::{FLAGS, Options};
+use crate::request::{self, Created, Namespace, Step};
+use crate::runner::{self, Invocation};
+
+// The plugin's identity, as SPANK_PLUGIN(berth, 1) would declare it: slurmstepd checks that
+// plugin_version's major.minor equal its own.
+#[allow(non_upper_case_globals)]
+#[unsafe(no_mangle)]
+pub static plugin_name: [u8; 6] = *b"berth\0";
+#[allow(non_upper_case_globals)]
+#[unsafe(no_mangle)]
+pub static plugin_type: [u8; 6] = *b"spank\0";
+#[allow(non_upper_case_globals)]
+#[unsafe(no_mangle)]
+pub static plugin_version: u32 = ffi::SLURM_VERSION_NUMBER;
+#[allow(non_upper_case_globals)]
+#[unsafe(no_mangle)]
+pub static spank_plugin_version: u32 = 1;
+
+/// What the plugin knows about the current process's job step.
+struct State {
+    config: PluginConfig,
+    options: Options,
+    /// slurmstepd: this step gets a container.
+    enabled: bool,
+    step: Option<Step>,
+    /// `berth step create` ran (successfully or not), so `berth step destroy` must run.
+    create_ran: bool,
+    /// `berth step destroy` ran.
+    destroyed: bool,
+    /// Local tasks that ended (slurmstepd).
+    tasks_exited: u32,
+    /// The line already shown for a failed `user_init`; the tasks fail with it.
+    failure: Option<String>,
+    container: Option<Container>,
+}
+
+struct Container {
+    namespaces: Vec<(Namespace, OwnedFd)>,
+    env: Vec<String>,
+    cwd: String,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+fn state() -> MutexGuard<'static, Option<State>> {
+    // A panic while holding the lock leaves consistent data (every update is a single store).
+    STATE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// How an entry point fails: with a line for the user, or quietly when the line was shown
+/// already.
+enum Fail {
+    Line(String),
+    Quiet,
+}
+
+impl From<String> for Fail {
+    fn from(line: String) -> Self {
+        Fail::Line(line)
+    }
+}
+
+/// Runs an entry point, turning a failure into a logged line and -1, and a panic too.
+fn guard(what: &str, f: impl FnOnce() -> Result<(), Fail>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(Fail::Line(line))) => {
+            ffi::log_error(&line);
+            -1
+        }
+        Ok(Err(Fail::Quiet)) => -1,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            ffi::log_error(&format!(
+                "berth: internal error in the SPANK plugin's {what}: {msg}: please report it"
+            ));
+            -1
+        }
+    }
+}
+
+fn berth_line(msg: impl std::fmt::Display) -> String {
+    format!("berth: {msg}")
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle and `ac` plugstack.conf arguments in `av`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
+    guard("init", || {
+        let config = PluginConfig::parse(&ffi::args(ac, av)).map_err(berth_line)?;
+        let register = match ffi::context() {
+            Context::Local | Context::Remote => true,
+            Context::Allocator => config.sbatch_support,
+            _ => false,
+        };
+        *state() = Some(State {
+            config,
+            options: Options::default(),
+            enabled: false,
+            step: None,
+            create_ran: false,
+            destroyed: false,
+            tasks_exited: 0,
+            failure: None,
+            container: None,
+        });
+        if register {
+            for (i, flag) in FLAGS.iter().enumerate() {
+                ffi::register_option(
+                    sp,
+                    flag.name,
+                    flag.arginfo,
+                    flag.usage,
+                    i as c_int,
+                    option_callback,
+                )
+                .map_err(|e| {
+                    berth_line(format!(
+                        "cannot register --{}: {e}: another plugin in plugstack.conf (Pyxis?) \
+                         may define it; keep one of them",
+                        flag.name.to_string_lossy()
+                    ))
+                })?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Called by Slurm for each `--container-*` option, with `val` = its index in `FLAGS`.
+unsafe extern "C" fn option_callback(val: c_int, optarg: *const c_char, _remote: c_int) -> c_int {
+    guard("option callback", || {
+        let arg = if optarg.is_null() {
+            None
+        } else {
+            // SAFETY: Slurm passes a NUL-terminated argument or NULL.
+            Some(
+                unsafe { std::ffi::CStr::from_ptr(optarg) }
+                    .to_string_lossy()
+                    .into_owned(),
+            )
+        };
+        let mut guard = state();
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        st.options
+            .apply_flag(usize::try_from(val).unwrap_or(usize::MAX), arg.as_deref())
+            .map_err(berth_line)?;
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_init_post_opt(
+    sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("init_post_opt", || {
+        let ctx = ffi::context();
+        let mut guard = state();
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        match ctx {
+            Context::Local | Context::Allocator => {
+                if ctx == Context::Allocator && !st.config.sbatch_support {
+                    return Ok(());
+                }
+                st.options
+                    .apply_env(|k| std::env::var(k).ok())
+                    .map_err(berth_line)?;
+                for line in st.options.ignored() {
+                    ffi::log_user(&berth_line(line));
+                }
+                if let Some(image) = &st.options.image {
+                    // The Prolog (`berth prolog`) imports it before the step starts. Inside an
+                    // existing allocation the Prolog has already run and this is refused.
+                    if let Err(e) = ffi::job_control_setenv(sp, "BERTH_IMAGE", image) {
+                        ffi::log_debug(&format!(
+                            "berth: BERTH_IMAGE not passed to the Prolog: {e}"
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            Context::Remote => remote_post_opt(sp, st),
+            _ => Ok(()),
+        }
+    })
+}
+
+fn remote_post_opt(sp: spank_t, st: &mut State) -> Result<(), Fail> {
+    st.options
+        .apply_env(|k| ffi::getenv(sp, k))
+        .map_err(berth_line)?;
+    if !st.options.enabled() {
+        return Ok(());
+    }
+    let item = |item, what: &str| {
+        ffi::get_u32(sp, item)
+            .map_err(|e| berth_line(format!("cannot read the step's {what}: {e}")))
+    };
+    let step_id = item(ffi::S_JOB_STEPID, "id")?;
+    let wanted = match step_id {
+        ffi::SLURM_EXTERN_CONT | ffi::SLURM_INTERACTIVE_STEP => false,
+        ffi::SLURM_BATCH_SCRIPT => st.config.sbatch_support,
+        _ => true,
+    };
+    if !wanted {
+        return Ok(());
+    }
+    st.step = Some(Step {
+        job_id: item(ffi::S_JOB_ID, "job id")?,
+        step_id,
+        uid: item(ffi::S_JOB_UID, "uid")?,
+        gid: item(ffi::S_JOB_GID, "gid")?,
+        local_task_count: item(ffi::S_JOB_LOCAL_TASK_COUNT, "local task count")?,
+    });
+    st.enabled = true;
+    Ok(())
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_user_init(
+    sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("user_init", || {
+        let mut guard = state();
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        if !st.enabled || st.container.is_some() || st.create_ran {
+            return Ok(());
+        }
+        match create(sp, st) {
+            Ok(container) => {
+                st.container = Some(container);
+                Ok(())
+            }
+            Err(line) => {
+                // Slurm 22.05 reports a failed user_init to srun but srun still exits 0
+                // (SchedMD bug 7573): show the line now, and fail every task with it in
+                // task_init_privileged, which does make srun exit non-zero.
+                ffi::log_error(&line);
+                st.failure = Some(line);
+                Ok(())
+            }
+        }
+    })
+}
+
+fn berth_invocation(config: &PluginConfig, verb: &[&str], stdin: Vec<u8>) -> Invocation {
+    let mut args: Vec<OsString> = Vec::new();
+    if let Some(c) = &config.config {
+        args.push("--config".into());
+        args.push(c.into());
+    }
+    args.extend(verb.iter().map(OsString::from));
+    Invocation {
+        program: config.berth.clone(),
+        args,
+        stdin,
+        env: Vec::new(),
+    }
+}
+
+fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
+    let step = st
+        .step
+        .clone()
+        .ok_or_else(|| berth_line("no step information"))?;
+    let mut job_env = ffi::job_env(sp)
+        .map_err(|e| berth_line(format!("cannot read the job's environment: {e}")))?;
+    // Slurm's mpi/pmix plugin sets PMIX_SERVER_TMPDIR in slurmstepd's own environment before
+    // user_init; tasks get it (and the other PMIX_* variables) only later, when they start.
+    // berth bind-mounts the directory into the container, so PMIx clients reach the server's
+    // shared-memory data store: pass it on.
+    request::add_missing(
+        &mut job_env,
+        "PMIX_SERVER_TMPDIR",
+        std::env::var("PMIX_SERVER_TMPDIR").ok(),
+    );
+    let mut options = st.options.clone();
+    if step.step_id == ffi::SLURM_BATCH_SCRIPT {
+        // slurmstepd executes the batch script from its spool directory on the host: the script
+        // must be at the same path inside the container (read-only), as Pyxis does.
+        let argv = ffi::job_argv(sp)
+            .map_err(|e| berth_line(format!("cannot read the batch script's path: {e}")))?;
+        let script = argv
+            .first()
+            .ok_or_else(|| berth_line("the batch step has no script"))?;
+        options.add_batch_script(script).map_err(berth_line)?;
+    }
+    let request = request::create_request(&step, &options.to_json(), &st.config, &job_env);
+    if let Some(dir) = &st.config.debug_request_dir {
+        let path = dir.join(format!("{}.{}.json", step.job_id, step.step_id));
+        if let Err(e) = std::fs::write(&path, &request) {
+            ffi::log_info(&format!(
+                "berth: cannot write {}: {}",
+                path.display(),
+                io_text(&e)
+            ));
+        }
+    }
+    let inv = berth_invocation(&st.config, &["step", "create"], request.into_bytes());
+    st.create_ran = true;
+    let outcome = runner::run(&inv).map_err(|e| {
+        berth_line(format!(
+            "cannot run {}: {}: check berth= in plugstack.conf",
+            inv.program.display(),
+            io_text(&e)
+        ))
+    })?;
+    if !outcome.status.success() {
+        return Err(request::failure_line(
+            &outcome.stderr,
+            "step create",
+            &outcome.describe(),
+        ));
+    }
+    let created = Created::parse(&outcome.stdout).map_err(berth_line)?;
+    let mut namespaces = Vec::new();
+    for (ns, path) in created.join_order().map_err(berth_line)? {
+        let fd = join::with_root_euid(|| join::open_namespace(path))
+            .and_then(|r| r)
+            .map_err(|e| {
+                berth_line(format!(
+                    "cannot open the container's {} namespace {path}: {} (did its holder process {} exit?)",
+                    ns.key(),
+                    io_text(&e),
+                    created.pid
+                ))
+            })?;
+        namespaces.push((ns, fd));
+    }
+    ffi::log_debug(&format!("berth: step container {} ready", created.id));
+    Ok(Container {
+        namespaces,
+        env: created.env,
+        cwd: created.cwd,
+    })
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle, in the task's process, as root.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_task_init_privileged(
+    sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("task_init_privileged", || {
+        let guard = state();
+        let Some(st) = guard.as_ref() else {
+            return Ok(());
+        };
+        if !st.enabled {
+            return Ok(());
+        }
+        if st.failure.is_some() {
+            // Already shown by user_init; failing the task is what makes srun exit non-zero.
+            return Err(Fail::Quiet);
+        }
+        let Some(c) = &st.container else {
+            return Err(berth_line("the step's container was not created").into());
+        };
+        join::keep_caps_across_setuid().map_err(|e| {
+            berth_line(format!(
+                "cannot keep the capabilities to join the container: {}",
+                io_text(&e)
+            ))
+        })?;
+        let current = ffi::job_env(sp)
+            .map_err(|e| berth_line(format!("cannot read the task's environment: {e}")))?;
+        let (unset, set) = request::env_changes(&current, &c.env);
+        for name in unset {
+            ffi::unsetenv(sp, &name)
+                .map_err(|e| berth_line(format!("cannot unset {name} for the task: {e}")))?;
+        }
+        for (name, value) in set {
+            ffi::setenv(sp, &name, &value)
+                .map_err(|e| berth_line(format!("cannot set {name} for the task: {e}")))?;
+        }
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle, in the task's process, as the job's user.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_task_init(
+    _sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("task_init", || {
+        let guard = state();
+        let Some(st) = guard.as_ref() else {
+            return Ok(());
+        };
+        let (true, Some(c)) = (st.enabled, &st.container) else {
+            return Ok(());
+        };
+        join::enter(&c.namespaces).map_err(berth_line)?;
+        // As the job's user, without capabilities: the directory is checked with its rights.
+        std::env::set_current_dir(&c.cwd).map_err(|e| {
+            berth_line(format!(
+                "cannot enter the working directory {} in the container: {}",
+                c.cwd,
+                io_text(&e)
+            ))
+        })?;
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle, in slurmstepd, once per local task that ended.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_task_exit(
+    _sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("task_exit", || {
+        let mut guard = state();
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        st.tasks_exited += 1;
+        let all = st.step.as_ref().map_or(0, |s| s.local_task_count);
+        if st.tasks_exited >= all {
+            // The container's last task ended: remove it now rather than in `exit`, which
+            // Slurm calls only after it has tried to remove the step's cgroups (which the
+            // container's holder process, forked from slurmstepd, would keep busy).
+            destroy(st)?;
+        }
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Called by Slurm with a valid handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn slurm_spank_exit(
+    _sp: spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guard("exit", || {
+        let mut guard = state();
+        let Some(mut st) = guard.take() else {
+            return Ok(());
+        };
+        if ffi::context() != Context::Remote {
+            return Ok(());
+        }
+        destroy(&mut st)?;
+        Ok(())
+    })
+}
+
+/// Runs `berth step destroy` once, if `berth step create` ran (it may have created part of a
+/// container before failing). Named containers are berth's to keep.
+fn destroy(st: &mut State) -> Result<(), String> {
+    if !st.create_ran || st.destroyed {
+        return Ok(());
+    }
+    st.destroyed = true;
+    // Close the namespace descriptors before berth tears the container down.
+    st.container = None;
+    let Some(step) = &st.step else {
+        return Ok(());
+    };
+    let (job, stepid) = (step.job_id.to_string(), step.step_id.to_string());
+    let inv = berth_invocation(
+        &st.config,
+        &["step", "destroy", "--job-id", &job, "--step-id", &stepid],
+        Vec::new(),
+    );
+    let outcome = runner::run(&inv).map_err(|e| {
+        berth_line(format!(
+            "cannot run {}: {}: check berth= in plugstack.conf",
+            inv.program.display(),
+            io_text(&e)
+        ))
+    })?;
+    if !outcome.status.success() {
+        return Err(request::failure_line(
+            &outcome.stderr,
+            "step destroy",
+            &outcome.describe(),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,635 @@
+//! Root tier: berth's SPANK plugin on a real one-host Slurm (munged, slurmctld, slurmd started
+//! by integration/slurm/start.sh once per test binary and stopped when it exits). Each test runs
+//! srun/sbatch as a user would and checks what the job sees. Run by integration/test.sh as root:
+//! `cargo test --test root_slurm -- --ignored --test-threads=1`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A value derived from the checkout, so two checkouts testing at once use distinct ports,
+/// state directories and cgroups.
+fn checkout_hash() -> u32 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(env!("CARGO_MANIFEST_DIR"), &mut h);
+    std::hash::Hasher::finish(&h) as u32
+}
+
+struct Cluster {
+    state: PathBuf,
+    conf: PathBuf,
+    /// A directory every user can use as the working directory of srun.
+    cwd: PathBuf,
+}
+
+/// The cluster, started on first use; stopped by an atexit handler when the test binary exits.
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let berth = PathBuf::from(BERTH);
+        let profile_dir = berth.parent().unwrap();
+        // The plugin is another workspace member: build it with the profile of this test.
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "-p", "berth-spank"]);
+        match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => {}
+            Some("release") => {
+                build.arg("--release");
+            }
+            Some(other) => {
+                build.args(["--profile", other]);
+            }
+        }
+        let status = build.current_dir(repo()).status().expect("running cargo");
+        assert!(status.success(), "building the SPANK plugin failed");
+        let plugin = profile_dir.join("libspank_berth.so");
+
+        let hash = checkout_hash();
+        let state = PathBuf::from(format!("/tmp/berth-root-slurm-{hash:08x}"));
+        let port = 18000 + (hash % 500) * 4;
+        let berth_config = PathBuf::from(format!("/tmp/berth-root-slurm-{hash:08x}.toml"));
+        std::fs::write(
+            &berth_config,
+            format!(
+                "[cgroup]\nroot = \"{}-slurm\"\n[runtime]\nstate_dir = \"{}/berth/state\"\n",
+                cgroup_root(),
+                state.display()
+            ),
+        )
+        .unwrap();
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .arg("--plugin")
+            .arg(&plugin)
+            .arg("--berth")
+            .arg(&berth)
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .env("BERTH_SLURM_PORT", port.to_string())
+            .output()
+            .expect("running integration/slurm/start.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        extern "C" fn stop_cluster() {
+            let state = format!("/tmp/berth-root-slurm-{:08x}", checkout_hash());
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state)
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_cluster) };
+
+        let cwd = state.join("cwd");
+        std::fs::create_dir_all(&cwd).unwrap();
+        std::fs::set_permissions(&cwd, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+            .unwrap();
+        Cluster {
+            conf: state.join("etc/slurm.conf"),
+            state,
+            cwd,
+        }
+    })
+}
+
+/// A Slurm client command (srun, sbatch, …) as root.
+fn slurm(cmd: &str, args: &[&str]) -> Command {
+    let c = cluster();
+    let mut command = Command::new(cmd);
+    command
+        .args(args)
+        .env("SLURM_CONF", &c.conf)
+        .env_remove("BERTH_CONTAINER_IMAGE")
+        .env_remove("PYXIS_CONTAINER_IMAGE")
+        .current_dir(&c.cwd);
+    command
+}
+
+/// A Slurm client command as the test user (runuser keeps SLURM_CONF).
+fn slurm_as_user(cmd: &str, args: &[&str]) -> Command {
+    let _ = test_user();
+    let mut command = slurm("runuser", &["-u", "berthtest", "--", cmd]);
+    command.args(args);
+    command
+}
+
+fn run(mut cmd: Command) -> Output {
+    cmd.output().expect("running a Slurm client")
+}
+
+fn image() -> String {
+    rootfs().display().to_string()
+}
+
+/// stderr without Slurm's informational lines about queueing.
+fn errors(o: &Output) -> Vec<String> {
+    stderr(o)
+        .lines()
+        .filter(|l| !l.contains("queued and waiting for resources"))
+        .filter(|l| !l.contains("has been allocated resources"))
+        .map(String::from)
+        .collect()
+}
+
+fn succeeded(o: Output) -> String {
+    assert!(
+        o.status.success(),
+        "Slurm command failed: {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+/// The request the plugin sent for `job.step` (the harness sets debug_request_dir).
+fn request(job: &str, step: &str) -> serde_json::Value {
+    let path = cluster().state.join(format!("requests/{job}.{step}.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("no request at {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn srun_help_describes_every_container_option() {
+    let help = succeeded(run(slurm("srun", &["--help"])));
+    for flag in [
+        "--container-image=",
+        "--container-mounts=",
+        "--container-workdir=",
+        "--container-name=",
+        "--container-save=",
+        "--container-mount-home",
+        "--no-container-mount-home",
+        "--container-remap-root",
+        "--no-container-remap-root",
+        "--container-entrypoint",
+        "--no-container-entrypoint",
+        "--container-entrypoint-log",
+        "--container-writable",
+        "--container-readonly",
+        "--container-env=",
+        "--container-unshare=",
+    ] {
+        assert!(help.contains(flag), "srun --help lacks {flag}:\n{help}");
+    }
+    assert!(help.matches("[berth]").count() >= 16, "{help}");
+    // sbatch and salloc take them too (sbatch_support defaults to 1).
+    let help = succeeded(run(slurm("sbatch", &["--help"])));
+    assert!(help.contains("--container-image="), "{help}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_task_sees_the_images_files() {
+    let host = std::fs::read_to_string("/etc/os-release").unwrap();
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "cat",
+            "/etc/os-release",
+        ],
+    )));
+    assert!(out.contains("ID=berth-busybox"), "{out}");
+    assert_ne!(out, host);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn environment_variables_stand_in_for_flags_and_flags_win() {
+    let script = "echo job=$SLURM_JOB_ID; pwd; cat /etc/os-release";
+    // BERTH_* and PYXIS_* both enable the container; BERTH_* wins over PYXIS_*.
+    let mut cmd = slurm("srun", &["sh", "-c", script]);
+    cmd.env("PYXIS_CONTAINER_IMAGE", image())
+        .env("BERTH_CONTAINER_WORKDIR", "/etc")
+        .env("PYXIS_CONTAINER_WORKDIR", "/tmp")
+        .env("PYXIS_CONTAINER_MOUNT_HOME", "0")
+        .env("BERTH_CONTAINER_ENV", "FOO,BAR");
+    let out = succeeded(run(cmd));
+    assert!(out.contains("ID=berth-busybox"), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[1], "/etc", "{out}");
+    let job = lines[0].strip_prefix("job=").unwrap();
+    let req = request(job, "0");
+    assert_eq!(req["options"]["container-image"], image());
+    assert_eq!(req["options"]["container-workdir"], "/etc");
+    assert_eq!(req["options"]["container-mount-home"], false);
+    assert_eq!(req["options"]["container-env"], "FOO,BAR");
+    assert_eq!(req["step_id"], 0);
+    assert_eq!(req["uid"], 0);
+    assert!(
+        req["job_env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e == &format!("SLURM_JOB_ID={job}")),
+        "{req}"
+    );
+
+    // A flag wins over both variables.
+    let mut cmd = slurm("srun", &["--container-workdir=/bin", "sh", "-c", script]);
+    cmd.env("BERTH_CONTAINER_IMAGE", image())
+        .env("BERTH_CONTAINER_WORKDIR", "/etc")
+        .env("PYXIS_CONTAINER_WORKDIR", "/tmp");
+    let out = succeeded(run(cmd));
+    assert_eq!(out.lines().nth(1), Some("/bin"), "{out}");
+
+    // A variable with a bad value fails srun before anything runs.
+    let mut cmd = slurm("srun", &["true"]);
+    cmd.env("BERTH_CONTAINER_IMAGE", image())
+        .env("BERTH_CONTAINER_READONLY", "perhaps");
+    let o = run(cmd);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("BERTH_CONTAINER_READONLY: 'perhaps' is not a boolean"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn tasks_of_a_step_share_the_container_and_its_dev_shm() {
+    let name = format!("berth-shm-{}", std::process::id());
+    // Task 0 writes; task 1 waits for the file (10 s at most) and prints it.
+    let script = format!(
+        "if [ $SLURM_PROCID = 0 ]; then echo from-task-0 > /dev/shm/{name}; \
+         else i=0; while [ ! -e /dev/shm/{name} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
+         echo task1 sees $(cat /dev/shm/{name}); fi; cat /etc/os-release | grep ^ID="
+    );
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            "-n",
+            "2",
+            &format!("--container-image={}", image()),
+            "sh",
+            "-c",
+            &script,
+        ],
+    )));
+    assert!(out.contains("task1 sees from-task-0"), "{out}");
+    assert_eq!(out.matches("ID=berth-busybox").count(), 2, "{out}");
+    assert!(
+        !Path::new(&format!("/dev/shm/{name}")).exists(),
+        "the container's /dev/shm is the host's"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn workdir_option_sets_the_tasks_directory() {
+    let img = format!("--container-image={}", image());
+    let out = succeeded(run(slurm(
+        "srun",
+        &[&img, "--container-workdir=/etc", "pwd"],
+    )));
+    assert_eq!(out.trim(), "/etc");
+    // Without it: the image's working directory, here the default "/" (the host's working
+    // directory does not exist in the image).
+    let out = succeeded(run(slurm("srun", &[&img, "pwd"])));
+    assert_eq!(out.trim(), "/");
+    let o = run(slurm(
+        "srun",
+        &[&img, "--container-workdir=/no/such/dir", "pwd"],
+    ));
+    assert!(!o.status.success());
+    let berth_lines: Vec<String> = errors(&o)
+        .into_iter()
+        .filter(|l| l.contains("berth:"))
+        .collect();
+    assert_eq!(berth_lines.len(), 1, "{}", stderr(&o));
+    assert!(
+        berth_lines[0].contains("/no/such/dir"),
+        "{}",
+        berth_lines[0]
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mounts_are_bound_and_read_only_ones_refuse_writes() {
+    let c = cluster();
+    let ro = c.cwd.join(format!("ro-{}", std::process::id()));
+    let rw = c.cwd.join(format!("rw-{}", std::process::id()));
+    std::fs::create_dir_all(&ro).unwrap();
+    std::fs::create_dir_all(&rw).unwrap();
+    std::fs::write(ro.join("f"), "from-host\n").unwrap();
+    let mounts = format!(
+        "--container-mounts={}:/data:ro,{}:/out",
+        ro.display(),
+        rw.display()
+    );
+    let o = run(slurm(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            &mounts,
+            "sh",
+            "-c",
+            "cat /data/f; echo written > /out/g && echo wrote-out; \
+             echo x > /data/new && echo WROTE-RO || echo refused",
+        ],
+    ));
+    let out = succeeded(o);
+    assert!(out.contains("from-host"), "{out}");
+    assert!(out.contains("wrote-out"), "{out}");
+    assert!(out.contains("refused"), "{out}");
+    assert!(!out.contains("WROTE-RO"), "{out}");
+    assert_eq!(std::fs::read_to_string(rw.join("g")).unwrap(), "written\n");
+    assert!(!ro.join("new").exists());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_bad_image_fails_the_step_with_one_line_naming_it() {
+    let o = run(slurm(
+        "srun",
+        &["--container-image=/no/such/image", "echo", "RAN"],
+    ));
+    assert!(!o.status.success(), "srun succeeded: {}", stdout(&o));
+    assert!(!stdout(&o).contains("RAN"));
+    let berth_lines: Vec<String> = errors(&o)
+        .into_iter()
+        .filter(|l| l.contains("berth:"))
+        .collect();
+    assert_eq!(berth_lines.len(), 1, "{}", stderr(&o));
+    assert!(
+        berth_lines[0].contains("/no/such/image"),
+        "{}",
+        berth_lines[0]
+    );
+    // A malformed option fails in srun itself, before any job exists.
+    let o = run(slurm(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "--container-name=x:sometimes",
+            "true",
+        ],
+    ));
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("berth: --container-name: invalid value 'x:sometimes'"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_job_runs_as_its_user_and_cannot_reach_the_hosts_files() {
+    let (uid, gid, extra) = test_user();
+    let out = succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "sh",
+            "-c",
+            "id -u; id -g; id -G; cat /etc/shadow 2>/dev/null | wc -c",
+        ],
+    )));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], uid.to_string(), "{out}");
+    assert_eq!(lines[1], gid.to_string(), "{out}");
+    assert!(
+        lines[2].split(' ').any(|g| g == extra.to_string()),
+        "supplementary group missing: {out}"
+    );
+    assert_eq!(
+        lines[3].trim(),
+        "0",
+        "the host's /etc/shadow is readable: {out}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn tasks_have_no_capabilities_and_no_new_privileges() {
+    // As root too: the container's tasks get no capability in any set.
+    for cmd in [slurm("srun", &[]), slurm_as_user("srun", &[])] {
+        let mut cmd = cmd;
+        cmd.args([
+            &format!("--container-image={}", image()),
+            "grep",
+            "-E",
+            "^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs)",
+            "/proc/self/status",
+        ]);
+        let out = succeeded(run(cmd));
+        for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            assert!(
+                out.contains(&format!("{cap}:\t0000000000000000")),
+                "{cap} not empty: {out}"
+            );
+        }
+        assert!(out.contains("NoNewPrivs:\t1"), "{out}");
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_named_container_keeps_its_files_across_the_steps_of_a_job() {
+    let c = cluster();
+    let script = format!(
+        "srun --container-name=keep --container-image={img} sh -c 'echo kept > /tmp/note'; \
+         srun --container-name=keep cat /tmp/note; \
+         srun --container-image={img} sh -c 'cat /tmp/note 2>/dev/null || echo fresh'",
+        img = image()
+    );
+    let out = succeeded(run(slurm("salloc", &["-Q", "sh", "-c", &script])));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines, ["kept", "fresh"], "{out}");
+    // The Epilog removes the job's named containers.
+    let state = c.state.join("berth/state");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while std::fs::read_dir(&state).map_or(0, |rd| rd.count()) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "named container left after the job"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn sbatch_runs_its_script_inside_the_container() {
+    let c = cluster();
+    let script = c.cwd.join(format!("job-{}.sh", std::process::id()));
+    let output = c.cwd.join(format!("job-{}.out", std::process::id()));
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n#SBATCH --container-image={}\n#SBATCH --output={}\ncat /etc/os-release\n",
+            image(),
+            output.display()
+        ),
+    )
+    .unwrap();
+    succeeded(run(slurm("sbatch", &["--wait", script.to_str().unwrap()])));
+    let out = std::fs::read_to_string(&output).unwrap();
+    assert!(out.contains("ID=berth-busybox"), "{out}");
+}
+
+/// Host processes whose command line contains `needle`.
+fn processes_with(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(needle) {
+            found.push(format!(
+                "{}: {cmdline}",
+                entry.file_name().to_string_lossy()
+            ));
+        }
+    }
+    found
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn nothing_of_the_container_is_left_after_the_job() {
+    let c = cluster();
+    // A background process that would outlive the task if nothing killed it.
+    let token = format!("{}", 3000 + std::process::id() % 1000);
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "sh",
+            "-c",
+            &format!("sleep {token} & echo started"),
+        ],
+    )));
+    assert!(out.contains("started"));
+    let state = c.state.join("berth/state");
+    let cgroups = PathBuf::from(format!("{}-slurm", cgroup_root()));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let procs = processes_with(&format!("sleep {token}"));
+        let records: Vec<_> = std::fs::read_dir(&state)
+            .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        let groups: Vec<_> = std::fs::read_dir(&cgroups)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mounts = host_mounts_with(&image());
+        let queue = stdout(&run(slurm("squeue", &["-h"])));
+        if procs.is_empty()
+            && records.is_empty()
+            && groups.is_empty()
+            && mounts.is_empty()
+            && queue.trim().is_empty()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left after the job: processes {procs:?}, state {records:?}, cgroups {groups:?}, \
+             mounts {mounts:?}, queue {queue}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// An MPI program summing the ranks (1 + 2 + … + size) with MPI_Allreduce, built with the
+/// host's mpicc into a directory the tasks can read.
+fn mpi_program() -> &'static Path {
+    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        let dir = cluster().state.join("mpi");
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = dir.join("allreduce.c");
+        std::fs::write(
+            &source,
+            r#"#include <mpi.h>
+#include <stdio.h>
+int main(int argc, char **argv) {
+    int rank, size, one, sum = 0;
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    one = rank + 1;
+    MPI_Allreduce(&one, &sum, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    printf("rank %d of %d: sum %d\n", rank, size, sum);
+    MPI_Finalize();
+    return 0;
+}
+"#,
+        )
+        .unwrap();
+        let out = Command::new("mpicc")
+            .arg("-o")
+            .arg(dir.join("allreduce"))
+            .arg(&source)
+            .output()
+            .expect("mpicc not found: apt-get install libopenmpi-dev (integration/setup.sh)");
+        assert!(out.status.success(), "mpicc failed: {}", stderr(&out));
+        dir
+    })
+}
+
+/// `srun --mpi=pmix -n 2` of the MPI program in a container whose image is the host's root
+/// filesystem (which has Open MPI), as root or as the test user.
+fn mpi_allreduce(as_user: bool) {
+    let dir = mpi_program();
+    let args = [
+        "--mpi=pmix",
+        "-n",
+        "2",
+        "--container-image=/",
+        &format!("--container-mounts={}:/mpi:ro", dir.display()),
+        "/mpi/allreduce",
+    ];
+    let cmd = if as_user {
+        slurm_as_user("srun", &args)
+    } else {
+        slurm("srun", &args)
+    };
+    let out = succeeded(run(cmd));
+    for rank in 0..2 {
+        assert!(
+            out.contains(&format!("rank {rank} of 2: sum 3")),
+            "rank {rank}: {out}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mpi_ranks_in_one_container_reach_slurms_pmix_server() {
+    mpi_allreduce(false);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mpi_ranks_of_a_user_reach_slurms_pmix_server() {
+    mpi_allreduce(true);
+}
