@@ -9,7 +9,7 @@
 #[path = "../integration/registry/harness.rs"]
 mod harness;
 
-use std::io::{self, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,18 +17,17 @@ use std::time::{Duration, Instant};
 
 use berth::config::RegistryConfig;
 use berth::image::registry::{Client, ProgressMode, PullOptions, Pulled, RegistryError};
+use berth::image::store::Store;
 use berth::image::{ImageError, LayerSink, RegistryRef, StagedLayer, reference};
 use harness::{Compression, Entry, Mode, Pki, Proxy, Registry, TokenServer, Uploader};
-use sha2::{Digest as _, Sha256};
 
 // ---------------------------------------------------------------------------------------------
-// TEST-ONLY SINK. A minimal stand-in for the image store (src/image/store.rs, written in
-// parallel): extracts each layer with the `tar` crate into a staging directory, checks the
-// stream's sha256 against the diff_id, and renames it into place on publish. To be replaced by
-// the real store when it lands.
+// The layers go into the real store (src/image/store), wrapped to count what the client asks.
 
+/// The real store in a temporary directory, counting what the client asks of it.
 struct TestSink {
     root: tempfile::TempDir,
+    store: Store,
     stage_calls: AtomicUsize,
     published: Arc<Mutex<Vec<String>>>,
 }
@@ -36,19 +35,17 @@ struct TestSink {
 impl TestSink {
     fn new() -> Self {
         let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(root.path().join("layers")).unwrap();
+        let store = Store::open_at(&root.path().join("store"), 4).unwrap();
         Self {
             root,
+            store,
             stage_calls: AtomicUsize::new(0),
             published: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
     fn layer_dir(&self, diff_id: &str) -> PathBuf {
-        self.root
-            .path()
-            .join("layers")
-            .join(diff_id.trim_start_matches("sha256:"))
+        self.store.layer_dir(diff_id).unwrap()
     }
 
     fn published(&self) -> Vec<String> {
@@ -57,62 +54,37 @@ impl TestSink {
 
     /// Layer directories present (published) in the store.
     fn stored(&self) -> usize {
-        std::fs::read_dir(self.root.path().join("layers"))
+        std::fs::read_dir(self.root.path().join("store/layers"))
             .unwrap()
             .count()
     }
 
-    /// Staging directories left behind (must be none).
+    /// Staging areas left behind in the store's tmp directory (must be none).
     fn leftovers(&self) -> usize {
-        std::fs::read_dir(self.root.path())
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .starts_with("staging-")
-            })
-            .count()
+        std::fs::read_dir(self.root.path().join("store/tmp"))
+            .map(|d| d.count())
+            .unwrap_or(0)
     }
 }
 
-struct Hashing<'a> {
-    inner: &'a mut dyn Read,
-    hasher: Sha256,
-}
-
-impl Read for Hashing<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.hasher.update(&buf[..n]);
-        Ok(n)
-    }
-}
-
-struct Staged {
-    dir: tempfile::TempDir,
-    dest: PathBuf,
+/// Records which layers were published.
+struct Recorded {
+    inner: Box<dyn StagedLayer>,
     diff_id: String,
     published: Arc<Mutex<Vec<String>>>,
 }
 
-impl StagedLayer for Staged {
+impl StagedLayer for Recorded {
     fn publish(self: Box<Self>) -> Result<PathBuf, ImageError> {
-        let dir = self.dir.keep();
-        std::fs::rename(&dir, &self.dest).map_err(|source| ImageError::Io {
-            path: self.dest.clone(),
-            source,
-        })?;
+        let dir = self.inner.publish()?;
         self.published.lock().unwrap().push(self.diff_id.clone());
-        Ok(self.dest)
+        Ok(dir)
     }
 }
 
 impl LayerSink for TestSink {
     fn existing_layer(&self, diff_id: &str) -> Option<PathBuf> {
-        let p = self.layer_dir(diff_id);
-        p.is_dir().then_some(p)
+        self.store.existing_layer(diff_id)
     }
 
     fn stage_layer(
@@ -121,39 +93,13 @@ impl LayerSink for TestSink {
         tar: &mut dyn Read,
     ) -> Result<Box<dyn StagedLayer>, ImageError> {
         self.stage_calls.fetch_add(1, Ordering::Relaxed);
-        let dir = tempfile::Builder::new()
-            .prefix("staging-")
-            .tempdir_in(self.root.path())
-            .unwrap();
-        let mut hashing = Hashing {
-            inner: tar,
-            hasher: Sha256::new(),
-        };
-        let io_err = |source| ImageError::Io {
-            path: dir.path().to_path_buf(),
-            source,
-        };
-        tar::Archive::new(&mut hashing)
-            .unpack(dir.path())
-            .map_err(io_err)?;
-        io::copy(&mut hashing, &mut io::sink()).map_err(io_err)?;
-        let got = format!("sha256:{}", hex(&hashing.hasher.finalize()));
-        if got != diff_id {
-            return Err(ImageError::Format(format!(
-                "layer has diff_id {got}, config says {diff_id}"
-            )));
-        }
-        Ok(Box::new(Staged {
-            dir,
-            dest: self.layer_dir(diff_id),
+        let inner = self.store.stage_layer(diff_id, tar)?;
+        Ok(Box::new(Recorded {
+            inner,
             diff_id: diff_id.to_string(),
             published: self.published.clone(),
         }))
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 // ---------------------------------------------------------------------------------------------

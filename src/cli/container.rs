@@ -100,8 +100,8 @@ pub fn resolve(config: &Config, key: &str) -> Option<String> {
 }
 
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
-    let req = request(&args.container, &[])?;
-    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let prepared = request(&args.container, &[], config, true)?;
+    let spec = spec::build(&prepared.request).map_err(|e| Failure::input(e.to_string()))?;
     let mut labels = BTreeMap::new();
     labels.insert(
         "uid".to_string(),
@@ -117,7 +117,7 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     }
     let created = runtime::create(
         &spec,
-        std::slice::from_ref(&req.rootfs),
+        &prepared.image.lowers,
         &options(config, None),
         &labels,
     )

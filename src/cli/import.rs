@@ -5,7 +5,7 @@ use clap::Args;
 use super::Failure;
 use crate::config::Config;
 use crate::image::store::Store;
-use crate::image::{ImageError, Reference, archive};
+use crate::image::{ImageError, Reference};
 
 /// Import an image into the node's image store and print its digest
 ///
@@ -14,22 +14,20 @@ use crate::image::{ImageError, Reference, archive};
 /// and reuses its result. Progress goes to stderr; stdout gets only the digest.
 #[derive(Debug, Args)]
 pub struct ImportArgs {
-    /// oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REF], podman://IMAGE[:TAG]
-    /// or dockerd://IMAGE[:TAG]
+    /// [USER@][REGISTRY#]IMAGE[:TAG][@DIGEST], docker://[USER@]REGISTRY/IMAGE[:TAG],
+    /// /path/image.sqsh, /path/image.sif, oci:DIR[:REF], oci-archive:FILE[:REF],
+    /// docker-archive:FILE[:REF], podman://IMAGE[:TAG] or dockerd://IMAGE[:TAG]
     #[arg(value_name = "REF")]
     pub reference: String,
+
+    /// Platform to pick from a multi-platform image (amd64, arm64, ...) [default: the host's]
+    #[arg(long, value_name = "ARCH")]
+    pub arch: Option<String>,
 }
 
 /// Parses an image reference from the command line.
 pub fn parse_reference(text: &str) -> Result<Reference, ImageError> {
-    archive::parse_local(text).unwrap_or_else(|| {
-        Err(ImageError::Reference(
-            text.to_string(),
-            "use oci:DIR, oci-archive:FILE, docker-archive:FILE, podman://IMAGE or dockerd://IMAGE \
-             (registry, .sqsh and .sif references are not supported yet)"
-                .into(),
-        ))
-    })
+    crate::image::reference::parse(text)
 }
 
 /// Exit status and one line for an image error: 2 for a bad reference, 1 otherwise.
@@ -51,7 +49,14 @@ pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
     let reference = parse_reference(&args.reference).map_err(failure)?;
     let store = open_store(config)?;
     let progress = |line: &str| eprintln!("berth: {line}");
-    let image = store.import(&reference, &progress).map_err(failure)?;
+    let user = crate::spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
+    let who = crate::image::import::Requester {
+        uid: user.uid,
+        home: user.home.as_deref(),
+        arch: args.arch.clone(),
+    };
+    let image = crate::image::import::import(&store, &reference, config, &who, &progress)
+        .map_err(failure)?;
     println!("{}", image.digest);
     Ok(0)
 }

@@ -29,8 +29,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "SECONDS")]
     pub timeout: Option<String>,
 
-    /// The command and its arguments
-    #[arg(last = true, required = true, value_name = "CMD")]
+    /// The command and its arguments [default with --image: the image's Entrypoint + Cmd]
+    #[arg(last = true, required_unless_present = "image", value_name = "CMD")]
     pub command: Vec<String>,
 }
 
@@ -38,8 +38,27 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct ContainerArgs {
     /// Root filesystem directory (never modified: the container writes to an overlay)
-    #[arg(long, value_name = "DIR")]
-    pub rootfs: PathBuf,
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "image",
+        conflicts_with = "image"
+    )]
+    pub rootfs: Option<PathBuf>,
+
+    /// Image to run, imported into the node's store once: [USER@][REGISTRY#]IMAGE[:TAG],
+    /// docker://REGISTRY/IMAGE[:TAG], FILE.sqsh, FILE.sif, oci:DIR, oci-archive:FILE,
+    /// docker-archive:FILE, podman://IMAGE; its Env, WorkingDir, User, Entrypoint and Cmd apply
+    #[arg(long, value_name = "REF")]
+    pub image: Option<String>,
+
+    /// Run the image's Entrypoint with CMD as its arguments (without CMD, Entrypoint + Cmd run)
+    #[arg(long, requires = "image")]
+    pub entrypoint: bool,
+
+    /// Platform to pick from a multi-platform image (amd64, arm64, ...) [default: the host's]
+    #[arg(long, value_name = "ARCH", requires = "image")]
+    pub arch: Option<String>,
 
     /// Bind-mount a host path (nosuid,nodev; rw unless :ro)
     #[arg(long = "mount", value_name = "SRC:DST[:ro|rw]")]
@@ -110,11 +129,19 @@ fn flag<T>(
 }
 
 /// Validates the arguments against the host and builds the request.
-pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Failure> {
-    runtime::check_rootfs(&args.rootfs).map_err(Failure::input)?;
-    // Absolute, so the overlay's lowerdir does not depend on the working directory.
-    let rootfs = std::fs::canonicalize(&args.rootfs)
-        .map_err(|e| Failure::input(format!("root filesystem {}: {e}", args.rootfs.display())))?;
+/// A container request and the image it stacks (whose in-use mark lives as long as it).
+pub struct Prepared {
+    pub request: Request,
+    pub image: super::image::Resolved,
+}
+
+/// Validates the arguments against the host, resolves the image and builds the request.
+pub fn request(
+    args: &ContainerArgs,
+    command: &[String],
+    config: &Config,
+    hold: bool,
+) -> Result<Prepared, Failure> {
     let mut mounts = Vec::new();
     for text in &args.mounts {
         let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
@@ -126,11 +153,11 @@ pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Fail
         }
         mounts.push(m);
     }
-    let mut env = Vec::new();
+    let mut cli_env = Vec::new();
     for text in &args.env {
         if !text.contains('=') && !text.is_empty() {
             match std::env::var(text) {
-                Ok(v) => env.push((text.clone(), v)),
+                Ok(v) => cli_env.push((text.clone(), v)),
                 Err(_) => {
                     return Err(Failure::input(format!(
                         "--env {text}: not set in the caller's environment (use KEY=VALUE)"
@@ -138,7 +165,7 @@ pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Fail
                 }
             }
         } else {
-            env.push(parse::env_pair(text).map_err(|e| Failure::input(format!("--env: {e}")))?);
+            cli_env.push(parse::env_pair(text).map_err(|e| Failure::input(format!("--env: {e}")))?);
         }
     }
     if let Some(dir) = &args.workdir
@@ -149,11 +176,44 @@ pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Fail
             dir.display()
         )));
     }
-    let user = match &args.user {
-        Some(text) => spec::user::resolve(text),
-        None => spec::user::current(),
+    let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
+    let image = match (&args.rootfs, &args.image) {
+        (Some(dir), _) => {
+            runtime::check_rootfs(dir).map_err(Failure::input)?;
+            // Absolute, so the overlay's lowerdir does not depend on the working directory.
+            let dir = std::fs::canonicalize(dir)
+                .map_err(|e| Failure::input(format!("root filesystem {}: {e}", dir.display())))?;
+            super::image::Resolved {
+                lowers: vec![dir],
+                defaults: Default::default(),
+                digest: None,
+                in_use: None,
+            }
+        }
+        (None, Some(text)) => super::image::resolve(text, config, &caller, args.arch.clone())?,
+        (None, None) => return Err(Failure::input("give --rootfs DIR or --image REF")),
+    };
+    let user = match (&args.user, &image.defaults.user) {
+        (Some(text), _) => {
+            spec::user::resolve(text).map_err(|e| Failure::input(format!("--user: {e}")))?
+        }
+        // An image's User applies when root starts it, as with docker; an unprivileged caller
+        // always runs as itself.
+        (None, Some(text)) if caller.uid == 0 => image_user(text)?,
+        (None, _) => caller,
+    };
+    let mut env = image.defaults.env.clone();
+    env.extend(cli_env);
+    let args_line = if args.image.is_some() {
+        image.defaults.command_line(command, args.entrypoint)
+    } else {
+        command.to_vec()
+    };
+    if args_line.is_empty() && !hold {
+        return Err(Failure::input(
+            "no command given, and the image defines no Entrypoint or Cmd",
+        ));
     }
-    .map_err(|e| Failure::input(format!("--user: {e}")))?;
     let limits = Limits {
         memory: flag("memory", &args.memory, parse::size)?,
         memory_swap: flag("memory-swap", &args.memory_swap, parse::size)?,
@@ -178,11 +238,14 @@ pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Fail
         .map(host_device)
         .collect::<Result<Vec<_>, _>>()?;
     let terminal = std::io::stdin().is_terminal();
-    Ok(Request {
-        rootfs,
-        args: command.to_vec(),
+    let request = Request {
+        rootfs: image.lowers[0].clone(),
+        args: args_line,
         env,
-        workdir: args.workdir.clone(),
+        workdir: args
+            .workdir
+            .clone()
+            .or_else(|| image.defaults.workdir.clone()),
         user,
         hostname: flag("hostname", &args.hostname, parse::hostname)?,
         mounts,
@@ -191,10 +254,33 @@ pub fn request(args: &ContainerArgs, command: &[String]) -> Result<Request, Fail
         limits,
         net: args.net,
         readonly: args.readonly,
+        share_pids: false,
         terminal,
         host_files: host_files(),
         term: std::env::var("TERM").ok(),
-    })
+    };
+    Ok(Prepared { request, image })
+}
+
+/// An image's `User`: numbers are taken as they are (the image may know users the host does
+/// not); names must exist on the host.
+fn image_user(text: &str) -> Result<spec::UserIds, Failure> {
+    let (u, g) = text.split_once(':').unwrap_or((text, ""));
+    if let Ok(uid) = u.parse::<u32>() {
+        let known = spec::user::by_id(uid, 0);
+        let gid = match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) if g.is_empty() => known.home.as_ref().map(|_| known.gid).unwrap_or(uid),
+            Err(_) => {
+                return Err(Failure::input(format!(
+                    "the image's User '{text}': use numbers, or names that exist on this host"
+                )));
+            }
+        };
+        return Ok(spec::user::by_id(uid, gid));
+    }
+    spec::user::resolve(text)
+        .map_err(|e| Failure::input(format!("the image's User '{text}': {e} (or use --user)")))
 }
 
 /// The host files every container gets read-only, those that exist here.
@@ -264,11 +350,11 @@ pub fn runtime_failure(e: RuntimeError) -> Failure {
 }
 
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
-    let req = request(&args.container, &args.command)?;
-    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let prepared = request(&args.container, &args.command, config, false)?;
+    let req = &prepared.request;
+    let spec = spec::build(req).map_err(|e| Failure::input(e.to_string()))?;
     let opts = options(config, parse_timeout(&args.timeout)?);
-    let outcome =
-        runtime::run(&spec, std::slice::from_ref(&req.rootfs), &opts).map_err(runtime_failure)?;
+    let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(runtime_failure)?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
         eprintln!("berth: {}", summary_line(&outcome));

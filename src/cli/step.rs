@@ -109,7 +109,7 @@ fn create(config: &Config) -> Result<i32, Failure> {
         Failure::input("no --container-image given (and no existing --container-name to use)")
     })?;
     let user = spec::user::by_id(step.uid, step.gid);
-    let image = super::image::resolve(image_text, config, &user)?;
+    let image = super::image::resolve(image_text, config, &user, None)?;
     let req = to_request(
         &step,
         user.clone(),
@@ -128,6 +128,9 @@ fn create(config: &Config) -> Result<i32, Failure> {
         }
     }
     let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    if let Some(digest) = &image.digest {
+        labels.insert("image".into(), digest.clone());
+    }
     let created = runtime::create(&spec, &image.lowers, &opts, &labels).map_err(runtime_failure)?;
     print(&Description::new(&created, &spec))
 }

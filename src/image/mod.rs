@@ -11,6 +11,7 @@
 
 pub mod archive;
 pub mod export;
+pub mod import;
 pub mod layer;
 pub mod loopdev;
 pub mod mount;

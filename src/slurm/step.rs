@@ -135,7 +135,7 @@ pub fn to_request(
             mounts::Mount::Tmpfs { destination } => tmpfs.push(destination),
         }
     }
-    for dir in pmix_dirs(&step.job_env) {
+    for dir in pmix_dirs(step) {
         binds.push(BindMount {
             source: dir.clone(),
             destination: dir,
@@ -206,6 +206,7 @@ pub fn to_request(
         limits: Default::default(),
         net,
         readonly: o.container_readonly == Some(true) && o.container_writable != Some(true),
+        share_pids: true,
         terminal: false,
         host_files,
         term: None,
@@ -215,15 +216,13 @@ pub fn to_request(
 /// Environment variables through which Slurm's PMIx plugin tells clients where its server's
 /// sockets live; the directories are bind-mounted at the same path so ranks in the container
 /// reach the server.
-const PMIX_DIR_VARS: [&str; 3] = [
-    "PMIX_SERVER_TMPDIR",
-    "PMIX_SYSTEM_TMPDIR",
-    "SLURM_PMIX_TMPDIR",
-];
+/// (PMIX_SYSTEM_TMPDIR is usually /tmp itself and is not mounted: the container has its own.)
+const PMIX_DIR_VARS: [&str; 2] = ["PMIX_SERVER_TMPDIR", "SLURM_PMIX_TMPDIR"];
 
-fn pmix_dirs(job_env: &[String]) -> Vec<PathBuf> {
+fn pmix_dirs(step: &StepRequest) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
-    for (k, v) in env::pairs(job_env) {
+    dirs.extend(pmix_app_dir(step));
+    for (k, v) in env::pairs(&step.job_env) {
         let dir = PathBuf::from(&v);
         if PMIX_DIR_VARS.contains(&k.as_str())
             && dir.is_absolute()
@@ -234,6 +233,68 @@ fn pmix_dirs(job_env: &[String]) -> Vec<PathBuf> {
         }
     }
     dirs
+}
+
+/// The per-step directory Slurm's PMIx plugin makes under its TmpFS for the clients' app
+/// (`spmix_appdir_<uid>_<job>.<step>`), looked for where Slurm puts it: TMPDIR of the job, or /tmp.
+fn pmix_app_dir(step: &StepRequest) -> Option<PathBuf> {
+    let env = env::pairs(&step.job_env);
+    let get = |key: &str| env.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+    let name = format!("spmix_appdir_{}_{}.{}", step.uid, step.job_id, step.step_id);
+    let mut roots = vec![PathBuf::from("/tmp")];
+    if let Some(tmp) = get("TMPDIR") {
+        roots.insert(0, PathBuf::from(tmp));
+    }
+    let conf = get("SLURM_CONF").unwrap_or_else(|| "/etc/slurm/slurm.conf".into());
+    if let Ok(text) = std::fs::read_to_string(&conf)
+        && let Some(tmpfs) = tmpfs_of(&text)
+    {
+        let node = get("SLURMD_NODENAME");
+        roots.splice(0..0, expand_node(&tmpfs, node.as_deref()));
+    }
+    roots
+        .into_iter()
+        .map(|r| r.join(&name))
+        .find(|p| p.is_dir())
+}
+
+/// slurm.conf's `TmpFS`: where the PMIx plugin puts its per-step directories.
+fn tmpfs_of(slurm_conf: &str) -> Option<String> {
+    slurm_conf.lines().find_map(|line| {
+        let line = line.split('#').next()?.trim();
+        let (key, value) = line.split_once('=')?;
+        key.trim()
+            .eq_ignore_ascii_case("TmpFS")
+            .then(|| value.trim().to_string())
+    })
+}
+
+/// The directories a TmpFS value may mean on this node: `%n` is the node name, which the job
+/// environment does not always carry, so without it every directory where `%n` stands is a
+/// candidate (the per-step name that is looked for inside makes a wrong match impossible).
+fn expand_node(tmpfs: &str, node: Option<&str>) -> Vec<PathBuf> {
+    if !tmpfs.contains("%n") {
+        return vec![PathBuf::from(tmpfs)];
+    }
+    if let Some(n) = node {
+        return vec![PathBuf::from(tmpfs.replace("%n", n))];
+    }
+    let Some((before, after)) = tmpfs.split_once("%n") else {
+        return Vec::new();
+    };
+    let (parent, prefix) = before.rsplit_once('/').unwrap_or(("", before));
+    let (suffix, rest) = after.split_once('/').unwrap_or((after, ""));
+    let Ok(entries) = std::fs::read_dir(if parent.is_empty() { "/" } else { parent }) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            (name.starts_with(prefix) && name.ends_with(suffix))
+                .then(|| PathBuf::from(parent).join(name).join(rest))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -303,12 +364,30 @@ mod tests {
         let t = tmp.display();
         let s = step(&format!(
             r#"{{"job_id":1,"step_id":0,"uid":0,"gid":0,
-                "job_env":["PMIX_SERVER_TMPDIR={t}","PMIX_SYSTEM_TMPDIR={t}","PMIX_RANK=0",
-                           "SLURM_PMIX_TMPDIR=/nonexistent/x"]}}"#
+                "job_env":["PMIX_SERVER_TMPDIR={t}","SLURM_PMIX_TMPDIR={t}","PMIX_RANK=0",
+                           "PMIX_SYSTEM_TMPDIR=/nonexistent/x"]}}"#
         ));
         let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
         let sources: Vec<_> = req.mounts.iter().map(|m| m.source.clone()).collect();
         assert_eq!(sources, vec![tmp]);
+    }
+
+    #[test]
+    fn tmpfs_comes_from_slurm_conf() {
+        let conf = "# TmpFS=/wrong\nSlurmdSpoolDir=/var/spool\ntmpfs=/scratch/%n # per node\n";
+        assert_eq!(tmpfs_of(conf).as_deref(), Some("/scratch/%n"));
+        assert_eq!(tmpfs_of("ClusterName=x\n"), None);
+        assert_eq!(
+            expand_node("/scratch/%n", Some("n1")),
+            vec![PathBuf::from("/scratch/n1")]
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("tmp/node7/x")).unwrap();
+        let pattern = format!("{}/tmp/%n", dir.path().display());
+        assert_eq!(
+            expand_node(&pattern, None),
+            vec![dir.path().join("tmp/node7/")]
+        );
     }
 
     #[test]

@@ -108,6 +108,9 @@ pub struct Request {
     pub limits: Limits,
     pub net: Net,
     pub readonly: bool,
+    /// Stay in the host's PID namespace: processes that join the container later (a Slurm
+    /// step's tasks) cannot enter a PID namespace, and /proc must show them.
+    pub share_pids: bool,
     pub terminal: bool,
     /// Host files bind-mounted read-only at the same path (/etc/hosts, /etc/resolv.conf, ...),
     /// only those that exist on the host.
@@ -132,12 +135,14 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
         return Err(SpecError::SwapWithoutMemory);
     }
     let mut namespaces = vec![
-        LinuxNamespaceType::Pid,
         LinuxNamespaceType::Mount,
         LinuxNamespaceType::Ipc,
         LinuxNamespaceType::Uts,
         LinuxNamespaceType::Cgroup,
     ];
+    if !req.share_pids {
+        namespaces.push(LinuxNamespaceType::Pid);
+    }
     if req.net == Net::None {
         namespaces.push(LinuxNamespaceType::Network);
     }

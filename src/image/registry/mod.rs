@@ -154,6 +154,25 @@ pub struct Pulled {
     pub anonymous: bool,
 }
 
+/// An image whose manifest and config have been fetched and checked; its layers not yet.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    target: Target,
+    pub manifest_digest: String,
+    pub index_digest: Option<String>,
+    pub config_digest: String,
+    pub config: ImageConfiguration,
+    layers: Vec<Descriptor>,
+    diff_ids: Vec<String>,
+}
+
+impl Resolved {
+    /// Compressed bytes of all layers, as the manifest lists them.
+    pub fn download_size(&self) -> u64 {
+        self.layers.iter().map(|l| l.size).sum()
+    }
+}
+
 /// A registry client for one user (whose credentials it reads) and one pull or check.
 pub struct Client {
     transport: Transport,
@@ -221,13 +240,13 @@ impl Client {
         }
     }
 
-    /// Pulls `r` into `sink`.
-    pub fn pull(
+    /// Fetches and checks the manifest (choosing the platform from an index) and the config of
+    /// `r`, without downloading layers: the manifest digest says whether the store has the image.
+    pub fn resolve(
         &self,
         r: &RegistryRef,
         options: &PullOptions,
-        sink: &dyn LayerSink,
-    ) -> Result<Pulled, RegistryError> {
+    ) -> Result<Resolved, RegistryError> {
         let t = target(r);
         let want = match &options.arch {
             Some(a) => Wanted::parse(a).map_err(|detail| RegistryError::Image {
@@ -303,15 +322,45 @@ impl Client {
         for d in &diff_ids {
             check_digest(&t, d)?;
         }
-        let paths = self.fetch_layers(&t, &layers, &diff_ids, options.progress, sink)?;
-        Ok(Pulled {
+        Ok(Resolved {
+            target: t,
             manifest_digest,
             index_digest,
             config_digest: config_desc.digest,
             config,
+            layers,
+            diff_ids,
+        })
+    }
+
+    /// Downloads the layers of a resolved image into `sink` (skipping those it has).
+    pub fn fetch(
+        &self,
+        resolved: Resolved,
+        options: &PullOptions,
+        sink: &dyn LayerSink,
+    ) -> Result<Pulled, RegistryError> {
+        let r = resolved;
+        let paths = self.fetch_layers(&r.target, &r.layers, &r.diff_ids, options.progress, sink)?;
+        Ok(Pulled {
+            manifest_digest: r.manifest_digest,
+            index_digest: r.index_digest,
+            config_digest: r.config_digest,
+            config: r.config,
             layers: paths,
             anonymous: !self.transport.used_login(),
         })
+    }
+
+    /// Resolves and downloads an image: [`Client::resolve`] then [`Client::fetch`].
+    pub fn pull(
+        &self,
+        r: &RegistryRef,
+        options: &PullOptions,
+        sink: &dyn LayerSink,
+    ) -> Result<Pulled, RegistryError> {
+        let resolved = self.resolve(r, options)?;
+        self.fetch(resolved, options, sink)
     }
 
     fn image_error(&self, t: &Target, detail: String) -> RegistryError {
