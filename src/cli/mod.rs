@@ -1,12 +1,15 @@
 //! The command line: one file per verb. Each verb turns its arguments into library calls and
 //! returns the process exit status.
 
+pub mod cdi;
 pub mod container;
 pub mod gc;
+pub mod health;
 pub mod image;
 pub mod prolog;
 pub mod run;
 pub mod step;
+pub mod topo;
 
 use std::path::PathBuf;
 
@@ -48,6 +51,9 @@ pub enum Command {
     Step(step::StepArgs),
     Prolog(prolog::PrologArgs),
     Epilog(prolog::EpilogArgs),
+    Topo(topo::TopoArgs),
+    Health(health::HealthArgs),
+    Cdi(cdi::CdiArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -96,6 +102,9 @@ impl Cli {
             Command::Step(args) => step::execute(args, &config),
             Command::Prolog(args) => prolog::prolog(args, &config),
             Command::Epilog(args) => prolog::epilog(args, &config),
+            Command::Topo(args) => topo::execute(args, &config),
+            Command::Health(args) => health::execute(args, &config),
+            Command::Cdi(args) => cdi::execute(args, &config),
         }
     }
 }

@@ -1,0 +1,546 @@
+//! What a container needs to use exactly its GPUs and HCAs, as a pure [`Plan`]: device nodes
+//! (`/dev/nvidiaN` of the allocated GPUs, `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`,
+//! `nvidia-modeset`, `nvidia-caps/*`, `/dev/infiniband/uverbsN` of the selected HCAs and
+//! `rdma_cm`), read-only binds of the driver's user-space libraries (found through the host's
+//! loader cache) and tools, the entries the container's loader cache needs, and environment
+//! variables. [`apply`] writes a plan into an OCI Spec (devices, the cgroup device allow-list,
+//! mounts, env); [`container_loader_cache`] builds the container's `/etc/ld.so.cache`.
+//!
+//! Device numbers come from the host's device node when it exists, else from what the driver
+//! registered (`/proc/devices`, sysfs `dev` files), so the container gets a node even where the
+//! host never created one.
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use oci_spec::runtime::{
+    LinuxBuilder, LinuxDeviceBuilder, LinuxDeviceCgroup, LinuxDeviceCgroupBuilder, LinuxDeviceType,
+    MountBuilder, Spec,
+};
+use serde::Serialize;
+
+use super::gpu::{self, NvidiaMajors};
+use super::ldcache::{self, Entry};
+use super::node::Node;
+use super::{Host, TopologyError, rdma};
+
+/// The frontend major the NVIDIA driver always registers.
+const NVIDIA_MAJOR: u32 = 195;
+const NVIDIACTL_MINOR: u32 = 255;
+const MODESET_MINOR: u32 = 254;
+
+/// A character device node for the container, at the same path as on the host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceNode {
+    pub path: PathBuf,
+    pub major: i64,
+    pub minor: i64,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// A read-only bind of a host file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Bind {
+    pub source: PathBuf,
+    pub destination: PathBuf,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    pub devices: Vec<DeviceNode>,
+    pub mounts: Vec<Bind>,
+    pub env: Vec<(String, String)>,
+    /// Loader-cache entries for the bound libraries (name → path in the container).
+    #[serde(skip)]
+    pub libraries: Vec<Entry>,
+    pub warnings: Vec<String>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty() && self.mounts.is_empty() && self.env.is_empty()
+    }
+
+    /// One allow rule per device node, for the cgroup v2 device filter.
+    pub fn device_rules(&self) -> Result<Vec<LinuxDeviceCgroup>, TopologyError> {
+        self.devices
+            .iter()
+            .map(|d| {
+                LinuxDeviceCgroupBuilder::default()
+                    .allow(true)
+                    .typ(LinuxDeviceType::C)
+                    .major(d.major)
+                    .minor(d.minor)
+                    .access("rwm")
+                    .build()
+                    .map_err(TopologyError::from)
+            })
+            .collect()
+    }
+}
+
+/// The driver files a container gets: library names (matched against loader-cache names, e.g.
+/// `libcuda.so` matches `libcuda.so` and `libcuda.so.1`) and tools (found in the host's bin dirs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverFiles {
+    pub libraries: Vec<String>,
+    pub binaries: Vec<String>,
+}
+
+impl Default for DriverFiles {
+    /// The "compute" and "utility" capabilities of the NVIDIA container toolkit.
+    fn default() -> Self {
+        let l = [
+            "libcuda.so",
+            "libcudadebugger.so",
+            "libnvidia-ml.so",
+            "libnvidia-cfg.so",
+            "libnvidia-nvvm.so",
+            "libnvidia-ptxjitcompiler.so",
+            "libnvidia-gpucomp.so",
+            "libnvidia-allocator.so",
+            "libnvidia-opencl.so",
+            "libnvidia-pkcs11.so",
+            "libnvidia-pkcs11-openssl3.so",
+            "libnvidia-nscq.so",
+        ];
+        let b = [
+            "nvidia-smi",
+            "nvidia-debugdump",
+            "nvidia-persistenced",
+            "nvidia-cuda-mps-control",
+            "nvidia-cuda-mps-server",
+        ];
+        Self {
+            libraries: l.iter().map(|s| s.to_string()).collect(),
+            binaries: b.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+const BIN_DIRS: [&str; 5] = ["/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin"];
+
+/// A device node at host path `path`: the host's node when it is a character device, else one
+/// with the driver's `expected` numbers, else nothing.
+fn device_node(host: &Host, path: &str, expected: Option<(u32, u32)>) -> Option<DeviceNode> {
+    match std::fs::metadata(host.path(path)) {
+        Ok(m) if m.file_type().is_char_device() => {
+            return Some(DeviceNode {
+                path: PathBuf::from(path),
+                major: libc::major(m.rdev()) as i64,
+                minor: libc::minor(m.rdev()) as i64,
+                mode: m.mode() & 0o7777,
+                uid: m.uid(),
+                gid: m.gid(),
+            });
+        }
+        _ => {}
+    }
+    expected.map(|(major, minor)| DeviceNode {
+        path: PathBuf::from(path),
+        major: major as i64,
+        minor: minor as i64,
+        mode: 0o666,
+        uid: 0,
+        gid: 0,
+    })
+}
+
+/// The host's file for `abs`, resolved through symlinks, if it is a regular file under the root.
+fn host_file(host: &Host, abs: &str) -> Option<PathBuf> {
+    let real = std::fs::canonicalize(host.path(abs)).ok()?;
+    let root = std::fs::canonicalize(host.root()).ok()?;
+    (real.starts_with(&root) && real.is_file()).then_some(real)
+}
+
+/// Computes what the container needs for node GPUs `gpus` (NVML indices) and HCAs `hcas`.
+pub fn plan(
+    host: &Host,
+    node: &Node,
+    gpus: &[u32],
+    hcas: &[String],
+    files: &DriverFiles,
+) -> Result<Plan, TopologyError> {
+    let mut p = Plan::default();
+    let majors = gpu::proc_majors(host);
+    let mut push = |p: &mut Plan, d: Option<DeviceNode>| {
+        if let Some(d) = d
+            && !p.devices.iter().any(|x| x.path == d.path)
+        {
+            p.devices.push(d);
+        }
+    };
+
+    let mut selected = Vec::new();
+    for &i in gpus {
+        let g = node.gpu(i).ok_or_else(|| {
+            TopologyError::Plan(format!(
+                "GPU {i} is not on this node (it has {}): pick one `berth topo` lists",
+                node.gpus.len()
+            ))
+        })?;
+        if !selected.iter().any(|s: &&super::Gpu| s.index == g.index) {
+            selected.push(g);
+        }
+    }
+    selected.sort_by_key(|g| g.index);
+    if !selected.is_empty() {
+        inject_gpus(host, &selected, majors, &mut p, &mut push)?;
+        inject_driver_files(host, files, &mut p);
+    }
+
+    for name in hcas {
+        let nic = node.nic(name).ok_or_else(|| {
+            TopologyError::Plan(format!(
+                "HCA {name} is not on this node: pick one `berth topo` lists"
+            ))
+        })?;
+        let Some((uverbs, num)) = &nic.device.uverbs else {
+            return Err(TopologyError::Plan(format!(
+                "HCA {name} has no uverbs device (is the ib_uverbs module loaded?)"
+            )));
+        };
+        let d = device_node(
+            host,
+            &format!("/dev/infiniband/{uverbs}"),
+            Some((num.major, num.minor)),
+        );
+        push(&mut p, d);
+    }
+    if !hcas.is_empty() {
+        let cm = rdma::rdma_cm(host).map(|n| (n.major, n.minor));
+        match device_node(host, "/dev/infiniband/rdma_cm", cm) {
+            Some(d) => push(&mut p, Some(d)),
+            None => p
+                .warnings
+                .push("no /dev/infiniband/rdma_cm (is the rdma_ucm module loaded?)".into()),
+        }
+    }
+    Ok(p)
+}
+
+fn inject_gpus(
+    host: &Host,
+    selected: &[&super::Gpu],
+    majors: NvidiaMajors,
+    p: &mut Plan,
+    push: &mut impl FnMut(&mut Plan, Option<DeviceNode>),
+) -> Result<(), TopologyError> {
+    let frontend = majors.frontend.unwrap_or(NVIDIA_MAJOR);
+    for g in selected {
+        let minor = g.minor.ok_or_else(|| {
+            TopologyError::Plan(format!(
+                "GPU {} ({}) has no device node: the NVIDIA driver is not loaded for it",
+                g.index, g.bdf
+            ))
+        })?;
+        push(
+            p,
+            device_node(
+                host,
+                &format!("/dev/nvidia{minor}"),
+                Some((frontend, minor)),
+            ),
+        );
+    }
+    push(
+        p,
+        device_node(host, "/dev/nvidiactl", Some((frontend, NVIDIACTL_MINOR))),
+    );
+    push(
+        p,
+        device_node(host, "/dev/nvidia-uvm", majors.uvm.map(|m| (m, 0))),
+    );
+    push(
+        p,
+        device_node(host, "/dev/nvidia-uvm-tools", majors.uvm.map(|m| (m, 1))),
+    );
+    // The modeset node only exists when nvidia-modeset is loaded; never invent it.
+    let modeset = std::fs::metadata(host.path("/dev/nvidia-modeset")).is_ok();
+    if modeset {
+        push(
+            p,
+            device_node(host, "/dev/nvidia-modeset", Some((frontend, MODESET_MINOR))),
+        );
+    }
+    if let Ok(names) = super::list_dir(&host.path("/dev/nvidia-caps")) {
+        for name in names.iter().filter(|n| n.starts_with("nvidia-cap")) {
+            push(
+                p,
+                device_node(host, &format!("/dev/nvidia-caps/{name}"), None),
+            );
+        }
+    }
+    let ids: Vec<String> = selected
+        .iter()
+        .map(|g| g.uuid.clone().unwrap_or_else(|| g.index.to_string()))
+        .collect();
+    // Inside the container the GPUs are numbered 0..n-1 in bus order: whatever index the host
+    // environment carried would point at GPUs the container does not have.
+    p.env
+        .push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
+    p.env.push((
+        "CUDA_VISIBLE_DEVICES".into(),
+        (0..selected.len())
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
+    ));
+    p.env.push(("NVIDIA_VISIBLE_DEVICES".into(), ids.join(",")));
+    Ok(())
+}
+
+fn inject_driver_files(host: &Host, files: &DriverFiles, p: &mut Plan) {
+    let cache_path = host.path("/etc/ld.so.cache");
+    let entries = match std::fs::read(&cache_path) {
+        Ok(bytes) => match ldcache::parse(&bytes, &cache_path) {
+            Ok(e) => e,
+            Err(e) => {
+                p.warnings.push(format!("{e}: no driver libraries bound"));
+                Vec::new()
+            }
+        },
+        Err(e) => {
+            p.warnings.push(format!(
+                "reading {}: {e}: no driver libraries bound",
+                cache_path.display()
+            ));
+            Vec::new()
+        }
+    };
+    for e in entries.iter().filter(|e| e.is_native()) {
+        let wanted = files.libraries.iter().any(|l| {
+            e.key == *l
+                || e.key
+                    .strip_prefix(l.as_str())
+                    .is_some_and(|r| r.starts_with('.'))
+        });
+        if !wanted {
+            continue;
+        }
+        let Some(source) = host_file(host, &e.value) else {
+            p.warnings
+                .push(format!("{} => {}: not a file, skipped", e.key, e.value));
+            continue;
+        };
+        let destination = PathBuf::from(&e.value);
+        if !p.mounts.iter().any(|m| m.destination == destination) {
+            p.mounts.push(Bind {
+                source,
+                destination,
+            });
+        }
+        p.libraries.push(e.clone());
+    }
+    if !p.libraries.iter().any(|e| e.key.starts_with("libcuda.so"))
+        || !p
+            .libraries
+            .iter()
+            .any(|e| e.key.starts_with("libnvidia-ml.so"))
+    {
+        p.warnings.push(format!(
+            "libcuda or libnvidia-ml is not in {}: CUDA and nvidia-smi will not work in the container",
+            cache_path.display()
+        ));
+    }
+    for b in &files.binaries {
+        if let Some(source) = BIN_DIRS
+            .iter()
+            .find_map(|d| host_file(host, &format!("{d}/{b}")))
+        {
+            p.mounts.push(Bind {
+                source,
+                destination: PathBuf::from("/usr/bin").join(b),
+            });
+        }
+    }
+    for sock in ["/run/nvidia-persistenced/socket"] {
+        if std::fs::metadata(host.path(sock)).is_ok_and(|m| m.file_type().is_socket()) {
+            p.mounts.push(Bind {
+                source: host.path(sock),
+                destination: PathBuf::from(sock),
+            });
+        }
+    }
+}
+
+/// Writes `plan` into `spec`: device nodes into `linux.devices`, an allow rule for each into
+/// the device cgroup rules (only when the Spec has rules: a Spec without any allows every
+/// device already), read-only nosuid,nodev binds into `mounts`, and the variables into
+/// `process.env` (replacing same-named ones, so apply it after the job's environment).
+pub fn apply(spec: &mut Spec, plan: &Plan) -> Result<(), TopologyError> {
+    let mut linux = spec
+        .linux()
+        .clone()
+        .unwrap_or(LinuxBuilder::default().build()?);
+    let mut devices = linux.devices().clone().unwrap_or_default();
+    for d in &plan.devices {
+        devices.retain(|x| x.path() != &d.path);
+        devices.push(
+            LinuxDeviceBuilder::default()
+                .path(d.path.clone())
+                .typ(LinuxDeviceType::C)
+                .major(d.major)
+                .minor(d.minor)
+                .file_mode(d.mode)
+                .uid(d.uid)
+                .gid(d.gid)
+                .build()?,
+        );
+    }
+    linux.set_devices(Some(devices));
+    if let Some(mut res) = linux.resources().clone()
+        && let Some(mut rules) = res.devices().clone()
+    {
+        for rule in plan.device_rules()? {
+            if !rules.contains(&rule) {
+                rules.push(rule);
+            }
+        }
+        res.set_devices(Some(rules));
+        linux.set_resources(Some(res));
+    }
+    spec.set_linux(Some(linux));
+
+    let mut mounts = spec.mounts().clone().unwrap_or_default();
+    for b in &plan.mounts {
+        mounts.push(read_only_bind(&b.source, &b.destination)?);
+    }
+    spec.set_mounts(Some(mounts));
+
+    if !plan.env.is_empty() {
+        let mut process = spec.process().clone().unwrap_or_default();
+        process.set_env(Some(set_env(
+            process.env().clone().unwrap_or_default(),
+            &plan.env,
+        )));
+        spec.set_process(Some(process));
+    }
+    Ok(())
+}
+
+/// `KEY=VALUE` list with `pairs` set: a key already there keeps its place and takes the new value.
+pub(crate) fn set_env(mut env: Vec<String>, pairs: &[(String, String)]) -> Vec<String> {
+    for (k, v) in pairs {
+        let entry = format!("{k}={v}");
+        match env
+            .iter_mut()
+            .find(|e| e.split_once('=').map(|(ek, _)| ek) == Some(k.as_str()))
+        {
+            Some(slot) => *slot = entry,
+            None => env.push(entry),
+        }
+    }
+    env
+}
+
+pub(crate) fn read_only_bind(
+    source: &Path,
+    destination: &Path,
+) -> Result<oci_spec::runtime::Mount, TopologyError> {
+    Ok(MountBuilder::default()
+        .destination(destination)
+        .typ("bind")
+        .source(source)
+        .options(
+            ["bind", "ro", "nosuid", "nodev"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .build()?)
+}
+
+/// The container's loader cache: the image's (`image`, the bytes of its /etc/ld.so.cache, if
+/// any) with the plan's libraries laid over it. An unreadable image cache is replaced by one
+/// holding only the plan's libraries, and the returned warning says so.
+pub fn container_loader_cache(image: Option<&[u8]>, plan: &Plan) -> (Vec<u8>, Option<String>) {
+    let origin = Path::new("/etc/ld.so.cache (image)");
+    let (base, warning) = match image.map(|b| ldcache::parse(b, origin)) {
+        Some(Ok(entries)) => (entries, None),
+        Some(Err(e)) => (
+            Vec::new(),
+            Some(format!(
+                "{e}: the container's cache holds only the driver's libraries"
+            )),
+        ),
+        None => (Vec::new(), None),
+    };
+    (
+        ldcache::write(&ldcache::merge(base, &plan.libraries)),
+        warning,
+    )
+}
+
+/// The image's /etc/ld.so.cache from its layers (`lowers`, topmost first, as overlayfs stacks
+/// them), read without following a symlink out of a layer. `None` when no layer has one, or the
+/// topmost mention is an overlay whiteout.
+pub fn read_image_loader_cache(lowers: &[PathBuf]) -> Result<Option<Vec<u8>>, TopologyError> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    use nix::sys::stat::Mode;
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+
+    const MAX: u64 = 64 << 20;
+    for lower in lowers {
+        let dir = nix::fcntl::open(
+            lower,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|source| TopologyError::Sys {
+            what: format!("opening image layer {}", lower.display()),
+            source,
+        })?;
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+            .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        let fd = match openat2(&dir, "etc/ld.so.cache", how) {
+            Ok(fd) => fd,
+            Err(nix::errno::Errno::ENOENT) | Err(nix::errno::Errno::ENOTDIR) => continue,
+            Err(source) => {
+                return Err(TopologyError::Sys {
+                    what: format!("opening {}/etc/ld.so.cache", lower.display()),
+                    source,
+                });
+            }
+        };
+        let path = lower.join("etc/ld.so.cache");
+        let meta = nix::sys::stat::fstat(&fd).map_err(|source| TopologyError::Sys {
+            what: format!("inspecting {}", path.display()),
+            source,
+        })?;
+        let kind = meta.st_mode & libc::S_IFMT;
+        if kind == libc::S_IFCHR && meta.st_rdev == 0 {
+            return Ok(None); // an overlay whiteout: deleted in this layer
+        }
+        if kind != libc::S_IFREG {
+            return Ok(None); // a symlink or anything else is not a cache berth reads
+        }
+        // Reopen the O_PATH descriptor for reading: the file it names, not a path again.
+        let mut file =
+            std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|source| {
+                TopologyError::Read {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+        let mut bytes = Vec::new();
+        file.by_ref()
+            .take(MAX)
+            .read_to_end(&mut bytes)
+            .map_err(|source| TopologyError::Read { path, source })?;
+        return Ok(Some(bytes));
+    }
+    Ok(None)
+}
+
+/// Adds the bind of a generated loader cache (`file`, on the host) at /etc/ld.so.cache.
+pub fn mount_loader_cache(spec: &mut Spec, file: &Path) -> Result<(), TopologyError> {
+    let mut mounts = spec.mounts().clone().unwrap_or_default();
+    mounts.push(read_only_bind(file, Path::new("/etc/ld.so.cache"))?);
+    spec.set_mounts(Some(mounts));
+    Ok(())
+}
