@@ -103,7 +103,8 @@ pub const ETH25: PortSpec = ("4: ACTIVE", "25 Gb/sec (1X EDR)", "Ethernet");
 impl Fixture {
     pub fn new() -> Self {
         let f = Self {
-            dir: tempfile::tempdir().unwrap(),
+            // A tmpfs when there is one: fixtures are thousands of small files.
+            dir: tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir()).unwrap(),
             paths: BTreeMap::new(),
             roots: BTreeMap::new(),
             node_cpus: BTreeMap::new(),
