@@ -168,3 +168,63 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::topo::tests::dgx;
+
+    #[test]
+    fn generate_then_list() {
+        let (_f, source) = dgx();
+        let dir = tempfile::tempdir().unwrap();
+        let gen_args = CdiArgs {
+            command: CdiCommand::Generate(GenerateArgs {
+                source,
+                dir: Some(dir.path().to_path_buf()),
+                stdout: false,
+                gpu_kind: "nvidia.com/gpu".into(),
+                hca_kind: "berth.io/hca".into(),
+            }),
+        };
+        let (text, code) = output(&gen_args, &Config::default()).unwrap();
+        assert_eq!(code, 0);
+        assert_eq!(
+            text,
+            format!(
+                "wrote {0}/berth-gpu.json (17 devices of kind nvidia.com/gpu)\nwrote {0}/berth-hca.json (13 devices of kind berth.io/hca)\n",
+                dir.path().display()
+            )
+        );
+        let mut config = Config::default();
+        config.topology.cdi_dirs = vec![dir.path().to_path_buf()];
+        let (list, _) = output(
+            &CdiArgs {
+                command: CdiCommand::List(ListArgs { json: false }),
+            },
+            &config,
+        )
+        .unwrap();
+        assert_eq!(list.lines().count(), 30);
+        assert!(list.contains(&format!(
+            "nvidia.com/gpu=7  {}/berth-gpu.json",
+            dir.path().display()
+        )));
+        assert!(list.contains("berth.io/hca=mlx5_11  "));
+    }
+
+    #[test]
+    fn bad_kinds_are_refused() {
+        let args = CdiArgs {
+            command: CdiCommand::Generate(GenerateArgs {
+                source: Source::default(),
+                dir: None,
+                stdout: true,
+                gpu_kind: "gpu".into(),
+                hca_kind: "berth.io/hca".into(),
+            }),
+        };
+        let err = output(&args, &Config::default()).unwrap_err();
+        assert_eq!(err.message, "CDI kind 'gpu': use vendor.com/class");
+    }
+}

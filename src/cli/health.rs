@@ -183,3 +183,57 @@ pub fn output(args: &HealthArgs, config: &Config) -> Result<(String, i32), Failu
     };
     Ok((text, if report.healthy { 0 } else { 1 }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::topo::tests::dgx;
+
+    fn args(source: Source, kmsg: PathBuf, all_xids: bool, json: bool) -> HealthArgs {
+        HealthArgs {
+            source,
+            json,
+            expect_gpus: Some(8),
+            kmsg: Some(kmsg),
+            xid_after: None,
+            all_xids,
+            job_start: false,
+            job_end: false,
+        }
+    }
+
+    #[test]
+    fn health_exits_1_with_a_drain_reason() {
+        let (f, source) = dgx();
+        let log = f.root().join("kmsg");
+        std::fs::write(&log, "6,1,10,-;Linux version\n").unwrap();
+        let (text, code) = output(
+            &args(source.clone(), log.clone(), true, false),
+            &Config::default(),
+        )
+        .unwrap();
+        assert_eq!(code, 0, "{text}");
+        assert!(
+            text.starts_with("healthy: gpu-count: 8 on the PCI bus, 8 seen by NVML, 8 expected;")
+        );
+        std::fs::write(
+            &log,
+            "6,1,10,-;Linux version\n4,2,20,-;NVRM: Xid (PCI:0000:d1:00): 74, pid=9, NVLink: fatal error\n",
+        )
+        .unwrap();
+        let (text, code) = output(
+            &args(source.clone(), log.clone(), true, false),
+            &Config::default(),
+        )
+        .unwrap();
+        assert_eq!((text.as_str(), code), ("GPU 6 (0000:d1:00.0): Xid 74\n", 1));
+        // Only XIDs after the given sequence number count.
+        let mut a = args(source.clone(), log.clone(), false, true);
+        a.xid_after = Some(2);
+        let (json, code) = output(&a, &Config::default()).unwrap();
+        assert_eq!(code, 0);
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["healthy"], true);
+        assert_eq!(v["checks"][3]["name"], "xid");
+    }
+}

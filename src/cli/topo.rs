@@ -308,3 +308,158 @@ fn exec(args: &TopoArgs, e: &ExecArgs, config: &Config) -> Result<i32, Failure> 
         message: format!("running {}: {err}", e.command[0]),
     })
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::topology::fixture::{self, Fixture};
+
+    /// The DGX fixture with its NVML recording at `<root>/nvml.json`.
+    pub(crate) fn dgx() -> (Fixture, Source) {
+        let (f, snap) = fixture::dgx_h100();
+        f.nvidia_files();
+        let rec = f.root().join("nvml.json");
+        std::fs::write(&rec, serde_json::to_string(&snap).unwrap()).unwrap();
+        let source = Source {
+            host_root: Some(f.root().to_path_buf()),
+            nvml_record: Some(rec),
+        };
+        (f, source)
+    }
+
+    fn topo(
+        source: &Source,
+        command: Option<TopoCommand>,
+        json: bool,
+    ) -> Result<(String, i32), Failure> {
+        output(
+            &TopoArgs {
+                command,
+                source: source.clone(),
+                json,
+            },
+            &Config::default(),
+        )
+    }
+
+    fn plan_cmd(gpus: &str, tasks: u32, rank: Option<u32>, env: bool) -> Option<TopoCommand> {
+        Some(TopoCommand::Plan(PlanArgs {
+            job: JobArgs {
+                gpus: Some(gpus.into()),
+                tasks: Some(tasks),
+                ..Default::default()
+            },
+            rank,
+            env,
+        }))
+    }
+
+    #[test]
+    fn topo_prints_the_matrix_and_json() {
+        let (_f, source) = dgx();
+        let (text, code) = topo(&source, None, false).unwrap();
+        assert_eq!(code, 0);
+        assert!(text.starts_with("       GPU0  GPU1"), "{text}");
+        assert!(
+            text.contains("NVIDIA driver: 550.54.15 (NVML), CUDA 12.4"),
+            "{text}"
+        );
+        let (json, _) = topo(&source, None, true).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["gpus"].as_array().unwrap().len(), 8);
+        assert_eq!(v["gpus"][5]["bdf"], "0000:c3:00.0");
+        assert_eq!(v["nics"][1]["role"], "storage");
+        assert_eq!(v["driver"]["nvml"]["available"], true);
+        let (rec, _) = topo(&source, Some(TopoCommand::Nvml(NvmlArgs {})), false).unwrap();
+        let back: crate::topology::gpu::NvmlSnapshot = serde_json::from_str(&rec).unwrap();
+        assert_eq!(back.gpus.len(), 8);
+    }
+
+    #[test]
+    fn topo_plan_prints_ranks_env_and_json() {
+        let (f, source) = dgx();
+        let (text, _) = topo(&source, plan_cmd("2,5", 2, None, false), false).unwrap();
+        assert_eq!(
+            text,
+            "GPUs: 2,5; HCAs for NCCL: mlx5_4,mlx5_9; ranks: 2\n\
+             rank 0: GPU 2 (0000:52:00.0) -> mlx5_4 (PXB) -> CPUs 0-55,112-167, memory node 0\n  \
+             CUDA_DEVICE_ORDER=PCI_BUS_ID\n  CUDA_VISIBLE_DEVICES=0\n  UCX_NET_DEVICES=mlx5_4:1\n  \
+             NCCL_IB_HCA==mlx5_4,mlx5_9\n\
+             rank 1: GPU 5 (0000:c3:00.0) -> mlx5_9 (PXB) -> CPUs 56-111,168-223, memory node 1\n  \
+             CUDA_DEVICE_ORDER=PCI_BUS_ID\n  CUDA_VISIBLE_DEVICES=1\n  UCX_NET_DEVICES=mlx5_9:1\n  \
+             NCCL_IB_HCA==mlx5_4,mlx5_9\n"
+        );
+        let (env, _) = topo(&source, plan_cmd("0-7", 8, Some(6), true), false).unwrap();
+        assert_eq!(
+            env,
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID\nCUDA_VISIBLE_DEVICES=6\nUCX_NET_DEVICES=mlx5_10:1\n\
+             NCCL_IB_HCA==mlx5_0,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_9,mlx5_10,mlx5_11\n\
+             BERTH_CPUS=84-97,196-209\nBERTH_MEMS=1\n"
+        );
+        let (json, _) = topo(&source, plan_cmd("0-7", 4, Some(3), false), true).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["rank"], 3);
+        assert_eq!(v["cpus"], "84-111,196-223");
+        assert_eq!(v["nics"][1]["name"], "mlx5_11");
+        // The NCCL topology file is written and named.
+        let file = f.root().join("nccl-topo.xml");
+        let cmd = Some(TopoCommand::Plan(PlanArgs {
+            job: JobArgs {
+                gpus: Some("0".into()),
+                tasks: Some(1),
+                nccl_topo_file: Some(file.clone()),
+                ..Default::default()
+            },
+            rank: Some(0),
+            env: true,
+        }));
+        let (env, _) = topo(&source, cmd, false).unwrap();
+        assert!(env.contains(&format!("NCCL_TOPO_FILE={}\n", file.display())));
+        assert!(
+            std::fs::read_to_string(&file)
+                .unwrap()
+                .starts_with("<system version=\"1\">")
+        );
+    }
+
+    #[test]
+    fn topo_plan_refuses_bad_input_with_one_line() {
+        let (_f, source) = dgx();
+        let err = topo(&source, plan_cmd("0,12", 2, None, false), false).unwrap_err();
+        assert_eq!(err.code, 2);
+        assert_eq!(
+            err.message,
+            "--gpus=0,12: GPU 12 is not on this node (it has GPUs 0-7); check the job's GPU allocation and gres.conf"
+        );
+        let err = topo(&source, plan_cmd("0", 1, Some(3), false), false).unwrap_err();
+        assert!(
+            err.message
+                .starts_with("rank 3 is not in the step: it has 1 rank(s)")
+        );
+        let err = topo(&source, plan_cmd("0", 0, None, false), false).unwrap_err();
+        assert_eq!(err.message, "--tasks 0: a step needs at least one rank");
+        let missing = Source {
+            nvml_record: Some("/nonexistent/nvml.json".into()),
+            ..source
+        };
+        let err = topo(&missing, None, false).unwrap_err();
+        assert_eq!(
+            err.message,
+            "reading /nonexistent/nvml.json: No such file or directory (os error 2)"
+        );
+    }
+
+    #[test]
+    fn topo_runs_on_this_host() {
+        // This machine: no GPU, no NVIDIA driver, virtio devices only.
+        let (text, code) = topo(&Source::default(), None, false).unwrap();
+        assert_eq!(code, 0);
+        assert!(text.contains("NUMA nodes:\n  0: CPUs"), "{text}");
+        assert!(text.contains("NVIDIA driver: "), "{text}");
+        let (json, _) = topo(&Source::default(), None, true).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert!(v["cpus"]["online"].as_str().is_some());
+        let (plan, _) = topo(&Source::default(), plan_cmd("", 1, None, true), false).unwrap();
+        assert!(plan.contains("BERTH_CPUS="), "{plan}");
+    }
+}

@@ -124,7 +124,7 @@ mod tests {
     use super::*;
 
     /// (mode, nodemask) of the calling thread.
-    fn get_mempolicy() -> (i32, u64) {
+    fn get_mempolicy() -> (i32, libc::c_ulong) {
         let mut mode: libc::c_int = -1;
         let mut mask: [libc::c_ulong; 1] = [0];
         // SAFETY: get_mempolicy writes one int to `mode` and up to 64 bits into `mask`, both
@@ -140,7 +140,7 @@ mod tests {
             )
         };
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
-        (mode, mask[0] as u64)
+        (mode, mask[0])
     }
 
     #[test]

@@ -198,7 +198,7 @@ impl CdiSpec {
 impl ContainerEdits {
     fn validate(&self) -> Result<(), String> {
         for e in &self.env {
-            if !e.split_once('=').is_some_and(|(k, _)| !k.is_empty()) {
+            if e.split_once('=').is_none_or(|(k, _)| k.is_empty()) {
                 return Err(format!("env '{e}' is not KEY=VALUE"));
             }
         }
@@ -748,4 +748,328 @@ pub fn apply_names(
     let registry = Registry::load(dirs);
     let edits = registry.edits(names)?;
     apply(spec, &edits, host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{self, Request, UserIds};
+    use crate::topology::fixture;
+    use crate::topology::gpu::Recorded;
+    use crate::topology::node::{self, NicPolicy};
+
+    const NVIDIA_YAML: &str = r#"---
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+- name: "0"
+  containerEdits:
+    deviceNodes:
+    - path: /dev/nvidia0
+      hostPath: /dev/null
+- name: all
+  containerEdits:
+    deviceNodes:
+    - path: /dev/nvidia0
+      hostPath: /dev/null
+containerEdits:
+  env:
+  - NVIDIA_VISIBLE_DEVICES=void
+  deviceNodes:
+  - path: /dev/nvidiactl
+    type: c
+    major: 195
+    minor: 255
+    permissions: rw
+  hooks:
+  - hookName: createContainer
+    path: /usr/bin/nvidia-ctk
+    args: [nvidia-ctk, hook, update-ldcache, --folder, /usr/lib/x86_64-linux-gnu]
+  mounts:
+  - hostPath: /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15
+    containerPath: /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15
+    options: [ro, nosuid, bind]
+  additionalGids: [44]
+"#;
+
+    fn spec_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        dir
+    }
+
+    fn json_spec(version: &str, kind: &str, device: &str, env: &str) -> String {
+        format!(
+            r#"{{"cdiVersion": "{version}", "kind": "{kind}", "devices": [{{"name": "{device}", "containerEdits": {{"env": ["{env}"]}}}}]}}"#
+        )
+    }
+
+    fn base() -> Spec {
+        spec::build(&Request {
+            rootfs: "/images/x".into(),
+            args: vec!["true".into()],
+            user: UserIds {
+                uid: 1000,
+                gid: 1000,
+                groups: vec![1000],
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn specs_parse_from_yaml_and_json_and_bad_ones_are_refused() {
+        let s = CdiSpec::parse(NVIDIA_YAML, Path::new("/etc/cdi/nvidia.yaml")).unwrap();
+        assert_eq!(s.kind, "nvidia.com/gpu");
+        assert_eq!(s.devices.len(), 2);
+        assert_eq!(s.container_edits.hooks[0].hook_name, "createContainer");
+        assert_eq!(s.container_edits.device_nodes[0].major, Some(195));
+        for v in VERSIONS {
+            let text = json_spec(v, "vendor.com/net", "a", "A=1");
+            CdiSpec::parse(&text, Path::new("x.json")).unwrap();
+        }
+        let bad = |text: &str| {
+            CdiSpec::parse(text, Path::new("/etc/cdi/x.json"))
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            bad(&json_spec("0.4.0", "vendor.com/net", "a", "A=1")),
+            "CDI spec /etc/cdi/x.json: cdiVersion '0.4.0' is not supported: berth reads 0.5.0 to 1.1.0"
+        );
+        assert!(bad(&json_spec("0.6.0", "vendor", "a", "A=1")).contains("is not vendor.com/class"));
+        assert!(bad(&json_spec("0.6.0", "v.com/c", "-a", "A=1")).contains("device name '-a'"));
+        assert!(bad(&json_spec("0.6.0", "v.com/c", "a", "=1")).contains("not KEY=VALUE"));
+        assert!(bad("{").starts_with("CDI spec /etc/cdi/x.json: EOF"));
+        assert!(is_qualified("nvidia.com/gpu=GPU-1234"));
+        assert!(is_qualified("vendor.com/class=0:1"));
+        assert!(!is_qualified("/dev/null"));
+        assert!(!is_qualified("nvidia.com/gpu"));
+    }
+
+    #[test]
+    fn later_directories_override_and_same_directory_conflicts() {
+        let etc = spec_dir(&[
+            ("a.json", &json_spec("0.6.0", "v.com/c", "x", "FROM=etc")),
+            ("b.yaml", &json_spec("0.6.0", "v.com/c", "y", "FROM=b")),
+            ("c.yml", &json_spec("0.6.0", "v.com/c", "y", "FROM=c")),
+            ("bad.json", "{\"cdiVersion\": \"9.9.9\"}"),
+            ("notes.txt", "ignored"),
+        ]);
+        let run = spec_dir(&[("a.json", &json_spec("1.0.0", "v.com/c", "x", "FROM=run"))]);
+        let r = Registry::load(&[etc.path().to_path_buf(), run.path().to_path_buf()]);
+        assert_eq!(r.names(), ["v.com/c=x"]);
+        assert_eq!(
+            r.source("v.com/c=x"),
+            Some(run.path().join("a.json").as_path())
+        );
+        assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+        let edits = r.edits(&["v.com/c=x".into()]).unwrap();
+        assert_eq!(edits.last().unwrap().env, ["FROM=run"]);
+        let err = r.edits(&["v.com/c=y".into()]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("CDI device 'v.com/c=y': defined in both"),
+            "{err}"
+        );
+        let err = r.edits(&["v.com/c=z".into()]).unwrap_err().to_string();
+        assert!(err.contains("no CDI spec defines it"), "{err}");
+        assert!(
+            err.contains("bad.json"),
+            "unreadable specs are named: {err}"
+        );
+        // A higher directory resolves a lower one's conflict.
+        let fix = spec_dir(&[("y.json", &json_spec("1.1.0", "v.com/c", "y", "FROM=fix"))]);
+        let r = Registry::load(&[etc.path().to_path_buf(), fix.path().to_path_buf()]);
+        assert_eq!(r.edits(&["v.com/c=y".into()]).unwrap()[1].env, ["FROM=fix"]);
+    }
+
+    #[test]
+    fn edits_apply_to_the_spec() {
+        let dir = spec_dir(&[("nvidia.yaml", NVIDIA_YAML)]);
+        let mut s = base();
+        let applied = apply_names(
+            &mut s,
+            &["nvidia.com/gpu=0".into()],
+            &[dir.path().to_path_buf()],
+            &Host::new("/"),
+        )
+        .unwrap();
+        assert_eq!(
+            applied,
+            Applied {
+                devices: 2,
+                mounts: 1,
+                hooks: 1
+            }
+        );
+        let linux = s.linux().as_ref().unwrap();
+        let devs: Vec<String> = linux
+            .devices()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .filter(|d| d.path().to_string_lossy().starts_with("/dev/nvidia"))
+            .map(|d| format!("{} {}:{}", d.path().display(), d.major(), d.minor()))
+            .collect();
+        assert_eq!(devs, ["/dev/nvidiactl 195:255", "/dev/nvidia0 1:3"]);
+        let rules = linux
+            .resources()
+            .as_ref()
+            .unwrap()
+            .devices()
+            .clone()
+            .unwrap();
+        let tail: Vec<String> = rules[rules.len() - 2..]
+            .iter()
+            .map(|r| {
+                format!(
+                    "{:?} {:?}:{:?} {:?}",
+                    r.allow(),
+                    r.major(),
+                    r.minor(),
+                    r.access()
+                )
+            })
+            .collect();
+        assert_eq!(
+            tail,
+            [
+                "true Some(195):Some(255) Some(\"rw\")",
+                "true Some(1):Some(3) Some(\"rwm\")"
+            ]
+        );
+        let m = s.mounts().as_ref().unwrap().last().unwrap();
+        assert_eq!(
+            m.options().as_deref().unwrap(),
+            ["ro", "nosuid", "bind", "nodev"]
+        );
+        let p = s.process().as_ref().unwrap();
+        assert!(
+            p.env()
+                .as_ref()
+                .unwrap()
+                .contains(&"NVIDIA_VISIBLE_DEVICES=void".into())
+        );
+        assert_eq!(p.user().additional_gids().as_deref(), Some(&[1000, 44][..]));
+        let hooks = s
+            .hooks()
+            .as_ref()
+            .unwrap()
+            .create_container()
+            .clone()
+            .unwrap();
+        assert_eq!(hooks[0].path(), Path::new("/usr/bin/nvidia-ctk"));
+        assert_eq!(hooks[0].args().as_ref().unwrap()[2], "update-ldcache");
+    }
+
+    #[test]
+    fn unsupported_edits_and_missing_device_numbers_are_refused() {
+        let text = r#"{"cdiVersion": "0.6.0", "kind": "v.com/c", "devices": [{"name": "r", "containerEdits": {"intelRdt": {"closID": "x"}}}, {"name": "n", "containerEdits": {"deviceNodes": [{"path": "/dev/berth-none"}]}}]}"#;
+        let dir = spec_dir(&[("v.json", text)]);
+        let dirs = [dir.path().to_path_buf()];
+        let err = apply_names(&mut base(), &["v.com/c=r".into()], &dirs, &Host::new("/"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("intelRdt or netDevices"), "{err}");
+        let err = apply_names(&mut base(), &["v.com/c=n".into()], &dirs, &Host::new("/"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "CDI device '/dev/berth-none': no major/minor in the spec and /dev/berth-none is not a device node on this host"
+        );
+    }
+
+    #[test]
+    fn generated_specs_resolve_to_exactly_the_asked_gpu() {
+        let (f, snap) = fixture::dgx_h100();
+        f.nvidia_files();
+        let n = node::discover(&f.host(), &Recorded::new(snap), &NicPolicy::default()).unwrap();
+        let gpus = generate_gpus(&f.host(), &n, &DriverFiles::default(), "nvidia.com/gpu")
+            .unwrap()
+            .unwrap();
+        let names: Vec<&str> = gpus.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names.len(), 17);
+        assert_eq!(&names[..3], ["0", fixture::uuid(0).as_str(), "1"]);
+        assert_eq!(names[16], "all");
+        let common: Vec<&str> = gpus
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|d| d.path.as_str())
+            .collect();
+        assert_eq!(
+            common,
+            ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+        );
+        assert_eq!(gpus.container_edits.mounts.len(), 6);
+        let hcas = generate_hcas(&f.host(), &n, "berth.io/hca")
+            .unwrap()
+            .unwrap();
+        assert_eq!(hcas.devices.len(), 13);
+        let all = hcas.devices.last().unwrap();
+        assert_eq!(
+            all.container_edits.device_nodes.len(),
+            8,
+            "compute NICs only"
+        );
+        assert_eq!(
+            hcas.container_edits.device_nodes[0].path,
+            "/dev/infiniband/rdma_cm"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        write(&gpus, &dir.path().join("berth-gpu.json")).unwrap();
+        write(&hcas, &dir.path().join("berth-hca.json")).unwrap();
+        let r = Registry::load(&[dir.path().to_path_buf()]);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        assert_eq!(r.names().len(), 30);
+        let mut s = base();
+        apply(
+            &mut s,
+            &r.edits(&["nvidia.com/gpu=3".into(), "berth.io/hca=mlx5_5".into()])
+                .unwrap(),
+            &f.host(),
+        )
+        .unwrap();
+        let devs: Vec<String> = s
+            .linux()
+            .as_ref()
+            .unwrap()
+            .devices()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .skip(6)
+            .map(|d| d.path().display().to_string())
+            .collect();
+        assert_eq!(
+            devs,
+            [
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia3",
+                "/dev/infiniband/rdma_cm",
+                "/dev/infiniband/uverbs5"
+            ]
+        );
+        let cpu = fixture::cpu_node();
+        let bare =
+            node::discover(&cpu.host(), &Recorded::no_driver(), &NicPolicy::default()).unwrap();
+        assert!(
+            generate_gpus(
+                &cpu.host(),
+                &bare,
+                &DriverFiles::default(),
+                "nvidia.com/gpu"
+            )
+            .unwrap()
+            .is_none()
+        );
+    }
 }

@@ -146,7 +146,7 @@ mod tests {
 
     #[test]
     fn closeness_orders_links() {
-        let mut v = vec![
+        let mut v = [
             Link::Sys,
             Link::Pix,
             Link::Nv(2),

@@ -104,7 +104,9 @@ impl Fixture {
     pub fn new() -> Self {
         let f = Self {
             // A tmpfs when there is one: fixtures are thousands of small files.
-            dir: tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir()).unwrap(),
+            dir: tempfile::tempdir_in("/dev/shm")
+                .or_else(|_| tempfile::tempdir())
+                .unwrap(),
             paths: BTreeMap::new(),
             roots: BTreeMap::new(),
             node_cpus: BTreeMap::new(),
@@ -286,12 +288,28 @@ impl Fixture {
         self.write("sys/class/misc/rdma_cm/dev", "10:58\n");
     }
 
-    /// A host ld.so.cache listing `libs` (soname key → path) and the files themselves.
-    pub fn driver_files(&self, libs: &[(&str, &str)], bins: &[&str]) {
+    /// The NVIDIA driver's user-space files: a host ld.so.cache listing `libs` as (name, path,
+    /// the file the path links to, if it is a symlink; the flags are the native ones unless
+    /// the name ends in `:32`), the library files, and tools in /usr/bin.
+    pub fn driver_files(&self, libs: &[(&str, &str, Option<&str>)], bins: &[&str]) {
         let mut entries = Vec::new();
-        for (key, path) in libs {
-            self.write(path.trim_start_matches('/'), "stand-in library\n");
-            entries.push(super::ldcache::Entry::native(key, path));
+        for (key, path, target) in libs {
+            let file = self.root().join(path.trim_start_matches('/'));
+            std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+            match target {
+                Some(t) => {
+                    write(&file.with_file_name(t), &format!("stand-in {t}\n"));
+                    symlink(t, &file);
+                }
+                None => write(&file, &format!("stand-in {key}\n")),
+            }
+            entries.push(match key.strip_suffix(":32") {
+                Some(k) => super::ldcache::Entry {
+                    flags: super::ldcache::FLAG_ELF_LIBC6,
+                    ..super::ldcache::Entry::native(k, path)
+                },
+                None => super::ldcache::Entry::native(key, path),
+            });
         }
         std::fs::create_dir_all(self.root().join("etc")).unwrap();
         std::fs::write(
@@ -302,6 +320,47 @@ impl Fixture {
         for b in bins {
             self.write(&format!("usr/bin/{b}"), "#!/bin/sh\n");
         }
+    }
+
+    /// The driver files of a 550.54.15 install, as Debian lays them out.
+    pub fn nvidia_files(&self) {
+        const L: &str = "/usr/lib/x86_64-linux-gnu";
+        self.driver_files(
+            &[
+                (
+                    "libcuda.so.1",
+                    &format!("{L}/libcuda.so.1"),
+                    Some("libcuda.so.550.54.15"),
+                ),
+                (
+                    "libcuda.so",
+                    &format!("{L}/libcuda.so"),
+                    Some("libcuda.so.1"),
+                ),
+                (
+                    "libnvidia-ml.so.1",
+                    &format!("{L}/libnvidia-ml.so.1"),
+                    Some("libnvidia-ml.so.550.54.15"),
+                ),
+                (
+                    "libnvidia-ptxjitcompiler.so.1",
+                    &format!("{L}/libnvidia-ptxjitcompiler.so.1"),
+                    Some("libnvidia-ptxjitcompiler.so.550.54.15"),
+                ),
+                (
+                    "libcuda.so.1:32",
+                    "/usr/lib/i386-linux-gnu/libcuda.so.1",
+                    None,
+                ),
+                ("libz.so.1", &format!("{L}/libz.so.1"), None),
+                (
+                    "libcudart.so.12",
+                    "/usr/local/cuda/lib64/libcudart.so.12",
+                    None,
+                ),
+            ],
+            &["nvidia-smi", "nvidia-debugdump"],
+        );
     }
 }
 

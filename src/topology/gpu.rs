@@ -21,8 +21,15 @@ pub struct ProcGpu {
     pub model: Option<String>,
 }
 
-/// The loaded kernel driver: its version and its GPUs. `None` when no NVIDIA driver is loaded.
-pub fn proc_driver(host: &Host) -> Result<Option<(Option<String>, Vec<ProcGpu>)>, TopologyError> {
+/// The loaded kernel driver, from /proc/driver/nvidia.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcDriver {
+    pub version: Option<String>,
+    pub gpus: Vec<ProcGpu>,
+}
+
+/// The loaded kernel driver; `None` when no NVIDIA driver is loaded.
+pub fn proc_driver(host: &Host) -> Result<Option<ProcDriver>, TopologyError> {
     let dir = host.proc("driver/nvidia");
     if !dir.is_dir() {
         return Ok(None);
@@ -52,7 +59,7 @@ pub fn proc_driver(host: &Host) -> Result<Option<(Option<String>, Vec<ProcGpu>)>
             model: field("Model"),
         });
     }
-    Ok(Some((version, gpus)))
+    Ok(Some(ProcDriver { version, gpus }))
 }
 
 /// The character-device majors the NVIDIA driver registered, from `/proc/devices`:

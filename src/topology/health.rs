@@ -281,3 +281,171 @@ fn reason_line(problems: &[String]) -> String {
     }
     line.replace('\n', " ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::fixture;
+    use crate::topology::gpu::{NvmlSnapshot, Recorded};
+    use crate::topology::kmsg;
+    use crate::topology::node::{self, NicPolicy};
+
+    fn node_with(f: &fixture::Fixture, snap: NvmlSnapshot) -> Node {
+        node::discover(&f.host(), &Recorded::new(snap), &NicPolicy::default()).unwrap()
+    }
+
+    fn run(n: &Node, xids: &[Xid], opts: &Options) -> Report {
+        check(n, Ok(xids), opts)
+    }
+
+    #[test]
+    fn a_healthy_dgx_passes_every_check() {
+        let (f, snap) = fixture::dgx_h100();
+        let n = node_with(&f, snap);
+        let r = run(
+            &n,
+            &[],
+            &Options {
+                expected_gpus: Some(8),
+                ..Default::default()
+            },
+        );
+        assert!(r.healthy, "{:?}", r.problems);
+        assert_eq!(r.reason, None);
+        let names: Vec<&str> = r.checks.iter().map(|c| c.name).collect();
+        assert_eq!(
+            names,
+            [
+                "gpu-count",
+                "ecc",
+                "retired-pages",
+                "xid",
+                "nic-ports",
+                "pcie-links"
+            ]
+        );
+        assert_eq!(
+            r.checks[0].detail,
+            "8 on the PCI bus, 8 seen by NVML, 8 expected"
+        );
+        assert_eq!(r.checks[4].detail, "12 ports ACTIVE");
+    }
+
+    #[test]
+    fn each_fault_is_named_in_one_line() {
+        let (f, mut snap) = fixture::dgx_h100();
+        snap.gpus[1].ecc.as_mut().unwrap().uncorrected_volatile = 2;
+        snap.gpus[2].remapped_rows.as_mut().unwrap().pending = true;
+        snap.gpus[3].remapped_rows.as_mut().unwrap().failure = true;
+        snap.gpus[4].retired_pages_pending = Some(true);
+        snap.gpus.remove(7);
+        f.write(
+            "sys/devices/pci0000:3d/0000:3d:01.0/0000:3e:00.0/0000:3f:00.0/0000:40:00.0/infiniband/mlx5_3/ports/1/state",
+            "1: DOWN\n",
+        );
+        // GPU 5's link trained at x8; NIC mlx5_9 at 16 GT/s; GPU 6 idles at 2.5 GT/s.
+        f.pci_attr(fixture::bdf("0000:c3:00.0"), "current_link_width", "8");
+        f.pci_attr(
+            fixture::bdf("0000:c0:00.0"),
+            "current_link_speed",
+            "16.0 GT/s PCIe",
+        );
+        f.pci_attr(
+            fixture::bdf("0000:d1:00.0"),
+            "current_link_speed",
+            "2.5 GT/s PCIe",
+        );
+        let n = node_with(&f, snap);
+        let log = "4,10,100,-;NVRM: Xid (PCI:0000:1b:00): 79, pid=1, GPU has fallen off the bus.\n\
+                   4,11,200,-;NVRM: Xid (PCI:0000:43:00): 13, pid=2, Graphics SM Exception\n";
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("kmsg"), log).unwrap();
+        let records = kmsg::read(&dir.path().join("kmsg")).unwrap();
+        let xids = kmsg::xids(&records, None);
+        let r = run(
+            &n,
+            &xids,
+            &Options {
+                expected_gpus: Some(8),
+                ..Default::default()
+            },
+        );
+        assert!(!r.healthy);
+        assert_eq!(
+            r.problems,
+            [
+                "GPU 7 (0000:df:00.0) is on the PCI bus but NVML cannot see it",
+                "GPU 1 (0000:43:00.0): 2 uncorrectable ECC errors",
+                "GPU 2 (0000:52:00.0): row remapping pending: reset the GPU",
+                "GPU 3 (0000:61:00.0): row remapping failed: the GPU needs service",
+                "GPU 4 (0000:9d:00.0): page retirement pending: reset the GPU",
+                "GPU 0 (0000:1b:00.0): Xid 79",
+                "mlx5_3 port 1: DOWN (LinkUp)",
+                "GPU 5 (0000:c3:00.0): PCIe link 32 GT/s x8, expected 32 GT/s x16",
+                "mlx5_9 (0000:c0:00.0): PCIe link 16 GT/s x16, expected 32 GT/s x16",
+            ],
+            "Xid 13 is the application's, GPU 6's idle link speed is not a fault"
+        );
+        let reason = r.reason.unwrap();
+        assert!(!reason.contains('\n'));
+        assert!(reason.starts_with(
+            "GPU 7 (0000:df:00.0) is on the PCI bus but NVML cannot see it; GPU 1 (0000:43:00.0): 2 uncorrectable ECC errors; "
+        ), "{reason}");
+        assert!(reason.ends_with(" (+6 more)"), "{reason}");
+        assert!(reason.len() < 260);
+        // Checking GPU link speed too flags the idle GPU.
+        let strict = check(
+            &n,
+            Ok(&[]),
+            &Options {
+                check_gpu_link_speed: true,
+                ignore_ports: vec!["mlx5_3:1".into()],
+                ..Default::default()
+            },
+        );
+        assert!(strict.problems.contains(
+            &"GPU 6 (0000:d1:00.0): PCIe link 2.5 GT/s x16, expected 32 GT/s x16".to_string()
+        ));
+        assert!(
+            !strict.problems.iter().any(|p| p.starts_with("mlx5_3")),
+            "ignored port"
+        );
+    }
+
+    #[test]
+    fn gpu_count_and_driver() {
+        let (f, snap) = fixture::dgx_h100();
+        let n = node_with(&f, snap);
+        let r = run(
+            &n,
+            &[],
+            &Options {
+                expected_gpus: Some(9),
+                ..Default::default()
+            },
+        );
+        assert_eq!(r.reason.as_deref(), Some("8 of 9 GPUs on the PCI bus"));
+        let bare =
+            node::discover(&f.host(), &Recorded::no_driver(), &NicPolicy::default()).unwrap();
+        let r = run(&bare, &[], &Options::default());
+        assert_eq!(
+            r.reason.as_deref(),
+            Some(
+                "8 NVIDIA GPUs but NVML cannot load (recorded: no driver): install or load the NVIDIA driver"
+            )
+        );
+        // A CPU node is healthy without a driver; its XIDs may be unreadable.
+        let cpu = fixture::cpu_node();
+        let n = node::discover(&cpu.host(), &Recorded::no_driver(), &NicPolicy::default()).unwrap();
+        let r = check(
+            &n,
+            Err("reading /dev/kmsg: permission denied".into()),
+            &Options::default(),
+        );
+        assert!(r.healthy, "{:?}", r.problems);
+        assert_eq!(
+            r.checks[3].detail,
+            "not checked: reading /dev/kmsg: permission denied"
+        );
+    }
+}

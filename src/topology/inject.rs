@@ -544,3 +544,368 @@ pub fn mount_loader_cache(spec: &mut Spec, file: &Path) -> Result<(), TopologyEr
     spec.set_mounts(Some(mounts));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{self, Request, UserIds};
+    use crate::topology::fixture;
+    use crate::topology::gpu::Recorded;
+    use crate::topology::node::{self, NicPolicy};
+
+    fn dgx() -> (fixture::Fixture, Node) {
+        let (f, snap) = fixture::dgx_h100();
+        f.nvidia_files();
+        let n = node::discover(&f.host(), &Recorded::new(snap), &NicPolicy::default()).unwrap();
+        (f, n)
+    }
+
+    fn plan_2_5(f: &fixture::Fixture, n: &Node) -> Plan {
+        plan(
+            &f.host(),
+            n,
+            &[5, 2],
+            &["mlx5_4".to_string(), "mlx5_9".to_string()],
+            &DriverFiles::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn plan_for_gpus_2_and_5_with_their_hcas() {
+        let (f, n) = dgx();
+        let p = plan_2_5(&f, &n);
+        let devs: Vec<String> = p
+            .devices
+            .iter()
+            .map(|d| format!("{} {}:{} {:o}", d.path.display(), d.major, d.minor, d.mode))
+            .collect();
+        assert_eq!(
+            devs,
+            [
+                "/dev/nvidia2 195:2 666",
+                "/dev/nvidia5 195:5 666",
+                "/dev/nvidiactl 195:255 666",
+                "/dev/nvidia-uvm 235:0 666",
+                "/dev/nvidia-uvm-tools 235:1 666",
+                "/dev/infiniband/uverbs4 231:196 666",
+                "/dev/infiniband/uverbs9 231:201 666",
+                "/dev/infiniband/rdma_cm 10:58 666",
+            ]
+        );
+        let root = std::fs::canonicalize(f.root()).unwrap();
+        let lib = root.join("usr/lib/x86_64-linux-gnu");
+        let mounts: Vec<(PathBuf, String)> = p
+            .mounts
+            .iter()
+            .map(|m| (m.source.clone(), m.destination.display().to_string()))
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                (
+                    lib.join("libnvidia-ptxjitcompiler.so.550.54.15"),
+                    "/usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.1".to_string()
+                ),
+                (
+                    lib.join("libnvidia-ml.so.550.54.15"),
+                    "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1".to_string()
+                ),
+                (
+                    lib.join("libcuda.so.550.54.15"),
+                    "/usr/lib/x86_64-linux-gnu/libcuda.so.1".to_string()
+                ),
+                (
+                    lib.join("libcuda.so.550.54.15"),
+                    "/usr/lib/x86_64-linux-gnu/libcuda.so".to_string()
+                ),
+                (
+                    root.join("usr/bin/nvidia-smi"),
+                    "/usr/bin/nvidia-smi".to_string()
+                ),
+                (
+                    root.join("usr/bin/nvidia-debugdump"),
+                    "/usr/bin/nvidia-debugdump".to_string()
+                ),
+            ],
+            "32-bit, CUDA toolkit and unrelated libraries stay out"
+        );
+        assert_eq!(
+            p.env,
+            [
+                ("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string()),
+                ("CUDA_VISIBLE_DEVICES".to_string(), "0,1".to_string()),
+                (
+                    "NVIDIA_VISIBLE_DEVICES".to_string(),
+                    format!("{},{}", fixture::uuid(2), fixture::uuid(5))
+                ),
+            ]
+        );
+        let keys: Vec<&str> = p.libraries.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "libnvidia-ptxjitcompiler.so.1",
+                "libnvidia-ml.so.1",
+                "libcuda.so.1",
+                "libcuda.so"
+            ]
+        );
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn bad_requests_say_what_is_wrong() {
+        let (f, n) = dgx();
+        let err = plan(&f.host(), &n, &[8], &[], &DriverFiles::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "GPU 8 is not on this node (it has 8): pick one `berth topo` lists"
+        );
+        let err = plan(
+            &f.host(),
+            &n,
+            &[],
+            &["mlx5_99".into()],
+            &DriverFiles::default(),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("HCA mlx5_99 is not on this node")
+        );
+        // Without the driver a GPU has no device node to give.
+        let (f, _) = fixture::dgx_h100();
+        std::fs::remove_dir_all(f.root().join("proc/driver")).unwrap();
+        let bare =
+            node::discover(&f.host(), &Recorded::no_driver(), &NicPolicy::default()).unwrap();
+        let err = plan(&f.host(), &bare, &[2], &[], &DriverFiles::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "GPU 2 (0000:52:00.0) has no device node: the NVIDIA driver is not loaded for it"
+        );
+        // No loader cache: devices still, and a warning that CUDA will not work.
+        let p = plan(&f.host(), &n, &[0], &[], &DriverFiles::default()).unwrap();
+        assert!(p.mounts.is_empty());
+        assert!(
+            p.warnings
+                .iter()
+                .any(|w| w.contains("no driver libraries bound"))
+        );
+    }
+
+    fn base_spec() -> Spec {
+        spec::build(&Request {
+            rootfs: "/images/cuda".into(),
+            args: vec!["nvidia-smi".into()],
+            user: UserIds {
+                uid: 1000,
+                gid: 1000,
+                ..Default::default()
+            },
+            // What Slurm left in the job's environment: host numbers.
+            env: vec![("CUDA_VISIBLE_DEVICES".into(), "2,5".into())],
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn apply_adds_devices_allow_rules_read_only_binds_and_env() {
+        let (f, n) = dgx();
+        let p = plan_2_5(&f, &n);
+        let mut s = base_spec();
+        let before_rules = s
+            .linux()
+            .as_ref()
+            .unwrap()
+            .resources()
+            .as_ref()
+            .unwrap()
+            .devices()
+            .clone()
+            .unwrap();
+        apply(&mut s, &p).unwrap();
+        let linux = s.linux().as_ref().unwrap();
+        let devices = linux.devices().as_ref().unwrap();
+        for d in &p.devices {
+            let found = devices.iter().find(|x| x.path() == &d.path).unwrap();
+            assert_eq!((found.major(), found.minor()), (d.major, d.minor));
+            assert_eq!(found.typ(), LinuxDeviceType::C);
+            assert_eq!(found.file_mode(), Some(0o666));
+        }
+        assert!(devices.iter().any(|x| x.path() == Path::new("/dev/null")));
+        let rules = linux
+            .resources()
+            .as_ref()
+            .unwrap()
+            .devices()
+            .clone()
+            .unwrap();
+        assert_eq!(
+            &rules[..before_rules.len()],
+            &before_rules[..],
+            "deny-all stays first"
+        );
+        assert!(!rules[0].allow());
+        let added: Vec<(i64, i64, String)> = rules[before_rules.len()..]
+            .iter()
+            .map(|r| {
+                assert!(r.allow());
+                (
+                    r.major().unwrap(),
+                    r.minor().unwrap(),
+                    r.access().clone().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            added,
+            [
+                (195, 2, "rwm".to_string()),
+                (195, 5, "rwm".to_string()),
+                (195, 255, "rwm".to_string()),
+                (235, 0, "rwm".to_string()),
+                (235, 1, "rwm".to_string()),
+                (231, 196, "rwm".to_string()),
+                (231, 201, "rwm".to_string()),
+                (10, 58, "rwm".to_string()),
+            ],
+            "exactly the plan's devices, nothing for the other GPUs"
+        );
+        let binds: Vec<&oci_spec::runtime::Mount> = s
+            .mounts()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .filter(|m| {
+                m.destination().starts_with("/usr/lib/x86_64-linux-gnu")
+                    || m.destination().starts_with("/usr/bin")
+            })
+            .collect();
+        assert_eq!(binds.len(), 6);
+        for m in binds {
+            assert_eq!(
+                m.options().as_deref().unwrap(),
+                ["bind", "ro", "nosuid", "nodev"]
+            );
+        }
+        let env = s.process().as_ref().unwrap().env().clone().unwrap();
+        assert!(
+            env.contains(&"CUDA_VISIBLE_DEVICES=0,1".to_string()),
+            "{env:?}"
+        );
+        assert!(!env.iter().any(|e| e == "CUDA_VISIBLE_DEVICES=2,5"));
+        assert_eq!(
+            env.iter()
+                .filter(|e| e.starts_with("CUDA_VISIBLE_DEVICES="))
+                .count(),
+            1
+        );
+        // Applying twice adds no second rule or device.
+        let mut again = s.clone();
+        apply(&mut again, &p).unwrap();
+        let l2 = again.linux().as_ref().unwrap();
+        assert_eq!(l2.devices().as_ref().unwrap().len(), devices.len());
+        assert_eq!(
+            l2.resources()
+                .as_ref()
+                .unwrap()
+                .devices()
+                .as_ref()
+                .unwrap()
+                .len(),
+            rules.len()
+        );
+    }
+
+    #[test]
+    fn the_container_loader_cache_lays_the_driver_over_the_image() {
+        let (f, n) = dgx();
+        let p = plan_2_5(&f, &n);
+        let image = ldcache::write(&[
+            Entry::native("libc.so.6", "/lib/x86_64-linux-gnu/libc.so.6"),
+            Entry::native(
+                "libnvidia-ml.so.1",
+                "/usr/local/cuda/compat/stubs/libnvidia-ml.so.1",
+            ),
+        ]);
+        let (bytes, warning) = container_loader_cache(Some(&image), &p);
+        assert_eq!(warning, None);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ld.so.cache");
+        std::fs::write(&file, &bytes).unwrap();
+        let out = std::process::Command::new("ldconfig")
+            .args(["-p", "-C"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.starts_with("5 libs found"), "{text}");
+        for line in [
+            "libnvidia-ml.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+            "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1",
+            "libcuda.so (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so",
+            "libc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        assert!(!text.contains("stubs"), "the image's stub gives way");
+        let (bytes, warning) = container_loader_cache(Some(b"not a cache"), &p);
+        assert!(warning.unwrap().contains("bad magic"));
+        assert_eq!(ldcache::parse(&bytes, Path::new("x")).unwrap().len(), 4);
+        let mut s = base_spec();
+        mount_loader_cache(&mut s, &file).unwrap();
+        let m = s.mounts().as_ref().unwrap().last().unwrap();
+        assert_eq!(m.destination(), Path::new("/etc/ld.so.cache"));
+        assert_eq!(m.source().as_deref(), Some(file.as_path()));
+    }
+
+    #[test]
+    fn image_caches_are_read_inside_their_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let (top, bottom) = (dir.path().join("top"), dir.path().join("bottom"));
+        std::fs::create_dir_all(top.join("usr")).unwrap();
+        std::fs::create_dir_all(bottom.join("etc")).unwrap();
+        std::fs::write(bottom.join("etc/ld.so.cache"), b"bottom").unwrap();
+        let layers = [top.clone(), bottom.clone()];
+        assert_eq!(
+            read_image_loader_cache(&layers).unwrap().as_deref(),
+            Some(&b"bottom"[..])
+        );
+        // A symlink pointing at a host file is not followed out of the layer.
+        std::fs::create_dir_all(top.join("etc")).unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, b"host secret").unwrap();
+        std::os::unix::fs::symlink(&secret, top.join("etc/ld.so.cache")).unwrap();
+        assert_eq!(read_image_loader_cache(&layers).unwrap(), None);
+        // Nor is a symlinked directory.
+        std::fs::remove_dir_all(top.join("etc")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("bottom/etc"), top.join("etc")).unwrap();
+        let got = read_image_loader_cache(&layers).unwrap();
+        assert_ne!(got.as_deref(), Some(&b"host secret"[..]));
+        assert!(read_image_loader_cache(&[dir.path().join("missing")]).is_err());
+        assert_eq!(read_image_loader_cache(&[]).unwrap(), None);
+    }
+
+    #[test]
+    fn one_gpu_gets_only_its_own_node_and_no_hca() {
+        let (f, n) = dgx();
+        let p = plan(&f.host(), &n, &[0], &[], &DriverFiles::default()).unwrap();
+        assert!(
+            p.devices
+                .iter()
+                .any(|d| d.path == Path::new("/dev/nvidia0"))
+        );
+        assert!(
+            !p.devices
+                .iter()
+                .any(|d| d.path.to_string_lossy().starts_with("/dev/nvidia1"))
+        );
+        assert!(
+            !p.devices
+                .iter()
+                .any(|d| d.path.starts_with("/dev/infiniband"))
+        );
+    }
+}

@@ -297,7 +297,10 @@ mod tests {
         std::fs::create_dir_all(&libdir).unwrap();
         std::fs::create_dir_all(dir.path().join("usr/lib")).unwrap();
         let mut copied = 0;
-        for entry in std::fs::read_dir("/lib/x86_64-linux-gnu").unwrap().flatten() {
+        for entry in std::fs::read_dir("/lib/x86_64-linux-gnu")
+            .unwrap()
+            .flatten()
+        {
             let name = entry.file_name().to_string_lossy().to_string();
             if (name.starts_with("libz.so.") || name.starts_with("libm.so."))
                 && entry.file_type().unwrap().is_file()

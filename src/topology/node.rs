@@ -201,7 +201,7 @@ pub fn discover(
     for dev in pci_devices.values().filter(|d| is_nvidia_gpu(d)) {
         let proc_gpu = proc_driver
             .as_ref()
-            .and_then(|(_, gs)| gs.iter().find(|g| g.bdf == dev.bdf));
+            .and_then(|d| d.gpus.iter().find(|g| g.bdf == dev.bdf));
         let nvml_gpu = nvml
             .as_ref()
             .ok()
@@ -295,7 +295,7 @@ pub fn discover(
     }
 
     let driver = Driver {
-        kernel_module: proc_driver.as_ref().and_then(|(v, _)| v.clone()),
+        kernel_module: proc_driver.as_ref().and_then(|d| d.version.clone()),
         nvml: nvml.map(|s| NvmlInfo {
             driver_version: s.driver_version,
             cuda_driver_version: s.cuda_driver_version,

@@ -78,7 +78,9 @@ fn summary(p: &NodePlan) -> Vec<String> {
 fn same_for_all(p: &NodePlan, key: &str) -> Option<String> {
     let first = p.ranks[0].env_value(key).map(str::to_string);
     assert!(
-        p.ranks.iter().all(|r| r.env_value(key).map(str::to_string) == first),
+        p.ranks
+            .iter()
+            .all(|r| r.env_value(key).map(str::to_string) == first),
         "{key} differs between ranks"
     );
     first
@@ -93,7 +95,11 @@ const DGX_ALL: [(&str, &str); 3] = [
 #[test]
 fn dgx_discovery() {
     let (_f, n) = dgx();
-    assert_eq!(n.gpus.len(), 8, "NVSwitches and the Ethernet NIC are not GPUs");
+    assert_eq!(
+        n.gpus.len(),
+        8,
+        "NVSwitches and the Ethernet NIC are not GPUs"
+    );
     let buses: Vec<String> = n.gpus.iter().map(|g| g.bdf.to_string()).collect();
     assert_eq!(
         buses,
@@ -156,7 +162,10 @@ fn dgx_discovery() {
     assert_eq!(m0.device.ports[0].link_layer, "InfiniBand");
     assert_eq!(m0.device.ports[0].netdev.as_deref(), Some("ibp24s0"));
     assert_eq!(
-        m0.device.uverbs.as_ref().map(|(u, d)| (u.as_str(), d.major, d.minor)),
+        m0.device
+            .uverbs
+            .as_ref()
+            .map(|(u, d)| (u.as_str(), d.major, d.minor)),
         Some(("uverbs0", 231, 192))
     );
     assert_eq!(
@@ -308,7 +317,10 @@ fn dgx_partial_allocation_of_gpus_2_and_5() {
             "rank 1: gpu 5 nic mlx5_9(PXB) cpus 56-111,168-223 mem 1 | CUDA_VISIBLE_DEVICES=1 UCX_NET_DEVICES=mlx5_9:1",
         ]
     );
-    assert_eq!(same_for_all(&p, "NCCL_IB_HCA").as_deref(), Some("=mlx5_4,mlx5_9"));
+    assert_eq!(
+        same_for_all(&p, "NCCL_IB_HCA").as_deref(),
+        Some("=mlx5_4,mlx5_9")
+    );
     // On bare metal without a device cgroup, CUDA numbers the GPUs as the node does.
     let host = plan_for(
         &n,
@@ -395,7 +407,10 @@ fn pix_box_shares_nics_and_splits_cores_without_smt() {
             "rank 3: gpu 3 nic mlx5_1(PIX) cpus 24-31 mem 1 | CUDA_VISIBLE_DEVICES=3 UCX_NET_DEVICES=mlx5_1:1",
         ]
     );
-    assert_eq!(same_for_all(&p, "NCCL_IB_HCA").as_deref(), Some("=mlx5_0,mlx5_1"));
+    assert_eq!(
+        same_for_all(&p, "NCCL_IB_HCA").as_deref(),
+        Some("=mlx5_0,mlx5_1")
+    );
     // More ranks than GPUs: two ranks per GPU, each with its own cores.
     let p = plan_for(
         &n,
@@ -409,11 +424,19 @@ fn pix_box_shares_nics_and_splits_cores_without_smt() {
     let short: Vec<String> = p
         .ranks
         .iter()
-        .map(|r| format!("{}:{}", r.env_value("CUDA_VISIBLE_DEVICES").unwrap(), r.cpus))
+        .map(|r| {
+            format!(
+                "{}:{}",
+                r.env_value("CUDA_VISIBLE_DEVICES").unwrap(),
+                r.cpus
+            )
+        })
         .collect();
     assert_eq!(
         short,
-        ["0:0-3", "0:4-7", "1:8-11", "1:12-15", "2:16-19", "2:20-23", "3:24-27", "3:28-31"]
+        [
+            "0:0-3", "0:4-7", "1:8-11", "1:12-15", "2:16-19", "2:20-23", "3:24-27", "3:28-31"
+        ]
     );
 }
 
@@ -463,7 +486,10 @@ fn pcie_box_with_nics_on_one_socket() {
             "rank 3: gpu 3 nic mlx5_1(SYS) cpus 24-31 mem 1 | CUDA_VISIBLE_DEVICES=3 UCX_NET_DEVICES=mlx5_1:1",
         ]
     );
-    assert_eq!(same_for_all(&p, "NCCL_IB_HCA").as_deref(), Some("=mlx5_0,mlx5_1"));
+    assert_eq!(
+        same_for_all(&p, "NCCL_IB_HCA").as_deref(),
+        Some("=mlx5_0,mlx5_1")
+    );
     // Configured compute NICs win over detection.
     let n = discover(
         &f,
@@ -499,7 +525,9 @@ fn cpu_node_without_gpus() {
     );
     assert_eq!(same_for_all(&p, "NCCL_IB_HCA").as_deref(), Some("=mlx5_0"));
     assert!(
-        p.ranks.iter().all(|r| r.env_value("CUDA_VISIBLE_DEVICES").is_none()),
+        p.ranks
+            .iter()
+            .all(|r| r.env_value("CUDA_VISIBLE_DEVICES").is_none()),
         "no CUDA variables on a node without GPUs"
     );
     let one = plan_for(&n, &[("SLURM_JOB_ID", "3")], &PlanOptions::default());
@@ -509,7 +537,10 @@ fn cpu_node_without_gpus() {
     );
     let text = render::topology(&n);
     assert!(!text.contains("GPU0"), "{text}");
-    assert!(text.contains("NIC0  mlx5_0  0000:81:00.0  compute"), "{text}");
+    assert!(
+        text.contains("NIC0  mlx5_0  0000:81:00.0  compute"),
+        "{text}"
+    );
     // A GPU node whose job got no GPU: the ranks see none.
     let (_f, dgx) = dgx();
     let p = plan_for(
@@ -532,7 +563,9 @@ fn nccl_topology_file_holds_the_pcie_tree() {
     let want = "    <pci busid=\"0000:16:00.0\" class=\"0x060400\"";
     let at = xml.find(want).expect("first-level switch");
     let rest = &xml[at..];
-    let nic = rest.find("<pci busid=\"0000:18:00.0\" class=\"0x020700\"").unwrap();
+    let nic = rest
+        .find("<pci busid=\"0000:18:00.0\" class=\"0x020700\"")
+        .unwrap();
     let sw2 = rest.find("      <pci busid=\"0000:19:00.0\"").unwrap();
     let gpu = rest
         .find("        <pci busid=\"0000:1b:00.0\" class=\"0x030200\" vendor=\"0x10de\" device=\"0x2330\"")
@@ -546,4 +579,3 @@ fn nccl_topology_file_holds_the_pcie_tree() {
     super::nccl::write(&n, &path).unwrap();
     assert_eq!(std::fs::read_to_string(&path).unwrap(), xml);
 }
-
