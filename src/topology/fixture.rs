@@ -501,6 +501,7 @@ pub fn dgx_h100() -> (Fixture, NvmlSnapshot) {
             driver_version: Some("550.54.15".into()),
             cuda_driver_version: Some(12040),
             gpus: nvml,
+            errors: vec![],
         },
     )
 }
@@ -566,6 +567,7 @@ pub fn pix_box() -> (Fixture, NvmlSnapshot) {
             driver_version: Some("550.54.15".into()),
             cuda_driver_version: Some(12040),
             gpus: nvml,
+            errors: vec![],
         },
     )
 }

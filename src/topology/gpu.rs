@@ -179,6 +179,9 @@ pub struct NvmlSnapshot {
     /// As NVML encodes it: 12040 is CUDA 12.4.
     pub cuda_driver_version: Option<i32>,
     pub gpus: Vec<NvmlGpu>,
+    /// GPUs NVML counts but could not open ("GPU 3: GPU is lost"); the others are listed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<String>,
 }
 
 /// Why NVML gave nothing.
@@ -251,16 +254,29 @@ impl GpuBackend for Nvml {
             .device_count()
             .map_err(|e| nvml_failure("counting GPUs", e))?;
         let mut gpus = Vec::new();
+        let mut errors = Vec::new();
         for index in 0..count {
-            let dev = nvml
-                .device_by_index(index)
-                .map_err(|e| nvml_failure(&format!("opening GPU {index}"), e))?;
-            let pci = dev
-                .pci_info()
-                .map_err(|e| nvml_failure(&format!("GPU {index} PCI info"), e))?;
-            let bus_id = pci.bus_id.parse::<Bdf>().map_err(|e| {
-                GpuUnavailable::Failed(format!("GPU {index}: NVML bus id {}: {e}", pci.bus_id))
-            })?;
+            // One sick GPU must not hide the others: note it and go on.
+            let dev = match nvml.device_by_index(index) {
+                Ok(d) => d,
+                Err(e) => {
+                    errors.push(format!("GPU {index}: {e}"));
+                    continue;
+                }
+            };
+            let bus_id = match dev.pci_info().map(|p| p.bus_id) {
+                Ok(id) => match id.parse::<Bdf>() {
+                    Ok(b) => b,
+                    Err(e) => {
+                        errors.push(format!("GPU {index}: bus id {id}: {e}"));
+                        continue;
+                    }
+                },
+                Err(e) => {
+                    errors.push(format!("GPU {index}: PCI info: {e}"));
+                    continue;
+                }
+            };
             // Optional details: a GPU or driver that does not support one leaves it out.
             let ecc = dev.is_ecc_enabled().ok().map(|mode| Ecc {
                 enabled: mode.currently_enabled,
@@ -350,6 +366,7 @@ impl GpuBackend for Nvml {
             driver_version: nvml.sys_driver_version().ok(),
             cuda_driver_version: nvml.sys_cuda_driver_version().ok(),
             gpus,
+            errors,
         })
     }
 }
@@ -425,6 +442,7 @@ mod tests {
                 pcie: None,
                 nvlinks: vec![],
             }],
+            errors: vec![],
         };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nvml.json");

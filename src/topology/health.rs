@@ -93,7 +93,10 @@ pub fn check(node: &Node, xids: Result<&[Xid], String>, opts: &Options) -> Repor
     }
     if on_bus > 0 || opts.expected_gpus.is_some_and(|e| e > 0) {
         match &node.driver.nvml {
-            Ok(_) => {
+            Ok(info) => {
+                for e in &info.errors {
+                    p.push(format!("NVML: {e}"));
+                }
                 for g in node.gpus.iter().filter(|g| g.nvml.is_none()) {
                     p.push(format!(
                         "{} is on the PCI bus but NVML cannot see it",
@@ -339,6 +342,7 @@ mod tests {
         snap.gpus[3].remapped_rows.as_mut().unwrap().failure = true;
         snap.gpus[4].retired_pages_pending = Some(true);
         snap.gpus.remove(7);
+        snap.errors.push("GPU 7: GPU is lost".into());
         f.write(
             "sys/devices/pci0000:3d/0000:3d:01.0/0000:3e:00.0/0000:3f:00.0/0000:40:00.0/infiniband/mlx5_3/ports/1/state",
             "1: DOWN\n",
@@ -374,6 +378,7 @@ mod tests {
         assert_eq!(
             r.problems,
             [
+                "NVML: GPU 7: GPU is lost",
                 "GPU 7 (0000:df:00.0) is on the PCI bus but NVML cannot see it",
                 "GPU 1 (0000:43:00.0): 2 uncorrectable ECC errors",
                 "GPU 2 (0000:52:00.0): row remapping pending: reset the GPU",
@@ -389,7 +394,7 @@ mod tests {
         let reason = r.reason.unwrap();
         assert!(!reason.contains('\n'));
         assert!(reason.starts_with(
-            "GPU 7 (0000:df:00.0) is on the PCI bus but NVML cannot see it; GPU 1 (0000:43:00.0): 2 uncorrectable ECC errors; "
+            "NVML: GPU 7: GPU is lost; GPU 7 (0000:df:00.0) is on the PCI bus but NVML cannot see it; GPU 1 (0000:43:00.0): 2 uncorrectable ECC errors; "
         ), "{reason}");
         assert!(reason.ends_with(" (+6 more)"), "{reason}");
         assert!(reason.len() < 260);

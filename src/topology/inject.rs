@@ -366,6 +366,72 @@ fn inject_driver_files(host: &Host, files: &DriverFiles, p: &mut Plan) {
     }
 }
 
+/// The plan for a job step's GPUs and HCAs: the GPUs the job names (see
+/// [`plan::allocated_gpus`]) and the compute NICs paired with them; a step without GPUs gets
+/// every compute NIC, as its ranks' NCCL_IB_HCA says.
+pub fn for_job(
+    host: &Host,
+    node: &Node,
+    job: &super::job::Job,
+    files: &DriverFiles,
+) -> Result<Plan, TopologyError> {
+    let gpus: Vec<u32> = super::plan::allocated_gpus(node, job)?
+        .iter()
+        .map(|g| g.index)
+        .collect();
+    plan(host, node, &gpus, &hcas_for(node, &gpus), files)
+}
+
+/// The plan for `berth run --gpus LIST|all|none`: LIST holds node indices, GPU-UUIDs or PCI
+/// addresses; the GPUs' paired compute NICs come along.
+pub fn for_gpus(
+    host: &Host,
+    node: &Node,
+    list: &str,
+    files: &DriverFiles,
+) -> Result<Plan, TopologyError> {
+    let gpus: Vec<u32> = match list.trim() {
+        "all" => node.gpus.iter().map(|g| g.index).collect(),
+        "none" | "" => Vec::new(),
+        other => {
+            let job = super::job::Job {
+                gpus: Some(super::job::parse_gpus("--gpus", other)?),
+                gpus_from: Some("--gpus".into()),
+                tasks: 1,
+                tasks_from: None,
+                local_id: None,
+                in_slurm: false,
+            };
+            super::plan::allocated_gpus(node, &job)?
+                .iter()
+                .map(|g| g.index)
+                .collect()
+        }
+    };
+    if gpus.is_empty() {
+        return Ok(Plan::default());
+    }
+    plan(host, node, &gpus, &hcas_for(node, &gpus), files)
+}
+
+/// The compute NICs paired with `gpus`; every compute NIC when `gpus` is empty.
+fn hcas_for(node: &Node, gpus: &[u32]) -> Vec<String> {
+    if gpus.is_empty() {
+        return node.compute_nics().map(|n| n.name.clone()).collect();
+    }
+    let mut out: Vec<String> = Vec::new();
+    for p in super::plan::pairing(node) {
+        if gpus.contains(&p.gpu)
+            && let Some(n) = p.nic
+            && !out.contains(&n)
+        {
+            out.push(n);
+        }
+    }
+    out.sort_by_key(|name| node.nics.iter().position(|n| &n.name == name));
+    out
+}
+
 /// Writes `plan` into `spec`: device nodes into `linux.devices`, an allow rule for each into
 /// the device cgroup rules (only when the Spec has rules: a Spec without any allows every
 /// device already), read-only nosuid,nodev binds into `mounts`, and the variables into
@@ -886,6 +952,73 @@ mod tests {
         assert_ne!(got.as_deref(), Some(&b"host secret"[..]));
         assert!(read_image_loader_cache(&[dir.path().join("missing")]).is_err());
         assert_eq!(read_image_loader_cache(&[]).unwrap(), None);
+    }
+
+    #[test]
+    fn run_flags_and_job_steps_pick_gpus_with_their_nics() {
+        let (f, n) = dgx();
+        let paths = |p: &Plan| -> Vec<String> {
+            p.devices
+                .iter()
+                .map(|d| d.path.display().to_string())
+                .filter(|d| !d.contains("nvidiactl") && !d.contains("uvm"))
+                .collect()
+        };
+        let p = for_gpus(&f.host(), &n, "5,2", &DriverFiles::default()).unwrap();
+        assert_eq!(
+            paths(&p),
+            [
+                "/dev/nvidia2",
+                "/dev/nvidia5",
+                "/dev/infiniband/uverbs4",
+                "/dev/infiniband/uverbs9",
+                "/dev/infiniband/rdma_cm"
+            ]
+        );
+        let p = for_gpus(&f.host(), &n, &fixture::uuid(7), &DriverFiles::default()).unwrap();
+        assert_eq!(
+            paths(&p),
+            [
+                "/dev/nvidia7",
+                "/dev/infiniband/uverbs11",
+                "/dev/infiniband/rdma_cm"
+            ]
+        );
+        assert_eq!(
+            for_gpus(&f.host(), &n, "all", &DriverFiles::default())
+                .unwrap()
+                .devices
+                .len(),
+            8 + 3 + 8 + 1
+        );
+        assert!(
+            for_gpus(&f.host(), &n, "none", &DriverFiles::default())
+                .unwrap()
+                .is_empty()
+        );
+        let err = for_gpus(&f.host(), &n, "9", &DriverFiles::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("--gpus=9: GPU 9 is not on this node"),
+            "{err}"
+        );
+        // A step without GPUs still gets the compute HCAs for MPI.
+        let job = crate::topology::job::Job {
+            gpus: Some(vec![]),
+            gpus_from: None,
+            tasks: 1,
+            tasks_from: None,
+            local_id: None,
+            in_slurm: true,
+        };
+        let p = for_job(&f.host(), &n, &job, &DriverFiles::default()).unwrap();
+        assert_eq!(
+            p.devices.len(),
+            9,
+            "8 compute uverbs and rdma_cm: {:?}",
+            p.devices
+        );
+        assert!(p.env.is_empty());
     }
 
     #[test]

@@ -103,6 +103,7 @@ fn nvml_status<S: serde::Serializer>(
             m.serialize_entry("available", &true)?;
             m.serialize_entry("driver_version", &info.driver_version)?;
             m.serialize_entry("cuda_driver_version", &info.cuda_driver_version)?;
+            m.serialize_entry("errors", &info.errors)?;
         }
         Err(e) => {
             m.serialize_entry("available", &false)?;
@@ -116,6 +117,8 @@ fn nvml_status<S: serde::Serializer>(
 pub struct NvmlInfo {
     pub driver_version: Option<String>,
     pub cuda_driver_version: Option<i32>,
+    /// GPUs NVML could not open.
+    pub errors: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -299,6 +302,7 @@ pub fn discover(
         nvml: nvml.map(|s| NvmlInfo {
             driver_version: s.driver_version,
             cuda_driver_version: s.cuda_driver_version,
+            errors: s.errors,
         }),
     };
     let mut node = Node {
