@@ -221,7 +221,15 @@ pub fn scan(host: &Host) -> Result<BTreeMap<Bdf, PciDevice>, TopologyError> {
         let Ok(bdf) = name.parse::<Bdf>() else {
             continue;
         };
-        out.insert(bdf, read_device(host, bdf)?);
+        match read_device(host, bdf) {
+            Ok(d) => {
+                out.insert(bdf, d);
+            }
+            // Unplugged while being read: it is gone, not an error.
+            Err(TopologyError::Read { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(out)
 }

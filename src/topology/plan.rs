@@ -240,6 +240,11 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
         .filter(|n| !n.cpus.intersection(&allowed).is_empty())
         .map(|n| n.id)
         .collect();
+    if usable_nodes.is_empty() {
+        return Err(TopologyError::Plan(format!(
+            "no NUMA node lists the step's CPUs ({allowed}): check /sys/devices/system/node"
+        )));
+    }
 
     // GPUs per rank, and each rank's home NUMA nodes.
     let t = tasks as usize;
@@ -271,10 +276,11 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
         if usable.is_empty() {
             // The step has no CPU on the GPU's node: run on the nearest node it has.
             let from = home[0];
-            let near = *usable_nodes
+            let near = usable_nodes
                 .iter()
-                .min_by_key(|&&n| (node.cpus.distance(from, n), n))
-                .expect("allowed CPUs lie on some node");
+                .copied()
+                .min_by_key(|&n| (node.cpus.distance(from, n), n))
+                .unwrap_or(usable_nodes[0]);
             warnings.push(format!(
                 "rank {r}: the step has no CPU on NUMA node {from}; using node {near}"
             ));

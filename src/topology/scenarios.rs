@@ -579,3 +579,45 @@ fn nccl_topology_file_holds_the_pcie_tree() {
     super::nccl::write(&n, &path).unwrap();
     assert_eq!(std::fs::read_to_string(&path).unwrap(), xml);
 }
+
+#[test]
+fn damaged_sysfs_is_survived_or_named() {
+    let (f, snap) = fixture::dgx_h100();
+    // A device unplugged mid-scan, and attributes that do not parse.
+    std::os::unix::fs::symlink(
+        "../../../devices/pci0000:ee/0000:ee:00.0",
+        f.root().join("sys/bus/pci/devices/0000:ee:00.0"),
+    )
+    .unwrap();
+    let g0 = fixture::bdf("0000:1b:00.0");
+    f.pci_attr(g0, "numa_node", "garbage");
+    f.pci_attr(g0, "current_link_speed", "fast");
+    f.pci_attr(g0, "local_cpulist", "zz");
+    f.write("sys/class/infiniband/mlx5_0/ports/1/state", "weird\n");
+    let n = discover(&f, Recorded::new(snap), &NicPolicy::default());
+    assert_eq!(n.gpus.len(), 8);
+    assert_eq!(n.gpus[0].pci.numa_node, None);
+    assert_eq!(
+        n.gpus[0].numa, None,
+        "no NUMA node and no CPU list to infer it from"
+    );
+    assert_eq!(n.gpus[0].pci.current_link.speed_gts, None);
+    assert_eq!(n.nic("mlx5_0").unwrap().device.ports[0].state, "weird");
+    // A rank whose GPU has no known NUMA node shares every node, and the plan says so.
+    let p = plan_for(&n, &DGX_ALL, &PlanOptions::default());
+    assert_eq!(
+        p.warnings,
+        ["rank 0: the NUMA node of GPU 0 is unknown; the rank shares every node"]
+    );
+    f.write("sys/devices/system/cpu/online", "0-x\n");
+    let err = node::discover(&f.host(), &Recorded::no_driver(), &NicPolicy::default())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "{}/sys/devices/system/cpu/online: invalid CPU list '0-x': '0-x' is not N or N-M",
+            f.root().display()
+        )
+    );
+}
