@@ -27,6 +27,7 @@ pub struct Config {
     pub registry: RegistryConfig,
     pub store: StoreConfig,
     pub squashfs: SquashfsConfig,
+    pub topology: TopologyConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -208,6 +209,55 @@ impl Compression {
     }
 }
 
+/// `[topology]`: GPU/NIC/CPU discovery, per-rank binding, device injection, CDI and health.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TopologyConfig {
+    /// Where /sys, /proc, /dev and /etc/ld.so.cache are read from (a snapshot or fixture tree
+    /// instead of the live host).
+    pub host_root: PathBuf,
+    /// The NVML library, loaded at run time (a name the loader resolves, or a path).
+    pub nvml_library: PathBuf,
+    /// Default of the SPANK option `--container-bind`: pin each task to its GPU's NIC and cores
+    /// (`closest`) or leave placement to Slurm (`none`).
+    pub bind: crate::topology::plan::BindMode,
+    /// How a pinned task's memory follows its NUMA nodes: `bind`, `preferred` or `none`.
+    pub memory_policy: crate::topology::bind::MemPolicy,
+    /// Globs (device name, netdev or PCI address) of the compute NICs; empty: detected (NICs on
+    /// a GPU's PCIe switch, or every NIC when none is).
+    pub compute_nics: Vec<String>,
+    /// Globs of NICs to ignore everywhere (storage, management).
+    pub exclude_nics: Vec<String>,
+    /// GPUs the node must have (health); unset: as many as the PCI bus shows.
+    pub expected_gpus: Option<u32>,
+    /// RDMA ports allowed to be down (health), as `mlx5_1:2` or `mlx5_1` globs.
+    pub ignore_ports: Vec<String>,
+    /// XIDs that make the node unhealthy.
+    pub xid_drain: Vec<u32>,
+    /// Also check GPU PCIe link speed (GPUs lower it when idle, so only width by default).
+    pub check_gpu_link_speed: bool,
+    /// CDI spec directories, lowest priority first.
+    pub cdi_dirs: Vec<PathBuf>,
+}
+
+impl Default for TopologyConfig {
+    fn default() -> Self {
+        Self {
+            host_root: PathBuf::from("/"),
+            nvml_library: PathBuf::from("libnvidia-ml.so.1"),
+            bind: crate::topology::plan::BindMode::Closest,
+            memory_policy: crate::topology::bind::MemPolicy::Bind,
+            compute_nics: Vec::new(),
+            exclude_nics: Vec::new(),
+            expected_gpus: None,
+            ignore_ports: Vec::new(),
+            xid_drain: crate::topology::health::DEFAULT_XID_DRAIN.to_vec(),
+            check_gpu_link_speed: false,
+            cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
+        }
+    }
+}
+
 impl Config {
     /// Loads `path`; when `path` is the default location and absent, the defaults apply.
     pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
@@ -281,5 +331,22 @@ mod tests {
             "lz4 has no level to check"
         );
         assert!(Config::parse("[squashfs]\ncompression = \"brotli\"\n").is_err());
+    }
+
+    #[test]
+    fn topology_section_parses() {
+        let c = Config::parse(
+            "[topology]\nbind = \"none\"\nmemory_policy = \"preferred\"\nexclude_nics = [\"mlx5_1\", \"eno*\"]\nexpected_gpus = 8\n",
+        )
+        .unwrap();
+        assert_eq!(c.topology.bind, crate::topology::plan::BindMode::None);
+        assert_eq!(
+            c.topology.memory_policy,
+            crate::topology::bind::MemPolicy::Preferred
+        );
+        assert_eq!(c.topology.exclude_nics, ["mlx5_1", "eno*"]);
+        assert_eq!(c.topology.expected_gpus, Some(8));
+        assert_eq!(c.topology.cdi_dirs, TopologyConfig::default().cdi_dirs);
+        assert!(Config::parse("[topology]\nbind = \"nearest\"\n").is_err());
     }
 }

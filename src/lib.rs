@@ -8,3 +8,4 @@ pub mod image;
 pub mod runtime;
 pub mod slurm;
 pub mod spec;
+pub mod topology;

@@ -1,15 +1,18 @@
 //! The command line: one file per verb. Each verb turns its arguments into library calls and
 //! returns the process exit status.
 
+pub mod cdi;
 pub mod container;
 pub mod export;
 pub mod gc;
+pub mod health;
 pub mod image;
 pub mod images;
 pub mod import;
 pub mod prolog;
 pub mod run;
 pub mod step;
+pub mod topo;
 
 use std::path::PathBuf;
 
@@ -54,6 +57,9 @@ pub enum Command {
     Import(import::ImportArgs),
     Images(images::ImagesArgs),
     Export(export::ExportArgs),
+    Topo(topo::TopoArgs),
+    Health(health::HealthArgs),
+    Cdi(cdi::CdiArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -105,6 +111,9 @@ impl Cli {
             Command::Import(args) => import::execute(args, &config),
             Command::Images(args) => images::execute(args, &config),
             Command::Export(args) => export::execute(args, &config),
+            Command::Topo(args) => topo::execute(args, &config),
+            Command::Health(args) => health::execute(args, &config),
+            Command::Cdi(args) => cdi::execute(args, &config),
         }
     }
 }
