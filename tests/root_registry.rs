@@ -59,10 +59,15 @@ impl TestSink {
             .count()
     }
 
-    /// Staging areas left behind in the store's tmp directory (must be none).
+    /// Staging areas left behind in the store's import workspaces (must be none).
     fn leftovers(&self) -> usize {
         std::fs::read_dir(self.root.path().join("store/tmp"))
-            .map(|d| d.count())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| std::fs::read_dir(e.path()).map(|w| w.count()).unwrap_or(0))
+                    .sum()
+            })
             .unwrap_or(0)
     }
 }
@@ -440,15 +445,34 @@ fn multi_layer_pull_keeps_order_whiteouts_and_opaque_dirs() {
     expected.sort();
     assert_eq!(published, expected);
     assert_eq!(read(&pulled.layers[0], "etc/a"), "a\n");
+    // The store keeps layers in overlayfs form: a whiteout is a 0/0 character device, an
+    // opaque directory carries trusted.overlay.opaque=y.
+    let whiteout = std::fs::symlink_metadata(pulled.layers[1].join("etc/a")).unwrap();
     assert!(
-        pulled.layers[1].join("etc/.wh.a").exists(),
-        "whiteout kept for the store"
+        std::os::unix::fs::FileTypeExt::is_char_device(&whiteout.file_type())
+            && std::os::unix::fs::MetadataExt::rdev(&whiteout) == 0,
+        "whiteout of etc/a"
     );
     assert_eq!(read(&pulled.layers[1], "etc/c"), "c\n");
-    assert!(
-        pulled.layers[2].join("d/.wh..wh..opq").exists(),
-        "opaque marker kept"
-    );
+    let dir = std::ffi::CString::new(
+        pulled.layers[2]
+            .join("d")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .unwrap();
+    let mut value = [0u8; 8];
+    // SAFETY: lgetxattr writes at most `value.len()` bytes into the buffer.
+    let n = unsafe {
+        libc::lgetxattr(
+            dir.as_ptr(),
+            c"trusted.overlay.opaque".as_ptr(),
+            value.as_mut_ptr().cast(),
+            value.len(),
+        )
+    };
+    assert_eq!(n, 1, "opaque xattr on d/");
+    assert_eq!(value[0], b'y');
     assert_eq!(read(&pulled.layers[2], "d/z"), "z\n");
     assert_eq!(
         pulled.config.rootfs().diff_ids(),

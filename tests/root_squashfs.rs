@@ -809,14 +809,18 @@ fn export_to_a_full_disk_fails_in_one_line_and_leaves_nothing() {
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
 fn export_refuses_what_it_cannot_export() {
-    let o = berth(&["export", "docker://ubuntu:24.04", "-o", "/tmp/x.sqsh"])
+    // An image that cannot be had (nothing listens on port 1): one line naming it, exit 1,
+    // and no file.
+    let o = berth(&["export", "127.0.0.1:1#test/missing:1", "-o", "/tmp/x.sqsh"])
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("needs the image store"),
-        "{}",
-        stderr(&o)
-    );
-    assert_eq!(stderr(&o).lines().count(), 1);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("test/missing"), "{}", stderr(&o));
+    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    assert!(!std::path::Path::new("/tmp/x.sqsh").exists());
+    // Something that is not a reference at all: exit 2.
+    let o = berth(&["export", "Not A Reference", "-o", "/tmp/x.sqsh"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
 }

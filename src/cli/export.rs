@@ -126,7 +126,8 @@ fn file_source(path: &Path) -> Result<Source, Failure> {
     })
 }
 
-/// Decides what to export from the arguments (no side effects).
+/// Decides what to export from the arguments; an image reference is imported into the store
+/// when missing.
 pub fn source(args: &ExportArgs, config: &Config) -> Result<Source, Failure> {
     if let Some(dir) = &args.rootfs {
         crate::runtime::check_rootfs(dir).map_err(Failure::input)?;
@@ -150,10 +151,32 @@ pub fn source(args: &ExportArgs, config: &Config) -> Result<Source, Failure> {
     if is_image_file(text) {
         return Err(Failure::input(format!("{text}: no such file")));
     }
-    Err(Failure::input(format!(
-        "{text}: no running container has this id, and export of registry images needs the image store; \
-         give a container id, a .sqsh/.sif file or --rootfs DIR"
-    )))
+    stored_image_source(text, config)
+}
+
+/// An image reference: the image from the node's store, imported first when missing.
+fn stored_image_source(text: &str, config: &Config) -> Result<Source, Failure> {
+    use crate::image::import::{Requester, get_or_import};
+    use crate::image::{Rootfs, store::Store};
+    let reference = crate::image::reference::parse(text).map_err(|e| {
+        Failure::input(format!(
+            "{e} (berth export takes a container id, an image reference, a .sqsh/.sif file or --rootfs DIR)"
+        ))
+    })?;
+    let store = Store::open(&config.store).map_err(super::import::failure)?;
+    let user = crate::spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
+    let who = Requester {
+        uid: user.uid,
+        home: user.home.as_deref(),
+        arch: None,
+    };
+    let progress = |line: &str| eprintln!("berth: {line}");
+    let image = get_or_import(&store, &reference, config, &who, &progress)
+        .map_err(super::import::failure)?;
+    Ok(match image.rootfs {
+        Rootfs::Layers(layers) => Source::Layers(layers),
+        Rootfs::Squashfs { file, offset, size } => Source::Squashfs { file, offset, size },
+    })
 }
 
 pub fn execute(args: &ExportArgs, config: &Config) -> Result<i32, Failure> {
@@ -244,7 +267,7 @@ mod tests {
         let a = parse(&["nvcr.io/nvidia/pytorch:24.01-py3", "-o", "x"]).unwrap();
         let err = source(&a, &cfg).unwrap_err();
         assert!(
-            err.message.contains("needs the image store"),
+            err.message.contains("nvcr.io#nvidia/pytorch") && err.message.contains("container id"),
             "{}",
             err.message
         );

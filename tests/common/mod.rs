@@ -61,9 +61,12 @@ pub fn config() -> &'static Path {
         std::fs::write(
             &path,
             format!(
-                "[cgroup]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n",
+                "[cgroup]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n[store]\nroot = \"{}\"\n\
+                 [squashfs]\nmount_dir = \"{}\"\n",
                 cgroup_root(),
-                state_dir().display()
+                state_dir().display(),
+                work_dir().join("store").display(),
+                work_dir().join("images").display()
             ),
         )
         .unwrap();
