@@ -363,3 +363,27 @@ fn a_stored_registry_image_exports_to_a_squashfs_that_runs() {
             .status();
     }
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn an_image_in_use_by_a_held_container_is_not_removed() {
+    let e = env();
+    let image = app(&e);
+    let created = ok(berth_with(&e.config, &["create", "--image", &image]));
+    let id = created.trim().to_string();
+    // The holder keeps the image's in-use lock for as long as the container lives.
+    let o = berth_with(&e.config, &["images", "rm", &image]);
+    assert!(!o.status.success(), "an image in use was removed");
+    assert!(stderr(&o).contains("in use"), "{}", stderr(&o));
+    let gc = ok(berth_with(&e.config, &["images", "gc", "--max-size", "1"]));
+    let out = ok(berth_with(
+        &e.config,
+        &["exec", &id, "--", "busybox", "cat", "/app/hello"],
+    ));
+    assert_eq!(
+        out, "hello from the image\n",
+        "gc took the image away: {gc}"
+    );
+    ok(berth_with(&e.config, &["rm", &id]));
+    ok(berth_with(&e.config, &["images", "rm", &image]));
+}
