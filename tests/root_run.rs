@@ -319,9 +319,7 @@ fn nothing_is_left_after_exit() {
             .all(|l| !l.contains("berth")),
         "overlay left"
     );
-    let entries: Vec<_> = std::fs::read_dir(&state)
-        .map(|r| r.flatten().collect())
-        .unwrap_or_default();
+    let entries = container_state_dirs();
     assert!(entries.is_empty(), "state dirs left: {entries:?}");
     let ps = Command::new("pgrep")
         .args(["-f", "^sleep 300"])
@@ -374,9 +372,7 @@ fn a_killed_berth_leaves_nothing_after_gc() {
         "gc left cgroups: {:?}",
         leftover_cgroups()
     );
-    let entries: Vec<_> = std::fs::read_dir(state_dir())
-        .map(|r| r.flatten().collect())
-        .unwrap_or_default();
+    let entries = container_state_dirs();
     assert!(entries.is_empty(), "gc left state dirs: {entries:?}");
 }
 

@@ -122,6 +122,19 @@ pub fn leftover_cgroups() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Container directories in the test state directory (those with a state.json; other verbs
+/// keep files of their own there, such as `berth health`'s job marks).
+pub fn container_state_dirs() -> Vec<PathBuf> {
+    std::fs::read_dir(state_dir())
+        .map(|r| {
+            r.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.join("state.json").exists())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Mount entries of this (host) mount namespace that mention `needle`.
 pub fn host_mounts_with(needle: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")
