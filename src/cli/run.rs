@@ -9,6 +9,7 @@ use clap::Args;
 
 use super::Failure;
 use crate::config::Config;
+use crate::image::store::human_size;
 use crate::runtime::{self, Exit, Outcome, RuntimeError};
 use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
 
@@ -364,7 +365,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
             "berth: the command ran out of memory: the kernel's OOM killer ended it at the {} limit (--memory)",
             req.limits
                 .memory
-                .map(human_bytes)
+                .map(human_size)
                 .unwrap_or_else(|| "memory".into())
         ),
         Exit::TimedOut => eprintln!(
@@ -400,36 +401,14 @@ fn summary_line(o: &Outcome) -> String {
         s.cpu_usage_usec
             .map(|u| ms(Duration::from_micros(u)))
             .unwrap_or_else(na),
-        s.memory_peak.map(human_bytes).unwrap_or_else(na),
+        s.memory_peak.map(human_size).unwrap_or_else(na),
         s.pids_peak.map(|p| p.to_string()).unwrap_or_else(na),
     )
-}
-
-fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[unit])
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn byte_formatting() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(32 << 20), "32.0 MiB");
-        assert_eq!(human_bytes(1536), "1.5 KiB");
-    }
 
     #[test]
     fn timeouts() {
