@@ -33,6 +33,10 @@ squash_opts=${ENROOT_SQUASH_OPTIONS:--comp lzo -noI -noD -noF -noX -no-duplicate
 die() { echo "bench/import: error: $*" >&2; exit 1; }
 say() { echo "bench/import: $*" >&2; }
 want() { [[ ,$arms, == *",$1,"* ]]; }
+# Every arm starts from the same state: the previous arm's dirty pages written back and the page
+# cache dropped, so each one reads the registry's blobs from disk (a cold import) and none pays
+# for another's writeback.
+settle() { sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true; }
 for a in ${arms//,/ }; do
   case $a in skopeo | pipeline | berth) ;; *) die "unknown arm '$a' (expected skopeo, pipeline, berth)" ;; esac
 done
@@ -123,6 +127,7 @@ report=()
 
 # --- arms -----------------------------------------------------------------------------------
 if want skopeo; then
+  settle
   rm -rf "$out/skopeo"
   s=$(now)
   skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/skopeo:1"
@@ -133,6 +138,7 @@ fi
 if want pipeline; then
   rm -rf "$out/pipeline"
   mkdir -p "$out/pipeline"
+  settle
   s=$(now)
   skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/pipeline/oci:1"
   s1=$(now)
@@ -156,6 +162,7 @@ if want berth; then
   cfg=$out/berth.toml
   printf '[store]\nroot = "%s"\n[registry]\ninsecure = ["%s"]\n' "$out/berth-store" "$host" >"$cfg"
   rm -rf "$out/berth-store"
+  settle
   s=$(now)
   if "$BERTH" --config "$cfg" import "$ref_enroot" >"$out/berth.out" 2>"$out/berth.err"; then
     t[berth]=$(($(now) - s))
