@@ -387,3 +387,33 @@ fn an_image_in_use_by_a_held_container_is_not_removed() {
     ok(berth_with(&e.config, &["rm", &id]));
     ok(berth_with(&e.config, &["images", "rm", &image]));
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_prolog_imports_the_jobs_image_and_never_fails_the_node_for_it() {
+    let e = env();
+    let image = app(&e);
+    let prolog = |img: &str| {
+        Command::new(BERTH)
+            .arg("--config")
+            .arg(&e.config)
+            .arg("prolog")
+            .env("SLURM_JOB_ID", "31")
+            .env("SLURM_JOB_UID", "0")
+            .env("SLURM_JOB_GID", "0")
+            .env("SPANK_BERTH_IMAGE", img)
+            .output()
+            .unwrap()
+    };
+    let o = prolog(&image);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ls = ok(berth_with(&e.config, &["images", "ls"]));
+    assert!(
+        ls.contains("test/app"),
+        "the Prolog did not import the image: {ls}"
+    );
+    // A bad image is the step's problem, not the node's: exit 0, one line in the log.
+    let o = prolog(&format!("{}#test/missing:1", e.registry.host()));
+    assert!(o.status.success(), "a bad image would drain the node");
+    assert!(stderr(&o).contains("test/missing"), "{}", stderr(&o));
+}

@@ -39,10 +39,32 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
             reclaimed.len()
         );
     }
-    if let Ok(image) = std::env::var("SPANK_BERTH_IMAGE") {
-        // Fetching early only saves the first step the wait; a failure here must not drain
-        // the node, so the step reports it instead.
-        tracing::info!("job {job}: image {image} will be prepared by its first step");
+    if let Ok(image) = std::env::var("SPANK_BERTH_IMAGE")
+        && !image.is_empty()
+    {
+        // Fetching early saves the first step the wait. A failure here must not drain the
+        // node: the step tries again and reports it to the user.
+        let uid = std::env::var("SLURM_JOB_UID")
+            .ok()
+            .and_then(|u| u.parse().ok());
+        let gid = std::env::var("SLURM_JOB_GID")
+            .ok()
+            .and_then(|g| g.parse().ok());
+        match (uid, gid) {
+            (Some(uid), Some(gid)) => {
+                let user = crate::spec::user::by_id(uid, gid);
+                match super::image::resolve(&image, config, &user, None) {
+                    Ok(resolved) => tracing::info!(
+                        "job {job}: image {image} ready ({})",
+                        resolved.digest.as_deref().unwrap_or("a directory")
+                    ),
+                    Err(e) => eprintln!("berth: job {job}: preparing image {image}: {}", e.message),
+                }
+            }
+            _ => eprintln!(
+                "berth: job {job}: SLURM_JOB_UID/SLURM_JOB_GID missing; image {image} not prepared"
+            ),
+        }
     }
     Ok(0)
 }
