@@ -633,3 +633,49 @@ fn mpi_ranks_in_one_container_reach_slurms_pmix_server() {
 fn mpi_ranks_of_a_user_reach_slurms_pmix_server() {
     mpi_allreduce(true);
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn container_save_writes_a_squashfs_that_a_later_step_runs() {
+    let (uid, _, _) = test_user();
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(uid), None).unwrap();
+    let saved = dir.path().join("saved.sqsh");
+    // As the user: the file is written with the user's credentials.
+    succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            &format!("--container-save={}", saved.display()),
+            "sh",
+            "-c",
+            "echo from-the-first-step > /tmp/../var/tmp/marker",
+        ],
+    )));
+    let meta = std::fs::metadata(&saved).expect("--container-save wrote nothing");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&meta),
+        uid,
+        "not written as the user"
+    );
+    let out = succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            &format!("--container-image={}", saved.display()),
+            "cat",
+            "/var/tmp/marker",
+        ],
+    )));
+    assert_eq!(out.trim(), "from-the-first-step");
+    // A path the user cannot write: the step reports it, nothing is written there.
+    let o = run(slurm_as_user(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "--container-save=/root/not-yours.sqsh",
+            "true",
+        ],
+    ));
+    assert!(!std::path::Path::new("/root/not-yours.sqsh").exists());
+    let _ = o;
+}

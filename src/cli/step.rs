@@ -105,6 +105,15 @@ fn create(config: &Config) -> Result<i32, Failure> {
             },
         );
     }
+    if let Some(save) = &step.options.container_save {
+        if !save.starts_with('/') {
+            return Err(Failure::input(format!(
+                "--container-save={save}: use an absolute path"
+            )));
+        }
+        labels.insert("save".into(), save.clone());
+        labels.insert("gid".into(), step.gid.to_string());
+    }
     let image_text = step.options.container_image.as_deref().ok_or_else(|| {
         Failure::input("no --container-image given (and no existing --container-name to use)")
     })?;
@@ -143,14 +152,108 @@ fn print(description: &Description) -> Result<i32, Failure> {
 
 fn destroy(args: &DestroyArgs, config: &Config) -> Result<i32, Failure> {
     let opts = options(config, None);
+    let mut failure = None;
     for record in state::list(&config.runtime.state_dir) {
         let l = &record.labels;
-        if label(l, "job") == args.job_id.to_string()
-            && label(l, "step") == args.step_id.to_string()
-            && !l.contains_key("name")
+        if label(l, "job") != args.job_id.to_string()
+            || label(l, "step") != args.step_id.to_string()
         {
+            continue;
+        }
+        if let Some(save) = l.get("save")
+            && state::owner_alive(&record)
+            && let Err(e) = save_container(&record, save, config)
+        {
+            failure.get_or_insert(e);
+        }
+        if !l.contains_key("name") {
             runtime::remove(&opts, &record.id).map_err(runtime_failure)?;
         }
     }
-    Ok(0)
+    failure.map_or(Ok(0), Err)
+}
+
+/// `--container-save`: the container's root as it is now, as a squashfs at `path`, written
+/// with the job user's credentials (root must not write where the user could not).
+fn save_container(record: &state::Record, path: &str, config: &Config) -> Result<(), Failure> {
+    use crate::image::export::{Format, Source, export};
+    let fail = |why: String| Failure::system(format!("--container-save={path}: {why}"));
+    let uid: u32 = label(&record.labels, "uid")
+        .parse()
+        .map_err(|_| fail("no user".into()))?;
+    let gid: u32 = label(&record.labels, "gid")
+        .parse()
+        .map_err(|_| fail("no group".into()))?;
+    let staged = config.runtime.state_dir.join(&record.id).join("save.sqsh");
+    export(
+        &Source::Container {
+            pid: record.init_pid,
+        },
+        &staged,
+        Format::Sqsh,
+        &config.squashfs,
+    )
+    .map_err(|e| fail(e.to_string()))?;
+    let result = copy_as_user(&staged, std::path::Path::new(path), uid, gid)
+        .map_err(|e| fail(format!("uid {uid} cannot write it: {e}")));
+    let _ = std::fs::remove_file(&staged);
+    result
+}
+
+/// Copies `from` (readable by root) to `to`, opened by a child that has taken the user's
+/// identity, under a temporary name renamed into place.
+fn copy_as_user(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    uid: u32,
+    gid: u32,
+) -> std::io::Result<()> {
+    use nix::sys::wait::{WaitStatus, waitpid};
+    use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
+    let mut source = std::fs::File::open(from)?;
+    let user = spec::user::by_id(uid, gid);
+    let (r, w) = nix::unistd::pipe().map_err(std::io::Error::from)?;
+    // SAFETY: berth is single-threaded here; the child only makes syscalls and exits.
+    match unsafe { fork() }.map_err(std::io::Error::from)? {
+        ForkResult::Child => {
+            drop(r);
+            let mut run = || -> std::io::Result<()> {
+                let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
+                setgroups(&groups)?;
+                setresgid(Gid::from_raw(gid), Gid::from_raw(gid), Gid::from_raw(gid))?;
+                setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
+                let tmp = to.with_extension("sqsh.berth-tmp");
+                let mut out = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&tmp)?;
+                let copied = std::io::copy(&mut source, &mut out).and_then(|_| out.sync_all());
+                match copied.and_then(|()| std::fs::rename(&tmp, to)) {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&tmp);
+                        Err(e)
+                    }
+                }
+            };
+            let code = match run() {
+                Ok(()) => 0,
+                Err(e) => {
+                    let _ = nix::unistd::write(&w, e.to_string().as_bytes());
+                    1
+                }
+            };
+            // SAFETY: leaving the child without the parent's exit handlers.
+            unsafe { libc::_exit(code) }
+        }
+        ForkResult::Parent { child } => {
+            drop(w);
+            let mut message = String::new();
+            let _ = std::io::Read::read_to_string(&mut std::fs::File::from(r), &mut message);
+            match waitpid(child, None) {
+                Ok(WaitStatus::Exited(_, 0)) => Ok(()),
+                _ => Err(std::io::Error::other(message)),
+            }
+        }
+    }
 }
