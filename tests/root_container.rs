@@ -330,3 +330,39 @@ fn epilog_removes_the_jobs_containers_but_not_global_ones() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn another_users_named_container_is_invisible() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let req = |uid: u32, gid: u32, name: &str| {
+        format!(
+            r#"{{"job_id": 4250, "step_id": 0, "uid": {uid}, "gid": {gid},
+                "options": {{"container-image": "{rootfs}", "container-name": "{name}"}},
+                "plugin": {{"container_scope": "global"}}}}"#
+        )
+    };
+    let mine = json(&ok(step_create(&req(0, 0, "shared-name"))));
+    // The other user asks for a container of that name: it is not theirs to join.
+    let o = step_create(&req(uid, gid, "shared-name:exec"));
+    assert!(
+        !o.status.success(),
+        "another user's container was handed out"
+    );
+    assert!(
+        stderr(&o).contains("no container named 'shared-name'"),
+        "{}",
+        stderr(&o)
+    );
+    // With auto, the other user gets a container of their own.
+    let theirs = json(&ok(step_create(&req(uid, gid, "shared-name"))));
+    assert_ne!(theirs["id"], mine["id"]);
+    ok(berth(&[
+        "rm",
+        mine["id"].as_str().unwrap(),
+        theirs["id"].as_str().unwrap(),
+    ])
+    .output()
+    .unwrap());
+}

@@ -679,3 +679,44 @@ fn container_save_writes_a_squashfs_that_a_later_step_runs() {
     assert!(!std::path::Path::new("/root/not-yours.sqsh").exists());
     let _ = o;
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_setuid_root_binary_in_the_image_gives_no_root() {
+    let (uid, _, _) = test_user();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("rootfs");
+    assert!(
+        Command::new("cp")
+            .arg("-a")
+            .arg(rootfs())
+            .arg(&img)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    // busybox picks the applet from its name: a setuid-root copy named `cat`.
+    std::fs::create_dir(img.join("opt")).unwrap();
+    let suid = img.join("opt/cat");
+    std::fs::copy(img.join("bin/busybox"), &suid).unwrap();
+    std::fs::set_permissions(&suid, std::os::unix::fs::PermissionsExt::from_mode(0o4755)).unwrap();
+    let out = succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            &format!("--container-image={}", img.display()),
+            "/opt/cat",
+            "/proc/self/status",
+        ],
+    )));
+    let ids = out.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    assert_eq!(
+        ids.split_whitespace().skip(1).collect::<Vec<_>>(),
+        vec![uid.to_string(); 4],
+        "the setuid bit raised privileges: {ids}"
+    );
+}
