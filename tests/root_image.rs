@@ -333,7 +333,13 @@ fn enroot_squashfs_images_run_with_their_environment() {
         !Path::new(&mountpoint).join("written").exists(),
         "a container wrote into the image"
     );
-    let _ = Command::new("umount").arg(&mountpoint).status();
+    // No container uses it any more: `berth gc` unmounts it.
+    let gc = ok(berth_with(&config, &["gc"]));
+    assert!(gc.contains("unmounted sha256:"), "{gc}");
+    assert!(
+        host_mounts_with(mnt.to_str().unwrap()).is_empty(),
+        "still mounted after gc"
+    );
 }
 
 #[test]

@@ -8,7 +8,8 @@ use super::Failure;
 use crate::config::Config;
 use crate::runtime::state;
 
-/// Reclaim leftovers of berth processes that were killed (their cgroups and state)
+/// Reclaim leftovers of berth processes that were killed (their cgroups and state), and unmount
+/// squashfs/SIF images no container uses
 #[derive(Debug, Args)]
 pub struct GcArgs {}
 
@@ -19,6 +20,20 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
     );
     for id in &ids {
         println!("reclaimed {id}");
+    }
+    // Squashfs and SIF images stay mounted for the next container of the image; unmount those
+    // no container uses any more. A store that cannot be opened has nothing mounted either.
+    if let Ok(store) = crate::image::store::Store::open(&config.store) {
+        match crate::image::mount::unmount_unused(&config.squashfs.mount_dir, |digest| {
+            store.in_use(digest)
+        }) {
+            Ok(digests) => {
+                for d in digests {
+                    println!("unmounted {d}");
+                }
+            }
+            Err(e) => eprintln!("berth: {e}"),
+        }
     }
     Ok(0)
 }

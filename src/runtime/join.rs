@@ -9,7 +9,7 @@ use nix::fcntl::{OFlag, open};
 use nix::sched::{CloneFlags, setns};
 use nix::sys::signal::{SigSet, SigmaskHow, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::stat::{Mode, fstat};
+use nix::sys::stat::Mode;
 use nix::sys::wait::WaitStatus;
 
 use super::{
@@ -161,10 +161,7 @@ fn enter(
 ) -> SetupError {
     for (fd, flag) in namespaces {
         if let Err(e) = setns(fd.as_fd(), *flag) {
-            let kind = fstat(fd.as_fd()).map(|s| s.st_ino).unwrap_or(0);
-            return SetupError::new(format!(
-                "joining the container's namespace ({flag:?}, inode {kind}): {e}"
-            ));
+            return SetupError::new(format!("joining the container's namespace ({flag:?}): {e}"));
         }
     }
     if let Err(e) = init::drop_privileges(process) {

@@ -268,7 +268,8 @@ impl Store {
             .unwrap_or(SystemTime::UNIX_EPOCH)
     }
 
-    fn in_use(&self, digest: &str) -> bool {
+    /// Whether a container holds the image (its in-use lock is taken).
+    pub fn in_use(&self, digest: &str) -> bool {
         match self.use_path(digest) {
             Ok(p) if p.exists() => !matches!(fs::try_exclusive(&p), Ok(Some(_))),
             _ => false,
