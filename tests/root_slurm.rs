@@ -4,6 +4,8 @@
 //! `cargo test --test root_slurm -- --ignored --test-threads=1`.
 
 mod common;
+#[path = "../integration/registry/harness.rs"]
+mod harness;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -29,6 +31,48 @@ struct Cluster {
     conf: PathBuf,
     /// A directory every user can use as the working directory of srun.
     cwd: PathBuf,
+    /// `HOST:PORT` of a plain-HTTP registry holding `test/busybox:1`.
+    registry: String,
+}
+
+/// The test registry's pid, killed with the cluster at exit.
+static REGISTRY_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// A plain registry with `test/busybox:1` (busybox and an os-release naming it), left running
+/// for the test binary's life.
+fn start_registry(state: &Path) -> String {
+    use harness::{Compression, Entry, Mode, Registry, Uploader};
+    let registry = Registry::start(
+        &Mode::Plain,
+        &state.join("registry/storage"),
+        &state.join("registry"),
+    );
+    let up = Uploader::new(&registry.host(), None);
+    let mut entries = harness::busybox_entries("amd64");
+    entries.push(Entry::File(
+        "etc/os-release".into(),
+        b"PRETTY_NAME=\"busybox from the test registry\"\n".to_vec(),
+        0o644,
+    ));
+    up.image(
+        "test/busybox",
+        Some("1"),
+        "amd64",
+        vec![harness::blob_of(
+            harness::tar_of(&entries),
+            Compression::Gzip,
+            false,
+        )],
+        false,
+    );
+    let host = registry.host();
+    REGISTRY_PID.store(
+        registry.pid().unwrap_or(0),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    // Dropping the handle would kill it; it is killed at exit instead.
+    std::mem::forget(registry);
+    host
 }
 
 /// The cluster, started on first use; stopped by an atexit handler when the test binary exits.
@@ -57,11 +101,19 @@ fn cluster() -> &'static Cluster {
         let state = PathBuf::from(format!("/tmp/berth-root-slurm-{hash:08x}"));
         let port = 18000 + (hash % 500) * 4;
         let berth_config = PathBuf::from(format!("/tmp/berth-root-slurm-{hash:08x}.toml"));
+        // Outside the cluster's state directory, which start.sh wipes.
+        let registry_dir = PathBuf::from(format!("/tmp/berth-root-slurm-{hash:08x}-registry"));
+        let _ = std::fs::remove_dir_all(&registry_dir);
+        let registry = start_registry(&registry_dir);
         std::fs::write(
             &berth_config,
             format!(
-                "[cgroup]\nroot = \"{}-slurm\"\n[runtime]\nstate_dir = \"{}/berth/state\"\n",
+                "[cgroup]\nroot = \"{}-slurm\"\n[runtime]\nstate_dir = \"{}/berth/state\"\n\
+                 [store]\nroot = \"{}/berth/store\"\n[squashfs]\nmount_dir = \"{}/berth/images\"\n\
+                 [registry]\ninsecure = [\"{registry}\"]\n",
                 cgroup_root(),
+                state.display(),
+                state.display(),
                 state.display()
             ),
         )
@@ -86,6 +138,11 @@ fn cluster() -> &'static Cluster {
             stderr(&out)
         );
         extern "C" fn stop_cluster() {
+            let pid = REGISTRY_PID.load(std::sync::atomic::Ordering::Relaxed);
+            if pid > 0 {
+                // SAFETY: killing the registry this process started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
             let state = format!("/tmp/berth-root-slurm-{:08x}", checkout_hash());
             let _ = Command::new("bash")
                 .arg(repo().join("integration/slurm/stop.sh"))
@@ -104,6 +161,7 @@ fn cluster() -> &'static Cluster {
             conf: state.join("etc/slurm.conf"),
             state,
             cwd,
+            registry,
         }
     })
 }
@@ -719,4 +777,35 @@ fn a_setuid_root_binary_in_the_image_gives_no_root() {
         vec![uid.to_string(); 4],
         "the setuid bit raised privileges: {ids}"
     );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_registry_image_runs_in_srun_as_root_and_as_a_user() {
+    let c = cluster();
+    let image = format!("--container-image={}#test/busybox:1", c.registry);
+    let out = succeeded(run(slurm(
+        "srun",
+        &[&image, "busybox", "cat", "/etc/os-release"],
+    )));
+    assert!(out.contains("busybox from the test registry"), "{out}");
+    // The cached image serves the next step; a user gets it too (it was pulled anonymously).
+    let out = succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            "-n",
+            "2",
+            &image,
+            "sh",
+            "-c",
+            "busybox cat /etc/os-release; id -u",
+        ],
+    )));
+    let (uid, _, _) = test_user();
+    assert_eq!(
+        out.matches("busybox from the test registry").count(),
+        2,
+        "{out}"
+    );
+    assert_eq!(out.matches(&format!("{uid}\n")).count(), 2, "{out}");
 }

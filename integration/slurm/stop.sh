@@ -51,6 +51,11 @@ done
 stop_pid "$state/run/slurmctld.pid" slurmctld
 stop_pid "$state/munge/munged.pid" munged
 
+# Images berth mounted under the state directory (shared squashfs mounts outlive the jobs that
+# used them): unmount them, deepest first, so the directory can be removed.
+awk -v s="$state/" 'index($5, s) == 1 { print $5 }' /proc/self/mountinfo | sort -r |
+  while read -r m; do umount -l "$m" 2>/dev/null || true; done
+
 # Slurm's task/cgroup plugin on cgroup v1 leaves empty job directories behind; remove the ones
 # of this cluster's nodes (empty directories only, deepest first).
 nodes=$(sed -n 's/^# nodes: //p' "$SLURM_CONF" 2>/dev/null)
