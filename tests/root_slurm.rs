@@ -118,6 +118,22 @@ fn cluster() -> &'static Cluster {
             ),
         )
         .unwrap();
+        // Registered before anything is started, so a failed start still cleans up.
+        extern "C" fn stop_cluster() {
+            let pid = REGISTRY_PID.load(std::sync::atomic::Ordering::Relaxed);
+            if pid > 0 {
+                // SAFETY: killing the registry this process started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+            let state = format!("/tmp/berth-root-slurm-{:08x}", checkout_hash());
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state)
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_cluster) };
         let out = Command::new("bash")
             .arg(repo().join("integration/slurm/start.sh"))
             .arg("--state")
@@ -137,21 +153,6 @@ fn cluster() -> &'static Cluster {
             stdout(&out),
             stderr(&out)
         );
-        extern "C" fn stop_cluster() {
-            let pid = REGISTRY_PID.load(std::sync::atomic::Ordering::Relaxed);
-            if pid > 0 {
-                // SAFETY: killing the registry this process started.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            }
-            let state = format!("/tmp/berth-root-slurm-{:08x}", checkout_hash());
-            let _ = Command::new("bash")
-                .arg(repo().join("integration/slurm/stop.sh"))
-                .arg("--state")
-                .arg(state)
-                .status();
-        }
-        // SAFETY: registering a plain function to run at process exit.
-        unsafe { libc::atexit(stop_cluster) };
 
         let cwd = state.join("cwd");
         std::fs::create_dir_all(&cwd).unwrap();
