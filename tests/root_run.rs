@@ -774,3 +774,73 @@ fn the_user_is_added_to_the_containers_passwd_and_group() {
     assert_eq!(out.trim(), "1");
     assert_eq!(before, snapshot(rootfs()), "the rootfs changed");
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn cdi_devices_apply_their_edits() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("test.json"),
+        r#"{"cdiVersion": "0.6.0", "kind": "berth.test/dev",
+            "devices": [{"name": "loop", "containerEdits": {
+                "deviceNodes": [{"path": "/dev/loop-control"}],
+                "env": ["BERTH_CDI=loop"]}}],
+            "containerEdits": {"env": ["BERTH_CDI_COMMON=1"]}}"#,
+    )
+    .unwrap();
+    let config = dir.path().join("berth.toml");
+    let base = std::fs::read_to_string(common::config()).unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "{base}[topology]\ncdi_dirs = [\"{}\"]\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let rootfs = rootfs().to_str().unwrap();
+    let o = Command::new(BERTH)
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "run",
+            "--rootfs",
+            rootfs,
+            "--device",
+            "berth.test/dev=loop",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "ls -l /dev/loop-control; echo $BERTH_CDI $BERTH_CDI_COMMON",
+        ])
+        .output()
+        .unwrap();
+    let out = ok(o);
+    assert!(
+        out.starts_with('c'),
+        "the CDI device node is missing: {out}"
+    );
+    assert!(
+        out.contains("loop 1"),
+        "the CDI env edits are missing: {out}"
+    );
+    let o = Command::new(BERTH)
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "run",
+            "--rootfs",
+            rootfs,
+            "--device",
+            "berth.test/dev=nope",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("berth.test/dev=nope"), "{}", stderr(&o));
+}

@@ -10,7 +10,7 @@ use super::Failure;
 use super::run::{ContainerArgs, options, request, runtime_failure};
 use crate::config::Config;
 use crate::runtime::{self, join, state};
-use crate::spec::{self, parse};
+use crate::spec::parse;
 
 /// Create a container that stays up, holding its namespaces, until `berth rm`
 #[derive(Debug, Args)]
@@ -101,7 +101,7 @@ pub fn resolve(config: &Config, key: &str) -> Option<String> {
 
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
-    let spec = spec::build(&prepared.request).map_err(|e| Failure::input(e.to_string()))?;
+    let spec = prepared.spec(config)?;
     let mut labels = BTreeMap::new();
     labels.insert(
         "uid".to_string(),

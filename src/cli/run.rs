@@ -102,9 +102,10 @@ pub struct ContainerArgs {
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub pids: Option<String>,
 
-    /// Expose a host device node (under /dev) and allow it in the device filter
-    #[arg(long = "device", value_name = "PATH")]
-    pub devices: Vec<PathBuf>,
+    /// Expose a host device node (under /dev) and allow it in the device filter, or apply a CDI
+    /// device (`vendor.com/class=name`, from the specs in topology.cdi_dirs)
+    #[arg(long = "device", value_name = "PATH|CDI-NAME")]
+    pub devices: Vec<String>,
 
     /// Network: share the host's, or a new namespace with only loopback
     #[arg(long, value_enum, default_value_t = Net::Host)]
@@ -134,6 +135,31 @@ fn flag<T>(
 pub struct Prepared {
     pub request: Request,
     pub image: super::image::Resolved,
+    /// CDI devices (`vendor.com/class=name`) to apply to the Spec.
+    pub cdi: Vec<String>,
+}
+
+impl Prepared {
+    /// The container's Spec: the request's, with the CDI devices' edits applied.
+    pub fn spec(&self, config: &Config) -> Result<oci_spec::runtime::Spec, Failure> {
+        let mut spec = spec::build(&self.request).map_err(|e| Failure::input(e.to_string()))?;
+        if !self.cdi.is_empty() {
+            let applied = crate::topology::cdi::apply_names(
+                &mut spec,
+                &self.cdi,
+                &config.topology.cdi_dirs,
+                &crate::topology::Host::new("/"),
+            )
+            .map_err(|e| Failure::input(format!("--device: {e}")))?;
+            if applied.hooks > 0 {
+                eprintln!(
+                    "berth: --device: {} CDI hook(s) ignored: berth does not run OCI hooks",
+                    applied.hooks
+                );
+            }
+        }
+        Ok(spec)
+    }
 }
 
 /// Validates the arguments against the host, resolves the image and builds the request.
@@ -233,10 +259,14 @@ pub fn request(
             ))
         })?,
     };
-    let devices = args
+    let (cdi, paths): (Vec<String>, Vec<String>) = args
         .devices
         .iter()
-        .map(host_device)
+        .cloned()
+        .partition(|d| crate::topology::cdi::is_qualified(d));
+    let devices = paths
+        .iter()
+        .map(|p| host_device(&PathBuf::from(p)))
         .collect::<Result<Vec<_>, _>>()?;
     let terminal = std::io::stdin().is_terminal();
     let request = Request {
@@ -260,7 +290,11 @@ pub fn request(
         host_files: host_files(),
         term: std::env::var("TERM").ok(),
     };
-    Ok(Prepared { request, image })
+    Ok(Prepared {
+        request,
+        image,
+        cdi,
+    })
 }
 
 /// An image's `User`: numbers are taken as they are (the image may know users the host does
@@ -353,7 +387,7 @@ pub fn runtime_failure(e: RuntimeError) -> Failure {
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
     let prepared = request(&args.container, &args.command, config, false)?;
     let req = &prepared.request;
-    let spec = spec::build(req).map_err(|e| Failure::input(e.to_string()))?;
+    let spec = prepared.spec(config)?;
     let opts = options(config, parse_timeout(&args.timeout)?);
     let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(runtime_failure)?;
     if verbose {
