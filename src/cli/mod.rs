@@ -25,10 +25,12 @@ use crate::config::{self, Config};
     name = "berth",
     version,
     about = "Run commands and Slurm job steps in containers isolated by cgroup v2 and namespaces",
-    long_about = "berth runs a command in a container: its own mount, PID, UTS, IPC and cgroup \
-namespaces, an overlay of a root filesystem that is never modified, cgroup v2 limits and a device \
-allow-list, as an unprivileged user. It is the node-side runtime behind the Slurm SPANK plugin and \
-can be used on its own."
+    long_about = "berth runs commands and Slurm job steps in containers: their own mount, UTS, IPC, \
+cgroup (and PID) namespaces, an overlay of an image that is never modified, cgroup v2 limits and a \
+device allow-list, as an unprivileged user. Images come from OCI/Docker registries, Enroot .sqsh \
+and Apptainer .sif files, OCI layouts and Docker/Podman archives, imported once per node. It is the \
+node-side runtime behind berth's Slurm SPANK plugin (srun --container-image=...) and can be used on \
+its own."
 )]
 pub struct Cli {
     /// Configuration file [default: /etc/berth/berth.toml, or $BERTH_CONFIG]
