@@ -127,7 +127,6 @@ pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd
     Ok(parent)
 }
 
-/// Makes one OCI mount at `destination` inside `root`.
 /// A copy of a host mount tree, taken with open_tree(2) before the container's own mounts exist,
 /// so a recursive bind never drags them along; attached later with move_mount(2).
 pub struct Tree(OwnedFd);
