@@ -844,3 +844,24 @@ fn cdi_devices_apply_their_edits() {
     assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
     assert!(stderr(&o).contains("berth.test/dev=nope"), "{}", stderr(&o));
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn gpus_are_checked_against_the_node() {
+    let _ = test_user();
+    // This host has no GPU: asking for one is a one-line error; `all` gives a container with no
+    // GPU device and a loader cache every user can read.
+    let o = run_sh(&["--gpus", "0"], "true");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("GPU 0"), "{}", stderr(&o));
+    let out = ok(run_sh(
+        &["--gpus", "all", "--user", "berthtest"],
+        "ls /dev | grep -c nvidia; head -c 11 /etc/ld.so.cache",
+    ));
+    assert!(out.starts_with("0\n"), "{out}");
+    assert!(
+        out.contains("glibc-ld.so") || out.contains("ld.so-1.7.0"),
+        "{out}"
+    );
+}

@@ -101,7 +101,7 @@ pub fn resolve(config: &Config, key: &str) -> Option<String> {
 
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
-    let spec = prepared.spec(config)?;
+    let (spec, _ld_cache) = prepared.spec(config)?;
     let mut labels = BTreeMap::new();
     labels.insert(
         "uid".to_string(),

@@ -107,6 +107,11 @@ pub struct ContainerArgs {
     #[arg(long = "device", value_name = "PATH|CDI-NAME")]
     pub devices: Vec<String>,
 
+    /// GPUs to give the container: all, none, indexes (0,2), UUIDs or PCI addresses; their
+    /// device nodes, the driver's libraries and tools, and the paired RDMA NICs are injected
+    #[arg(long, value_name = "LIST")]
+    pub gpus: Option<String>,
+
     /// Network: share the host's, or a new namespace with only loopback
     #[arg(long, value_enum, default_value_t = Net::Host)]
     pub net: Net,
@@ -137,12 +142,23 @@ pub struct Prepared {
     pub image: super::image::Resolved,
     /// CDI devices (`vendor.com/class=name`) to apply to the Spec.
     pub cdi: Vec<String>,
+    /// `--gpus`.
+    pub gpus: Option<String>,
 }
 
 impl Prepared {
-    /// The container's Spec: the request's, with the CDI devices' edits applied.
-    pub fn spec(&self, config: &Config) -> Result<oci_spec::runtime::Spec, Failure> {
+    /// The container's Spec: the request's, with the GPUs' and CDI devices' edits applied. The
+    /// returned file (a loader cache with the driver's libraries) must live until the container
+    /// has started.
+    pub fn spec(
+        &self,
+        config: &Config,
+    ) -> Result<(oci_spec::runtime::Spec, Option<tempfile::NamedTempFile>), Failure> {
         let mut spec = spec::build(&self.request).map_err(|e| Failure::input(e.to_string()))?;
+        let cache = match &self.gpus {
+            Some(list) => Some(self.inject_gpus(&mut spec, list, config)?),
+            None => None,
+        };
         if !self.cdi.is_empty() {
             let applied = crate::topology::cdi::apply_names(
                 &mut spec,
@@ -158,7 +174,40 @@ impl Prepared {
                 );
             }
         }
-        Ok(spec)
+        Ok((spec, cache))
+    }
+
+    fn inject_gpus(
+        &self,
+        spec: &mut oci_spec::runtime::Spec,
+        list: &str,
+        config: &Config,
+    ) -> Result<tempfile::NamedTempFile, Failure> {
+        use crate::topology::inject;
+        let fail = |e: &dyn std::fmt::Display| Failure::input(e.to_string());
+        let (host, node) = super::topo::discover(&Default::default(), config)?;
+        let plan = inject::for_gpus(&host, &node, list, &inject::DriverFiles::default())
+            .map_err(|e| fail(&e))?;
+        inject::apply(spec, &plan).map_err(|e| fail(&e))?;
+        let image_cache =
+            inject::read_image_loader_cache(&self.image.lowers).map_err(|e| fail(&e))?;
+        let (bytes, warning) = inject::container_loader_cache(image_cache.as_deref(), &plan);
+        if let Some(w) = warning {
+            eprintln!("berth: --gpus: {w}");
+        }
+        // The bind mount keeps the file's inode: it may be deleted once the container started.
+        std::fs::create_dir_all(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+        let mut file =
+            tempfile::NamedTempFile::new_in(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+        std::io::Write::write_all(&mut file, &bytes).map_err(|e| fail(&e))?;
+        // Every user of the container reads the loader cache.
+        std::fs::set_permissions(
+            file.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )
+        .map_err(|e| fail(&e))?;
+        inject::mount_loader_cache(spec, file.path()).map_err(|e| fail(&e))?;
+        Ok(file)
     }
 }
 
@@ -294,6 +343,7 @@ pub fn request(
         request,
         image,
         cdi,
+        gpus: args.gpus.clone(),
     })
 }
 
@@ -387,7 +437,7 @@ pub fn runtime_failure(e: RuntimeError) -> Failure {
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
     let prepared = request(&args.container, &args.command, config, false)?;
     let req = &prepared.request;
-    let spec = prepared.spec(config)?;
+    let (spec, _ld_cache) = prepared.spec(config)?;
     let opts = options(config, parse_timeout(&args.timeout)?);
     let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(runtime_failure)?;
     if verbose {
