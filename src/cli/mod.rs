@@ -11,6 +11,7 @@ pub mod images;
 pub mod import;
 pub mod prolog;
 pub mod run;
+pub mod stage;
 pub mod step;
 pub mod topo;
 
@@ -60,6 +61,7 @@ pub enum Command {
     Topo(topo::TopoArgs),
     Health(health::HealthArgs),
     Cdi(cdi::CdiArgs),
+    Stage(stage::StageArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -114,6 +116,7 @@ impl Cli {
             Command::Topo(args) => topo::execute(args, &config),
             Command::Health(args) => health::execute(args, &config),
             Command::Cdi(args) => cdi::execute(args, &config),
+            Command::Stage(args) => stage::execute(args, &config),
         }
     }
 }
