@@ -541,7 +541,8 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     // Tasks: one per small file or symlink, one per chunk of a large file.
     let chunk = opts.chunk_size.max(1 << 20);
     let mut tasks: Vec<(usize, u64, u64)> = Vec::new();
-    let mut large = Vec::new();
+    // Chunks still to copy, per entry; 0 for a file copied whole.
+    let chunks_left: Vec<AtomicU64> = plan.entries.iter().map(|_| AtomicU64::new(0)).collect();
     for (i, (e, &copy)) in plan.entries.iter().zip(&plan.copy).enumerate() {
         if !copy || e.kind == Kind::Dir {
             continue;
@@ -558,13 +559,15 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                 tasks.push((i, off, chunk.min(e.size - off)));
                 off += chunk;
             }
-            large.push(i);
+            chunks_left[i].store(e.size.div_ceil(chunk), Ordering::Relaxed);
         } else {
             tasks.push((i, 0, e.size));
         }
     }
-    // Large chunks first: they set the stage's length; small files fill in around them.
-    tasks.sort_by_key(|t| std::cmp::Reverse(t.2));
+    // Large files first (they set the stage's length; small files fill in around them), each
+    // file's chunks together so that files complete one after another: a killed stage leaves
+    // whole files for the next one to skip.
+    tasks.sort_by_key(|t| std::cmp::Reverse(plan.entries[t.0].size));
 
     let progress = Progress {
         files: AtomicU64::new(report.files_unchanged),
@@ -602,7 +605,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                 Kind::File => {
                     let src = src_path(&e.rel);
                     let sfd = open_source(&src)?;
-                    let whole = !large.contains(&i);
+                    let whole = chunks_left[i].load(Ordering::Relaxed) == 0;
                     let dfd = if whole {
                         create_file(&root, &e.rel)
                     } else {
@@ -616,7 +619,8 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                         },
                         _ => dest_err("write", &e.rel, err),
                     })?;
-                    if whole {
+                    // The last chunk of a file completes it (mode and mtime set last).
+                    if whole || chunks_left[i].fetch_sub(1, Ordering::AcqRel) == 1 {
                         finish_file(&dfd, e)
                             .map_err(|err| dest_err("set the mode of", &e.rel, err))?;
                         progress.files.fetch_add(1, Ordering::Relaxed);
@@ -631,12 +635,6 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         r
     });
     result?;
-    for &i in &large {
-        let e = &plan.entries[i];
-        let fd = fsops::open_beneath(&root, &e.rel, libc::O_WRONLY, 0)
-            .map_err(|err| dest_err("open", &e.rel, err))?;
-        finish_file(&fd, e).map_err(|err| dest_err("set the mode of", &e.rel, err))?;
-    }
     // Directory modes and mtimes last, deepest first: creating entries changed their mtimes.
     for e in plan.entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
         let fd = fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
@@ -818,14 +816,13 @@ pub fn stage_as(
         uid: user.uid,
         message,
     };
+    let parent = nix::unistd::getpid();
     let (reader, writer) = nix::unistd::pipe().map_err(|e| cred_err(format!("pipe: {e}")))?;
     // SAFETY: the caller is single-threaded (documented above); the child drops privileges,
     // stages, writes its result to the pipe and exits without returning.
     match unsafe { fork() } {
         Ok(ForkResult::Child) => {
             drop(reader);
-            // SAFETY: prctl with PR_SET_PDEATHSIG and a signal number has no memory effects.
-            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
             let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
             let gid = Gid::from_raw(user.gid);
             let uid = Uid::from_raw(user.uid);
@@ -833,6 +830,16 @@ pub fn stage_as(
                 .and_then(|_| setresgid(gid, gid, gid))
                 .and_then(|_| setresuid(uid, uid, uid))
                 .map_err(|e| format!("staging as uid {}: dropping privileges: {e}", user.uid))
+                .map(|_| {
+                    // After the credential change, which clears the parent-death signal; and if
+                    // the parent is already gone, nobody waits for this stage.
+                    // SAFETY: prctl with PR_SET_PDEATHSIG and a signal number has no memory effects.
+                    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                    if nix::unistd::getppid() != parent {
+                        // SAFETY: exiting the child without running the parent's exit handlers.
+                        unsafe { libc::_exit(1) }
+                    }
+                })
                 .and_then(|_| stage(source, base, rel, opts).map_err(|e| e.to_string()));
             let mut w = std::fs::File::from(writer);
             let ok = result.is_ok();
