@@ -1051,4 +1051,30 @@ mod tests {
             vec![3u8; 3 << 20]
         );
     }
+
+    #[test]
+    fn copies_across_filesystems_by_the_read_write_fallback() {
+        // /dev/shm (tmpfs) to the temp dir's filesystem: copy_file_range answers EXDEV between
+        // filesystems of different types.
+        let Ok(src) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let tmp = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        source(src.path());
+        let r = stage(
+            src.path(),
+            tmp.path(),
+            Path::new("x"),
+            &Options {
+                verify: true,
+                ..opts()
+            },
+        )
+        .unwrap();
+        assert_eq!(r.files_copied, 4);
+        assert_eq!(
+            checksums(src.path()).unwrap(),
+            checksums(&tmp.path().join("x")).unwrap()
+        );
+    }
 }
