@@ -13,6 +13,7 @@ LARGE_FILES=${LARGE_FILES:-4}
 LARGE_MIB=${LARGE_MIB:-512}
 WORKERS=${WORKERS:-8}
 MODES=${MODES:-"cold warm"}
+SETS=${SETS:-"small large"}
 [ "$(id -u)" = 0 ] || { echo "bench/stage: needs root (drop_caches)" >&2; exit 1; }
 command -v rsync >/dev/null || { echo "bench/stage: apt-get install rsync" >&2; exit 1; }
 mkdir -p "$DIR"
@@ -61,7 +62,7 @@ dd_direct() {
 }
 
 for mode in $MODES; do
-  for set in small large; do
+  for set in $SETS; do
     arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
     # An unchanged re-stage of what the berth arm just staged: metadata only.
     settle "$mode"; t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
