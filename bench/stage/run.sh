@@ -41,14 +41,23 @@ if [ ! -e "$DIR/large.done" ]; then
 fi
 
 now() { date +%s.%N; }
-settle() { sync; if [ "$1" = cold ]; then echo 3 > /proc/sys/vm/drop_caches; fi; }
+# cold: nothing cached; warm: the source read into the page cache just before the arm, so that
+# the first arm of a set is not the one that warms it for the others.
+settle() {
+  sync
+  if [ "$1" = cold ]; then
+    echo 3 > /proc/sys/vm/drop_caches
+  else
+    find "$DIR/$2" -type f -print0 | xargs -0 cat > /dev/null
+  fi
+}
 RESULTS=$DIR/results.tsv
 : > "$RESULTS"
 # arm SET MODE NAME COMMAND...: times COMMAND into a fresh $DIR/dst, then sync.
 arm() {
   local set=$1 mode=$2 name=$3; shift 3
   rm -rf "$DIR/dst"; mkdir -p "$DIR/dst"
-  settle "$mode"
+  settle "$mode" "$set"
   local t0 t1
   t0=$(now); "$@" >/dev/null 2>&1; sync -f "$DIR/dst"; t1=$(now)
   local bytes; bytes=$(du -sb "$DIR/$set" | cut -f1)
@@ -65,7 +74,7 @@ for mode in $MODES; do
   for set in $SETS; do
     arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
     # An unchanged re-stage of what the berth arm just staged: metadata only.
-    settle "$mode"; t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
+    settle "$mode" "$set"; t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
     echo -e "$set\t$mode\tberth-restage\t$(echo "$t1 - $t0" | bc -l)\t0" | tee -a "$RESULTS"
     arm $set $mode cp-a cp -a "$DIR/$set" "$DIR/dst/x"
     arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"
