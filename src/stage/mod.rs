@@ -467,8 +467,11 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     })?;
     plan.copy = differs.into_iter().map(AtomicBool::into_inner).collect();
 
+    // Absolute in the report and the marker: `stage status` must name the source whatever the
+    // directory it runs in.
+    let source_abs = std::path::absolute(source).unwrap_or_else(|_| source.to_path_buf());
     let mut report = Report {
-        source: source.to_path_buf(),
+        source: source_abs.clone(),
         dest: dest_path.clone(),
         skipped_special: plan.skipped_special,
         ..Report::default()
@@ -659,7 +662,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     write_marker(
         &root,
         &Marker {
-            source: source.to_path_buf(),
+            source: source_abs,
             files: report.files,
             bytes: report.bytes,
             completed_at: std::time::SystemTime::now()
