@@ -35,6 +35,7 @@ PACKAGES=(
   openmpi-bin     # Slurm MPI tests: mpirun, an MPI runtime
   libopenmpi-dev  #   (mpicc for the test program)
   libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)
+  rsync           # bench/stage: the rsync -a arm berth stage is compared with
 )
 
 # apt-get update is skipped while this stamp is younger than this many seconds.

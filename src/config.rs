@@ -28,6 +28,8 @@ pub struct Config {
     pub store: StoreConfig,
     pub squashfs: SquashfsConfig,
     pub topology: TopologyConfig,
+    pub stage: StageConfig,
+    pub scratch: ScratchConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -348,5 +350,65 @@ mod tests {
         assert_eq!(c.topology.expected_gpus, Some(8));
         assert_eq!(c.topology.cdi_dirs, TopologyConfig::default().cdi_dirs);
         assert!(Config::parse("[topology]\nbind = \"nearest\"\n").is_err());
+    }
+}
+
+/// Data staging (`berth stage`, and stage-in/out from the Prolog/Epilog).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageConfig {
+    /// Copy threads.
+    pub workers: usize,
+    /// Files larger than this many MiB are copied in chunks of this size, in parallel.
+    pub chunk_mib: u64,
+    /// Hash source and destination after every stage (xxh3).
+    pub verify: bool,
+    /// Seconds between progress lines when stderr is not a terminal.
+    pub progress_interval_s: u64,
+}
+
+impl Default for StageConfig {
+    fn default() -> Self {
+        Self {
+            workers: 8,
+            chunk_mib: 64,
+            verify: false,
+            progress_interval_s: 10,
+        }
+    }
+}
+
+impl StageConfig {
+    pub fn options(&self) -> crate::stage::Options {
+        crate::stage::Options {
+            workers: self.workers.max(1),
+            chunk_size: self.chunk_mib.max(1) << 20,
+            verify: self.verify,
+            cap: None,
+            progress: true,
+            progress_interval: std::time::Duration::from_secs(self.progress_interval_s.max(1)),
+        }
+    }
+}
+
+/// Per-job scratch directories on node-local storage.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScratchConfig {
+    /// Where each job gets its directory (`<root>/<job id>`), on local NVMe.
+    pub root: PathBuf,
+    /// The most bytes a job may stage into its scratch; unset: only the free space limits.
+    pub cap_bytes: Option<u64>,
+    /// Where containers see the job's scratch.
+    pub container_path: PathBuf,
+}
+
+impl Default for ScratchConfig {
+    fn default() -> Self {
+        Self {
+            root: PathBuf::from("/var/tmp/berth-scratch"),
+            cap_bytes: None,
+            container_path: PathBuf::from("/scratch"),
+        }
     }
 }

@@ -8,4 +8,5 @@ pub mod image;
 pub mod runtime;
 pub mod slurm;
 pub mod spec;
+pub mod stage;
 pub mod topology;

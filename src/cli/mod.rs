@@ -11,6 +11,7 @@ pub mod images;
 pub mod import;
 pub mod prolog;
 pub mod run;
+pub mod stage;
 pub mod step;
 pub mod topo;
 
@@ -62,6 +63,7 @@ pub enum Command {
     Topo(topo::TopoArgs),
     Health(health::HealthArgs),
     Cdi(cdi::CdiArgs),
+    Stage(stage::StageArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -116,6 +118,7 @@ impl Cli {
             Command::Topo(args) => topo::execute(args, &config),
             Command::Health(args) => health::execute(args, &config),
             Command::Cdi(args) => cdi::execute(args, &config),
+            Command::Stage(args) => stage::execute(args, &config),
         }
     }
 }

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# bench/stage: berth stage in vs cp -a, rsync -a and find|xargs -P4 cp --parents, on
+#   (a) SMALL_FILES files of 4-64 KiB in 200 directories, (b) LARGE_FILES files of LARGE_MIB MiB;
+# cold (page cache dropped before each arm) and warm; plus O_DIRECT dd as the device limit for (b)
+# and an unchanged re-stage. Every arm's time includes `sync -f` of its destination (berth
+# syncs before writing its completion marker), so no arm is timed writing only to page cache.
+# Needs root (drop_caches), rsync, python3. Usage: bench/stage/run.sh [BERTH_BINARY]
+set -euo pipefail
+BERTH=${1:-${BERTH:-target/release/berth}}
+DIR=${BENCH_DIR:-/var/tmp/berth-bench-stage}
+SMALL_FILES=${SMALL_FILES:-20000}
+LARGE_FILES=${LARGE_FILES:-4}
+LARGE_MIB=${LARGE_MIB:-512}
+WORKERS=${WORKERS:-8}
+MODES=${MODES:-"cold warm"}
+SETS=${SETS:-"small large"}
+[ "$(id -u)" = 0 ] || { echo "bench/stage: needs root (drop_caches)" >&2; exit 1; }
+command -v rsync >/dev/null || { echo "bench/stage: apt-get install rsync" >&2; exit 1; }
+mkdir -p "$DIR"
+
+if [ ! -e "$DIR/small.done" ]; then
+  rm -rf "$DIR/small"
+  python3 - "$DIR/small" "$SMALL_FILES" <<'PY'
+import os, random, sys
+root, n = sys.argv[1], int(sys.argv[2])
+rng = random.Random(42)
+for i in range(n):
+    d = os.path.join(root, f"d{i % 200:03d}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, f"f{i:05d}"), "wb") as f:
+        f.write(os.urandom(rng.randint(4, 64) * 1024))
+PY
+  touch "$DIR/small.done"
+fi
+if [ ! -e "$DIR/large.done" ]; then
+  rm -rf "$DIR/large"; mkdir -p "$DIR/large"
+  for i in $(seq 1 "$LARGE_FILES"); do
+    head -c "$((LARGE_MIB << 20))" /dev/urandom > "$DIR/large/f$i"
+  done
+  touch "$DIR/large.done"
+fi
+
+now() { date +%s.%N; }
+# cold: nothing cached; warm: the source read into the page cache just before the arm, so that
+# the first arm of a set is not the one that warms it for the others.
+settle() {
+  sync
+  if [ "$1" = cold ]; then
+    echo 3 > /proc/sys/vm/drop_caches
+  else
+    find "$DIR/$2" -type f -print0 | xargs -0 cat > /dev/null
+  fi
+}
+RESULTS=$DIR/results.tsv
+: > "$RESULTS"
+# arm SET MODE NAME COMMAND...: times COMMAND into a fresh $DIR/dst, then sync.
+arm() {
+  local set=$1 mode=$2 name=$3; shift 3
+  rm -rf "$DIR/dst"; mkdir -p "$DIR/dst"
+  settle "$mode" "$set"
+  local t0 t1
+  t0=$(now); "$@" >/dev/null 2>&1; sync -f "$DIR/dst"; t1=$(now)
+  local bytes; bytes=$(du -sb "$DIR/$set" | cut -f1)
+  echo -e "$set\t$mode\t$name\t$(echo "$t1 - $t0" | bc -l)\t$bytes" | tee -a "$RESULTS"
+}
+xargs_cp() { (cd "$DIR/$1" && find . -type f -print0 | xargs -0 -P4 -n 256 cp --parents -t "$DIR/dst"); }
+dd_direct() {
+  for f in "$DIR/large"/*; do
+    dd if="$f" of="$DIR/dst/$(basename "$f")" bs=16M iflag=direct oflag=direct status=none
+  done
+}
+
+for mode in $MODES; do
+  for set in $SETS; do
+    arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
+    # An unchanged re-stage of what the berth arm just staged: metadata only.
+    settle "$mode" "$set"; t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
+    echo -e "$set\t$mode\tberth-restage\t$(echo "$t1 - $t0" | bc -l)\t0" | tee -a "$RESULTS"
+    arm $set $mode cp-a cp -a "$DIR/$set" "$DIR/dst/x"
+    arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"
+    arm $set $mode xargs-cp xargs_cp $set
+    if [ $set = large ]; then arm $set $mode dd-direct dd_direct; fi
+  done
+done
+rm -rf "$DIR/dst"
+
+python3 - "$RESULTS" <<'PY'
+import sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+t = {(s, m, n): float(sec) for s, m, n, sec, _ in rows}
+b = {(s, m, n): int(by) for s, m, n, _, by in rows}
+print(f"\n{'set':6} {'mode':5} {'arm':14} {'seconds':>8} {'MB/s':>8} {'berth speed-up':>15}")
+for (s, m, n), sec in t.items():
+    mbps = b[(s, m, n)] / sec / 1e6 if b[(s, m, n)] else 0
+    ratio = sec / t[(s, m, "berth")] if n != "berth-restage" else t[(s, m, "berth")] / sec
+    label = f"{ratio:.2f}x" + (" (first/restage)" if n == "berth-restage" else "")
+    print(f"{s:6} {m:5} {n:14} {sec:8.2f} {mbps:8.0f} {label:>15}")
+for m in {k[1] for k in t}:
+    if ("small", m, "rsync-a") in t:
+        print(f"goal (a) {m}: berth vs rsync -a = {t[('small', m, 'rsync-a')] / t[('small', m, 'berth')]:.2f}x (goal >= 2x)")
+    if ("large", m, "dd-direct") in t:
+        print(f"goal (b) {m}: berth / O_DIRECT dd rate = {t[('large', m, 'dd-direct')] / t[('large', m, 'berth')]:.2f} (goal >= 0.9)")
+    for s in ("small", "large"):
+        if (s, m, "berth-restage") in t:
+            print(f"goal restage {s} {m}: {t[(s, m, 'berth')] / t[(s, m, 'berth-restage')]:.0f}x faster than the first stage (goal >= 50x)")
+PY

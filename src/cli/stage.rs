@@ -1,0 +1,158 @@
+//! `berth stage in|out|status`: stages a dataset into a directory (a job's scratch by default)
+//! or results out of it, with the engine in `crate::stage`, outside Slurm.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+
+use super::Failure;
+use crate::config::Config;
+use crate::stage;
+
+/// Stage datasets into node-local scratch, results out of it, or show a staged tree's state
+#[derive(Debug, Args)]
+pub struct StageArgs {
+    #[command(subcommand)]
+    pub command: StageCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StageCommand {
+    /// Copy SRC into DIR/DST (DST defaults to SRC's last component); unchanged files are skipped
+    In {
+        /// SRC[:DST]: a directory or file; DST is relative to --to
+        spec: String,
+        /// Destination directory [default: $BERTH_SCRATCH]
+        #[arg(long, value_name = "DIR")]
+        to: Option<PathBuf>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Copy SRC (relative to $BERTH_SCRATCH unless absolute) to the directory DST
+    Out {
+        /// SRC:DST
+        spec: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Say whether DIR is completely staged, and from what
+    Status { dir: PathBuf },
+}
+
+#[derive(Debug, Args)]
+pub struct Common {
+    /// Copy threads [default: stage.workers]
+    #[arg(long, value_name = "N")]
+    workers: Option<usize>,
+    /// Compare source and destination by hash after copying
+    #[arg(long)]
+    verify: bool,
+    /// Stage as this user (NAME|UID[:GROUP|GID]), with its groups; needs root [default: the
+    /// caller]
+    #[arg(long, value_name = "USER")]
+    user: Option<String>,
+}
+
+fn options(common: &Common, config: &Config) -> stage::Options {
+    let mut opts = config.stage.options();
+    if let Some(n) = common.workers {
+        opts.workers = n.max(1);
+    }
+    opts.verify |= common.verify;
+    opts
+}
+
+fn scratch_env() -> Option<PathBuf> {
+    std::env::var_os("BERTH_SCRATCH").map(PathBuf::from)
+}
+
+fn run(
+    source: &Path,
+    base: &Path,
+    rel: &Path,
+    common: &Common,
+    opts: &stage::Options,
+) -> Result<i32, Failure> {
+    let report = match &common.user {
+        // The child that copies takes the user's credentials: the user's rights decide.
+        Some(user) => {
+            let ids =
+                crate::spec::user::resolve(user).map_err(|e| Failure::input(e.to_string()))?;
+            stage::stage_as(&ids, source, base, rel, opts)
+        }
+        None => stage::stage(source, base, rel, opts),
+    }
+    .map_err(|e| Failure::system(e.to_string()))?;
+    eprintln!("{}", report.summary());
+    Ok(0)
+}
+
+pub fn execute(args: &StageArgs, config: &Config) -> Result<i32, Failure> {
+    match &args.command {
+        StageCommand::In { spec, to, common } => {
+            let (src, dst) = match spec.split_once(':') {
+                Some((s, d)) => (PathBuf::from(s), Some(PathBuf::from(d))),
+                None => (PathBuf::from(spec), None),
+            };
+            let base = to.clone().or_else(scratch_env).ok_or_else(|| {
+                Failure::input("berth stage in: no destination: pass --to DIR or set BERTH_SCRATCH")
+            })?;
+            let rel = match dst {
+                Some(d) => d,
+                None => match src.file_name() {
+                    Some(n) if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) => {
+                        PathBuf::from(n)
+                    }
+                    _ => PathBuf::new(),
+                },
+            };
+            let mut opts = options(common, config);
+            if let Some(cap) = config.scratch.cap_bytes {
+                let left = stage::scratch::remaining(&base, cap)
+                    .map_err(|e| Failure::system(e.to_string()))?;
+                opts.cap = Some(left);
+            }
+            run(&src, &base, &rel, common, &opts)
+        }
+        StageCommand::Out { spec, common } => {
+            let (src, dst) = spec.split_once(':').ok_or_else(|| {
+                Failure::input(format!("berth stage out: {spec:?} is not SRC:DST"))
+            })?;
+            let mut src = PathBuf::from(src);
+            if src.is_relative()
+                && let Some(scratch) = scratch_env()
+            {
+                src = scratch.join(src);
+            }
+            run(
+                &src,
+                Path::new(dst),
+                Path::new(""),
+                common,
+                &options(common, config),
+            )
+        }
+        StageCommand::Status { dir } => match stage::status(dir) {
+            Some(m) => {
+                println!(
+                    "{}: complete: {} files, {} bytes from {}, at {} (unix){}",
+                    dir.display(),
+                    m.files,
+                    m.bytes,
+                    m.source.display(),
+                    m.completed_at,
+                    if m.verified { ", verified" } else { "" }
+                );
+                Ok(0)
+            }
+            None => {
+                println!(
+                    "{}: not completely staged (no {} marker)",
+                    dir.display(),
+                    stage::MARKER
+                );
+                Ok(1)
+            }
+        },
+    }
+}

@@ -1,0 +1,1083 @@
+//! Data staging: copies a dataset (a directory tree or one file) from shared storage into a
+//! job's node-local scratch, or results back out, fast and safely.
+//!
+//! A stage is planned, then applied. The plan walks the source without following symlinks and
+//! compares each file with the destination by size and mtime; unchanged files are not copied
+//! again, so a re-stage of an unchanged dataset only reads metadata. The apply phase copies with
+//! a pool of worker threads (`copy_file_range`, large files split into chunks copied in
+//! parallel), keeps modes and mtimes, recreates symlinks as symlinks, and resolves every
+//! destination path beneath the destination root (`openat2 RESOLVE_BENEATH`). A completion marker
+//! is written last: a tree without it is never taken as complete, and staging again resumes
+//! (files whose size and mtime already match are skipped; a file's mtime is set only once all its
+//! bytes are written).
+//!
+//! [`stage_as`] runs the whole stage in a child process that has taken the job user's
+//! credentials, so a user can never stage what that user cannot read.
+
+mod fsops;
+pub mod scratch;
+
+use std::io::{IsTerminal, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::user::UserIds;
+
+/// The completion marker, written last in the destination root.
+pub const MARKER: &str = ".berth-staged";
+const MARKER_TMP: &str = ".berth-staged.tmp";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("staging: cannot read {path}: {source}{hint}", hint = access_hint(source))]
+    Source {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("staging: cannot {op} {path}: {source}{hint}", hint = space_hint(source))]
+    Dest {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "staging into {dest}: needs {needed} bytes, {available} available ({limit}); free space or stage less"
+    )]
+    NoSpace {
+        dest: PathBuf,
+        needed: u64,
+        available: u64,
+        limit: &'static str,
+    },
+    #[error("staging: {path} differs from its source after copying (--verify); stage it again")]
+    Verify { path: PathBuf },
+    #[error("staging: {path}: {message}")]
+    Conflict { path: PathBuf, message: String },
+    #[error("staging as uid {uid}: {message}")]
+    Credentials { uid: u32, message: String },
+    /// A failure reported by the staging child, already one line.
+    #[error("{0}")]
+    Child(String),
+}
+
+fn access_hint(e: &std::io::Error) -> &'static str {
+    if e.kind() == std::io::ErrorKind::PermissionDenied {
+        " (staging runs as the job's user, who must be able to read the source)"
+    } else {
+        ""
+    }
+}
+
+fn space_hint(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) => " (the destination is full: free space or stage less)",
+        Some(libc::EDQUOT) => " (disk quota exceeded)",
+        Some(libc::ELOOP | libc::EXDEV) => " (a symlink in the destination path: refused)",
+        _ => "",
+    }
+}
+
+/// How a stage runs.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Copy threads (at least 1).
+    pub workers: usize,
+    /// Files larger than this are split into chunks of this size, copied in parallel.
+    pub chunk_size: u64,
+    /// Hash every file on both sides after copying (xxh3) and fail on a difference.
+    pub verify: bool,
+    /// Bytes the destination may still take (a per-job scratch cap), besides its free space.
+    pub cap: Option<u64>,
+    /// Progress: a live line on a TTY, else a log line every `progress_interval`.
+    pub progress: bool,
+    pub progress_interval: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            workers: 8,
+            chunk_size: 64 << 20,
+            verify: false,
+            cap: None,
+            progress: false,
+            progress_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What a stage did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub source: PathBuf,
+    pub dest: PathBuf,
+    /// Regular files in the source.
+    pub files: u64,
+    pub files_copied: u64,
+    pub files_unchanged: u64,
+    pub dirs: u64,
+    pub symlinks: u64,
+    /// Sockets, FIFOs and devices: never staged.
+    pub skipped_special: u64,
+    pub bytes: u64,
+    pub bytes_copied: u64,
+    pub seconds: f64,
+    pub verified: bool,
+}
+
+impl Report {
+    /// The one-line summary: files, bytes, seconds, GB/s.
+    pub fn summary(&self) -> String {
+        let rate = if self.seconds > 0.0 {
+            self.bytes_copied as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        };
+        format!(
+            "staged {} -> {}: {} files ({} copied, {} unchanged), {} bytes copied of {}, {:.2} s, {:.2} GB/s{}",
+            self.source.display(),
+            self.dest.display(),
+            self.files,
+            self.files_copied,
+            self.files_unchanged,
+            self.bytes_copied,
+            self.bytes,
+            self.seconds,
+            rate,
+            if self.verified { ", verified" } else { "" }
+        )
+    }
+}
+
+/// The completion marker's content.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Marker {
+    pub source: PathBuf,
+    pub files: u64,
+    pub bytes: u64,
+    /// Seconds since the epoch.
+    pub completed_at: u64,
+    pub verified: bool,
+}
+
+/// Reads the completion marker of a staged tree: `None` when the tree is not (or not yet)
+/// completely staged.
+pub fn status(dest: &Path) -> Option<Marker> {
+    let text = std::fs::read(dest.join(MARKER)).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Dir,
+    File,
+    Symlink,
+}
+
+#[derive(Debug)]
+struct Entry {
+    /// Relative to the source root (and to the destination root); empty for the root.
+    rel: PathBuf,
+    kind: Kind,
+    size: u64,
+    mode: u32,
+    mtime: (i64, i64),
+}
+
+impl Entry {
+    fn from_meta(rel: PathBuf, meta: &std::fs::Metadata) -> Option<Self> {
+        let ft = meta.file_type();
+        let kind = if ft.is_dir() {
+            Kind::Dir
+        } else if ft.is_file() {
+            Kind::File
+        } else if ft.is_symlink() {
+            Kind::Symlink
+        } else {
+            return None;
+        };
+        Some(Self {
+            rel,
+            kind,
+            size: meta.len(),
+            // setuid/setgid bits are dropped: a staged copy never gains privilege.
+            mode: meta.mode() & 0o1777,
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+        })
+    }
+}
+
+/// A planned stage: every source entry and which files need copying.
+struct Plan {
+    source: PathBuf,
+    /// `true` when the source is one file, staged into the destination under its own name.
+    single_file: bool,
+    entries: Vec<Entry>,
+    copy: Vec<bool>,
+    skipped_special: u64,
+}
+
+fn walk(source: &Path) -> Result<Plan, StageError> {
+    let src_err = |path: &Path, source| StageError::Source {
+        path: path.to_path_buf(),
+        source,
+    };
+    // The source named by the user is followed if it is a symlink; nothing inside it is.
+    let meta = std::fs::metadata(source).map_err(|e| src_err(source, e))?;
+    let mut plan = Plan {
+        source: source.to_path_buf(),
+        single_file: false,
+        entries: Vec::new(),
+        copy: Vec::new(),
+        skipped_special: 0,
+    };
+    if meta.is_file() {
+        let name = source.file_name().ok_or_else(|| StageError::Conflict {
+            path: source.to_path_buf(),
+            message: "not a file name".into(),
+        })?;
+        plan.single_file = true;
+        plan.entries
+            .push(Entry::from_meta(name.into(), &meta).expect("a regular file"));
+        return Ok(plan);
+    }
+    if !meta.is_dir() {
+        return Err(StageError::Conflict {
+            path: source.to_path_buf(),
+            message: "neither a directory nor a regular file".into(),
+        });
+    }
+    plan.entries
+        .push(Entry::from_meta(PathBuf::new(), &meta).expect("a directory"));
+    // Pre-order: a directory always comes before its contents.
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = source.join(&rel);
+        let mut children = Vec::new();
+        for item in std::fs::read_dir(&dir).map_err(|e| src_err(&dir, e))? {
+            let item = item.map_err(|e| src_err(&dir, e))?;
+            let child_rel = rel.join(item.file_name());
+            if rel.as_os_str().is_empty()
+                && (item.file_name() == MARKER || item.file_name() == MARKER_TMP)
+            {
+                continue;
+            }
+            // DirEntry::metadata does not follow symlinks.
+            let meta = item.metadata().map_err(|e| src_err(&item.path(), e))?;
+            match Entry::from_meta(child_rel, &meta) {
+                Some(e) => children.push(e),
+                None => plan.skipped_special += 1,
+            }
+        }
+        children.sort_by(|a, b| a.rel.cmp(&b.rel));
+        for e in children.into_iter().rev() {
+            if e.kind == Kind::Dir {
+                stack.push(e.rel.clone());
+            }
+            plan.entries.push(e);
+        }
+    }
+    Ok(plan)
+}
+
+fn same(entry: &Entry, st: &libc::stat) -> bool {
+    let fmt = st.st_mode & libc::S_IFMT;
+    let kind_ok = match entry.kind {
+        Kind::File => fmt == libc::S_IFREG,
+        Kind::Symlink => fmt == libc::S_IFLNK,
+        Kind::Dir => return fmt == libc::S_IFDIR,
+    };
+    kind_ok && st.st_size as u64 == entry.size && (st.st_mtime, st.st_mtime_nsec) == entry.mtime
+}
+
+/// Runs `f(i)` for `i` in `0..n` on `workers` threads; stops at the first error.
+fn parallel<F>(n: usize, workers: usize, f: F) -> Result<(), StageError>
+where
+    F: Fn(usize) -> Result<(), StageError> + Sync,
+{
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<StageError>> = Mutex::new(None);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..workers.max(1).min(n.max(1)) {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    if let Err(e) = f(i) {
+                        stop.store(true, Ordering::Relaxed);
+                        failed
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+struct Progress {
+    files: AtomicU64,
+    bytes: AtomicU64,
+}
+
+fn progress_thread<'s>(
+    scope: &'s std::thread::Scope<'s, '_>,
+    progress: &'s Progress,
+    done: &'s AtomicBool,
+    total_files: u64,
+    total_bytes: u64,
+    interval: Duration,
+) {
+    let tty = std::io::stderr().is_terminal();
+    let interval = if tty {
+        Duration::from_millis(500)
+    } else {
+        interval
+    };
+    scope.spawn(move || {
+        let start = Instant::now();
+        let mut last = Instant::now();
+        while !done.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+            if last.elapsed() < interval {
+                continue;
+            }
+            last = Instant::now();
+            let (f, b) = (
+                progress.files.load(Ordering::Relaxed),
+                progress.bytes.load(Ordering::Relaxed),
+            );
+            let rate = b as f64 / start.elapsed().as_secs_f64();
+            let eta = if rate > 0.0 {
+                format!("{:.0} s", total_bytes.saturating_sub(b) as f64 / rate)
+            } else {
+                "?".into()
+            };
+            let line = format!(
+                "staging: {f}/{total_files} files, {:.2}/{:.2} GB, {:.2} GB/s, ETA {eta}",
+                b as f64 / 1e9,
+                total_bytes as f64 / 1e9,
+                rate / 1e9
+            );
+            if tty {
+                eprint!("\r{line}\x1b[K");
+            } else {
+                eprintln!("{line}");
+            }
+        }
+        if tty {
+            eprint!("\r\x1b[K");
+        }
+    });
+}
+
+/// Opens (creating each missing component beneath `base`) the directory `base/rel`. `base` is
+/// trusted (the job's scratch, or a directory the user named); `rel` may not leave it.
+fn open_dest(base: &Path, rel: &Path) -> Result<OwnedFd, StageError> {
+    let dest_err = |op, source| StageError::Dest {
+        op,
+        path: base.join(rel),
+        source,
+    };
+    std::fs::create_dir_all(base).map_err(|e| dest_err("create", e))?;
+    let base_fd = fsops::open_beneath(
+        &std::fs::File::open(base)
+            .map_err(|e| dest_err("open", e))?
+            .into(),
+        Path::new(""),
+        libc::O_RDONLY | libc::O_DIRECTORY,
+        0,
+    )
+    .map_err(|e| dest_err("open", e))?;
+    let mut sofar = PathBuf::new();
+    for comp in rel.components() {
+        match comp {
+            std::path::Component::Normal(c) => sofar.push(c),
+            std::path::Component::CurDir => continue,
+            _ => {
+                return Err(StageError::Conflict {
+                    path: rel.to_path_buf(),
+                    message: "a destination must be a relative path without '..'".into(),
+                });
+            }
+        }
+        match fsops::mkdir_beneath(&base_fd, &sofar, 0o700) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(dest_err("create", e)),
+        }
+    }
+    fsops::open_beneath(&base_fd, &sofar, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        .map_err(|e| dest_err("open", e))
+}
+
+/// Stages `source` into `base/rel` as the calling process's credentials allow.
+pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<Report, StageError> {
+    let start = Instant::now();
+    let dest_path = base.join(rel);
+    let root = open_dest(base, rel)?;
+    let dest_err = |op, rel: &Path, source| StageError::Dest {
+        op,
+        path: dest_path.join(rel),
+        source,
+    };
+    // A stage in progress is never complete, whatever an earlier stage left.
+    fsops::unlink_beneath(&root, Path::new(MARKER))
+        .map_err(|e| dest_err("remove", Path::new(MARKER), e))?;
+
+    let mut plan = walk(source)?;
+    let src_path = |rel: &Path| {
+        if plan.single_file {
+            plan.source.clone()
+        } else {
+            plan.source.join(rel)
+        }
+    };
+
+    // Plan: which entries differ from the destination (metadata only, in parallel).
+    let differs: Vec<AtomicBool> = plan.entries.iter().map(|_| AtomicBool::new(true)).collect();
+    parallel(plan.entries.len(), opts.workers, |i| {
+        let e = &plan.entries[i];
+        if e.rel.as_os_str().is_empty() {
+            return Ok(());
+        }
+        let st = match fsops::lstat_beneath(&root, &e.rel) {
+            // A parent that is a symlink or a file: replaced when directories are made.
+            Err(err) if matches!(err.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => None,
+            other => other.map_err(|err| dest_err("inspect", &e.rel, err))?,
+        };
+        if st.is_some_and(|st| same(e, &st)) {
+            differs[i].store(false, Ordering::Relaxed);
+        }
+        Ok(())
+    })?;
+    plan.copy = differs.into_iter().map(AtomicBool::into_inner).collect();
+
+    // Absolute in the report and the marker: `stage status` must name the source whatever the
+    // directory it runs in.
+    let source_abs = std::path::absolute(source).unwrap_or_else(|_| source.to_path_buf());
+    let mut report = Report {
+        source: source_abs.clone(),
+        dest: dest_path.clone(),
+        skipped_special: plan.skipped_special,
+        ..Report::default()
+    };
+    for (e, &copy) in plan.entries.iter().zip(&plan.copy) {
+        match e.kind {
+            Kind::Dir => report.dirs += 1,
+            Kind::Symlink => report.symlinks += 1,
+            Kind::File => {
+                report.files += 1;
+                report.bytes += e.size;
+                if copy {
+                    report.files_copied += 1;
+                    report.bytes_copied += e.size;
+                } else {
+                    report.files_unchanged += 1;
+                }
+            }
+        }
+    }
+
+    // Space: the bytes to copy must fit both the filesystem and the per-job cap.
+    let free = fsops::available_bytes(&root).map_err(|e| dest_err("inspect", Path::new(""), e))?;
+    let (available, limit) = match opts.cap {
+        Some(cap) if cap < free => (cap, "per-job scratch cap"),
+        _ => (free, "free space"),
+    };
+    if report.bytes_copied > available {
+        return Err(StageError::NoSpace {
+            dest: dest_path,
+            needed: report.bytes_copied,
+            available,
+            limit,
+        });
+    }
+
+    // Directories first (pre-order), writable by their owner until the end.
+    for (e, _) in plan
+        .entries
+        .iter()
+        .zip(&plan.copy)
+        .filter(|(e, _)| e.kind == Kind::Dir)
+    {
+        if e.rel.as_os_str().is_empty() {
+            fsops::fchmod(&root, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
+            continue;
+        }
+        match fsops::mkdir_beneath(&root, &e.rel, 0o700) {
+            Ok(()) => {}
+            Err(err) if err.raw_os_error() == Some(libc::EEXIST) => {
+                let st = fsops::lstat_beneath(&root, &e.rel)
+                    .map_err(|err| dest_err("inspect", &e.rel, err))?;
+                if st.is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR) {
+                    // A file or symlink where the source has a directory: replace it.
+                    fsops::unlink_beneath(&root, &e.rel)
+                        .map_err(|err| dest_err("remove", &e.rel, err))?;
+                    fsops::mkdir_beneath(&root, &e.rel, 0o700)
+                        .map_err(|err| dest_err("create", &e.rel, err))?;
+                } else {
+                    let fd =
+                        fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                            .map_err(|err| dest_err("open", &e.rel, err))?;
+                    fsops::fchmod(&fd, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
+                }
+            }
+            Err(err) => return Err(dest_err("create", &e.rel, err)),
+        }
+    }
+
+    // Tasks: one per small file or symlink, one per chunk of a large file.
+    let chunk = opts.chunk_size.max(1 << 20);
+    let mut tasks: Vec<(usize, u64, u64)> = Vec::new();
+    // Chunks still to copy, per entry; 0 for a file copied whole.
+    let chunks_left: Vec<AtomicU64> = plan.entries.iter().map(|_| AtomicU64::new(0)).collect();
+    for (i, (e, &copy)) in plan.entries.iter().zip(&plan.copy).enumerate() {
+        if !copy || e.kind == Kind::Dir {
+            continue;
+        }
+        if e.kind == Kind::File && e.size > chunk {
+            let fd = create_file(&root, &e.rel).map_err(|err| dest_err("create", &e.rel, err))?;
+            // Sized up front so that chunks can be written in any order; the mtime set last
+            // marks the file complete.
+            std::fs::File::from(fd)
+                .set_len(e.size)
+                .map_err(|err| dest_err("write", &e.rel, err))?;
+            let mut off = 0;
+            while off < e.size {
+                tasks.push((i, off, chunk.min(e.size - off)));
+                off += chunk;
+            }
+            chunks_left[i].store(e.size.div_ceil(chunk), Ordering::Relaxed);
+        } else {
+            tasks.push((i, 0, e.size));
+        }
+    }
+    // Large files first (they set the stage's length; small files fill in around them), each
+    // file's chunks together so that files complete one after another: a killed stage leaves
+    // whole files for the next one to skip.
+    tasks.sort_by_key(|t| std::cmp::Reverse(plan.entries[t.0].size));
+
+    let progress = Progress {
+        files: AtomicU64::new(report.files_unchanged),
+        bytes: AtomicU64::new(0),
+    };
+    let done = AtomicBool::new(false);
+    let result = std::thread::scope(|s| {
+        if opts.progress {
+            progress_thread(
+                s,
+                &progress,
+                &done,
+                report.files,
+                report.bytes_copied,
+                opts.progress_interval,
+            );
+        }
+        let r = parallel(tasks.len(), opts.workers, |t| {
+            let (i, off, len) = tasks[t];
+            let e = &plan.entries[i];
+            match e.kind {
+                Kind::Symlink => {
+                    let src = src_path(&e.rel);
+                    let target = std::fs::read_link(&src).map_err(|err| StageError::Source {
+                        path: src.clone(),
+                        source: err,
+                    })?;
+                    remove_nondir(&root, &e.rel).map_err(|err| dest_err("remove", &e.rel, err))?;
+                    fsops::symlink_beneath(&root, &target, &e.rel)
+                        .map_err(|err| dest_err("create", &e.rel, err))?;
+                    fsops::set_mtime_beneath(&root, &e.rel, e.mtime)
+                        .map_err(|err| dest_err("set the mtime of", &e.rel, err))?;
+                    progress.files.fetch_add(1, Ordering::Relaxed);
+                }
+                Kind::File => {
+                    let src = src_path(&e.rel);
+                    let sfd = open_source(&src)?;
+                    let whole = chunks_left[i].load(Ordering::Relaxed) == 0;
+                    let dfd = if whole {
+                        create_file(&root, &e.rel)
+                    } else {
+                        fsops::open_beneath(&root, &e.rel, libc::O_WRONLY, 0)
+                    }
+                    .map_err(|err| dest_err("create", &e.rel, err))?;
+                    fsops::copy_range(&sfd, &dfd, off, len).map_err(|err| match err.kind() {
+                        std::io::ErrorKind::UnexpectedEof => StageError::Source {
+                            path: src.clone(),
+                            source: err,
+                        },
+                        _ => dest_err("write", &e.rel, err),
+                    })?;
+                    // The last chunk of a file completes it (mode and mtime set last).
+                    if whole || chunks_left[i].fetch_sub(1, Ordering::AcqRel) == 1 {
+                        finish_file(&dfd, e)
+                            .map_err(|err| dest_err("set the mode of", &e.rel, err))?;
+                        progress.files.fetch_add(1, Ordering::Relaxed);
+                    }
+                    progress.bytes.fetch_add(len, Ordering::Relaxed);
+                }
+                Kind::Dir => {}
+            }
+            Ok(())
+        });
+        done.store(true, Ordering::Relaxed);
+        r
+    });
+    result?;
+    // Directory modes and mtimes last, deepest first: creating entries changed their mtimes.
+    for e in plan.entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
+        let fd = fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+            .map_err(|err| dest_err("open", &e.rel, err))?;
+        fsops::set_mtime_fd(&fd, e.mtime)
+            .map_err(|err| dest_err("set the mtime of", &e.rel, err))?;
+        // The destination root stays writable by its owner: the marker goes there.
+        let mode = if e.rel.as_os_str().is_empty() {
+            e.mode | 0o700
+        } else {
+            e.mode
+        };
+        fsops::fchmod(&fd, mode).map_err(|err| dest_err("chmod", &e.rel, err))?;
+    }
+
+    if opts.verify {
+        verify(&plan, &root, &dest_path, opts.workers)?;
+        report.verified = true;
+    }
+    // Data on disk before the marker says it is there.
+    fsops::syncfs(&root).map_err(|e| dest_err("sync", Path::new(""), e))?;
+    write_marker(
+        &root,
+        &Marker {
+            source: source_abs,
+            files: report.files,
+            bytes: report.bytes,
+            completed_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            verified: report.verified,
+        },
+    )
+    .map_err(|e| dest_err("write", Path::new(MARKER), e))?;
+    report.seconds = start.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+fn open_source(path: &Path) -> Result<OwnedFd, StageError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map(OwnedFd::from)
+        .map_err(|source| StageError::Source {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Creates (truncating) the regular file `rel`, replacing a symlink found in its place.
+fn create_file(root: &OwnedFd, rel: &Path) -> std::io::Result<OwnedFd> {
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC;
+    match fsops::open_beneath(root, rel, flags, 0o600) {
+        // ELOOP: a symlink there (never written through); EACCES: a read-only file we own.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::EACCES)) => {
+            fsops::unlink_beneath(root, rel)?;
+            fsops::open_beneath(root, rel, flags, 0o600)
+        }
+        other => other,
+    }
+}
+
+fn remove_nondir(root: &OwnedFd, rel: &Path) -> std::io::Result<()> {
+    fsops::unlink_beneath(root, rel)
+}
+
+fn finish_file(fd: &OwnedFd, e: &Entry) -> std::io::Result<()> {
+    fsops::fchmod(fd, e.mode)?;
+    fsops::set_mtime_fd(fd, e.mtime)
+}
+
+fn write_marker(root: &OwnedFd, marker: &Marker) -> std::io::Result<()> {
+    let fd = fsops::open_beneath(
+        root,
+        Path::new(MARKER_TMP),
+        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
+        0o644,
+    )?;
+    let mut f = std::fs::File::from(fd);
+    f.write_all(&serde_json::to_vec_pretty(marker).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    let tmp = std::ffi::CString::new(MARKER_TMP).expect("no NUL");
+    let fin = std::ffi::CString::new(MARKER).expect("no NUL");
+    use std::os::fd::AsRawFd;
+    // SAFETY: `root` is an open directory; both names are valid C strings of plain file names.
+    let r = unsafe {
+        libc::renameat(
+            root.as_raw_fd(),
+            tmp.as_ptr(),
+            root.as_raw_fd(),
+            fin.as_ptr(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn hash_fd(fd: OwnedFd) -> std::io::Result<u64> {
+    let mut f = std::fs::File::from(fd);
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(h.digest());
+        }
+        h.update(&buf[..n]);
+    }
+}
+
+fn verify(plan: &Plan, root: &OwnedFd, dest: &Path, workers: usize) -> Result<(), StageError> {
+    let files: Vec<&Entry> = plan
+        .entries
+        .iter()
+        .filter(|e| e.kind == Kind::File)
+        .collect();
+    parallel(files.len(), workers, |i| {
+        let e = files[i];
+        let src = if plan.single_file {
+            plan.source.clone()
+        } else {
+            plan.source.join(&e.rel)
+        };
+        let a = hash_fd(open_source(&src)?).map_err(|source| StageError::Source {
+            path: src.clone(),
+            source,
+        })?;
+        let dst_err = |source| StageError::Dest {
+            op: "verify",
+            path: dest.join(&e.rel),
+            source,
+        };
+        let fd = fsops::open_beneath(root, &e.rel, libc::O_RDONLY, 0).map_err(dst_err)?;
+        let b = hash_fd(fd).map_err(dst_err)?;
+        if a != b {
+            return Err(StageError::Verify {
+                path: dest.join(&e.rel),
+            });
+        }
+        Ok(())
+    })
+}
+
+/// Checksums (xxh3) of every regular file under `dir`, keyed by relative path: for tests and
+/// `stage status`.
+pub fn checksums(dir: &Path) -> Result<std::collections::BTreeMap<PathBuf, u64>, StageError> {
+    let plan = walk(dir)?;
+    let mut out = std::collections::BTreeMap::new();
+    for e in plan.entries.iter().filter(|e| e.kind == Kind::File) {
+        let path = dir.join(&e.rel);
+        let h =
+            hash_fd(open_source(&path)?).map_err(|source| StageError::Source { path, source })?;
+        out.insert(e.rel.clone(), h);
+    }
+    Ok(out)
+}
+
+/// Runs [`stage`] in a child process with `user`'s uid, gid and groups (when berth runs as
+/// root; otherwise as the caller). Call it from a single-threaded process (the Prolog/Epilog and
+/// the CLI are): the child starts its own worker threads after the fork. The child dies with
+/// its parent (PR_SET_PDEATHSIG), so killing berth stops the copy; staging again resumes it.
+pub fn stage_as(
+    user: &UserIds,
+    source: &Path,
+    base: &Path,
+    rel: &Path,
+    opts: &Options,
+) -> Result<Report, StageError> {
+    use nix::sys::wait::waitpid;
+    use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
+    if !Uid::current().is_root() {
+        return stage(source, base, rel, opts);
+    }
+    let cred_err = |message: String| StageError::Credentials {
+        uid: user.uid,
+        message,
+    };
+    let parent = nix::unistd::getpid();
+    let (reader, writer) = nix::unistd::pipe().map_err(|e| cred_err(format!("pipe: {e}")))?;
+    // SAFETY: the caller is single-threaded (documented above); the child drops privileges,
+    // stages, writes its result to the pipe and exits without returning.
+    match unsafe { fork() } {
+        Ok(ForkResult::Child) => {
+            drop(reader);
+            let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
+            let gid = Gid::from_raw(user.gid);
+            let uid = Uid::from_raw(user.uid);
+            let result: Result<Report, String> = setgroups(&groups)
+                .and_then(|_| setresgid(gid, gid, gid))
+                .and_then(|_| setresuid(uid, uid, uid))
+                .map_err(|e| format!("staging as uid {}: dropping privileges: {e}", user.uid))
+                .map(|_| {
+                    // After the credential change, which clears the parent-death signal; and if
+                    // the parent is already gone, nobody waits for this stage.
+                    // SAFETY: prctl with PR_SET_PDEATHSIG and a signal number has no memory effects.
+                    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                    if nix::unistd::getppid() != parent {
+                        // SAFETY: exiting the child without running the parent's exit handlers.
+                        unsafe { libc::_exit(1) }
+                    }
+                })
+                .and_then(|_| stage(source, base, rel, opts).map_err(|e| e.to_string()));
+            let mut w = std::fs::File::from(writer);
+            let ok = result.is_ok();
+            let _ = w.write_all(&serde_json::to_vec(&result).unwrap_or_default());
+            drop(w);
+            // SAFETY: leaving the child without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) }
+        }
+        Ok(ForkResult::Parent { child }) => {
+            drop(writer);
+            let mut buf = Vec::new();
+            let _ = std::fs::File::from(reader).read_to_end(&mut buf);
+            let status = waitpid(child, None);
+            match serde_json::from_slice::<Result<Report, String>>(&buf) {
+                Ok(Ok(report)) => Ok(report),
+                Ok(Err(message)) => Err(StageError::Child(message)),
+                Err(_) => Err(cred_err(format!(
+                    "the staging process ended without a result ({status:?})",
+                ))),
+            }
+        }
+        Err(e) => Err(cred_err(format!("fork: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn opts() -> Options {
+        Options {
+            workers: 4,
+            chunk_size: 1 << 20,
+            ..Options::default()
+        }
+    }
+
+    /// A source tree: nested dirs, a read-only dir, a 5 MiB file (5 chunks), an empty file,
+    /// a relative symlink and one pointing out of the tree.
+    fn source(dir: &Path) {
+        std::fs::create_dir_all(dir.join("a/b")).unwrap();
+        std::fs::create_dir_all(dir.join("ro")).unwrap();
+        std::fs::write(dir.join("a/small"), b"hello").unwrap();
+        std::fs::write(dir.join("a/b/empty"), b"").unwrap();
+        let big: Vec<u8> = (0..5 * (1 << 20) + 123)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        std::fs::write(dir.join("big"), &big).unwrap();
+        std::fs::write(dir.join("ro/file"), b"ro").unwrap();
+        std::fs::set_permissions(dir.join("a/small"), std::fs::Permissions::from_mode(0o640))
+            .unwrap();
+        std::fs::set_permissions(dir.join("ro"), std::fs::Permissions::from_mode(0o555)).unwrap();
+        std::os::unix::fs::symlink("small", dir.join("a/rel")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.join("escape")).unwrap();
+    }
+
+    #[test]
+    fn stages_a_tree_then_restages_nothing_then_only_what_changed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, base) = (tmp.path().join("src"), tmp.path().join("scratch"));
+        source(&src);
+        let r = stage(
+            &src,
+            &base,
+            Path::new("data"),
+            &Options {
+                verify: true,
+                ..opts()
+            },
+        )
+        .unwrap();
+        let dst = base.join("data");
+        assert_eq!((r.files, r.files_copied, r.symlinks), (4, 4, 2));
+        assert!(r.verified);
+        assert_eq!(checksums(&src).unwrap(), checksums(&dst).unwrap());
+        // Symlinks are copied as symlinks, targets untouched.
+        assert_eq!(
+            std::fs::read_link(dst.join("escape")).unwrap(),
+            Path::new("/etc/hostname")
+        );
+        assert!(
+            std::fs::symlink_metadata(dst.join("escape"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        for rel in ["a/small", "big", "ro", "a"] {
+            let (s, d) = (
+                std::fs::metadata(src.join(rel)).unwrap(),
+                std::fs::metadata(dst.join(rel)).unwrap(),
+            );
+            assert_eq!(s.mode(), d.mode(), "{rel}");
+            assert_eq!(
+                (s.mtime(), s.mtime_nsec()),
+                (d.mtime(), d.mtime_nsec()),
+                "{rel}"
+            );
+        }
+        let m = status(&dst).unwrap();
+        assert_eq!((m.files, m.source.as_path()), (4, src.as_path()));
+
+        let again = stage(&src, &base, Path::new("data"), &opts()).unwrap();
+        assert_eq!(
+            (
+                again.files_copied,
+                again.files_unchanged,
+                again.bytes_copied
+            ),
+            (0, 4, 0)
+        );
+
+        std::fs::write(src.join("a/small"), b"changed!").unwrap();
+        let third = stage(&src, &base, Path::new("data"), &opts()).unwrap();
+        assert_eq!(third.files_copied, 1);
+        assert_eq!(std::fs::read(dst.join("a/small")).unwrap(), b"changed!");
+    }
+
+    #[test]
+    fn a_partial_stage_is_not_complete_and_resumes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, base) = (tmp.path().join("src"), tmp.path().join("scratch"));
+        source(&src);
+        stage(&src, &base, Path::new(""), &opts()).unwrap();
+        // As a killed stage leaves it: the marker gone, a file truncated with a fresh mtime.
+        std::fs::remove_file(base.join(MARKER)).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(base.join("big"))
+            .unwrap()
+            .set_len(10)
+            .unwrap();
+        assert!(status(&base).is_none());
+        let r = stage(&src, &base, Path::new(""), &opts()).unwrap();
+        assert_eq!(r.files_copied, 1);
+        assert_eq!(checksums(&src).unwrap(), checksums(&base).unwrap());
+        assert!(status(&base).is_some());
+    }
+
+    #[test]
+    fn symlinks_in_the_destination_are_never_written_through() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, base, outside) = (
+            tmp.path().join("src"),
+            tmp.path().join("scratch"),
+            tmp.path().join("outside"),
+        );
+        source(&src);
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        // The destination's "a" is a symlink out of it, and "big" a symlink to a file outside.
+        std::os::unix::fs::symlink(&outside, base.join("a")).unwrap();
+        std::fs::write(outside.join("victim"), b"keep").unwrap();
+        std::os::unix::fs::symlink(outside.join("victim"), base.join("big")).unwrap();
+        stage(&src, &base, Path::new(""), &opts()).unwrap();
+        assert_eq!(std::fs::read(outside.join("victim")).unwrap(), b"keep");
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1);
+        assert!(std::fs::symlink_metadata(base.join("a")).unwrap().is_dir());
+        assert_eq!(checksums(&src).unwrap(), checksums(&base).unwrap());
+        // A destination that names its way out is refused.
+        let err = stage(&src, &base, Path::new("../x"), &opts())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(".."), "{err}");
+    }
+
+    #[test]
+    fn a_cap_refuses_before_copying_with_needed_and_available() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, base) = (tmp.path().join("src"), tmp.path().join("scratch"));
+        source(&src);
+        let err = stage(
+            &src,
+            &base,
+            Path::new(""),
+            &Options {
+                cap: Some(1000),
+                ..opts()
+            },
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(
+                err,
+                StageError::NoSpace {
+                    available: 1000,
+                    ..
+                }
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("1000 available") && msg.contains("needs 5243"),
+            "{msg}"
+        );
+        assert!(!base.join("big").exists() && status(&base).is_none());
+    }
+
+    #[test]
+    fn a_single_file_is_staged_under_its_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("model.bin");
+        std::fs::write(&src, vec![3u8; 3 << 20]).unwrap();
+        let r = stage(&src, tmp.path(), Path::new("out"), &opts()).unwrap();
+        assert_eq!(r.files_copied, 1);
+        assert_eq!(
+            std::fs::read(tmp.path().join("out/model.bin")).unwrap(),
+            vec![3u8; 3 << 20]
+        );
+    }
+
+    #[test]
+    fn copies_across_filesystems_by_the_read_write_fallback() {
+        // /dev/shm (tmpfs) to the temp dir's filesystem: copy_file_range answers EXDEV between
+        // filesystems of different types.
+        let Ok(src) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let tmp = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        source(src.path());
+        let r = stage(
+            src.path(),
+            tmp.path(),
+            Path::new("x"),
+            &Options {
+                verify: true,
+                ..opts()
+            },
+        )
+        .unwrap();
+        assert_eq!(r.files_copied, 4);
+        assert_eq!(
+            checksums(src.path()).unwrap(),
+            checksums(&tmp.path().join("x")).unwrap()
+        );
+    }
+}
