@@ -287,6 +287,25 @@ pub unsafe extern "C" fn slurm_spank_user_init(
     })
 }
 
+/// Runs berth; a failure to start it or a non-zero exit becomes the one line the user sees.
+fn run_berth(inv: &Invocation, what: &str) -> Result<runner::Outcome, String> {
+    let outcome = runner::run(inv).map_err(|e| {
+        berth_line(format!(
+            "cannot run {}: {}: check berth= in plugstack.conf",
+            inv.program.display(),
+            io_text(&e)
+        ))
+    })?;
+    if !outcome.status.success() {
+        return Err(request::failure_line(
+            &outcome.stderr,
+            what,
+            &outcome.describe(),
+        ));
+    }
+    Ok(outcome)
+}
+
 fn berth_invocation(config: &PluginConfig, verb: &[&str], stdin: Vec<u8>) -> Invocation {
     let mut args: Vec<OsString> = Vec::new();
     if let Some(c) = &config.config {
@@ -342,20 +361,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
     }
     let inv = berth_invocation(&st.config, &["step", "create"], request.into_bytes());
     st.create_ran = true;
-    let outcome = runner::run(&inv).map_err(|e| {
-        berth_line(format!(
-            "cannot run {}: {}: check berth= in plugstack.conf",
-            inv.program.display(),
-            io_text(&e)
-        ))
-    })?;
-    if !outcome.status.success() {
-        return Err(request::failure_line(
-            &outcome.stderr,
-            "step create",
-            &outcome.describe(),
-        ));
-    }
+    let outcome = run_berth(&inv, "step create")?;
     let created = Created::parse(&outcome.stdout).map_err(berth_line)?;
     let mut namespaces = Vec::new();
     for (ns, path) in created.join_order().map_err(berth_line)? {
@@ -516,19 +522,6 @@ fn destroy(st: &mut State) -> Result<(), String> {
         &["step", "destroy", "--job-id", &job, "--step-id", &stepid],
         Vec::new(),
     );
-    let outcome = runner::run(&inv).map_err(|e| {
-        berth_line(format!(
-            "cannot run {}: {}: check berth= in plugstack.conf",
-            inv.program.display(),
-            io_text(&e)
-        ))
-    })?;
-    if !outcome.status.success() {
-        return Err(request::failure_line(
-            &outcome.stderr,
-            "step destroy",
-            &outcome.describe(),
-        ));
-    }
+    run_berth(&inv, "step destroy")?;
     Ok(())
 }
