@@ -366,3 +366,50 @@ fn another_users_named_container_is_invisible() {
     .output()
     .unwrap());
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_jobs_scratch_is_made_by_the_prolog_mounted_in_steps_and_removed_by_the_epilog() {
+    let (uid, gid, _) = test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let job = "4260";
+    let slurm_env = |cmd: &str| {
+        berth(&[cmd])
+            .env("SLURM_JOB_ID", job)
+            .env("SLURM_JOB_UID", uid.to_string())
+            .env("SLURM_JOB_GID", gid.to_string())
+            .env_remove("SPANK_BERTH_IMAGE")
+            .output()
+            .unwrap()
+    };
+    let o = slurm_env("prolog");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let scratch = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/root-tier/scratch")
+        .join(job);
+    let meta = std::fs::metadata(&scratch).expect("the Prolog made no scratch");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
+    assert_eq!(std::os::unix::fs::MetadataExt::mode(&meta) & 0o777, 0o700);
+    let desc = json(&ok(step_create(&format!(
+        r#"{{"job_id": {job}, "step_id": 0, "uid": {uid}, "gid": {gid},
+            "options": {{"container-image": "{rootfs}"}}}}"#
+    ))));
+    let env: Vec<String> = serde_json::from_value(desc["env"].clone()).unwrap();
+    assert!(
+        env.contains(&"BERTH_SCRATCH=/scratch".to_string()),
+        "{env:?}"
+    );
+    let id = desc["id"].as_str().unwrap();
+    ok(
+        berth(&["exec", id, "--", "sh", "-c", "echo result > /scratch/out"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(
+        std::fs::read_to_string(scratch.join("out")).unwrap(),
+        "result\n"
+    );
+    let o = slurm_env("epilog");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!scratch.exists(), "the Epilog left the scratch");
+}

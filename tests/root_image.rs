@@ -62,11 +62,13 @@ fn write_config(dir: &Path, registry: &str, extra: Option<&str>) -> PathBuf {
         &config,
         format!(
             "[cgroup]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n[store]\nroot = \"{}\"\n\
-             [squashfs]\nmount_dir = \"{}\"\n[registry]\ninsecure = [\"{registry}\"]\n{}",
+             [squashfs]\nmount_dir = \"{}\"\n[scratch]\nroot = \"{}\"\n\
+             [registry]\ninsecure = [\"{registry}\"]\n{}",
             cgroup_root(),
             dir.join("state").display(),
             dir.join("store").display(),
             dir.join("mnt").display(),
+            dir.join("scratch").display(),
             extra.unwrap_or("")
         ),
     )

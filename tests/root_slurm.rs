@@ -110,8 +110,10 @@ fn cluster() -> &'static Cluster {
             format!(
                 "[cgroup]\nroot = \"{}-slurm\"\n[runtime]\nstate_dir = \"{}/berth/state\"\n\
                  [store]\nroot = \"{}/berth/store\"\n[squashfs]\nmount_dir = \"{}/berth/images\"\n\
+                 [scratch]\nroot = \"{}/berth/scratch\"\n\
                  [registry]\ninsecure = [\"{registry}\"]\n",
                 cgroup_root(),
+                state.display(),
                 state.display(),
                 state.display(),
                 state.display()

@@ -39,6 +39,27 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
             reclaimed.len()
         );
     }
+    // The job's node-local scratch: made here, as the job's user, removed by the Epilog. A
+    // scratch root that cannot be used is the node's problem, so it fails the Prolog.
+    let ids = (
+        std::env::var("SLURM_JOB_UID")
+            .ok()
+            .and_then(|u| u.parse::<u32>().ok()),
+        std::env::var("SLURM_JOB_GID")
+            .ok()
+            .and_then(|g| g.parse::<u32>().ok()),
+    );
+    if let (Some(uid), Some(gid)) = ids {
+        let dir = crate::stage::scratch::create(
+            &config.scratch.root,
+            &job,
+            uid,
+            gid,
+            config.scratch.cap_bytes,
+        )
+        .map_err(|e| Failure::system(format!("job {job}: scratch: {e}")))?;
+        tracing::info!("job {job}: scratch {}", dir.display());
+    }
     if let Ok(image) = std::env::var("SPANK_BERTH_IMAGE")
         && !image.is_empty()
     {
@@ -91,10 +112,13 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
             reclaimed.len()
         );
     }
+    if let Err(e) = crate::stage::scratch::remove(&config.scratch.root, &job) {
+        failures.push(format!("scratch: {e}"));
+    }
     if let Some(first) = failures.first() {
         // Slurm shows this line as the node's drain reason.
         return Err(Failure::system(format!(
-            "job {job}: {} container(s) could not be cleaned up: {first}",
+            "job {job}: {} cleanup step(s) failed: {first}",
             failures.len()
         )));
     }

@@ -119,7 +119,7 @@ fn create(config: &Config) -> Result<i32, Failure> {
     })?;
     let user = spec::user::by_id(step.uid, step.gid);
     let image = super::image::resolve(image_text, config, &user, None)?;
-    let req = to_request(
+    let mut req = to_request(
         &step,
         user.clone(),
         &image.lowers,
@@ -127,6 +127,19 @@ fn create(config: &Config) -> Result<i32, Failure> {
         host_files(),
     )
     .map_err(Failure::input)?;
+    // The job's scratch (made by the Prolog) appears at scratch.container_path.
+    if let Ok(dir) = crate::stage::scratch::path(&config.scratch.root, &step.job_id.to_string())
+        && dir.is_dir()
+    {
+        let inside = config.scratch.container_path.clone();
+        req.env
+            .push(("BERTH_SCRATCH".into(), inside.display().to_string()));
+        req.mounts.push(crate::spec::BindMount {
+            source: dir,
+            destination: inside,
+            readonly: false,
+        });
+    }
     for m in &req.mounts {
         if !spec::user::can_read(&m.source, &user) {
             return Err(Failure::input(format!(

@@ -62,11 +62,12 @@ pub fn config() -> &'static Path {
             &path,
             format!(
                 "[cgroup]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n[store]\nroot = \"{}\"\n\
-                 [squashfs]\nmount_dir = \"{}\"\n",
+                 [squashfs]\nmount_dir = \"{}\"\n[scratch]\nroot = \"{}\"\n",
                 cgroup_root(),
                 state_dir().display(),
                 work_dir().join("store").display(),
-                work_dir().join("images").display()
+                work_dir().join("images").display(),
+                work_dir().join("scratch").display()
             ),
         )
         .unwrap();
