@@ -39,17 +39,11 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
             reclaimed.len()
         );
     }
+    let env_id = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+    let ids = env_id("SLURM_JOB_UID").zip(env_id("SLURM_JOB_GID"));
     // The job's node-local scratch: made here, as the job's user, removed by the Epilog. A
     // scratch root that cannot be used is the node's problem, so it fails the Prolog.
-    let ids = (
-        std::env::var("SLURM_JOB_UID")
-            .ok()
-            .and_then(|u| u.parse::<u32>().ok()),
-        std::env::var("SLURM_JOB_GID")
-            .ok()
-            .and_then(|g| g.parse::<u32>().ok()),
-    );
-    if let (Some(uid), Some(gid)) = ids {
+    if let Some((uid, gid)) = ids {
         let dir = crate::stage::scratch::create(
             &config.scratch.root,
             &job,
@@ -65,14 +59,8 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
     {
         // Fetching early saves the first step the wait. A failure here must not drain the
         // node: the step tries again and reports it to the user.
-        let uid = std::env::var("SLURM_JOB_UID")
-            .ok()
-            .and_then(|u| u.parse().ok());
-        let gid = std::env::var("SLURM_JOB_GID")
-            .ok()
-            .and_then(|g| g.parse().ok());
-        match (uid, gid) {
-            (Some(uid), Some(gid)) => {
+        match ids {
+            Some((uid, gid)) => {
                 let user = crate::spec::user::by_id(uid, gid);
                 match super::image::resolve(&image, config, &user, None) {
                     Ok(resolved) => tracing::info!(
@@ -82,7 +70,7 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
                     Err(e) => eprintln!("berth: job {job}: preparing image {image}: {}", e.message),
                 }
             }
-            _ => eprintln!(
+            None => eprintln!(
                 "berth: job {job}: SLURM_JOB_UID/SLURM_JOB_GID missing; image {image} not prepared"
             ),
         }
