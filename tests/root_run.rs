@@ -865,3 +865,68 @@ fn gpus_are_checked_against_the_node() {
         "{out}"
     );
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn remap_root_makes_the_user_root_of_the_image_and_nothing_more() {
+    let (uid, gid, extra) = test_user();
+    let host = tempfile::tempdir().unwrap();
+    let shared = host.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::os::unix::fs::chown(&shared, Some(uid), Some(gid)).unwrap();
+    let secret = host.path().join("secret");
+    std::fs::write(&secret, "root's\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let mount = format!("{}:/shared", shared.display());
+    let secret_mount = format!("{}:/secret:ro", secret.display());
+    let out = ok(run_sh(
+        &[
+            "--user",
+            "berthtest",
+            "--remap-root",
+            "--mount",
+            &mount,
+            "--mount",
+            &secret_mount,
+        ],
+        // Root inside, owner of the image's files: writes where only root may; its files on the
+        // host belong to the user; root's host files stay out of reach; no capability at all.
+        "id -u; id -g; id -G; stat -c '%u %g' /etc /bin/busybox; \
+         echo new > /etc/new-file && echo etc-writable; \
+         chmod 700 /bin && echo chmod-ok; \
+         echo out > /shared/out; cat /secret 2>&1 || echo secret-refused; \
+         grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status",
+    ));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(&lines[..2], ["0", "0"], "{out}");
+    assert!(
+        lines[2].split(' ').any(|g| g == extra.to_string()),
+        "the supplementary group is gone: {out}"
+    );
+    assert_eq!(&lines[3..5], ["0 0", "0 0"], "{out}");
+    for needle in [
+        "etc-writable",
+        "chmod-ok",
+        "secret-refused",
+        "CapEff:\t0000000000000000",
+        "CapBnd:\t0000000000000000",
+        "NoNewPrivs:\t1",
+    ] {
+        assert!(out.contains(needle), "{needle} missing: {out}");
+    }
+    let meta = std::fs::metadata(shared.join("out")).unwrap();
+    assert_eq!(
+        (
+            std::os::unix::fs::MetadataExt::uid(&meta),
+            std::os::unix::fs::MetadataExt::gid(&meta)
+        ),
+        (uid, gid),
+        "a file root made in the container is not the user's on the host"
+    );
+    // The image itself was not changed.
+    assert!(!rootfs().join("etc/new-file").exists());
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(rootfs().join("etc")).unwrap()),
+        0
+    );
+}

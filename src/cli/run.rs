@@ -78,6 +78,13 @@ pub struct ContainerArgs {
     #[arg(short, long, value_name = "UID[:GID]")]
     pub user: Option<String>,
 
+    /// Be root inside the container, in a user namespace that maps root to the user (as
+    /// `enroot start --root` and Pyxis's --container-remap-root): the image's root-owned files
+    /// appear as the user's, so e.g. `apt-get install` works in the container's writable layer;
+    /// no privilege on the host is gained
+    #[arg(long)]
+    pub remap_root: bool,
+
     /// Hostname inside the container (also written to its /etc/hostname) [default: the host's]
     #[arg(long, value_name = "NAME")]
     pub hostname: Option<String>,
@@ -338,6 +345,7 @@ pub fn request(
         terminal,
         host_files: host_files(),
         term: std::env::var("TERM").ok(),
+        remap_root: args.remap_root,
     };
     Ok(Prepared {
         request,

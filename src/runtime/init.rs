@@ -42,6 +42,17 @@ pub struct InitArgs<'a> {
     pub report: OwnedFd,
     /// Hold the namespaces with no command (`runtime::Mode::Hold`).
     pub hold: bool,
+    /// The user namespaces of a remapped container.
+    pub remap: Option<&'a Remap>,
+}
+
+/// A remapped container's user namespaces (`runtime::userns`).
+pub struct Remap {
+    /// Joined by init once the root is set up: the command and every process that joins later
+    /// see the mapped ids.
+    pub join: OwnedFd,
+    /// The mapping the image's layers are idmapped with.
+    pub layers: OwnedFd,
 }
 
 /// Runs init; never returns.
@@ -80,7 +91,12 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
         .and_then(|l| l.namespaces().as_ref())
         .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::Network));
 
-    rootfs::setup(spec, args.lowers, &args.work)?;
+    rootfs::setup(
+        spec,
+        args.lowers,
+        &args.work,
+        args.remap.map(|r| r.layers.as_fd()),
+    )?;
     if let Some(name) = spec.hostname() {
         nix::unistd::sethostname(name)
             .map_err(|e| SetupError::new(format!("setting the hostname to {name}: {e}")))?;
@@ -98,6 +114,12 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
         "environment entry",
     )?;
     let cwd = process.cwd().clone();
+    if let Some(remap) = args.remap {
+        // Last: everything above needed the host's privileges, which count in this namespace
+        // too but no longer in the host's once we are in it.
+        nix::sched::setns(&remap.join, CloneFlags::CLONE_NEWUSER)
+            .map_err(|e| SetupError::new(format!("joining the container's user namespace: {e}")))?;
+    }
     drop_privileges(process)?;
     report::send(
         &args.report,

@@ -19,14 +19,17 @@ use super::{
 use crate::cgroup::Cgroup;
 
 /// Namespaces a joining process enters, in order, with the flag setns needs. The PID
-/// namespace comes first: it only applies to children, which is what runs the command.
-const NAMESPACES: [(&str, CloneFlags); 6] = [
+/// namespace comes first: it only applies to children, which is what runs the command. The user
+/// namespace (of a remapped container) comes last: joining it ends the host's privileges that
+/// the other joins need.
+const NAMESPACES: [(&str, CloneFlags); 7] = [
     ("pid", CloneFlags::CLONE_NEWPID),
     ("mnt", CloneFlags::CLONE_NEWNS),
     ("cgroup", CloneFlags::CLONE_NEWCGROUP),
     ("ipc", CloneFlags::CLONE_NEWIPC),
     ("uts", CloneFlags::CLONE_NEWUTS),
     ("net", CloneFlags::CLONE_NEWNET),
+    ("user", CloneFlags::CLONE_NEWUSER),
 ];
 
 /// The namespaces of a held container that differ from this process's, as (name, path) — what a

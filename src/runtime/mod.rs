@@ -9,6 +9,7 @@ pub mod mounts;
 mod report;
 mod rootfs;
 pub mod state;
+mod userns;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;
@@ -196,6 +197,7 @@ fn start(
     let mut timings = vec![("cgroup".to_string(), started.elapsed())];
 
     let flags = namespace_flags(spec);
+    let remap = remap_namespaces(linux)?;
     let (report_r, report_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
     let (life_r, life_w) =
@@ -220,6 +222,7 @@ fn start(
                 lifeline: life_r,
                 report: report_w,
                 hold: mode == Mode::Hold,
+                remap: remap.as_ref(),
             })
         }
         clone::Forked::Parent { pid, in_cgroup } => (pid, in_cgroup),
@@ -412,6 +415,48 @@ fn wait(
             };
         }
     }
+}
+
+/// For a Spec with a user namespace: the namespace the container's processes join at the end of
+/// setup (the Spec's mappings), and the one its image layers are idmapped through so that the
+/// image's root files belong to whoever the container's id 0 is (see `userns`).
+fn remap_namespaces(linux: &oci_spec::runtime::Linux) -> Result<Option<init::Remap>, RuntimeError> {
+    let wants = linux
+        .namespaces()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .any(|n| n.typ() == LinuxNamespaceType::User);
+    if !wants {
+        return Ok(None);
+    }
+    let ranges = |m: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>| {
+        let ranges: Vec<userns::Range> = m
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .map(|m| userns::Range {
+                inside: m.container_id(),
+                outside: m.host_id(),
+                size: m.size(),
+            })
+            .collect();
+        let root = ranges
+            .iter()
+            .find(|r| r.inside == 0 && r.size >= 1)
+            .map(|r| r.outside)
+            .ok_or(RuntimeError::Spec(
+                "a user namespace needs a mapping of the container's id 0",
+            ))?;
+        Ok::<_, RuntimeError>((ranges, root))
+    };
+    let (uids, uid) = ranges(linux.uid_mappings())?;
+    let (gids, gid) = ranges(linux.gid_mappings())?;
+    let setup = |e: String| RuntimeError::Setup(SetupError::new(e));
+    Ok(Some(init::Remap {
+        join: userns::create(&uids, &gids).map_err(setup)?,
+        layers: userns::create(&userns::layer_map(uid), &userns::layer_map(gid)).map_err(setup)?,
+    }))
 }
 
 fn namespace_flags(spec: &Spec) -> libc::c_int {

@@ -1,7 +1,7 @@
 //! Turns OCI mount entries into mount(2) calls, and creates mount points inside the container root
 //! without ever following a symlink out of it (the root filesystem comes from an untrusted image).
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
@@ -138,6 +138,7 @@ const MOUNT_ATTR_RDONLY: u64 = 0x1;
 const MOUNT_ATTR_NOSUID: u64 = 0x2;
 const MOUNT_ATTR_NODEV: u64 = 0x4;
 const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 
 /// `struct mount_attr` of mount_setattr(2).
 #[repr(C)]
@@ -186,34 +187,64 @@ impl Tree {
             }
         }
         if attr_set != 0 {
-            let attr = MountAttr {
-                attr_set,
-                attr_clr: 0,
-                propagation: 0,
-                userns_fd: 0,
-            };
-            let at = libc::AT_EMPTY_PATH | if recursive { libc::AT_RECURSIVE } else { 0 };
-            // SAFETY: mount_setattr on the detached tree's fd with an empty path and a valid
-            // `struct mount_attr` of the size passed.
-            let ret = unsafe {
-                libc::syscall(
-                    libc::SYS_mount_setattr,
-                    tree.0.as_raw_fd(),
-                    c"".as_ptr(),
-                    at as libc::c_uint,
-                    &attr as *const MountAttr,
-                    std::mem::size_of::<MountAttr>(),
-                )
-            };
-            if ret < 0 {
-                return Err(fail("setting mount flags on", Errno::last()));
-            }
+            tree.set_attr(attr_set, 0, recursive)
+                .map_err(|e| fail("setting mount flags on", e))?;
         }
         Ok(Some(tree))
     }
 
+    /// A copy of the mount at `source` (not of the mounts below it) whose files' owners are
+    /// translated through the mapping of the user namespace `userns` (an idmapped mount):
+    /// a remapped container's image, whose root-owned files must belong to the mapped user.
+    pub fn idmapped(source: &Path, userns: BorrowedFd<'_>) -> Result<Tree, SetupError> {
+        let fail = |what: &str, e: Errno| {
+            SetupError::new(format!(
+                "{what} {}: {e} (--remap-root needs idmapped mounts: Linux 5.12 or later, and \
+                 a filesystem that supports them)",
+                source.display()
+            ))
+        };
+        let path = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
+            .map_err(|_| SetupError::new(format!("{}: path contains NUL", source.display())))?;
+        let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
+        // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd or -1.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
+        if fd < 0 {
+            return Err(fail("cloning the mount of", Errno::last()));
+        }
+        // SAFETY: the kernel just returned this fd and nothing else owns it.
+        let tree = Tree(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) });
+        tree.set_attr(MOUNT_ATTR_IDMAP, userns.as_raw_fd() as u64, false)
+            .map_err(|e| fail("idmapping", e))?;
+        Ok(tree)
+    }
+
+    fn set_attr(&self, attr_set: u64, userns_fd: u64, recursive: bool) -> Result<(), Errno> {
+        let attr = MountAttr {
+            attr_set,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd,
+        };
+        let at = libc::AT_EMPTY_PATH | if recursive { libc::AT_RECURSIVE } else { 0 };
+        // SAFETY: mount_setattr on the detached tree's fd with an empty path and a valid
+        // `struct mount_attr` of the size passed.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                self.0.as_raw_fd(),
+                c"".as_ptr(),
+                at as libc::c_uint,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        };
+        if ret < 0 { Err(Errno::last()) } else { Ok(()) }
+    }
+
     /// Attaches the tree at `target` (an O_PATH fd of the mount point).
-    fn attach(&self, target: &OwnedFd) -> Result<(), Errno> {
+    pub fn attach(&self, target: &OwnedFd) -> Result<(), Errno> {
         // SAFETY: move_mount between two fds with empty paths, both valid for the call.
         let ret = unsafe {
             libc::syscall(

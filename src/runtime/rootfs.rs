@@ -3,7 +3,7 @@
 //! Every mount lives only in the container's namespace, so the kernel drops them all when the
 //! container's last process exits: nothing to unmount on the host, even after a crash.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{OFlag, open};
@@ -43,7 +43,13 @@ fn sys(what: String) -> impl FnOnce(nix::errno::Errno) -> SetupError {
 }
 
 /// Lays out the root under `work` (a per-container directory) and pivots into it.
-pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupError> {
+/// With `idmap` (a remapped container), each layer is seen through an idmapped mount of it.
+pub fn setup(
+    spec: &Spec,
+    lowers: &[PathBuf],
+    work: &Path,
+    idmap: Option<BorrowedFd<'_>>,
+) -> Result<(), SetupError> {
     // Nothing mounted from here on may reach the host's mount table.
     mount(
         None::<&str>,
@@ -83,7 +89,11 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
         std::fs::create_dir(work.join(dir))
             .map_err(|e| SetupError::new(format!("creating {}: {e}", work.join(dir).display())))?;
     }
-    let lowerdir = lowers
+    let idmapped = match idmap {
+        Some(userns) => idmap_layers(lowers, work, userns)?,
+        None => Vec::new(),
+    };
+    let lowerdir = if idmap.is_some() { &idmapped } else { lowers }
         .iter()
         .map(|p| overlay_escape(p))
         .collect::<Vec<_>>()
@@ -178,6 +188,32 @@ pub fn setup(spec: &Spec, lowers: &[PathBuf], work: &Path) -> Result<(), SetupEr
         .map_err(sys("making the root read-only".into()))?;
     }
     Ok(())
+}
+
+/// Attaches an idmapped copy of each layer at `work`/lN (in the container's mount namespace
+/// only) and returns those paths, topmost first like `lowers`.
+fn idmap_layers(
+    lowers: &[PathBuf],
+    work: &Path,
+    userns: BorrowedFd<'_>,
+) -> Result<Vec<PathBuf>, SetupError> {
+    let mut out = Vec::with_capacity(lowers.len());
+    for (i, lower) in lowers.iter().enumerate() {
+        let at = work.join(format!("l{i}"));
+        std::fs::create_dir(&at)
+            .map_err(|e| SetupError::new(format!("creating {}: {e}", at.display())))?;
+        let target = open(
+            &at,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(sys(format!("opening {}", at.display())))?;
+        mounts::Tree::idmapped(lower, userns)?
+            .attach(&target)
+            .map_err(sys(format!("attaching the idmapped {}", lower.display())))?;
+        out.push(at);
+    }
+    Ok(out)
 }
 
 fn create_devices(

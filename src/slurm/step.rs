@@ -114,11 +114,6 @@ pub fn to_request(
     host_files: Vec<PathBuf>,
 ) -> Result<Request, String> {
     let o = &step.options;
-    if o.container_remap_root == Some(true) {
-        return Err(
-            "--container-remap-root is not supported by berth yet: run without it".to_string(),
-        );
-    }
     let mut binds = Vec::new();
     let mut tmpfs = Vec::new();
     for m in mounts::parse(o.container_mounts.as_deref().unwrap_or(""))? {
@@ -210,6 +205,7 @@ pub fn to_request(
         terminal: false,
         host_files,
         term: None,
+        remap_root: o.container_remap_root == Some(true),
     })
 }
 

@@ -9,10 +9,10 @@ use std::path::PathBuf;
 
 use oci_spec::runtime::{
     LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDevice, LinuxDeviceBuilder,
-    LinuxDeviceCgroup, LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder,
-    LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder, LinuxResources,
-    LinuxResourcesBuilder, Mount, MountBuilder, ProcessBuilder, RootBuilder, Spec, SpecBuilder,
-    UserBuilder,
+    LinuxDeviceCgroup, LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMapping,
+    LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType,
+    LinuxPidsBuilder, LinuxResources, LinuxResourcesBuilder, Mount, MountBuilder, ProcessBuilder,
+    RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
 pub use parse::BindMount;
@@ -117,6 +117,10 @@ pub struct Request {
     pub host_files: Vec<PathBuf>,
     /// TERM of the caller, passed on when a terminal is attached.
     pub term: Option<String>,
+    /// Run as root of a user namespace that maps root to the user (Pyxis's
+    /// `--container-remap-root`, `enroot start --root`): the image's root-owned files appear as
+    /// the user's, and the user has no privilege on the host it did not have.
+    pub remap_root: bool,
 }
 
 /// (path, major, minor, mode) of the device nodes every container gets, as runc and docker give.
@@ -145,6 +149,10 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
     }
     if req.net == Net::None {
         namespaces.push(LinuxNamespaceType::Network);
+    }
+    let remap = req.remap_root && req.user.uid != 0;
+    if remap {
+        namespaces.push(LinuxNamespaceType::User);
     }
     let namespaces = namespaces
         .into_iter()
@@ -183,7 +191,12 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
         );
     }
 
-    let linux = LinuxBuilder::default()
+    let mut linux = LinuxBuilder::default();
+    if remap {
+        let (uids, gids) = remap_mappings(&req.user)?;
+        linux = linux.uid_mappings(uids).gid_mappings(gids);
+    }
+    let linux = linux
         .namespaces(namespaces)
         .resources(resources(&req.limits, &devices)?)
         .devices(devices)
@@ -198,11 +211,20 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
         .permitted(none())
         .ambient(none())
         .build()?;
-    let mut user = UserBuilder::default()
-        .uid(req.user.uid)
-        .gid(req.user.gid)
-        .additional_gids(req.user.groups.clone());
-    if let Some(name) = &req.user.name {
+    let mut user = if remap {
+        // Root inside; the supplementary groups keep their ids (mapped to themselves).
+        UserBuilder::default()
+            .uid(0u32)
+            .gid(0u32)
+            .additional_gids(supplementary(&req.user))
+            .username("root")
+    } else {
+        UserBuilder::default()
+            .uid(req.user.uid)
+            .gid(req.user.gid)
+            .additional_gids(req.user.groups.clone())
+    };
+    if let (false, Some(name)) = (remap, &req.user.name) {
         user = user.username(name.clone());
     }
     let user = user.build()?;
@@ -240,6 +262,38 @@ pub fn build(req: &Request) -> Result<Spec, SpecError> {
     }
     spec.set_annotations(Some(annotations));
     Ok(spec)
+}
+
+/// The user's groups other than its primary one and root's, which a remapped container maps to
+/// themselves so that the user keeps its group access.
+fn supplementary(user: &UserIds) -> Vec<u32> {
+    let mut groups: Vec<u32> = user
+        .groups
+        .iter()
+        .copied()
+        .filter(|&g| g != user.gid && g != 0)
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
+/// A remapped container's id mappings: its root is the user (uid and primary gid), and each
+/// supplementary group is itself.
+fn remap_mappings(user: &UserIds) -> Result<(Vec<LinuxIdMapping>, Vec<LinuxIdMapping>), SpecError> {
+    let map = |inside: u32, outside: u32| {
+        LinuxIdMappingBuilder::default()
+            .container_id(inside)
+            .host_id(outside)
+            .size(1u32)
+            .build()
+    };
+    let uids = vec![map(0, user.uid)?];
+    let mut gids = vec![map(0, user.gid)?];
+    for g in supplementary(user) {
+        gids.push(map(g, g)?);
+    }
+    Ok((uids, gids))
 }
 
 /// The command's environment: berth's defaults, then the request's pairs; the last value of a key
@@ -471,6 +525,44 @@ mod tests {
         })
         .unwrap();
         assert!(ns_types(&spec).contains(&LinuxNamespaceType::Network));
+    }
+
+    #[test]
+    fn remap_root_maps_root_to_the_user_and_keeps_supplementary_groups() {
+        let spec = build(&Request {
+            remap_root: true,
+            ..request()
+        })
+        .unwrap();
+        let linux = spec.linux().as_ref().unwrap();
+        assert!(
+            linux
+                .namespaces()
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|n| n.typ() == LinuxNamespaceType::User)
+        );
+        let triples = |m: &Option<Vec<LinuxIdMapping>>| {
+            m.as_ref()
+                .unwrap()
+                .iter()
+                .map(|m| (m.container_id(), m.host_id(), m.size()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(triples(linux.uid_mappings()), [(0, 1000, 1)]);
+        assert_eq!(triples(linux.gid_mappings()), [(0, 1000, 1), (27, 27, 1)]);
+        let user = spec.process().as_ref().unwrap().user();
+        assert_eq!((user.uid(), user.gid()), (0, 0));
+        assert_eq!(user.additional_gids().as_deref(), Some(&[27][..]));
+        // Root asking for it is root already: no namespace.
+        let root = build(&Request {
+            remap_root: true,
+            user: UserIds::default(),
+            ..request()
+        })
+        .unwrap();
+        assert!(root.linux().as_ref().unwrap().uid_mappings().is_none());
     }
 
     #[test]
