@@ -55,6 +55,9 @@ pub struct RuntimeConfig {
     pub state_dir: PathBuf,
     /// Seconds to wait for a killed container's processes to be gone before giving up.
     pub kill_timeout_s: u64,
+    /// Seconds the image's entrypoint may take before it runs its arguments (Slurm steps with
+    /// `--container-entrypoint`).
+    pub entrypoint_timeout_s: u64,
 }
 
 impl Default for RuntimeConfig {
@@ -62,6 +65,7 @@ impl Default for RuntimeConfig {
         Self {
             state_dir: PathBuf::from("/run/berth"),
             kill_timeout_s: 10,
+            entrypoint_timeout_s: 60,
         }
     }
 }

@@ -620,54 +620,34 @@ fn nothing_of_the_container_is_left_after_the_job() {
     }
 }
 
-/// An MPI program summing the ranks (1 + 2 + … + size) with MPI_Allreduce, built with the
-/// host's mpicc into a directory the tasks can read.
-fn mpi_program() -> &'static Path {
-    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
-    PROGRAM.get_or_init(|| {
-        let dir = cluster().state.join("mpi");
-        std::fs::create_dir_all(&dir).unwrap();
-        let source = dir.join("allreduce.c");
-        std::fs::write(
-            &source,
-            r#"#include <mpi.h>
-#include <stdio.h>
-int main(int argc, char **argv) {
-    int rank, size, one, sum = 0;
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    one = rank + 1;
-    MPI_Allreduce(&one, &sum, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    printf("rank %d of %d: sum %d\n", rank, size, sum);
-    MPI_Finalize();
-    return 0;
-}
-"#,
-        )
-        .unwrap();
-        let out = Command::new("mpicc")
-            .arg("-o")
-            .arg(dir.join("allreduce"))
-            .arg(&source)
+/// The MPI image: Debian minbase with Open MPI and /usr/local/bin/allreduce (a program summing
+/// the ranks, 1 + 2 + … + size, with MPI_Allreduce), built once by
+/// integration/slurm/mpi-image.sh and cached between runs.
+fn mpi_image() -> &'static str {
+    static IMAGE: OnceLock<String> = OnceLock::new();
+    IMAGE.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/mpi-image.sh"))
             .output()
-            .expect("mpicc not found: apt-get install libopenmpi-dev (integration/setup.sh)");
-        assert!(out.status.success(), "mpicc failed: {}", stderr(&out));
-        dir
+            .expect("running integration/slurm/mpi-image.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/mpi-image.sh failed: {}",
+            stderr(&out)
+        );
+        stdout(&out).trim().to_string()
     })
 }
 
-/// `srun --mpi=pmix -n 2` of the MPI program in a container whose image is the host's root
-/// filesystem (which has Open MPI), as root or as the test user.
+/// `srun --mpi=pmix -n 2` of the MPI program in the Open MPI image, as root or as the test user.
 fn mpi_allreduce(as_user: bool) {
-    let dir = mpi_program();
+    let image = format!("--container-image={}", mpi_image());
     let args = [
         "--mpi=pmix",
         "-n",
         "2",
-        "--container-image=/",
-        &format!("--container-mounts={}:/mpi:ro", dir.display()),
-        "/mpi/allreduce",
+        image.as_str(),
+        "/usr/local/bin/allreduce",
     ];
     let cmd = if as_user {
         slurm_as_user("srun", &args)
@@ -811,4 +791,186 @@ fn a_registry_image_runs_in_srun_as_root_and_as_a_user() {
         "{out}"
     );
     assert_eq!(out.matches(&format!("{uid}\n")).count(), 2, "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn remap_root_makes_the_user_root_in_the_container_only() {
+    let (uid, _, _) = test_user();
+    let dir = cluster().state.join("remap-out");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(uid), None).unwrap();
+    let mounts = format!("--container-mounts={}:/out", dir.display());
+    let out = succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            "-n",
+            "2",
+            &format!("--container-image={}", image()),
+            "--container-remap-root",
+            &mounts,
+            "sh",
+            "-c",
+            // Both tasks: root, owner of the image's files, able to write where root writes,
+            // and no capability; a file made in a mounted host directory is the user's.
+            "echo \"id $(id -u):$(id -g)\"; stat -c 'etc %u' /etc; \
+             echo $SLURM_PROCID > /etc/rank-$SLURM_PROCID && echo wrote-etc; \
+             touch /out/f-$SLURM_PROCID; grep CapEff /proc/self/status",
+        ],
+    )));
+    assert_eq!(out.matches("id 0:0").count(), 2, "{out}");
+    assert_eq!(out.matches("etc 0").count(), 2, "{out}");
+    assert_eq!(out.matches("wrote-etc").count(), 2, "{out}");
+    assert_eq!(out.matches("CapEff:\t0000000000000000").count(), 2, "{out}");
+    for rank in 0..2 {
+        let f = dir.join(format!("f-{rank}"));
+        let meta = std::fs::metadata(&f).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::uid(&meta),
+            uid,
+            "{} is not the user's on the host",
+            f.display()
+        );
+    }
+    // Without the flag the same user is itself.
+    let out = succeeded(run(slurm_as_user(
+        "srun",
+        &[&format!("--container-image={}", image()), "id", "-u"],
+    )));
+    assert_eq!(out.trim(), uid.to_string());
+}
+
+/// An Enroot-style .sqsh whose /etc/rc prints a line, exports a variable, leaves a file and
+/// runs its arguments (or exits `status` first when non-zero).
+fn rc_image(name: &str, status: i32) -> PathBuf {
+    let dir = cluster().state.join(format!("rc-{name}"));
+    let sqsh = cluster().state.join(format!("rc-{name}.sqsh"));
+    if sqsh.exists() {
+        return sqsh;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let exit = if status != 0 {
+        format!("exit {status}\n")
+    } else {
+        String::new()
+    };
+    std::fs::write(
+        dir.join("etc/rc"),
+        format!(
+            "echo \"rc says hello as $(id -u)\"\n{exit}export FROM_RC=yes\n\
+             echo made > /tmp/rc-file\nexec \"$@\"\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new("mksquashfs")
+        .arg(&dir)
+        .arg(&sqsh)
+        .args(["-quiet", "-noappend"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "mksquashfs: {}", stderr(&out));
+    sqsh
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_entrypoint_runs_once_and_hands_its_environment_to_every_task() {
+    let image = format!("--container-image={}", rc_image("ok", 0).display());
+    let script = "echo \"task $SLURM_PROCID env=$FROM_RC file=$(cat /tmp/rc-file 2>/dev/null)\"";
+    let o = run(slurm_as_user(
+        "srun",
+        &[
+            "-n",
+            "2",
+            &image,
+            "--container-entrypoint",
+            "--container-entrypoint-log",
+            "sh",
+            "-c",
+            script,
+        ],
+    ));
+    let out = succeeded(o.clone());
+    for rank in 0..2 {
+        assert!(
+            out.contains(&format!("task {rank} env=yes file=made")),
+            "{out}"
+        );
+    }
+    // Printed once, by the node's first task, as the job's user.
+    let (uid, _, _) = test_user();
+    let log = format!("rc says hello as {uid}");
+    assert_eq!(stderr(&o).matches(&log).count(), 1, "{}", stderr(&o));
+    // Without the log flag it runs quietly; without the entrypoint flag it does not run.
+    let o = run(slurm_as_user(
+        "srun",
+        &[&image, "--container-entrypoint", "sh", "-c", script],
+    ));
+    assert!(succeeded(o.clone()).contains("env=yes file=made"));
+    assert!(!stderr(&o).contains("rc says hello"), "{}", stderr(&o));
+    let out = succeeded(run(slurm_as_user("srun", &[&image, "sh", "-c", script])));
+    assert!(out.contains("task 0 env= file="), "{out}");
+    // A failing entrypoint fails the step with one line naming it.
+    let bad = format!("--container-image={}", rc_image("bad", 3).display());
+    let o = run(slurm_as_user(
+        "srun",
+        &[&bad, "--container-entrypoint", "echo", "RAN"],
+    ));
+    assert!(!o.status.success());
+    assert!(!stdout(&o).contains("RAN"));
+    let lines: Vec<String> = errors(&o)
+        .into_iter()
+        .filter(|l| l.contains("berth:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{}", stderr(&o));
+    assert!(
+        lines[0].contains("/etc/rc") && lines[0].contains("status 3"),
+        "{}",
+        lines[0]
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_steps_slurm_cgroup_limits_are_visible_inside() {
+    // This host's Slurm keeps cgroup v1 hierarchies (cpuset constrained to the step's cores,
+    // freezer for tracking); the container shows them at /sys/fs/cgroup/<hierarchy>.
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            "-n",
+            "1",
+            "-c",
+            "1",
+            &format!("--container-image={}", image()),
+            "sh",
+            "-c",
+            "echo cpuset=$(cat /sys/fs/cgroup/cpuset/cpuset.cpus); \
+             grep Cpus_allowed_list /proc/self/status; \
+             grep -qx $$ /sys/fs/cgroup/cpuset/tasks && echo listed; \
+             touch /sys/fs/cgroup/cpuset/x 2>/dev/null || echo read-only",
+        ],
+    )));
+    let cpuset = out
+        .lines()
+        .find_map(|l| l.strip_prefix("cpuset="))
+        .unwrap_or_else(|| panic!("{out}"))
+        .to_string();
+    assert!(!cpuset.is_empty(), "{out}");
+    assert!(
+        out.contains(&format!("Cpus_allowed_list:\t{cpuset}")),
+        "the step's cpuset is not what the task runs on: {out}"
+    );
+    assert!(
+        out.contains("listed"),
+        "the task is not in the shown cgroup: {out}"
+    );
+    assert!(out.contains("read-only"), "{out}");
 }

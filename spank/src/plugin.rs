@@ -61,6 +61,8 @@ struct Container {
     namespaces: Vec<(Namespace, OwnedFd)>,
     env: Vec<String>,
     cwd: String,
+    /// Printed by the node's first task, whose stderr reaches srun.
+    entrypoint_log: Option<String>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -382,6 +384,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         namespaces,
         env: created.env,
         cwd: created.cwd,
+        entrypoint_log: created.entrypoint_log,
     })
 }
 
@@ -433,7 +436,7 @@ pub unsafe extern "C" fn slurm_spank_task_init_privileged(
 /// Called by Slurm with a valid handle, in the task's process, as the job's user.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn slurm_spank_task_init(
-    _sp: spank_t,
+    sp: spank_t,
     _ac: c_int,
     _av: *mut *mut c_char,
 ) -> c_int {
@@ -445,6 +448,13 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         let (true, Some(c)) = (st.enabled, &st.container) else {
             return Ok(());
         };
+        if let Some(log) = &c.entrypoint_log
+            && ffi::get_u32(sp, ffi::S_TASK_ID) == Ok(0)
+        {
+            // This task's stderr is the user's (srun's); slurmstepd's log lines are not.
+            use std::io::Write;
+            let _ = std::io::stderr().write_all(log.as_bytes());
+        }
         join::enter(&c.namespaces).map_err(berth_line)?;
         // As the job's user, without capabilities: the directory is checked with its rights.
         std::env::set_current_dir(&c.cwd).map_err(|e| {

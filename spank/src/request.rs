@@ -115,6 +115,9 @@ pub struct Created {
     pub namespaces: BTreeMap<String, String>,
     pub env: Vec<String>,
     pub cwd: String,
+    /// What the image's entrypoint printed (`--container-entrypoint-log`).
+    #[serde(default)]
+    pub entrypoint_log: Option<String>,
 }
 
 /// `berth step create` broke the protocol: the plugin cannot use what it printed.

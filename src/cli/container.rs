@@ -66,6 +66,10 @@ pub struct Description {
     pub namespaces: BTreeMap<String, String>,
     pub env: Vec<String>,
     pub cwd: String,
+    /// What the image's entrypoint printed, when it ran and its output was asked for
+    /// (`--container-entrypoint-log`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entrypoint_log: Option<String>,
 }
 
 impl Description {
@@ -79,6 +83,7 @@ impl Description {
             cwd: process
                 .map(|p| p.cwd().display().to_string())
                 .unwrap_or_else(|| "/".into()),
+            entrypoint_log: None,
         }
     }
 }

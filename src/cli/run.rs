@@ -346,6 +346,7 @@ pub fn request(
         host_files: host_files(),
         term: std::env::var("TERM").ok(),
         remap_root: args.remap_root,
+        cgroup_view: Vec::new(),
     };
     Ok(Prepared {
         request,

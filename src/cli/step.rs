@@ -140,6 +140,15 @@ fn create(config: &Config) -> Result<i32, Failure> {
             readonly: false,
         });
     }
+    // Slurm's limits for the step are what programs inside must see at /sys/fs/cgroup.
+    req.cgroup_view = crate::slurm::cgroup::current_views(step.job_id, step.step_id)
+        .into_iter()
+        .map(|v| crate::spec::BindMount {
+            source: v.host,
+            destination: std::path::Path::new("/sys/fs/cgroup").join(v.inside),
+            readonly: true,
+        })
+        .collect();
     for m in &req.mounts {
         if !spec::user::can_read(&m.source, &user) {
             return Err(Failure::input(format!(
@@ -154,7 +163,57 @@ fn create(config: &Config) -> Result<i32, Failure> {
         labels.insert("image".into(), digest.clone());
     }
     let created = runtime::create(&spec, &image.lowers, &opts, &labels).map_err(runtime_failure)?;
-    print(&Description::new(&created, &spec))
+    let use_entrypoint = step
+        .options
+        .container_entrypoint
+        .unwrap_or(step.plugin.execute_entrypoint);
+    let mut log = None;
+    let mut spec = spec;
+    let entrypoint = step_entrypoint(&image.defaults.entrypoint, &image.lowers);
+    if use_entrypoint && !entrypoint.is_empty() {
+        let ran = runtime::join::run_entrypoint(
+            &opts,
+            &created.id,
+            &entrypoint,
+            std::time::Duration::from_secs(config.runtime.entrypoint_timeout_s),
+        )
+        .and_then(|run| {
+            if let (Some(env), Some(process)) = (run.env, spec.process_mut()) {
+                // Named containers keep it for their later steps.
+                process.set_env(Some(env));
+                state::save_spec(&config.runtime.state_dir, &created.id, &spec)
+                    .map_err(|e| format!("saving the entrypoint's environment: {e}"))?;
+            }
+            Ok(run.output)
+        });
+        match ran {
+            Ok(output) => {
+                if step.options.container_entrypoint_log == Some(true) {
+                    log = Some(output);
+                }
+            }
+            Err(e) => {
+                let _ = runtime::remove(&opts, &created.id);
+                return Err(Failure::input(e));
+            }
+        }
+    }
+    let mut description = Description::new(&created, &spec);
+    description.entrypoint_log = log;
+    print(&description)
+}
+
+/// The entrypoint `--container-entrypoint` runs: the image's, or for an image without one that
+/// has Enroot's `/etc/rc` (every Enroot image), that script, as `enroot start` runs it.
+fn step_entrypoint(image: &[String], lowers: &[std::path::PathBuf]) -> Vec<String> {
+    if !image.is_empty() {
+        return image.to_vec();
+    }
+    let rc = crate::image::synth::ENROOT_RC.trim_start_matches('/');
+    if lowers.iter().any(|l| l.join(rc).is_file()) {
+        return vec!["/bin/sh".into(), crate::image::synth::ENROOT_RC.into()];
+    }
+    Vec::new()
 }
 
 fn print(description: &Description) -> Result<i32, Failure> {

@@ -2,15 +2,17 @@
 //! container's user, and execs — what `berth exec` and the Slurm tasks of a step do.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use nix::fcntl::{OFlag, open};
 use nix::sched::{CloneFlags, setns};
 use nix::sys::signal::{SigSet, SigmaskHow, sigprocmask};
+use nix::sys::signal::{Signal, kill};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::stat::Mode;
-use nix::sys::wait::WaitStatus;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 
 use super::{
     Exit, MaskGuard, Options, RuntimeError, SetupError, clone, exec, forwarded_signals, init,
@@ -65,14 +67,24 @@ pub fn held(
     Ok((record, spec))
 }
 
-/// Runs `args` (with `env` added to the container's environment) in the held container `id` and
-/// returns how it ended.
-pub fn exec(
+/// A process started in a held container.
+struct Spawned {
+    pid: nix::unistd::Pid,
+    /// Why it failed before its program ran, if it did.
+    setup_error: Option<SetupError>,
+    _restore: MaskGuard,
+}
+
+/// Starts `args` (with `env` added to the container's environment) in the held container `id`,
+/// as the container's user; returns once the program is exec'd (or failed to be). With `output`,
+/// the program's stdout and stderr go there.
+fn spawn(
     opts: &Options,
     id: &str,
     args: &[String],
     env: &[(String, String)],
-) -> Result<Exit, RuntimeError> {
+    output: Option<&OwnedFd>,
+) -> Result<Spawned, RuntimeError> {
     let (record, spec) = held(opts, id)?;
     let process = spec
         .process()
@@ -114,7 +126,7 @@ pub fn exec(
     let mut old_mask = SigSet::empty();
     sigprocmask(SigmaskHow::SIG_BLOCK, Some(&forwarded), Some(&mut old_mask))
         .map_err(sys("blocking signals"))?;
-    let _restore = MaskGuard(old_mask);
+    let restore = MaskGuard(old_mask);
 
     let (pid_ns, rest) = fds
         .split_first()
@@ -124,6 +136,12 @@ pub fn exec(
     let (pid, in_cgroup) = match forked? {
         clone::Forked::Child => {
             drop(report_r);
+            if let Some(out) = output {
+                for target in [1, 2] {
+                    // SAFETY: dup2 onto the standard descriptors of this (child) process.
+                    unsafe { libc::dup2(out.as_raw_fd(), target) };
+                }
+            }
             let err = enter(rest, process, &argv, &envp);
             report::send(&report_w, &report::Message::Error(err.code, err.message));
             // SAFETY: _exit skips the parent's atexit handlers and stdio buffers.
@@ -135,17 +153,37 @@ pub fn exec(
     if !in_cgroup {
         cgroup.add_process(pid.as_raw())?;
     }
-    let pidfd = clone::pidfd_open(pid).map_err(sys("opening a pidfd"))?;
-    let sfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
-        .map_err(sys("creating a signalfd"))?;
     let mut setup_error = None;
     for msg in report::receive_all(report_r) {
         if let report::Received::Error(code, message) = msg {
             setup_error = Some(SetupError::with_code(code, message));
         }
     }
+    Ok(Spawned {
+        pid,
+        setup_error,
+        _restore: restore,
+    })
+}
+
+/// Runs `args` (with `env` added to the container's environment) in the held container `id` and
+/// returns how it ended.
+pub fn exec(
+    opts: &Options,
+    id: &str,
+    args: &[String],
+    env: &[(String, String)],
+) -> Result<Exit, RuntimeError> {
+    let spawned = spawn(opts, id, args, env, None)?;
+    let pid = spawned.pid;
+    let pidfd = clone::pidfd_open(pid).map_err(sys("opening a pidfd"))?;
+    let sfd = SignalFd::with_flags(
+        &forwarded_signals(),
+        SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK,
+    )
+    .map_err(sys("creating a signalfd"))?;
     let status = wait(pid, &pidfd, &sfd, None)?;
-    if let Some(err) = setup_error {
+    if let Some(err) = spawned.setup_error {
         return Err(RuntimeError::Setup(err));
     }
     Ok(match status {
@@ -153,6 +191,113 @@ pub fn exec(
         Some(WaitStatus::Signaled(_, sig, _)) => Exit::Signal(sig as i32),
         _ => Exit::Code(125),
     })
+}
+
+/// What the image's entrypoint left behind: the environment it handed to its arguments, and
+/// what it printed.
+#[derive(Debug)]
+pub struct EntrypointRun {
+    /// `None` when it ended (with status 0) without running its arguments.
+    pub env: Option<Vec<String>>,
+    pub output: String,
+}
+
+/// Runs the image's `entrypoint` once in the held container `id`, as Pyxis's
+/// `--container-entrypoint` does: its arguments are a shell that stops itself, so whatever the
+/// entrypoint set up (files, and the environment it `exec "$@"`s with) is in place, and the
+/// environment is read from the stopped process before it is killed. Needs /bin/sh in the image.
+pub fn run_entrypoint(
+    opts: &Options,
+    id: &str,
+    entrypoint: &[String],
+    timeout: Duration,
+) -> Result<EntrypointRun, String> {
+    let mut args = entrypoint.to_vec();
+    args.extend(["/bin/sh", "-c", "kill -STOP $$; exit 0"].map(String::from));
+    let (out_r, out_w) =
+        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("creating a pipe: {e}"))?;
+    let spawned = spawn(opts, id, &args, &[], Some(&out_w)).map_err(|e| e.to_string())?;
+    drop(out_w);
+    // The output is collected while the entrypoint runs, so a chatty one cannot fill the pipe.
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut std::fs::File::from(out_r), &mut text);
+        text
+    });
+    let pid = spawned.pid;
+    let deadline = Instant::now() + timeout;
+    let outcome = loop {
+        match waitpid(pid, Some(WaitPidFlag::WUNTRACED | WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(WaitStatus::StillAlive) => {
+                let _ = kill(pid, Signal::SIGKILL);
+                let _ = waitpid(pid, None);
+                break Err(format!(
+                    "the image's entrypoint {} did not run its arguments within {} s (it must \
+                     end with `exec \"$@\"`); run without --container-entrypoint",
+                    entrypoint.join(" "),
+                    timeout.as_secs()
+                ));
+            }
+            Ok(WaitStatus::Stopped(..)) => {
+                let environ = std::fs::read(format!("/proc/{pid}/environ"));
+                let _ = kill(pid, Signal::SIGKILL);
+                let _ = waitpid(pid, None);
+                break environ
+                    .map(|bytes| {
+                        Some(
+                            bytes
+                                .split(|b| *b == 0)
+                                .filter(|e| !e.is_empty())
+                                .map(|e| String::from_utf8_lossy(e).into_owned())
+                                .collect(),
+                        )
+                    })
+                    .map_err(|e| format!("reading the entrypoint's environment: {e}"));
+            }
+            Ok(WaitStatus::Exited(_, 0)) => break Ok(None),
+            Ok(WaitStatus::Exited(_, code)) => {
+                break Err(format!(
+                    "the image's entrypoint {} exited with status {code}",
+                    entrypoint.join(" ")
+                ));
+            }
+            Ok(WaitStatus::Signaled(_, sig, _)) => {
+                break Err(format!(
+                    "the image's entrypoint {} was killed by {sig}",
+                    entrypoint.join(" ")
+                ));
+            }
+            Ok(_) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => break Err(format!("waiting for the entrypoint: {e}")),
+        }
+    };
+    // The pipe ends once the killed shell is gone, unless the entrypoint left something running
+    // in the background that holds it: wait a moment, not for that.
+    let grace = Instant::now() + Duration::from_millis(500);
+    while !reader.is_finished() && Instant::now() < grace {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let output = if reader.is_finished() {
+        reader.join().unwrap_or_default()
+    } else {
+        String::new()
+    };
+    if let Some(err) = spawned.setup_error {
+        return Err(format!("running the image's entrypoint: {err}"));
+    }
+    let env = outcome.map_err(|e| {
+        let tail: Vec<&str> = output.lines().rev().take(3).collect();
+        if tail.is_empty() {
+            e
+        } else {
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            format!("{e}; it printed: {}", tail.join(" | "))
+        }
+    })?;
+    Ok(EntrypointRun { env, output })
 }
 
 /// In the forked child: enter the remaining namespaces, drop privileges, exec.

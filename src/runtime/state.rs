@@ -78,6 +78,16 @@ fn write_json(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// Replaces the Spec stored for the held container `id` (its environment after the image's
+/// entrypoint ran, say).
+pub fn save_spec(
+    state_dir: &Path,
+    id: &str,
+    spec: &oci_spec::runtime::Spec,
+) -> std::io::Result<()> {
+    write_json(&state_dir.join(id).join("config.json"), spec)
+}
+
 /// A container's record and Spec (the Spec only for held containers).
 pub fn load(state_dir: &Path, id: &str) -> Option<(Record, Option<oci_spec::runtime::Spec>)> {
     if id.is_empty() || id.contains('/') || id.starts_with('.') {

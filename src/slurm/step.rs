@@ -206,6 +206,8 @@ pub fn to_request(
         host_files,
         term: None,
         remap_root: o.container_remap_root == Some(true),
+        // Filled by the caller, which knows the step's cgroups on this host.
+        cgroup_view: Vec::new(),
     })
 }
 

@@ -5,7 +5,7 @@ pub mod image;
 pub mod parse;
 pub mod user;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use oci_spec::runtime::{
     LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDevice, LinuxDeviceBuilder,
@@ -121,6 +121,10 @@ pub struct Request {
     /// `--container-remap-root`, `enroot start --root`): the image's root-owned files appear as
     /// the user's, and the user has no privilege on the host it did not have.
     pub remap_root: bool,
+    /// Host cgroup directories shown read-only at /sys/fs/cgroup instead of the container's own
+    /// cgroup (a Slurm step's cgroups, whose limits are Slurm's): a destination of
+    /// /sys/fs/cgroup itself, or several under it (on a host with cgroup v1 hierarchies).
+    pub cgroup_view: Vec<BindMount>,
 }
 
 /// (path, major, minor, mode) of the device nodes every container gets, as runc and docker give.
@@ -379,14 +383,14 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
             "sysfs",
             &["nosuid", "noexec", "nodev", "ro"],
         )?,
-        mount(
-            "/sys/fs/cgroup",
-            "cgroup2",
-            "cgroup",
-            &["nosuid", "noexec", "nodev", "relatime", "ro"],
-        )?,
-        mount("/tmp", "tmpfs", "tmpfs", &["nosuid", "nodev", "mode=1777"])?,
     ];
+    list.extend(cgroup_mounts(&req.cgroup_view)?);
+    list.push(mount(
+        "/tmp",
+        "tmpfs",
+        "tmpfs",
+        &["nosuid", "nodev", "mode=1777"],
+    )?);
     for file in &req.host_files {
         // With --hostname the runtime writes /etc/hostname itself.
         if req.hostname.is_some() && file.as_os_str() == "/etc/hostname" {
@@ -418,6 +422,36 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
         )?);
     }
     Ok(list)
+}
+
+/// /sys/fs/cgroup: the container's own cgroup namespace, or the host directories of `view`.
+fn cgroup_mounts(view: &[BindMount]) -> Result<Vec<Mount>, SpecError> {
+    const AT: &str = "/sys/fs/cgroup";
+    const FLAGS: [&str; 4] = ["nosuid", "noexec", "nodev", "ro"];
+    let bind = |m: &BindMount| {
+        mount(
+            &m.destination.display().to_string(),
+            "bind",
+            &m.source.display().to_string(),
+            &["bind", "nosuid", "noexec", "nodev", "ro"],
+        )
+    };
+    match view {
+        [] => Ok(vec![mount(AT, "cgroup2", "cgroup", &FLAGS)?]),
+        [one] if one.destination == Path::new(AT) => Ok(vec![bind(one)?]),
+        many => {
+            let mut list = vec![mount(
+                AT,
+                "tmpfs",
+                "tmpfs",
+                &["nosuid", "noexec", "nodev", "mode=755"],
+            )?];
+            for m in many {
+                list.push(bind(m)?);
+            }
+            Ok(list)
+        }
+    }
 }
 
 /// Cgroup limits and the device allow-list: deny everything, then allow exactly the devices the
