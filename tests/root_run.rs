@@ -893,7 +893,7 @@ fn remap_root_makes_the_user_root_of_the_image_and_nothing_more() {
         // host belong to the user; root's host files stay out of reach; no capability at all.
         "id -u; id -g; id -G; stat -c '%u %g' /etc /bin/busybox; \
          echo new > /etc/new-file && echo etc-writable; \
-         chmod 700 /bin && echo chmod-ok; \
+         chmod 700 /bin && echo chmod-ok; mkdir /top && echo top-ok; \
          echo out > /shared/out; cat /secret 2>&1 || echo secret-refused; \
          grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status",
     ));
@@ -907,6 +907,7 @@ fn remap_root_makes_the_user_root_of_the_image_and_nothing_more() {
     for needle in [
         "etc-writable",
         "chmod-ok",
+        "top-ok",
         "secret-refused",
         "CapEff:\t0000000000000000",
         "CapBnd:\t0000000000000000",

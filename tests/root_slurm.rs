@@ -838,6 +838,33 @@ fn remap_root_makes_the_user_root_in_the_container_only() {
         &[&format!("--container-image={}", image()), "id", "-u"],
     )));
     assert_eq!(out.trim(), uid.to_string());
+    // Pyxis's workflow: install as the remapped root, save; the saved image's files are root's
+    // (the user's on the host while it ran), and the busybox image's own files stay root's.
+    let saved = dir.join("saved.sqsh");
+    succeeded(run(slurm_as_user(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "--container-remap-root",
+            &format!("--container-save={}", saved.display()),
+            "sh",
+            "-c",
+            "echo x > /etc/installed && mkdir -p /opt/app",
+        ],
+    )));
+    let listing = Command::new("unsquashfs")
+        .args(["-lln"])
+        .arg(&saved)
+        .output()
+        .unwrap();
+    let listing = stdout(&listing);
+    for path in ["etc/installed", "opt/app", "bin/busybox"] {
+        let line = listing
+            .lines()
+            .find(|l| l.ends_with(&format!("squashfs-root/{path}")))
+            .unwrap_or_else(|| panic!("{path} not in the saved image: {listing}"));
+        assert!(line.contains(" 0/0 "), "{path} is not root's: {line}");
+    }
 }
 
 /// An Enroot-style .sqsh whose /etc/rc prints a line, exports a variable, leaves a file and

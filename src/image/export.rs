@@ -595,6 +595,22 @@ fn squash_container(
     let slot = placeholder.as_raw_fd();
     let source_dir = PathBuf::from(format!("/proc/self/fd/{slot}/."));
     let (ns_fd, root_fd) = (mnt_ns.as_raw_fd(), host_root.as_raw_fd());
+    // A remapped container's files belong to the user on the host (its root's, through the
+    // idmapped image) and are the image's root's in the container: mksquashfs reads them through
+    // the inverse of that idmapping so the image keeps its owners.
+    let idmap = remapped_root(pid)
+        .map(|(uid, gid)| {
+            crate::runtime::userns::create(
+                &crate::runtime::userns::layer_map(uid),
+                &crate::runtime::userns::layer_map(gid),
+            )
+        })
+        .transpose()
+        .map_err(|e| ExportError::Io {
+            what: "reading the remapped container's files".into(),
+            source: std::io::Error::other(e),
+        })?;
+    let idmap_fd = idmap.as_ref().map(|fd| fd.as_raw_fd());
     let mut cmd = Command::new(&mksquashfs);
     cmd.args(mksquashfs_args(&source_dir, tmp, offset, config));
     // SAFETY: the closure runs in the forked child before exec and only makes raw syscalls on
@@ -627,7 +643,12 @@ fn squash_container(
             // Back to the host's file system for mksquashfs, its libraries and the output.
             check(libc::fchdir(root_fd))?;
             check(libc::chroot(c".".as_ptr()))?;
-            check(libc::chdir(c"/".as_ptr()))
+            check(libc::chdir(c"/".as_ptr()))?;
+            if let Some(fd) = idmap_fd {
+                // Last: it ends the host's privileges the steps above need.
+                check(libc::setns(fd, libc::CLONE_NEWUSER))?;
+            }
+            Ok(())
         });
     }
     let result = run_mksquashfs(
@@ -638,6 +659,25 @@ fn squash_container(
     );
     drop(placeholder);
     result
+}
+
+/// The host uid and gid that root of `pid`'s user namespace is, when that namespace maps root
+/// to someone else (a remapped container).
+fn remapped_root(pid: i32) -> Option<(u32, u32)> {
+    let root_of = |file: &str| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
+        text.lines().find_map(|line| {
+            let f: Vec<u32> = line
+                .split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect();
+            (f.len() == 3 && f[0] == 0).then_some(f[1])
+        })
+    };
+    match (root_of("uid_map")?, root_of("gid_map")?) {
+        (0, 0) => None,
+        ids => Some(ids),
+    }
 }
 
 /// The container's init among the pids of its cgroup: the process that is PID 1 in its own

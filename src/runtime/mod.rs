@@ -9,7 +9,7 @@ pub mod mounts;
 mod report;
 mod rootfs;
 pub mod state;
-mod userns;
+pub mod userns;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;

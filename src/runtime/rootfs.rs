@@ -93,6 +93,25 @@ pub fn setup(
         Some(userns) => idmap_layers(lowers, work, userns)?,
         None => Vec::new(),
     };
+    if let Some(top) = idmapped.first() {
+        // The merged root directory is the upper one: it must belong to whoever the image's
+        // root directory belongs to through the idmapping (the remapped user), or that user
+        // could not create anything at the top level.
+        let meta = std::fs::metadata(top)
+            .map_err(|e| SetupError::new(format!("reading {}: {e}", top.display())))?;
+        let upper = work.join("upper");
+        std::os::unix::fs::chown(
+            &upper,
+            Some(std::os::unix::fs::MetadataExt::uid(&meta)),
+            Some(std::os::unix::fs::MetadataExt::gid(&meta)),
+        )
+        .map_err(|e| {
+            SetupError::new(format!(
+                "giving {} to the remapped user: {e}",
+                upper.display()
+            ))
+        })?;
+    }
     let lowerdir = if idmap.is_some() { &idmapped } else { lowers }
         .iter()
         .map(|p| overlay_escape(p))
