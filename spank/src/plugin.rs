@@ -1,8 +1,11 @@
 //! The SPANK entry points Slurm calls, per context:
 //!
 //! - srun (local), sbatch/salloc (allocator): register the options, fill unset ones from the
-//!   environment, and pass the image to the Prolog (`SPANK_BERTH_IMAGE`).
-//! - slurmstepd (remote), once per step and node: `user_init` runs `berth step create` and opens
+//!   environment, and pass the image and the staging requests to the Prolog and Epilog
+//!   (`SPANK_BERTH_IMAGE`, `SPANK_BERTH_STAGE_IN`, `SPANK_BERTH_STAGE_OUT`).
+//! - slurmstepd (remote), once per step and node: `user_init` fails the step when the job's
+//!   stage-in failed (the Prolog left the reason next to the scratch), sets BERTH_SCRATCH for
+//!   steps without a container, and for a container runs `berth step create` and opens
 //!   the namespaces it reports; in each task, `task_init_privileged` (root) replaces the task's
 //!   environment and `task_init` joins the namespaces and enters the working directory; when the
 //!   last local task has ended (`task_exit`), or at the latest in `exit`, `berth step destroy`
@@ -54,6 +57,8 @@ struct State {
     tasks_exited: u32,
     /// The line already shown for a failed `user_init`; the tasks fail with it.
     failure: Option<String>,
+    /// slurmstepd: this is the batch step.
+    batch: bool,
     container: Option<Container>,
 }
 
@@ -132,6 +137,7 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
             destroyed: false,
             tasks_exited: 0,
             failure: None,
+            batch: false,
             container: None,
         });
         if register {
@@ -215,6 +221,15 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
                         ));
                     }
                 }
+                for (name, value) in st.options.stage_env() {
+                    // Refused inside an existing allocation, whose Prolog has run: a batch
+                    // script's srun inherits the job's staging options, so this is no error.
+                    if let Err(e) = ffi::job_control_setenv(sp, name, &value) {
+                        ffi::log_debug(&format!(
+                            "berth: {name} not passed to the Prolog/Epilog: {e}"
+                        ));
+                    }
+                }
                 Ok(())
             }
             Context::Remote => remote_post_opt(sp, st),
@@ -267,6 +282,17 @@ pub unsafe extern "C" fn slurm_spank_user_init(
         let Some(st) = guard.as_mut() else {
             return Ok(());
         };
+        if st.failure.is_some() {
+            return Ok(());
+        }
+        match job_scratch(sp, st) {
+            Ok(()) => {}
+            Err(line) => {
+                ffi::log_error(&line);
+                st.failure = Some(line);
+                return Ok(());
+            }
+        }
         if !st.enabled || st.container.is_some() || st.create_ran {
             return Ok(());
         }
@@ -285,6 +311,51 @@ pub unsafe extern "C" fn slurm_spank_user_init(
             }
         }
     })
+}
+
+/// The job's scratch, for every step but the extern one: the reason its stage-in failed (the
+/// step fails with it), else BERTH_SCRATCH for a step without a container (a container gets
+/// its own path from berth).
+fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
+    let item = |item, what: &str| {
+        ffi::get_u32(sp, item)
+            .map_err(|e| berth_line(format!("cannot read the step's {what}: {e}")))
+    };
+    let step_id = item(ffi::S_JOB_STEPID, "id")?;
+    if step_id == ffi::SLURM_EXTERN_CONT {
+        return Ok(());
+    }
+    st.batch = step_id == ffi::SLURM_BATCH_SCRIPT;
+    let job = item(ffi::S_JOB_ID, "job id")?;
+    let conf_path = st
+        .config
+        .config
+        .clone()
+        .unwrap_or_else(|| crate::config::DEFAULT_BERTH_CONFIG.into());
+    let text = match std::fs::read_to_string(&conf_path) {
+        Ok(t) => Some(t),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && st.config.config.is_none() => None,
+        Err(e) => {
+            return Err(berth_line(format!(
+                "cannot read {}: {}: check config= in plugstack.conf",
+                conf_path.display(),
+                io_text(&e)
+            )));
+        }
+    };
+    let root = crate::config::scratch_root(text.as_deref())
+        .map_err(|e| berth_line(format!("{}: {e}", conf_path.display())))?;
+    // Written by `berth prolog` (root-owned, next to the user's scratch): one line.
+    let failed = root.join(format!("{job}.stage-in-failed"));
+    if let Ok(line) = std::fs::read_to_string(&failed) {
+        return Err(line.trim_end().to_string());
+    }
+    let dir = root.join(job.to_string());
+    if !st.enabled && dir.is_dir() {
+        ffi::setenv(sp, "BERTH_SCRATCH", &dir.to_string_lossy())
+            .map_err(|e| berth_line(format!("cannot set BERTH_SCRATCH for the step: {e}")))?;
+    }
+    Ok(())
 }
 
 /// Runs berth; a failure to start it or a non-zero exit becomes the one line the user sees.
@@ -398,12 +469,16 @@ pub unsafe extern "C" fn slurm_spank_task_init_privileged(
         let Some(st) = guard.as_ref() else {
             return Ok(());
         };
+        if let Some(line) = &st.failure {
+            // Already shown by user_init; failing the task is what makes srun exit non-zero.
+            // A batch job has no srun to show it: its task's stderr is the job's error file.
+            if st.batch {
+                eprintln!("{line}");
+            }
+            return Err(Fail::Quiet);
+        }
         if !st.enabled {
             return Ok(());
-        }
-        if st.failure.is_some() {
-            // Already shown by user_init; failing the task is what makes srun exit non-zero.
-            return Err(Fail::Quiet);
         }
         let Some(c) = &st.container else {
             return Err(berth_line("the step's container was not created").into());
