@@ -1006,14 +1006,22 @@ fn an_unreadable_stage_in_fails_the_job_with_one_line_and_not_the_node() {
         .collect();
     assert_eq!(berth.len(), 1, "{}", stderr(&o));
     assert!(berth[0].contains("stage-in of"), "{}", berth[0]);
-    let states = node_states();
+    wait_gone(&scratch_root().join(&job), "the failed job's scratch");
+    // Once the last job's Epilog is done, the node is idle again: not drained, no reason set.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let states = loop {
+        let states = node_states();
+        if !states.contains("completing") || Instant::now() > deadline {
+            break states;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
     assert!(
-        states
-            .lines()
-            .all(|s| s.trim() == "idle" || s.trim() == "mixed"),
+        states.lines().all(|s| s.trim() == "idle"),
         "the node is not idle: {states}"
     );
-    wait_gone(&scratch_root().join(&job), "the failed job's scratch");
+    let reasons = stdout(&run(slurm("sinfo", &["-h", "-R"])));
+    assert!(reasons.trim().is_empty(), "a drain reason: {reasons}");
     assert!(
         !scratch_root()
             .join(format!("{job}.stage-in-failed"))

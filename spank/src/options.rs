@@ -91,7 +91,7 @@ impl Key {
     }
 
     /// Whether the key describes the container (and so is ignored without one).
-    fn is_container(self) -> bool {
+    pub fn is_container(self) -> bool {
         !matches!(self, Key::StageIn | Key::StageOut)
     }
 

@@ -57,8 +57,6 @@ struct State {
     tasks_exited: u32,
     /// The line already shown for a failed `user_init`; the tasks fail with it.
     failure: Option<String>,
-    /// slurmstepd: this is the batch step.
-    batch: bool,
     container: Option<Container>,
 }
 
@@ -125,9 +123,12 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
         let config = PluginConfig::parse(&ffi::args(ac, av)).map_err(berth_line)?;
         let register = match ffi::context() {
             Context::Local | Context::Remote => true,
-            Context::Allocator => config.sbatch_support,
+            // sbatch_support=0 keeps the container options from sbatch/salloc, not the staging
+            // ones, which are the job's.
+            Context::Allocator => true,
             _ => false,
         };
+        let container_options = ffi::context() != Context::Allocator || config.sbatch_support;
         *state() = Some(State {
             config,
             options: Options::default(),
@@ -137,11 +138,13 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
             destroyed: false,
             tasks_exited: 0,
             failure: None,
-            batch: false,
             container: None,
         });
         if register {
             for (i, flag) in FLAGS.iter().enumerate() {
+                if flag.key.is_container() && !container_options {
+                    continue;
+                }
                 ffi::register_option(
                     sp,
                     flag.name,
@@ -204,6 +207,15 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
         match ctx {
             Context::Local | Context::Allocator => {
                 if ctx == Context::Allocator && !st.config.sbatch_support {
+                    // Only the staging options were registered: take only those.
+                    st.options
+                        .apply_env(|k| {
+                            std::env::var(k)
+                                .ok()
+                                .filter(|_| k.starts_with("BERTH_STAGE_"))
+                        })
+                        .map_err(berth_line)?;
+                    pass_stage_env(sp, &st.options);
                     return Ok(());
                 }
                 st.options
@@ -221,21 +233,26 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
                         ));
                     }
                 }
-                for (name, value) in st.options.stage_env() {
-                    // Refused inside an existing allocation, whose Prolog has run: a batch
-                    // script's srun inherits the job's staging options, so this is no error.
-                    if let Err(e) = ffi::job_control_setenv(sp, name, &value) {
-                        ffi::log_debug(&format!(
-                            "berth: {name} not passed to the Prolog/Epilog: {e}"
-                        ));
-                    }
-                }
+                pass_stage_env(sp, &st.options);
                 Ok(())
             }
             Context::Remote => remote_post_opt(sp, st),
             _ => Ok(()),
         }
     })
+}
+
+/// Hands the staging requests to the Prolog and Epilog.
+fn pass_stage_env(sp: spank_t, options: &Options) {
+    for (name, value) in options.stage_env() {
+        // Refused inside an existing allocation, whose Prolog has run: a batch script's srun
+        // inherits the job's staging options, so this is no error.
+        if let Err(e) = ffi::job_control_setenv(sp, name, &value) {
+            ffi::log_debug(&format!(
+                "berth: {name} not passed to the Prolog/Epilog: {e}"
+            ));
+        }
+    }
 }
 
 fn remote_post_opt(sp: spank_t, st: &mut State) -> Result<(), Fail> {
@@ -325,7 +342,6 @@ fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
     if step_id == ffi::SLURM_EXTERN_CONT {
         return Ok(());
     }
-    st.batch = step_id == ffi::SLURM_BATCH_SCRIPT;
     let job = item(ffi::S_JOB_ID, "job id")?;
     let conf_path = st
         .config
@@ -469,12 +485,9 @@ pub unsafe extern "C" fn slurm_spank_task_init_privileged(
         let Some(st) = guard.as_ref() else {
             return Ok(());
         };
-        if let Some(line) = &st.failure {
-            // Already shown by user_init; failing the task is what makes srun exit non-zero.
-            // A batch job has no srun to show it: its task's stderr is the job's error file.
-            if st.batch {
-                eprintln!("{line}");
-            }
+        if st.failure.is_some() {
+            // Already shown by user_init (srun prints it; in a batch job slurmstepd writes it
+            // to the job's error file); failing the task is what makes srun exit non-zero.
             return Err(Fail::Quiet);
         }
         if !st.enabled {
