@@ -46,6 +46,25 @@ pub const DEFAULT_BERTH_CONFIG: &str = "/etc/berth/berth.toml";
 /// berth's `[scratch] root` default (src/config.rs checks that the two agree).
 pub const DEFAULT_SCRATCH_ROOT: &str = "/var/tmp/berth-scratch";
 
+/// The root of the jobs' scratch directories, from berth's configuration file `path` (the
+/// `config=` argument; `None`: berth's default file, which may be absent). The error is for the
+/// user's line.
+pub fn job_scratch_root(path: Option<&std::path::Path>) -> Result<PathBuf, String> {
+    let file = path.map_or_else(|| PathBuf::from(DEFAULT_BERTH_CONFIG), PathBuf::from);
+    let text = match std::fs::read_to_string(&file) {
+        Ok(t) => Some(t),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && path.is_none() => None,
+        Err(e) => {
+            return Err(format!(
+                "cannot read {}: {}: check config= in plugstack.conf",
+                file.display(),
+                crate::io_text(&e)
+            ));
+        }
+    };
+    scratch_root(text.as_deref()).map_err(|e| format!("{}: {e}", file.display()))
+}
+
 /// The root of the jobs' scratch directories, `[scratch] root` in berth's configuration text
 /// (`None`: no file, berth's defaults). The plugin reads only this key: the scratch of a job is
 /// `ROOT/JOB` by berth's rule, so every step can be told where it is without running berth.
@@ -182,6 +201,12 @@ mod tests {
         );
         assert!(scratch_root(Some("[scratch]\nroot = \"rel\"\n")).is_err());
         assert!(scratch_root(Some("[scratch\n")).is_err());
+        let e =
+            job_scratch_root(Some(std::path::Path::new("/nonexistent/berth.toml"))).unwrap_err();
+        assert!(
+            e.starts_with("cannot read /nonexistent/berth.toml: "),
+            "{e}"
+        );
     }
 
     #[test]

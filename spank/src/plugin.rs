@@ -343,24 +343,7 @@ fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
         return Ok(());
     }
     let job = item(ffi::S_JOB_ID, "job id")?;
-    let conf_path = st
-        .config
-        .config
-        .clone()
-        .unwrap_or_else(|| crate::config::DEFAULT_BERTH_CONFIG.into());
-    let text = match std::fs::read_to_string(&conf_path) {
-        Ok(t) => Some(t),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && st.config.config.is_none() => None,
-        Err(e) => {
-            return Err(berth_line(format!(
-                "cannot read {}: {}: check config= in plugstack.conf",
-                conf_path.display(),
-                io_text(&e)
-            )));
-        }
-    };
-    let root = crate::config::scratch_root(text.as_deref())
-        .map_err(|e| berth_line(format!("{}: {e}", conf_path.display())))?;
+    let root = crate::config::job_scratch_root(st.config.config.as_deref()).map_err(berth_line)?;
     // Written by `berth prolog` (root-owned, next to the user's scratch): one line.
     let failed = root.join(format!("{job}.stage-in-failed"));
     if let Ok(line) = std::fs::read_to_string(&failed) {

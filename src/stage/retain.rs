@@ -116,7 +116,7 @@ mod tests {
         );
         assert_eq!(
             expire(&area, 2, 1_000_000 + 2 * day).unwrap(),
-            [kept.clone()]
+            std::slice::from_ref(&kept)
         );
         assert!(!kept.exists());
         assert!(area.join("not-a-job").exists());
