@@ -208,9 +208,17 @@ fn retain(
     let scratch = &config.scratch;
     let area = scratch.retention_dir();
     let kept = crate::stage::retain::retain(&scratch.root, job, &area, now()).map_err(|e| {
+        // Out of the way of reclaim (which takes only job ids), on the scratch's filesystem.
+        let from = scratch.root.join(job);
+        let aside = scratch.root.join(format!("{job}.kept-{}", now()));
+        let left = if std::fs::rename(&from, &aside).is_ok() {
+            aside
+        } else {
+            from
+        };
         format!(
             "job {job}: {why}; keeping its scratch failed: {e}; it is left in {}",
-            scratch.root.join(job).display()
+            left.display()
         )
     })?;
     let line = format!(
