@@ -296,6 +296,17 @@ mod tests {
     }
 
     #[test]
+    fn the_spank_plugin_knows_the_default_scratch_root() {
+        // The plugin reads `[scratch] root` itself and falls back to its own copy of the default.
+        let plugin = include_str!("../spank/src/config.rs");
+        let root = ScratchConfig::default().root;
+        let line = format!("DEFAULT_SCRATCH_ROOT: &str = \"{}\";", root.display());
+        assert!(plugin.contains(&line), "spank/src/config.rs lacks {line}");
+        let line = format!("DEFAULT_BERTH_CONFIG: &str = \"{DEFAULT_PATH}\";");
+        assert!(plugin.contains(&line), "spank/src/config.rs lacks {line}");
+    }
+
+    #[test]
     fn partial_config_keeps_other_defaults() {
         let c = Config::parse("[cgroup]\nroot = \"/sys/fs/cgroup/unified/berth\"\n").unwrap();
         assert_eq!(
@@ -405,6 +416,11 @@ pub struct ScratchConfig {
     pub cap_bytes: Option<u64>,
     /// Where containers see the job's scratch.
     pub container_path: PathBuf,
+    /// Where the Epilog moves a job's scratch when its stage-out fails; unset: `<root>/retained`
+    /// (the same filesystem, so the move is a rename).
+    pub retention_dir: Option<PathBuf>,
+    /// Days a retained scratch is kept before the Prolog, Epilog or `berth gc` removes it.
+    pub retention_days: u64,
 }
 
 impl Default for ScratchConfig {
@@ -413,6 +429,17 @@ impl Default for ScratchConfig {
             root: PathBuf::from("/var/tmp/berth-scratch"),
             cap_bytes: None,
             container_path: PathBuf::from("/scratch"),
+            retention_dir: None,
+            retention_days: 7,
         }
+    }
+}
+
+impl ScratchConfig {
+    /// The retention area: `retention_dir`, or `<root>/retained`.
+    pub fn retention_dir(&self) -> PathBuf {
+        self.retention_dir
+            .clone()
+            .unwrap_or_else(|| self.root.join("retained"))
     }
 }

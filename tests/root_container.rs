@@ -413,3 +413,97 @@ fn the_jobs_scratch_is_made_by_the_prolog_mounted_in_steps_and_removed_by_the_ep
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(!scratch.exists(), "the Epilog left the scratch");
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_prolog_stages_in_as_the_user_within_the_cap_and_the_epilog_stages_out() {
+    let (uid, gid, _) = test_user();
+    let work = config().parent().unwrap();
+    let scratch_root = work.join("scratch");
+    // A config with a 64 KiB per-job cap (the [scratch] table is the test config's last).
+    let capped = work.join("berth-cap.toml");
+    std::fs::write(
+        &capped,
+        format!(
+            "{}cap_bytes = 65536\n",
+            std::fs::read_to_string(config()).unwrap()
+        ),
+    )
+    .unwrap();
+    // Root's, world-readable: the user can read it.
+    let data = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        data.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::write(data.path().join("big"), vec![1u8; 300 * 1024]).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(out.path(), Some(uid), Some(gid)).unwrap();
+    let hook = |config: &std::path::Path, verb: &str, job: &str, var: &str, value: String| {
+        Command::new(BERTH)
+            .arg("--config")
+            .arg(config)
+            .arg(verb)
+            .env("SLURM_JOB_ID", job)
+            .env("SLURM_JOB_UID", uid.to_string())
+            .env("SLURM_JOB_GID", gid.to_string())
+            .env_remove("SPANK_BERTH_IMAGE")
+            .env(var, value)
+            .output()
+            .unwrap()
+    };
+    let stage_in = format!("{}:data", data.path().display());
+
+    // Over the cap: the Prolog succeeds (a user's request must not drain the node), copies
+    // nothing and records the one line the job's steps fail with.
+    let o = hook(
+        &capped,
+        "prolog",
+        "4271",
+        "SPANK_BERTH_STAGE_IN",
+        stage_in.clone(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let record = std::fs::read_to_string(scratch_root.join("4271.stage-in-failed"))
+        .expect("no stage-in failure recorded");
+    assert_eq!(record.lines().count(), 1, "{record}");
+    assert!(
+        record.starts_with("berth: job 4271: stage-in of "),
+        "{record}"
+    );
+    assert!(
+        record.contains("needs") && record.contains("65536 available"),
+        "{record}"
+    );
+    assert!(!scratch_root.join("4271/data/big").exists());
+    let o = hook(
+        &capped,
+        "epilog",
+        "4271",
+        "SPANK_BERTH_STAGE_OUT",
+        String::new(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!scratch_root.join("4271").exists());
+    assert!(!scratch_root.join("4271.stage-in-failed").exists());
+
+    // Without the cap: staged as the user; staged out again by the Epilog, as the user.
+    let o = hook(config(), "prolog", "4272", "SPANK_BERTH_STAGE_IN", stage_in);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let staged = scratch_root.join("4272/data/big");
+    let meta = std::fs::metadata(&staged).expect("nothing staged in");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
+    let o = hook(
+        config(),
+        "epilog",
+        "4272",
+        "SPANK_BERTH_STAGE_OUT",
+        format!("data:{}", out.path().display()),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let meta = std::fs::metadata(out.path().join("big")).expect("nothing staged out");
+    assert_eq!(meta.len(), 300 * 1024);
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
+    assert!(!scratch_root.join("4272").exists());
+}

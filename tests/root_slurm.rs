@@ -1001,3 +1001,291 @@ fn the_steps_slurm_cgroup_limits_are_visible_inside() {
     );
     assert!(out.contains("read-only"), "{out}");
 }
+
+/// The cluster's scratch root (`[scratch] root` of the harness's berth.toml).
+fn scratch_root() -> PathBuf {
+    cluster().state.join("berth/scratch")
+}
+
+/// A directory under the cluster's working directory owned by the test user, holding `files`.
+fn user_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let (uid, gid, _) = test_user();
+    let dir = cluster().cwd.join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (f, text) in files {
+        std::fs::write(dir.join(f), text).unwrap();
+        std::os::unix::fs::chown(dir.join(f), Some(uid), Some(gid)).unwrap();
+    }
+    std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
+    dir
+}
+
+/// Submits `body` as a batch script of the test user with `directives` and waits for the
+/// job's end; returns sbatch's output, the job id and the job's output file.
+fn sbatch_as_user(name: &str, directives: &[String], body: &str) -> (Output, String, PathBuf) {
+    let dir = user_dir(name, &[]);
+    let output = dir.join("job.out");
+    let script = dir.join("job.sh");
+    let mut text = format!("#!/bin/sh\n#SBATCH --output={}\n", output.display());
+    for d in directives {
+        text.push_str(&format!("#SBATCH {d}\n"));
+    }
+    text.push_str(body);
+    std::fs::write(&script, text).unwrap();
+    let o = run(slurm_as_user(
+        "sbatch",
+        &["--wait", "--parsable", script.to_str().unwrap()],
+    ));
+    let job = stdout(&o)
+        .trim()
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .to_string();
+    (o, job, output)
+}
+
+/// Waits (15 s at most) until `path` is gone: the Epilog runs after the job's last step.
+fn wait_gone(path: &Path, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while path.exists() {
+        assert!(Instant::now() < deadline, "{what} left: {}", path.display());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn node_states() -> String {
+    stdout(&run(slurm("sinfo", &["-h", "-N", "-o", "%T"])))
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn stage_in_and_out_through_sbatch_with_and_without_a_container() {
+    let (uid, _, _) = test_user();
+    let data = user_dir("stage-src", &[("f", "staged-data\n"), ("g", "more\n")]);
+    let out = user_dir("stage-dst", &[]);
+    let script = format!(
+        "echo batch: $(cat $BERTH_SCRATCH/data/f)\n\
+         srun sh -c 'echo step: $(cat $BERTH_SCRATCH/data/g)'\n\
+         srun --container-image={} sh -c 'echo container: $BERTH_SCRATCH $(cat /scratch/data/f); \
+         mkdir -p /scratch/results && echo result-$SLURM_JOB_ID > /scratch/results/r'\n\
+         echo scratch=$BERTH_SCRATCH\n",
+        image()
+    );
+    let (o, job, output) = sbatch_as_user(
+        "stage-job",
+        &[
+            format!("--stage-in={}:data", data.display()),
+            format!("--stage-out=results:{}", out.display()),
+        ],
+        &script,
+    );
+    let text = std::fs::read_to_string(&output).unwrap_or_default();
+    assert!(o.status.success(), "job failed: {}\n{text}", stderr(&o));
+    assert!(text.contains("batch: staged-data"), "{text}");
+    assert!(text.contains("step: more"), "{text}");
+    assert!(text.contains("container: /scratch staged-data"), "{text}");
+    let scratch = scratch_root().join(&job);
+    assert!(
+        text.contains(&format!("scratch={}", scratch.display())),
+        "{text}"
+    );
+    // Stage-out runs in the Epilog, as the user.
+    let result = out.join("r");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !result.exists() {
+        assert!(Instant::now() < deadline, "no stage-out: {text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        std::fs::read_to_string(&result).unwrap(),
+        format!("result-{job}\n")
+    );
+    let meta = std::fs::metadata(&result).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
+    wait_gone(&scratch, "the job's scratch");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_failed_stage_out_keeps_the_results_and_tells_the_user_where() {
+    let (uid, _, _) = test_user();
+    // Root's, 0755: the user cannot write into it.
+    let dest = cluster()
+        .cwd
+        .join(format!("not-writable-{}", std::process::id()));
+    std::fs::create_dir_all(&dest).unwrap();
+    let (o, job, output) = sbatch_as_user(
+        "stage-out-fails",
+        &[format!("--stage-out=results:{}", dest.display())],
+        "mkdir $BERTH_SCRATCH/results && echo precious > $BERTH_SCRATCH/results/r\n",
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let line = loop {
+        let text = std::fs::read_to_string(&output).unwrap_or_default();
+        if let Some(l) = text.lines().find(|l| l.contains("berth:")) {
+            break l.to_string();
+        }
+        assert!(Instant::now() < deadline, "the user was not told: {text}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        line.contains(&format!("job {job}: stage-out of results")),
+        "{line}"
+    );
+    let kept = line
+        .split("kept in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("no path in {line}"));
+    assert!(kept.starts_with(scratch_root().join("retained")), "{line}");
+    assert_eq!(
+        std::fs::read_to_string(kept.join("results/r")).unwrap(),
+        "precious\n"
+    );
+    let meta = std::fs::metadata(&kept).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
+    assert!(!dest.join("r").exists());
+    assert!(!scratch_root().join(&job).exists());
+    // The user reaches it by its path (the retention area is 0711).
+    let o = run(slurm_as_user(
+        "cat",
+        &[kept.join("results/r").to_str().unwrap()],
+    ));
+    assert_eq!(stdout(&o), "precious\n", "{}", stderr(&o));
+    std::fs::remove_dir_all(&kept).unwrap();
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn an_unreadable_stage_in_fails_the_job_with_one_line_and_not_the_node() {
+    // Root's, 0700.
+    let secret = cluster().cwd.join(format!("secret-{}", std::process::id()));
+    std::fs::create_dir_all(&secret).unwrap();
+    std::fs::write(secret.join("f"), "x").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let (o, job, output) = sbatch_as_user(
+        "stage-in-fails",
+        &[format!("--stage-in={}:data", secret.display())],
+        "echo RAN\n",
+    );
+    assert!(!o.status.success(), "the job succeeded");
+    let text = std::fs::read_to_string(&output).unwrap_or_default();
+    assert!(!text.contains("RAN"), "{text}");
+    let lines: Vec<&str> = text.lines().filter(|l| l.contains("berth:")).collect();
+    assert_eq!(lines.len(), 1, "{text}");
+    assert!(
+        lines[0].contains(&format!("job {job}: stage-in of {}", secret.display())),
+        "{text}"
+    );
+    assert!(lines[0].contains("Permission denied"), "{text}");
+    // srun allocating its own job: the line on the terminal.
+    let o = run(slurm_as_user(
+        "srun",
+        &[&format!("--stage-in={}", secret.display()), "echo", "RAN"],
+    ));
+    assert!(!o.status.success());
+    assert!(!stdout(&o).contains("RAN"));
+    let berth: Vec<String> = errors(&o)
+        .into_iter()
+        .filter(|l| l.contains("berth:"))
+        .collect();
+    assert_eq!(berth.len(), 1, "{}", stderr(&o));
+    assert!(berth[0].contains("stage-in of"), "{}", berth[0]);
+    wait_gone(&scratch_root().join(&job), "the failed job's scratch");
+    // Once the last job's Epilog is done, the node is idle again: not drained, no reason set.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let states = loop {
+        let states = node_states();
+        if !states.contains("completing") || Instant::now() > deadline {
+            break states;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        states.lines().all(|s| s.trim() == "idle"),
+        "the node is not idle: {states}"
+    );
+    let reasons = stdout(&run(slurm("sinfo", &["-h", "-R"])));
+    assert!(reasons.trim().is_empty(), "a drain reason: {reasons}");
+    assert!(
+        !scratch_root()
+            .join(format!("{job}.stage-in-failed"))
+            .exists()
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn scratch_of_jobs_that_ended_without_an_epilog_is_reclaimed_but_a_running_jobs_is_not() {
+    let (uid, gid, _) = test_user();
+    let root = scratch_root();
+    // As an Epilog that never ran would leave it: a job id Slurm does not know.
+    let stale = root.join("987654");
+    std::fs::create_dir_all(stale.join("sub")).unwrap();
+    std::os::unix::fs::chown(&stale, Some(uid), Some(gid)).unwrap();
+    // A running job, held until the flag file exists.
+    let flag = user_dir("hold", &[]).join("go");
+    let dir = user_dir("running", &[]);
+    let script = dir.join("job.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nwhile [ ! -e {} ]; do sleep 0.2; done\n",
+            flag.display()
+        ),
+    )
+    .unwrap();
+    let o = run(slurm_as_user(
+        "sbatch",
+        &[
+            "--parsable",
+            &format!("--output={}", dir.join("out").display()),
+            script.to_str().unwrap(),
+        ],
+    ));
+    let running = succeeded(o).trim().to_string();
+    let mine = root.join(&running);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !mine.exists() {
+        assert!(Instant::now() < deadline, "job {running} has no scratch");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The next job's Prolog reclaims what no job runs in.
+    succeeded(run(slurm_as_user("srun", &["true"])));
+    assert!(!stale.exists(), "the ended job's scratch was not reclaimed");
+    assert!(mine.exists(), "the running job's scratch was removed");
+    std::fs::write(&flag, "").unwrap();
+    wait_gone(&mine, "the held job's scratch");
+    // berth gc too.
+    std::fs::create_dir_all(&stale).unwrap();
+    let out = Command::new(BERTH)
+        .args(["--config"])
+        .arg(format!(
+            "/tmp/berth-root-slurm-{:08x}.toml",
+            checkout_hash()
+        ))
+        .arg("gc")
+        .env("SLURM_CONF", &cluster().conf)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("reclaimed the scratch of ended job 987654"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(!stale.exists());
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn srun_help_describes_the_staging_options() {
+    let help = succeeded(run(slurm("srun", &["--help"])));
+    for flag in ["--stage-in=", "--stage-out="] {
+        assert!(help.contains(flag), "srun --help lacks {flag}:\n{help}");
+    }
+}

@@ -41,6 +41,46 @@ pub struct PluginConfig {
 }
 
 pub const DEFAULT_BERTH: &str = "/usr/local/bin/berth";
+/// berth's configuration file when plugstack.conf names none (src/config.rs `DEFAULT_PATH`).
+pub const DEFAULT_BERTH_CONFIG: &str = "/etc/berth/berth.toml";
+/// berth's `[scratch] root` default (src/config.rs checks that the two agree).
+pub const DEFAULT_SCRATCH_ROOT: &str = "/var/tmp/berth-scratch";
+
+/// The root of the jobs' scratch directories, from berth's configuration file `path` (the
+/// `config=` argument; `None`: berth's default file, which may be absent). The error is for the
+/// user's line.
+pub fn job_scratch_root(path: Option<&std::path::Path>) -> Result<PathBuf, String> {
+    let file = path.map_or_else(|| PathBuf::from(DEFAULT_BERTH_CONFIG), PathBuf::from);
+    let text = match std::fs::read_to_string(&file) {
+        Ok(t) => Some(t),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && path.is_none() => None,
+        Err(e) => {
+            return Err(format!(
+                "cannot read {}: {}: check config= in plugstack.conf",
+                file.display(),
+                crate::io_text(&e)
+            ));
+        }
+    };
+    scratch_root(text.as_deref()).map_err(|e| format!("{}: {e}", file.display()))
+}
+
+/// The root of the jobs' scratch directories, `[scratch] root` in berth's configuration text
+/// (`None`: no file, berth's defaults). The plugin reads only this key: the scratch of a job is
+/// `ROOT/JOB` by berth's rule, so every step can be told where it is without running berth.
+pub fn scratch_root(berth_toml: Option<&str>) -> Result<PathBuf, String> {
+    let Some(text) = berth_toml else {
+        return Ok(PathBuf::from(DEFAULT_SCRATCH_ROOT));
+    };
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| e.message().to_string())?;
+    match table.get("scratch").and_then(|s| s.get("root")) {
+        None => Ok(PathBuf::from(DEFAULT_SCRATCH_ROOT)),
+        Some(toml::Value::String(s)) if s.starts_with('/') => Ok(PathBuf::from(s)),
+        Some(_) => Err("[scratch] root is not an absolute path".to_string()),
+    }
+}
 
 impl Default for PluginConfig {
     fn default() -> Self {
@@ -143,6 +183,30 @@ mod tests {
         assert_eq!(c.container_scope, Scope::Global);
         assert!(!c.sbatch_support);
         assert_eq!(c.debug_request_dir, Some(PathBuf::from("/tmp/req")));
+    }
+
+    #[test]
+    fn scratch_root_comes_from_berths_configuration_or_its_default() {
+        assert_eq!(
+            scratch_root(None).unwrap(),
+            PathBuf::from("/var/tmp/berth-scratch")
+        );
+        assert_eq!(
+            scratch_root(Some("[runtime]\nstate_dir = \"/x\"\n")).unwrap(),
+            PathBuf::from("/var/tmp/berth-scratch")
+        );
+        assert_eq!(
+            scratch_root(Some("[scratch]\nroot = \"/nvme/scratch\"\n")).unwrap(),
+            PathBuf::from("/nvme/scratch")
+        );
+        assert!(scratch_root(Some("[scratch]\nroot = \"rel\"\n")).is_err());
+        assert!(scratch_root(Some("[scratch\n")).is_err());
+        let e =
+            job_scratch_root(Some(std::path::Path::new("/nonexistent/berth.toml"))).unwrap_err();
+        assert!(
+            e.starts_with("cannot read /nonexistent/berth.toml: "),
+            "{e}"
+        );
     }
 
     #[test]

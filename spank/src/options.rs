@@ -1,7 +1,9 @@
 //! The `--container-*` options: the table Slurm shows in `srun --help`, the values a user gave
 //! (flags, or their `BERTH_*` / `PYXIS_*` environment equivalents), their validation, and the
 //! `options` object of the request to `berth step create`. Names and meanings follow Pyxis 0.24,
-//! so a Pyxis user keeps every flag and script.
+//! so a Pyxis user keeps every flag and script. berth's own `--stage-in`/`--stage-out` (env
+//! `BERTH_STAGE_IN`/`BERTH_STAGE_OUT`) are job options: they need no container and go to the
+//! Prolog and Epilog, not into the step's request.
 //!
 //! Slurm calls an option's callback once per occurrence on the command line, and slurmstepd may
 //! call it twice with the same value; applying a flag is therefore idempotent, and only a
@@ -26,10 +28,12 @@ pub enum Key {
     Writable,
     Env,
     Unshare,
+    StageIn,
+    StageOut,
 }
 
 impl Key {
-    pub const ALL: [Key; 12] = [
+    pub const ALL: [Key; 14] = [
         Key::Image,
         Key::Mounts,
         Key::Workdir,
@@ -42,6 +46,8 @@ impl Key {
         Key::Writable,
         Key::Env,
         Key::Unshare,
+        Key::StageIn,
+        Key::StageOut,
     ];
 
     /// The flag name without dashes, which is also the key in the request's `options` object.
@@ -59,6 +65,8 @@ impl Key {
             Key::Writable => "container-writable",
             Key::Env => "container-env",
             Key::Unshare => "container-unshare",
+            Key::StageIn => "stage-in",
+            Key::StageOut => "stage-out",
         }
     }
 
@@ -77,6 +85,22 @@ impl Key {
             Key::Writable => "CONTAINER_WRITABLE",
             Key::Env => "CONTAINER_ENV",
             Key::Unshare => "CONTAINER_UNSHARE",
+            Key::StageIn => "STAGE_IN",
+            Key::StageOut => "STAGE_OUT",
+        }
+    }
+
+    /// Whether the key describes the container (and so is ignored without one).
+    pub fn is_container(self) -> bool {
+        !matches!(self, Key::StageIn | Key::StageOut)
+    }
+
+    /// The environment prefixes this key is read with: Pyxis has no staging options.
+    fn env_prefixes(self) -> &'static [&'static str] {
+        if self.is_container() {
+            &ENV_PREFIXES
+        } else {
+            &ENV_PREFIXES[..1]
         }
     }
 }
@@ -100,7 +124,7 @@ pub struct Flag {
 
 /// Every option, in `srun --help` order. The index of a row is the `val` Slurm passes back to
 /// the option callback.
-pub static FLAGS: [Flag; 16] = [
+pub static FLAGS: [Flag; 18] = [
     Flag {
         name: c"container-image",
         arginfo: Some(c"[USER@][REGISTRY#]IMAGE[:TAG]|PATH"),
@@ -213,6 +237,20 @@ pub static FLAGS: [Flag; 16] = [
         key: Key::Unshare,
         sets: false,
     },
+    Flag {
+        name: c"stage-in",
+        arginfo: Some(c"SRC[:DST][,SRC[:DST]...]"),
+        usage: c"[berth] copy SRC (an absolute path on shared storage, read as you) into the job's node-local scratch ($BERTH_SCRATCH, /scratch in containers) at DST (relative; default: SRC's name) before the job's first step",
+        key: Key::StageIn,
+        sets: false,
+    },
+    Flag {
+        name: c"stage-out",
+        arginfo: Some(c"SRC:DST[,SRC:DST...]"),
+        usage: c"[berth] when the job ends, copy SRC (relative to the job's scratch) into the directory DST (absolute, on shared storage) as you; if that fails, the scratch is kept and the job's output says where",
+        key: Key::StageOut,
+        sets: false,
+    },
 ];
 
 /// Where a value came from, for error messages.
@@ -270,6 +308,8 @@ pub struct Options {
     pub writable: Option<bool>,
     pub env: Vec<String>,
     pub unshare: Vec<String>,
+    pub stage_in: Vec<String>,
+    pub stage_out: Vec<String>,
 }
 
 impl Options {
@@ -295,7 +335,7 @@ impl Options {
             if self.is_set(key) {
                 continue;
             }
-            let found = ENV_PREFIXES.iter().find_map(|prefix| {
+            let found = key.env_prefixes().iter().find_map(|prefix| {
                 let var = format!("{prefix}{}", key.env_suffix());
                 lookup(&var).filter(|v| !v.is_empty()).map(|v| (var, v))
             });
@@ -351,6 +391,8 @@ impl Options {
             Key::Writable => self.writable.is_some(),
             Key::Env => !self.env.is_empty(),
             Key::Unshare => !self.unshare.is_empty(),
+            Key::StageIn => !self.stage_in.is_empty(),
+            Key::StageOut => !self.stage_out.is_empty(),
         }
     }
 
@@ -425,6 +467,20 @@ impl Options {
                 push_unique(&mut self.unshare, value.split(','));
                 Ok(())
             }
+            Key::StageIn => {
+                for entry in value.split(',') {
+                    check_stage_in(entry).map_err(invalid)?;
+                }
+                push_unique(&mut self.stage_in, value.split(','));
+                Ok(())
+            }
+            Key::StageOut => {
+                for entry in value.split(',') {
+                    check_stage_out(entry).map_err(invalid)?;
+                }
+                push_unique(&mut self.stage_out, value.split(','));
+                Ok(())
+            }
             Key::MountHome
             | Key::RemapRoot
             | Key::Entrypoint
@@ -461,7 +517,7 @@ impl Options {
         }
         Key::ALL
             .iter()
-            .filter(|k| self.is_set(**k))
+            .filter(|k| k.is_container() && self.is_set(**k))
             .map(|k| {
                 format!(
                     "ignoring --{} because neither --container-image nor --container-name is set",
@@ -511,6 +567,23 @@ impl Options {
     }
 }
 
+impl Options {
+    /// The staging requests for the Prolog and Epilog, as `spank_job_control_setenv` names
+    /// and values (they arrive as `SPANK_BERTH_STAGE_IN` / `SPANK_BERTH_STAGE_OUT`).
+    pub fn stage_env(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        for (name, list) in [
+            ("BERTH_STAGE_IN", &self.stage_in),
+            ("BERTH_STAGE_OUT", &self.stage_out),
+        ] {
+            if !list.is_empty() {
+                out.push((name, list.join(",")));
+            }
+        }
+        out
+    }
+}
+
 fn pair_names(key: Key) -> (&'static str, &'static str) {
     let mut yes = "";
     let mut no = "";
@@ -555,6 +628,41 @@ fn check_mount(entry: &str) -> Result<(), &'static str> {
     }
     if parts[0].is_empty() || parts.get(1).is_some_and(|d| d.is_empty()) {
         return Err("a mount is SRC[:DST[:FLAGS]] with non-empty SRC and DST");
+    }
+    Ok(())
+}
+
+/// A path inside the job's scratch: relative, without `..`.
+fn in_scratch(path: &str) -> bool {
+    !path.is_empty() && !path.starts_with('/') && !path.split('/').any(|c| c == "..")
+}
+
+/// `SRC[:DST]`: SRC absolute (the Prolog runs elsewhere than the submit directory), DST in the
+/// scratch.
+fn check_stage_in(entry: &str) -> Result<(), &'static str> {
+    let (src, dst) = match entry.split_once(':') {
+        Some((s, d)) => (s, Some(d)),
+        None => (entry, None),
+    };
+    if !src.starts_with('/') {
+        return Err("a stage-in is SRC[:DST] with SRC an absolute path");
+    }
+    if dst.is_some_and(|d| !in_scratch(d) || d.contains(':')) {
+        return Err("DST is a path relative to the job's scratch, without '..'");
+    }
+    Ok(())
+}
+
+/// `SRC:DST`: SRC in the scratch, DST an absolute directory.
+fn check_stage_out(entry: &str) -> Result<(), &'static str> {
+    let Some((src, dst)) = entry.split_once(':') else {
+        return Err("a stage-out is SRC:DST (SRC in the job's scratch, DST an absolute directory)");
+    };
+    if !in_scratch(src) {
+        return Err("SRC is a path relative to the job's scratch, without '..'");
+    }
+    if !dst.starts_with('/') || dst.contains(':') {
+        return Err("DST is an absolute directory");
     }
     Ok(())
 }
@@ -641,6 +749,8 @@ mod tests {
             "container-readonly",
             "container-env",
             "container-unshare",
+            "stage-in",
+            "stage-out",
         ] {
             assert_eq!(
                 names.iter().filter(|n| **n == expected).count(),
@@ -853,6 +963,68 @@ mod tests {
         for bad in ["relative/slurm_script", "/a:b/slurm_script", "/a,b/x"] {
             assert!(o.add_batch_script(bad).unwrap_err().contains(bad));
         }
+    }
+
+    #[test]
+    fn stage_requests_are_checked_and_passed_to_the_prolog_only() {
+        let mut o = Options::default();
+        flag(&mut o, "stage-in", Some("/data/set1:in/set1,/data/file")).unwrap();
+        flag(&mut o, "stage-in", Some("/data/file")).unwrap();
+        flag(&mut o, "stage-out", Some("results:/shared/out")).unwrap();
+        assert_eq!(o.stage_in, ["/data/set1:in/set1", "/data/file"]);
+        // Staging needs no container: nothing is ignored, the request's options stay empty.
+        assert!(!o.enabled());
+        assert!(o.ignored().is_empty());
+        assert!(o.to_json().is_empty());
+        assert_eq!(
+            o.stage_env(),
+            [
+                (
+                    "BERTH_STAGE_IN",
+                    "/data/set1:in/set1,/data/file".to_string()
+                ),
+                ("BERTH_STAGE_OUT", "results:/shared/out".to_string()),
+            ]
+        );
+        for (name, bad, hint) in [
+            ("stage-in", "data/rel", "absolute"),
+            ("stage-in", "/data:/abs", "relative to the job's scratch"),
+            ("stage-in", "/data:../up", "without '..'"),
+            ("stage-in", "/data:", "relative to the job's scratch"),
+            ("stage-out", "results", "SRC:DST"),
+            ("stage-out", "/abs:/out", "relative to the job's scratch"),
+            ("stage-out", "a/../../b:/out", "without '..'"),
+            ("stage-out", "results:rel", "absolute directory"),
+        ] {
+            let e = flag(&mut Options::default(), name, Some(bad))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with(&format!("--{name}: invalid value '{bad}': ")),
+                "{e}"
+            );
+            assert!(e.contains(hint), "{e}");
+        }
+    }
+
+    #[test]
+    fn stage_requests_come_from_berth_variables_not_pyxis_ones() {
+        let mut o = Options::default();
+        o.apply_env(env(&[
+            ("BERTH_STAGE_IN", "/d1:x"),
+            ("PYXIS_STAGE_OUT", "r:/out"),
+        ]))
+        .unwrap();
+        assert_eq!(o.stage_in, ["/d1:x"]);
+        assert!(o.stage_out.is_empty());
+        let e = Options::default()
+            .apply_env(env(&[("BERTH_STAGE_OUT", "r")]))
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("--stage-out (from $BERTH_STAGE_OUT): invalid value 'r'"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,8 +1,11 @@
 //! The SPANK entry points Slurm calls, per context:
 //!
 //! - srun (local), sbatch/salloc (allocator): register the options, fill unset ones from the
-//!   environment, and pass the image to the Prolog (`SPANK_BERTH_IMAGE`).
-//! - slurmstepd (remote), once per step and node: `user_init` runs `berth step create` and opens
+//!   environment, and pass the image and the staging requests to the Prolog and Epilog
+//!   (`SPANK_BERTH_IMAGE`, `SPANK_BERTH_STAGE_IN`, `SPANK_BERTH_STAGE_OUT`).
+//! - slurmstepd (remote), once per step and node: `user_init` fails the step when the job's
+//!   stage-in failed (the Prolog left the reason next to the scratch), sets BERTH_SCRATCH for
+//!   steps without a container, and for a container runs `berth step create` and opens
 //!   the namespaces it reports; in each task, `task_init_privileged` (root) replaces the task's
 //!   environment and `task_init` joins the namespaces and enters the working directory; when the
 //!   last local task has ended (`task_exit`), or at the latest in `exit`, `berth step destroy`
@@ -122,9 +125,12 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
         let config = PluginConfig::parse(&ffi::args(ac, av)).map_err(berth_line)?;
         let register = match ffi::context() {
             Context::Local | Context::Remote => true,
-            Context::Allocator => config.sbatch_support,
+            // sbatch_support=0 keeps the container options from sbatch/salloc, not the staging
+            // ones, which are the job's.
+            Context::Allocator => true,
             _ => false,
         };
+        let container_options = ffi::context() != Context::Allocator || config.sbatch_support;
         *state() = Some(State {
             config,
             options: Options::default(),
@@ -138,6 +144,9 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
         });
         if register {
             for (i, flag) in FLAGS.iter().enumerate() {
+                if flag.key.is_container() && !container_options {
+                    continue;
+                }
                 ffi::register_option(
                     sp,
                     flag.name,
@@ -200,6 +209,15 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
         match ctx {
             Context::Local | Context::Allocator => {
                 if ctx == Context::Allocator && !st.config.sbatch_support {
+                    // Only the staging options were registered: take only those.
+                    st.options
+                        .apply_env(|k| {
+                            std::env::var(k)
+                                .ok()
+                                .filter(|_| k.starts_with("BERTH_STAGE_"))
+                        })
+                        .map_err(berth_line)?;
+                    pass_stage_env(sp, &st.options);
                     return Ok(());
                 }
                 st.options
@@ -217,12 +235,26 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
                         ));
                     }
                 }
+                pass_stage_env(sp, &st.options);
                 Ok(())
             }
             Context::Remote => remote_post_opt(sp, st),
             _ => Ok(()),
         }
     })
+}
+
+/// Hands the staging requests to the Prolog and Epilog.
+fn pass_stage_env(sp: spank_t, options: &Options) {
+    for (name, value) in options.stage_env() {
+        // Refused inside an existing allocation, whose Prolog has run: a batch script's srun
+        // inherits the job's staging options, so this is no error.
+        if let Err(e) = ffi::job_control_setenv(sp, name, &value) {
+            ffi::log_debug(&format!(
+                "berth: {name} not passed to the Prolog/Epilog: {e}"
+            ));
+        }
+    }
 }
 
 fn remote_post_opt(sp: spank_t, st: &mut State) -> Result<(), Fail> {
@@ -269,6 +301,17 @@ pub unsafe extern "C" fn slurm_spank_user_init(
         let Some(st) = guard.as_mut() else {
             return Ok(());
         };
+        if st.failure.is_some() {
+            return Ok(());
+        }
+        match job_scratch(sp, st) {
+            Ok(()) => {}
+            Err(line) => {
+                ffi::log_error(&line);
+                st.failure = Some(line);
+                return Ok(());
+            }
+        }
         if !st.enabled || st.container.is_some() || st.create_ran {
             return Ok(());
         }
@@ -287,6 +330,33 @@ pub unsafe extern "C" fn slurm_spank_user_init(
             }
         }
     })
+}
+
+/// The job's scratch, for every step but the extern one: the reason its stage-in failed (the
+/// step fails with it), else BERTH_SCRATCH for a step without a container (a container gets
+/// its own path from berth).
+fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
+    let item = |item, what: &str| {
+        ffi::get_u32(sp, item)
+            .map_err(|e| berth_line(format!("cannot read the step's {what}: {e}")))
+    };
+    let step_id = item(ffi::S_JOB_STEPID, "id")?;
+    if step_id == ffi::SLURM_EXTERN_CONT {
+        return Ok(());
+    }
+    let job = item(ffi::S_JOB_ID, "job id")?;
+    let root = crate::config::job_scratch_root(st.config.config.as_deref()).map_err(berth_line)?;
+    // Written by `berth prolog` (root-owned, next to the user's scratch): one line.
+    let failed = root.join(format!("{job}.stage-in-failed"));
+    if let Ok(line) = std::fs::read_to_string(&failed) {
+        return Err(line.trim_end().to_string());
+    }
+    let dir = root.join(job.to_string());
+    if !st.enabled && dir.is_dir() {
+        ffi::setenv(sp, "BERTH_SCRATCH", &dir.to_string_lossy())
+            .map_err(|e| berth_line(format!("cannot set BERTH_SCRATCH for the step: {e}")))?;
+    }
+    Ok(())
 }
 
 /// Runs berth; a failure to start it or a non-zero exit becomes the one line the user sees.
@@ -401,12 +471,13 @@ pub unsafe extern "C" fn slurm_spank_task_init_privileged(
         let Some(st) = guard.as_ref() else {
             return Ok(());
         };
+        if st.failure.is_some() {
+            // Already shown by user_init (srun prints it; in a batch job slurmstepd writes it
+            // to the job's error file); failing the task is what makes srun exit non-zero.
+            return Err(Fail::Quiet);
+        }
         if !st.enabled {
             return Ok(());
-        }
-        if st.failure.is_some() {
-            // Already shown by user_init; failing the task is what makes srun exit non-zero.
-            return Err(Fail::Quiet);
         }
         let Some(c) = &st.container else {
             return Err(berth_line("the step's container was not created").into());

@@ -1,4 +1,5 @@
-//! `berth gc`: reclaims containers whose berth process died (cgroups and state directories).
+//! `berth gc`: reclaims containers whose berth process died (cgroups and state directories),
+//! the scratch of jobs that ended without an Epilog, and expired retained scratch.
 
 use std::time::Duration;
 
@@ -8,8 +9,9 @@ use super::Failure;
 use crate::config::Config;
 use crate::runtime::state;
 
-/// Reclaim leftovers of berth processes that were killed (their cgroups and state), and unmount
-/// squashfs/SIF images no container uses
+/// Reclaim leftovers of berth processes that were killed (their cgroups and state), unmount
+/// squashfs/SIF images no container uses, remove the scratch of jobs Slurm no longer runs and
+/// retained scratch past scratch.retention_days
 #[derive(Debug, Args)]
 pub struct GcArgs {}
 
@@ -34,6 +36,9 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
             }
             Err(e) => eprintln!("berth: {e}"),
         }
+    }
+    for line in super::prolog::housekeeping(config, None) {
+        println!("{line}");
     }
     Ok(0)
 }

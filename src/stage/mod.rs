@@ -15,6 +15,8 @@
 //! credentials, so a user can never stage what that user cannot read.
 
 mod fsops;
+pub mod job;
+pub mod retain;
 pub mod scratch;
 
 use std::io::{IsTerminal, Read, Write};

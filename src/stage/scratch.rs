@@ -1,6 +1,8 @@
 //! Per-job scratch directories under a node-local root: created for the job user before the
 //! job, measured against a per-job cap while staging, and removed after it even when the job
-//! left read-only trees behind.
+//! left read-only trees behind, or later ([`reclaim`]) when no Epilog ran. Next to a scratch,
+//! root-owned, the Prolog records why the job's stage-in failed, for the plugin to fail its
+//! steps with ([`record_failure`]).
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -82,7 +84,7 @@ pub fn remove(root: &Path, job_id: &str) -> Result<(), ScratchError> {
     remove_tree(&dir)
 }
 
-fn remove_tree(dir: &Path) -> Result<(), ScratchError> {
+pub(crate) fn remove_tree(dir: &Path) -> Result<(), ScratchError> {
     // u+rwx so that it can be listed and emptied; the tree may have been left 0500 by the job.
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
         .map_err(io("chmod", dir))?;
@@ -122,6 +124,61 @@ pub fn remaining(dir: &Path, cap: u64) -> Result<u64, ScratchError> {
     Ok(cap.saturating_sub(usage(dir)?))
 }
 
+/// Where the Prolog records a failed stage-in of `job_id`: a root-owned file beside the scratch
+/// (the spank plugin reads it by the same rule).
+pub fn failure_path(root: &Path, job_id: &str) -> Result<PathBuf, ScratchError> {
+    Ok(path(root, job_id)?.with_file_name(format!("{job_id}.stage-in-failed")))
+}
+
+/// Records `line` as the reason the job's stage-in failed; written whole or not at all.
+pub fn record_failure(root: &Path, job_id: &str, line: &str) -> Result<(), ScratchError> {
+    let dest = failure_path(root, job_id)?;
+    let tmp = dest.with_extension("tmp");
+    std::fs::write(&tmp, format!("{line}\n")).map_err(io("write", &tmp))?;
+    std::fs::rename(&tmp, &dest).map_err(io("rename", &dest))
+}
+
+/// The recorded reason the job's stage-in failed, if it did.
+pub fn failure(root: &Path, job_id: &str) -> Option<String> {
+    let text = std::fs::read_to_string(failure_path(root, job_id).ok()?).ok()?;
+    Some(text.trim_end().to_string())
+}
+
+/// Removes the job's stage-in failure record; none is no error.
+pub fn clear_failure(root: &Path, job_id: &str) -> Result<(), ScratchError> {
+    let p = failure_path(root, job_id)?;
+    match std::fs::remove_file(&p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &p)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Removes the scratch (and failure record) of every job under `root` that `live` says is not
+/// running: what jobs left when their Epilog never ran (slurmd killed, node rebooted). Only
+/// names that are job ids are touched. Returns the job ids reclaimed.
+pub fn reclaim(root: &Path, live: impl Fn(&str) -> bool) -> Result<Vec<String>, ScratchError> {
+    let mut reclaimed = Vec::new();
+    let entries = match std::fs::read_dir(root) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(reclaimed),
+        other => other.map_err(io("list", root))?,
+    };
+    for item in entries {
+        let item = item.map_err(io("list", root))?;
+        let name = item.file_name().to_string_lossy().into_owned();
+        let job = name.strip_suffix(".stage-in-failed").unwrap_or(&name);
+        if job.is_empty() || !job.bytes().all(|b| b.is_ascii_digit()) || live(job) {
+            continue;
+        }
+        if job == name {
+            remove(root, job)?;
+            reclaimed.push(name);
+        } else {
+            clear_failure(root, job)?;
+        }
+    }
+    Ok(reclaimed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,5 +213,39 @@ mod tests {
         assert!(!dir.exists());
         assert!(outside.join("keep").exists());
         remove(&root, "42").unwrap();
+    }
+
+    #[test]
+    fn reclaim_removes_only_scratch_of_jobs_that_are_not_live() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let uid = nix::unistd::Uid::current().as_raw();
+        let gid = nix::unistd::Gid::current().as_raw();
+        for job in ["7", "8", "9"] {
+            let d = create(root, job, uid, gid, None).unwrap();
+            std::fs::write(d.join("result"), b"r").unwrap();
+        }
+        record_failure(root, "8", "berth: job 8: stage-in failed").unwrap();
+        record_failure(root, "9", "berth: job 9: stage-in failed").unwrap();
+        assert_eq!(failure(root, "8").unwrap(), "berth: job 8: stage-in failed");
+        std::fs::create_dir(root.join("retained")).unwrap();
+        let mut got = reclaim(root, |job| job == "9").unwrap();
+        got.sort();
+        assert_eq!(got, ["7", "8"]);
+        assert!(!root.join("7").exists() && !root.join("8").exists());
+        assert!(failure(root, "8").is_none());
+        assert!(
+            root.join("9/result").exists(),
+            "a live job's scratch was removed"
+        );
+        assert!(failure(root, "9").is_some());
+        assert!(root.join("retained").exists(), "not a job id");
+        clear_failure(root, "9").unwrap();
+        clear_failure(root, "9").unwrap();
+        assert!(
+            reclaim(&root.join("missing"), |_| false)
+                .unwrap()
+                .is_empty()
+        );
     }
 }
