@@ -238,6 +238,8 @@ pub struct TopologyConfig {
     pub xid_drain: Vec<u32>,
     /// Also check GPU PCIe link speed (GPUs lower it when idle, so only width by default).
     pub check_gpu_link_speed: bool,
+    /// `berth epilog` runs the health checks and fails (draining the node) when they fail.
+    pub epilog_health: bool,
     /// CDI spec directories, lowest priority first.
     pub cdi_dirs: Vec<PathBuf>,
 }
@@ -255,6 +257,7 @@ impl Default for TopologyConfig {
             ignore_ports: Vec::new(),
             xid_drain: crate::topology::health::DEFAULT_XID_DRAIN.to_vec(),
             check_gpu_link_speed: false,
+            epilog_health: true,
             cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
         }
     }

@@ -61,6 +61,8 @@ struct Container {
     namespaces: Vec<(Namespace, OwnedFd)>,
     env: Vec<String>,
     cwd: String,
+    /// `--container-bind=closest`: each local task's CPUs, memory and variables.
+    bind: Option<request::Binding>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -382,6 +384,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         namespaces,
         env: created.env,
         cwd: created.cwd,
+        bind: created.bind,
     })
 }
 
@@ -433,7 +436,7 @@ pub unsafe extern "C" fn slurm_spank_task_init_privileged(
 /// Called by Slurm with a valid handle, in the task's process, as the job's user.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn slurm_spank_task_init(
-    _sp: spank_t,
+    sp: spank_t,
     _ac: c_int,
     _av: *mut *mut c_char,
 ) -> c_int {
@@ -445,6 +448,7 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         let (true, Some(c)) = (st.enabled, &st.container) else {
             return Ok(());
         };
+        pin_task(sp, c)?;
         join::enter(&c.namespaces).map_err(berth_line)?;
         // As the job's user, without capabilities: the directory is checked with its rights.
         std::env::set_current_dir(&c.cwd).map_err(|e| {
@@ -456,6 +460,33 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         })?;
         Ok(())
     })
+}
+
+/// `--container-bind=closest`: sets the task's rank variables (after Slurm's GRES variables,
+/// which it replaces), then pins its CPUs and memory (after Slurm's task affinity). A rank berth
+/// did not plan keeps Slurm's placement.
+fn pin_task(sp: spank_t, c: &Container) -> Result<(), Fail> {
+    let Some(bind) = &c.bind else {
+        return Ok(());
+    };
+    let local = ffi::getenv(sp, "SLURM_LOCALID").and_then(|v| v.trim().parse::<u32>().ok());
+    let Some(rank) = local.and_then(|r| bind.rank(r)) else {
+        ffi::log_info(&berth_line(format!(
+            "no placement planned for local task {}: leaving it to Slurm",
+            local.map_or("?".to_string(), |r| r.to_string())
+        )));
+        return Ok(());
+    };
+    for entry in &rank.env {
+        // Created::parse checked that every entry has a name and a '='.
+        let (name, value) = entry.split_once('=').unwrap_or((entry, ""));
+        ffi::setenv(sp, name, value)
+            .map_err(|e| berth_line(format!("cannot set {name} for the task: {e}")))?;
+    }
+    for note in crate::pin::apply(rank, bind.memory_policy).notes {
+        ffi::log_info(&berth_line(format!("local task {}: {note}", rank.rank)));
+    }
+    Ok(())
 }
 
 /// # Safety

@@ -3,11 +3,15 @@
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::{env, mounts};
 use crate::spec::image::ImageDefaults;
 use crate::spec::{BindMount, Net, Request, UserIds};
+use crate::topology::TopologyError;
+use crate::topology::bind::MemPolicy;
+use crate::topology::job::{self, Job};
+use crate::topology::plan::{BindMode, NodePlan};
 
 /// What `berth step create` reads on stdin.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -27,6 +31,76 @@ pub struct StepRequest {
     pub job_env: Vec<String>,
 }
 
+impl StepRequest {
+    /// `--container-bind`, else `default` (`topology.bind`).
+    pub fn bind_mode(&self, default: BindMode) -> Result<BindMode, String> {
+        match self.options.container_bind.as_deref() {
+            None => Ok(default),
+            Some("closest") => Ok(BindMode::Closest),
+            Some("none") => Ok(BindMode::None),
+            Some(other) => Err(format!(
+                "invalid --container-bind '{other}': use closest or none"
+            )),
+        }
+    }
+
+    /// The step's GPUs and tasks on this node as topology plans them: the GPUs from the job's
+    /// environment (SLURM_STEP_GPUS, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES), the task count
+    /// from slurmstepd (the environment's per-node lists describe the job, not always the step).
+    pub fn topology_job(&self) -> Result<Job, TopologyError> {
+        let pairs = env::pairs(&self.job_env);
+        let get = |key: &str| {
+            pairs
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+        };
+        let mut job = job::from_env(&get)?;
+        if self.local_task_count > 0 {
+            job.tasks = self.local_task_count;
+            job.tasks_from = Some("the step's local task count".into());
+        }
+        // One plan serves every task; each picks its own rank by SLURM_LOCALID.
+        job.local_id = None;
+        Ok(job)
+    }
+}
+
+/// What each local task of a step is pinned to (`--container-bind=closest`): part of the answer
+/// of `berth step create`, applied by the SPANK plugin in each task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TaskBinding {
+    pub memory_policy: MemPolicy,
+    pub ranks: Vec<RankBinding>,
+}
+
+/// One local rank's CPUs, NUMA nodes and variables (CUDA_VISIBLE_DEVICES, UCX_NET_DEVICES,
+/// NCCL_IB_HCA, ...).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RankBinding {
+    pub rank: u32,
+    pub cpus: Vec<u32>,
+    pub mems: Vec<u32>,
+    pub env: Vec<String>,
+}
+
+pub fn binding(plan: &NodePlan, memory_policy: MemPolicy) -> TaskBinding {
+    TaskBinding {
+        memory_policy,
+        ranks: plan
+            .ranks
+            .iter()
+            .map(|r| RankBinding {
+                rank: r.rank,
+                cpus: r.cpus.iter().collect(),
+                mems: r.mems.iter().collect(),
+                env: r.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            })
+            .collect(),
+    }
+}
+
 /// The Pyxis options that were set (flags or their environment variables).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
@@ -44,6 +118,8 @@ pub struct Options {
     pub container_readonly: Option<bool>,
     pub container_env: Option<String>,
     pub container_unshare: Option<String>,
+    /// `closest` or `none`; unset: `topology.bind`.
+    pub container_bind: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
