@@ -351,6 +351,7 @@ mod tests {
         );
         assert_eq!(c.topology.exclude_nics, ["mlx5_1", "eno*"]);
         assert_eq!(c.topology.expected_gpus, Some(8));
+        assert!(c.topology.epilog_health, "on unless turned off");
         assert_eq!(c.topology.cdi_dirs, TopologyConfig::default().cdi_dirs);
         assert!(Config::parse("[topology]\nbind = \"nearest\"\n").is_err());
     }

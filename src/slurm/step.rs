@@ -477,6 +477,76 @@ mod tests {
     }
 
     #[test]
+    fn container_bind_defaults_to_the_configuration() {
+        let s = step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0}"#);
+        assert_eq!(s.bind_mode(BindMode::Closest), Ok(BindMode::Closest));
+        assert_eq!(s.bind_mode(BindMode::None), Ok(BindMode::None));
+        let s =
+            step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-bind":"none"}}"#);
+        assert_eq!(s.bind_mode(BindMode::Closest), Ok(BindMode::None));
+        let s =
+            step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-bind":"near"}}"#);
+        assert_eq!(
+            s.bind_mode(BindMode::Closest).unwrap_err(),
+            "invalid --container-bind 'near': use closest or none"
+        );
+    }
+
+    #[test]
+    fn the_steps_gpus_come_from_the_job_and_its_tasks_from_slurmstepd() {
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"local_task_count":3,
+                "job_env":["SLURM_JOB_ID=1","SLURM_JOB_GPUS=2,3","SLURM_TASKS_PER_NODE=8",
+                           "SLURM_LOCALID=1","CUDA_VISIBLE_DEVICES=0"]}"#,
+        );
+        let job = s.topology_job().unwrap();
+        assert_eq!(
+            job.gpus,
+            Some(vec![job::GpuId::Index(2), job::GpuId::Index(3)])
+        );
+        assert_eq!(job.tasks, 3);
+        assert_eq!(job.local_id, None);
+        let bad = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"job_env":["SLURM_JOB_ID=1","SLURM_STEP_GPUS=x"]}"#,
+        );
+        assert_eq!(
+            bad.topology_job().unwrap_err().to_string(),
+            "SLURM_STEP_GPUS=x: 'x' is not a GPU index, GPU-UUID or PCI address"
+        );
+    }
+
+    #[test]
+    fn a_binding_lists_each_ranks_cpus_nodes_and_variables() {
+        let (_f, node) = crate::topology::scenarios::dgx();
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"local_task_count":2,
+                "job_env":["SLURM_JOB_ID=1","SLURM_JOB_GPUS=2,5"]}"#,
+        );
+        let plan =
+            crate::topology::plan::plan(&node, &s.topology_job().unwrap(), &Default::default())
+                .unwrap();
+        let b = binding(&plan, MemPolicy::Preferred);
+        let json = serde_json::to_value(&b).unwrap();
+        assert_eq!(json["memory_policy"], "preferred");
+        assert_eq!(json["ranks"][1]["rank"], 1);
+        assert_eq!(json["ranks"][1]["mems"], serde_json::json!([1]));
+        assert_eq!(b.ranks[0].cpus.len(), 112);
+        assert_eq!(b.ranks[1].cpus[0], 56);
+        assert!(
+            b.ranks[1]
+                .env
+                .contains(&"CUDA_VISIBLE_DEVICES=1".to_string()),
+            "{:?}",
+            b.ranks[1].env
+        );
+        assert!(
+            b.ranks[0]
+                .env
+                .contains(&"UCX_NET_DEVICES=mlx5_4:1".to_string())
+        );
+    }
+
+    #[test]
     fn readonly_unless_writable() {
         let s = step(
             r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-readonly":true}}"#,
