@@ -1003,7 +1003,9 @@ fn container_bind_pins_each_task_to_its_planned_cpus_gpus_and_nics() {
             "{none:?}"
         );
     }
+    // Slurm's task affinity here puts rank 0 on CPU 0 (or both on 0-1), never where berth does.
     assert!(!none[0].starts_with("rank=0 cpus=1 "), "{none:?}");
+    assert!(!none[1].starts_with("rank=1 cpus=0 "), "{none:?}");
 
     // One GPU: only its node (and the control node, the HCA paired with it).
     let one = srun(None, "1", "1");
