@@ -522,7 +522,7 @@ fn a_named_container_keeps_its_files_across_the_steps_of_a_job() {
     // The Epilog removes the job's named containers.
     let state = c.state.join("berth/state");
     let deadline = Instant::now() + Duration::from_secs(15);
-    while std::fs::read_dir(&state).map_or(0, |rd| rd.count()) > 0 {
+    while !containers_in(&state).is_empty() {
         assert!(
             Instant::now() < deadline,
             "named container left after the job"
@@ -552,6 +552,19 @@ fn sbatch_runs_its_script_inside_the_container() {
 }
 
 /// Host processes whose command line contains `needle`.
+/// The container directories (those with a state.json) in berth's state directory; the Prolog
+/// and Epilog keep other files there (the health checks' kernel-log marks).
+fn containers_in(state: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(state)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().join("state.json").exists())
+                .map(|e| e.file_name())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn processes_with(needle: &str) -> Vec<String> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -590,9 +603,7 @@ fn nothing_of_the_container_is_left_after_the_job() {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let procs = processes_with(&format!("sleep {token}"));
-        let records: Vec<_> = std::fs::read_dir(&state)
-            .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
-            .unwrap_or_default();
+        let records = containers_in(&state);
         let groups: Vec<_> = std::fs::read_dir(&cgroups)
             .map(|rd| {
                 rd.flatten()
