@@ -248,10 +248,11 @@ fn srun_help_describes_every_container_option() {
         "--container-readonly",
         "--container-env=",
         "--container-unshare=",
+        "--container-bind=",
     ] {
         assert!(help.contains(flag), "srun --help lacks {flag}:\n{help}");
     }
-    assert!(help.matches("[berth]").count() >= 16, "{help}");
+    assert!(help.matches("[berth]").count() >= 17, "{help}");
     // sbatch and salloc take them too (sbatch_support defaults to 1).
     let help = succeeded(run(slurm("sbatch", &["--help"])));
     assert!(help.contains("--container-image="), "{help}");

@@ -4,9 +4,10 @@
 //!   environment, and pass the image to the Prolog (`SPANK_BERTH_IMAGE`).
 //! - slurmstepd (remote), once per step and node: `user_init` runs `berth step create` and opens
 //!   the namespaces it reports; in each task, `task_init_privileged` (root) replaces the task's
-//!   environment and `task_init` joins the namespaces and enters the working directory; when the
-//!   last local task has ended (`task_exit`), or at the latest in `exit`, `berth step destroy`
-//!   removes the container.
+//!   environment and `task_init` applies the task's rank plan (`--container-bind=closest`:
+//!   variables, CPU affinity, memory policy), joins the namespaces and enters the working
+//!   directory; when the last local task has ended (`task_exit`), or at the latest in `exit`,
+//!   `berth step destroy` removes the container.
 //!
 //! Every entry point catches panics (none may unwind into Slurm) and reports failures as one
 //! `berth: …` line, which srun prints on the user's terminal.
