@@ -1029,3 +1029,69 @@ fn container_bind_pins_each_task_to_its_planned_cpus_gpus_and_nics() {
         "{one:?}"
     );
 }
+
+/// Resumes the cluster's node when dropped.
+struct ResumeNode;
+
+impl Drop for ResumeNode {
+    fn drop(&mut self) {
+        let node = stdout(&run(slurm("sinfo", &["-h", "-N", "-o", "%N"])));
+        let _ = run(slurm(
+            "scontrol",
+            &[
+                "update",
+                &format!("nodename={}", node.trim()),
+                "state=resume",
+            ],
+        ));
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn an_unfit_node_is_drained_with_the_health_checks_reason() {
+    // One GPU on the PCI bus that no driver answers for.
+    let fx = tempfile::tempdir().unwrap();
+    put(&fx.path().join("sys/devices/system/cpu/online"), "0-1\n");
+    let gpu = "pci0000:00/0000:00:01.0/0000:01:00.0";
+    for (name, value) in [
+        ("class", "0x030200"),
+        ("vendor", "0x10de"),
+        ("device", "0x2330"),
+        ("numa_node", "-1"),
+    ] {
+        put(
+            &fx.path().join("sys/devices").join(gpu).join(name),
+            &format!("{value}\n"),
+        );
+    }
+    link(
+        &format!("../../../devices/{gpu}"),
+        &fx.path().join("sys/bus/pci/devices/0000:01:00.0"),
+    );
+    let _resume = ResumeNode;
+    {
+        let _config = ConfigWith::new(&format!(
+            "[topology]\nhost_root = \"{}\"\n",
+            fx.path().display()
+        ));
+        succeeded(run(slurm("srun", &["true"])));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let reasons = stdout(&run(slurm("sinfo", &["-h", "-R", "-o", "%E"])));
+            if reasons.contains("NVIDIA GPUs but NVML cannot load") {
+                assert_eq!(
+                    reasons.trim(),
+                    "1 NVIDIA GPUs but NVML cannot load (recorded: no driver): install or load the NVIDIA driver",
+                    "the drain reason is berth's one line"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the node was not drained with the health reason: {reasons:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
