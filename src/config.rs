@@ -242,6 +242,8 @@ pub struct TopologyConfig {
     pub xid_drain: Vec<u32>,
     /// Also check GPU PCIe link speed (GPUs lower it when idle, so only width by default).
     pub check_gpu_link_speed: bool,
+    /// `berth epilog` runs the health checks and fails (draining the node) when they fail.
+    pub epilog_health: bool,
     /// CDI spec directories, lowest priority first.
     pub cdi_dirs: Vec<PathBuf>,
 }
@@ -259,6 +261,7 @@ impl Default for TopologyConfig {
             ignore_ports: Vec::new(),
             xid_drain: crate::topology::health::DEFAULT_XID_DRAIN.to_vec(),
             check_gpu_link_speed: false,
+            epilog_health: true,
             cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
         }
     }
@@ -363,6 +366,7 @@ mod tests {
         );
         assert_eq!(c.topology.exclude_nics, ["mlx5_1", "eno*"]);
         assert_eq!(c.topology.expected_gpus, Some(8));
+        assert!(c.topology.epilog_health, "on unless turned off");
         assert_eq!(c.topology.cdi_dirs, TopologyConfig::default().cdi_dirs);
         assert!(Config::parse("[topology]\nbind = \"nearest\"\n").is_err());
     }

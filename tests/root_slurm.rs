@@ -248,10 +248,11 @@ fn srun_help_describes_every_container_option() {
         "--container-readonly",
         "--container-env=",
         "--container-unshare=",
+        "--container-bind=",
     ] {
         assert!(help.contains(flag), "srun --help lacks {flag}:\n{help}");
     }
-    assert!(help.matches("[berth]").count() >= 16, "{help}");
+    assert!(help.matches("[berth]").count() >= 17, "{help}");
     // sbatch and salloc take them too (sbatch_support defaults to 1).
     let help = succeeded(run(slurm("sbatch", &["--help"])));
     assert!(help.contains("--container-image="), "{help}");
@@ -522,7 +523,7 @@ fn a_named_container_keeps_its_files_across_the_steps_of_a_job() {
     // The Epilog removes the job's named containers.
     let state = c.state.join("berth/state");
     let deadline = Instant::now() + Duration::from_secs(15);
-    while std::fs::read_dir(&state).map_or(0, |rd| rd.count()) > 0 {
+    while !containers_in(&state).is_empty() {
         assert!(
             Instant::now() < deadline,
             "named container left after the job"
@@ -552,6 +553,19 @@ fn sbatch_runs_its_script_inside_the_container() {
 }
 
 /// Host processes whose command line contains `needle`.
+/// The container directories (those with a state.json) in berth's state directory; the Prolog
+/// and Epilog keep other files there (the health checks' kernel-log marks).
+fn containers_in(state: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(state)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().join("state.json").exists())
+                .map(|e| e.file_name())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn processes_with(needle: &str) -> Vec<String> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -590,9 +604,7 @@ fn nothing_of_the_container_is_left_after_the_job() {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let procs = processes_with(&format!("sleep {token}"));
-        let records: Vec<_> = std::fs::read_dir(&state)
-            .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
-            .unwrap_or_default();
+        let records = containers_in(&state);
         let groups: Vec<_> = std::fs::read_dir(&cgroups)
             .map(|rd| {
                 rd.flatten()
@@ -1287,5 +1299,276 @@ fn srun_help_describes_the_staging_options() {
     let help = succeeded(run(slurm("srun", &["--help"])));
     for flag in ["--stage-in=", "--stage-out="] {
         assert!(help.contains(flag), "srun --help lacks {flag}:\n{help}");
+    }
+}
+
+fn mknod_char(path: &Path, major: u32, minor: u32) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: mknod reads the NUL-terminated path `c`, alive for the call.
+    let rc = unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o666,
+            libc::makedev(major, minor),
+        )
+    };
+    assert_eq!(rc, 0, "mknod {}", path.display());
+}
+
+fn put(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+}
+
+fn link(target: &str, path: &Path) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(target, path).unwrap();
+}
+
+/// A fixture node for `topology.host_root`: this host's CPUs 0-1 on two NUMA nodes the other way
+/// round (node 0 holds CPU 1, node 1 holds CPU 0), GPU 0 on node 0 and GPU 1 on node 1, one HCA,
+/// and stand-in device nodes (real character devices: nvidia0 = /dev/null's numbers, nvidia1 =
+/// zero's, nvidiactl = full's, uverbs0 = random's, rdma_cm = urandom's). A planned rank 0 thus
+/// runs on CPU 1, which Slurm would not pick for it.
+fn topology_fixture(root: &Path) {
+    put(&root.join("sys/devices/system/cpu/online"), "0-1\n");
+    put(&root.join("sys/devices/system/node/node0/cpulist"), "1\n");
+    put(&root.join("sys/devices/system/node/node1/cpulist"), "0\n");
+    let pci = |rel: &str, class: &str, vendor: &str, numa: &str| {
+        let dir = root.join("sys/devices").join(rel);
+        for (name, value) in [
+            ("class", class),
+            ("vendor", vendor),
+            ("device", "0x2330"),
+            ("numa_node", numa),
+            ("current_link_speed", "32.0 GT/s PCIe"),
+            ("current_link_width", "16"),
+            ("max_link_speed", "32.0 GT/s PCIe"),
+            ("max_link_width", "16"),
+        ] {
+            put(&dir.join(name), &format!("{value}\n"));
+        }
+        let bdf = rel.rsplit('/').next().unwrap();
+        link(
+            &format!("../../../devices/{rel}"),
+            &root.join("sys/bus/pci/devices").join(bdf),
+        );
+    };
+    pci(
+        "pci0000:00/0000:00:01.0/0000:01:00.0",
+        "0x030200",
+        "0x10de",
+        "0",
+    );
+    pci(
+        "pci0000:80/0000:80:01.0/0000:81:00.0",
+        "0x030200",
+        "0x10de",
+        "1",
+    );
+    let hca = "pci0000:00/0000:00:03.0/0000:03:00.0";
+    pci(hca, "0x020700", "0x15b3", "0");
+    let ib = root.join(format!("sys/devices/{hca}/infiniband/mlx5_0"));
+    put(&ib.join("ports/1/state"), "4: ACTIVE\n");
+    link("../..", &ib.join("device"));
+    link(
+        &format!("../../devices/{hca}/infiniband/mlx5_0"),
+        &root.join("sys/class/infiniband/mlx5_0"),
+    );
+    put(
+        &root.join("sys/class/infiniband_verbs/uverbs0/ibdev"),
+        "mlx5_0\n",
+    );
+    put(
+        &root.join("sys/class/infiniband_verbs/uverbs0/dev"),
+        "231:192\n",
+    );
+    for (bdf, minor) in [("0000:01:00.0", 0), ("0000:81:00.0", 1)] {
+        put(
+            &root.join(format!("proc/driver/nvidia/gpus/{bdf}/information")),
+            &format!(
+                "Model: \t Stand-in\nGPU UUID: \t GPU-{minor:08x}-slurm\nDevice Minor: \t {minor}\n"
+            ),
+        );
+    }
+    put(
+        &root.join("proc/devices"),
+        "Character devices:\n195 nvidia-frontend\n",
+    );
+    mknod_char(&root.join("dev/nvidia0"), 1, 3);
+    mknod_char(&root.join("dev/nvidia1"), 1, 5);
+    mknod_char(&root.join("dev/nvidiactl"), 1, 7);
+    mknod_char(&root.join("dev/infiniband/uverbs0"), 1, 8);
+    mknod_char(&root.join("dev/infiniband/rdma_cm"), 1, 9);
+}
+
+/// The cluster's berth configuration with `extra` appended, until dropped (berth reads its
+/// configuration at every call, so the following steps see it).
+struct ConfigWith {
+    path: PathBuf,
+    original: String,
+}
+
+impl ConfigWith {
+    fn new(extra: &str) -> Self {
+        cluster();
+        let path = PathBuf::from(format!(
+            "/tmp/berth-root-slurm-{:08x}.toml",
+            checkout_hash()
+        ));
+        let original = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{original}{extra}")).unwrap();
+        Self { path, original }
+    }
+}
+
+impl Drop for ConfigWith {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.path, &self.original);
+    }
+}
+
+/// One line per task: its local id, CPUs (from inside the container), variables and GPU nodes.
+const PLACEMENT: &str = "echo \"rank=$SLURM_LOCALID cpus=$(grep Cpus_allowed_list /proc/self/status | cut -f2) \
+cuda=$CUDA_VISIBLE_DEVICES ucx=$UCX_NET_DEVICES nccl=$NCCL_IB_HCA dev=$(cd /dev && ls -d nvidia* infiniband/* 2>/dev/null | tr '\\n' ' ')\"";
+
+fn placements(out: &str) -> Vec<String> {
+    let mut lines: Vec<String> = out
+        .lines()
+        .filter(|l| l.starts_with("rank="))
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    lines.sort();
+    lines
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn container_bind_pins_each_task_to_its_planned_cpus_gpus_and_nics() {
+    let fx = tempfile::tempdir().unwrap();
+    topology_fixture(fx.path());
+    // The fixture's GPUs have no NVML: berth epilog's health checks would drain the node.
+    let _config = ConfigWith::new(&format!(
+        "[topology]\nhost_root = \"{}\"\nepilog_health = false\n",
+        fx.path().display()
+    ));
+    let srun = |bind: Option<&str>, gpus: &str, tasks: &str| {
+        let mut args = vec![
+            "-n".to_string(),
+            tasks.to_string(),
+            format!("--container-image={}", image()),
+        ];
+        args.extend(bind.map(|b| format!("--container-bind={b}")));
+        args.extend(["sh".into(), "-c".into(), PLACEMENT.into()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = slurm("srun", &args);
+        // Slurm leaves a SLURM_JOB_GPUS it did not set itself alone (no GRES here): it stands
+        // for the allocation of a GPU node.
+        cmd.env("SLURM_JOB_GPUS", gpus);
+        placements(&succeeded(run(cmd)))
+    };
+
+    // closest (the default): rank 0 has GPU 0 on NUMA node 0, whose CPU is 1; rank 1 the
+    // other way round. Both GPUs' nodes are in the container, and the HCA.
+    let closest = srun(None, "0,1", "2");
+    assert_eq!(
+        closest,
+        [
+            "rank=0 cpus=1 cuda=0 ucx=mlx5_0:1 nccl==mlx5_0 dev=infiniband/rdma_cm infiniband/uverbs0 nvidia0 nvidia1 nvidiactl",
+            "rank=1 cpus=0 cuda=1 ucx=mlx5_0:1 nccl==mlx5_0 dev=infiniband/rdma_cm infiniband/uverbs0 nvidia0 nvidia1 nvidiactl",
+        ],
+        "{closest:?}"
+    );
+    assert_eq!(srun(Some("closest"), "0,1", "2"), closest);
+
+    // none: Slurm's placement and the container's variables for the whole step.
+    let none = srun(Some("none"), "0,1", "2");
+    assert_eq!(none.len(), 2, "{none:?}");
+    for (line, rank) in none.iter().zip(["0", "1"]) {
+        assert!(line.starts_with(&format!("rank={rank} cpus=")), "{none:?}");
+        assert!(
+            line.contains(" cuda=0,1 ucx= nccl= dev=infiniband/rdma_cm infiniband/uverbs0 nvidia0 nvidia1 nvidiactl"),
+            "{none:?}"
+        );
+    }
+    // Slurm's task affinity here puts rank 0 on CPU 0 (or both on 0-1), never where berth does.
+    assert!(!none[0].starts_with("rank=0 cpus=1 "), "{none:?}");
+    assert!(!none[1].starts_with("rank=1 cpus=0 "), "{none:?}");
+
+    // One GPU: only its node (and the control node, the HCA paired with it).
+    let one = srun(None, "1", "1");
+    assert_eq!(
+        one,
+        [
+            "rank=0 cpus=0 cuda=0 ucx=mlx5_0:1 nccl==mlx5_0 dev=infiniband/rdma_cm infiniband/uverbs0 nvidia1 nvidiactl"
+        ],
+        "{one:?}"
+    );
+}
+
+/// Resumes the cluster's node when dropped.
+struct ResumeNode;
+
+impl Drop for ResumeNode {
+    fn drop(&mut self) {
+        let node = stdout(&run(slurm("sinfo", &["-h", "-N", "-o", "%N"])));
+        let _ = run(slurm(
+            "scontrol",
+            &[
+                "update",
+                &format!("nodename={}", node.trim()),
+                "state=resume",
+            ],
+        ));
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn an_unfit_node_is_drained_with_the_health_checks_reason() {
+    // One GPU on the PCI bus that no driver answers for.
+    let fx = tempfile::tempdir().unwrap();
+    put(&fx.path().join("sys/devices/system/cpu/online"), "0-1\n");
+    let gpu = "pci0000:00/0000:00:01.0/0000:01:00.0";
+    for (name, value) in [
+        ("class", "0x030200"),
+        ("vendor", "0x10de"),
+        ("device", "0x2330"),
+        ("numa_node", "-1"),
+    ] {
+        put(
+            &fx.path().join("sys/devices").join(gpu).join(name),
+            &format!("{value}\n"),
+        );
+    }
+    link(
+        &format!("../../../devices/{gpu}"),
+        &fx.path().join("sys/bus/pci/devices/0000:01:00.0"),
+    );
+    let _resume = ResumeNode;
+    {
+        let _config = ConfigWith::new(&format!(
+            "[topology]\nhost_root = \"{}\"\n",
+            fx.path().display()
+        ));
+        succeeded(run(slurm("srun", &["true"])));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let reasons = stdout(&run(slurm("sinfo", &["-h", "-R", "-o", "%E"])));
+            if reasons.contains("NVIDIA GPUs but NVML cannot load") {
+                assert_eq!(
+                    reasons.trim(),
+                    "1 NVIDIA GPUs but NVML cannot load (recorded: no driver): install or load the NVIDIA driver",
+                    "the drain reason is berth's one line"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the node was not drained with the health reason: {reasons:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 }

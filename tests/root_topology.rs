@@ -448,3 +448,78 @@ fn the_dynamic_loader_finds_libraries_through_a_written_cache() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+/// The test configuration with `[topology]` lines added, in `dir`.
+fn config_with_topology(dir: &Path, topology: &str) -> PathBuf {
+    let path = dir.join("berth.toml");
+    let base = std::fs::read_to_string(config()).unwrap();
+    std::fs::write(&path, format!("{base}[topology]\n{topology}")).unwrap();
+    path
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_epilog_fails_with_the_health_reason_on_an_unfit_node() {
+    let job = format!("{}", 700_000 + std::process::id() % 1000);
+    let verb = |cfg: &Path, verb: &str| {
+        Command::new(BERTH)
+            .arg("--config")
+            .arg(cfg)
+            .arg(verb)
+            .env("SLURM_JOB_ID", &job)
+            .env_remove("SLURM_JOB_UID")
+            .env_remove("SPANK_BERTH_IMAGE")
+            .output()
+            .unwrap()
+    };
+
+    // No GPU, no RDMA NIC: fit. An XID logged during the job (after the Prolog's mark) is not.
+    let fx = tempfile::tempdir().unwrap();
+    two_cpu_host(fx.path());
+    let log = fx.path().join("dev/kmsg");
+    write(&log, "6,1,10,-;Linux version\n");
+    let cfg = config_with_topology(
+        fx.path(),
+        &format!("host_root = \"{}\"\n", fx.path().display()),
+    );
+    let prolog = verb(&cfg, "prolog");
+    assert!(prolog.status.success(), "{prolog:?}");
+    let epilog = verb(&cfg, "epilog");
+    assert!(epilog.status.success(), "{epilog:?}");
+    assert!(verb(&cfg, "prolog").status.success());
+    write(
+        &log,
+        "6,1,10,-;Linux version\n4,2,20,-;NVRM: Xid (PCI:0000:1b:00): 79, pid=1, GPU has fallen off the bus.\n",
+    );
+    let epilog = verb(&cfg, "epilog");
+    assert_eq!(epilog.status.code(), Some(1), "{epilog:?}");
+    assert_eq!(stderr(&epilog), "berth: GPU 0000:1b:00: Xid 79\n");
+    // The mark is gone with the job: a later Epilog without a Prolog judges no XIDs.
+    assert!(verb(&cfg, "epilog").status.success());
+
+    // Two GPUs on the bus that no driver answers for: the drain reason says so, in one line.
+    let gpus = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(gpus.path().join("etc")).unwrap();
+    host_fixture(gpus.path());
+    let cfg = config_with_topology(
+        gpus.path(),
+        &format!("host_root = \"{}\"\n", gpus.path().display()),
+    );
+    let epilog = verb(&cfg, "epilog");
+    assert_eq!(epilog.status.code(), Some(1), "{epilog:?}");
+    let err = stderr(&epilog);
+    assert!(
+        err.starts_with("berth: 2 NVIDIA GPUs but NVML cannot load"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // topology.epilog_health = false leaves node health to another tool.
+    let cfg = config_with_topology(
+        gpus.path(),
+        &format!(
+            "host_root = \"{}\"\nepilog_health = false\n",
+            gpus.path().display()
+        ),
+    );
+    assert!(verb(&cfg, "epilog").status.success());
+}

@@ -397,3 +397,107 @@ echo "END processes"
     assert_eq!(field(&out, "oom"), "137", "{out}");
     assert_eq!(field(&out, "limits"), "0", "{out}");
 }
+
+/// A fixture host root for `topology.host_root` with two NVIDIA GPUs (minors 0 and 1) in sysfs
+/// and the driver's /proc files; the device nodes are made in the VM (a cpio of the host's
+/// files carries none).
+fn gpu_fixture() -> PathBuf {
+    let root = Path::new(WORK).join(format!("vm-gpu-fixture-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let put = |rel: &str, text: &str| {
+        let path = root.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    put("sys/devices/system/cpu/online", "0-1\n");
+    put("sys/devices/system/node/node0/cpulist", "0-1\n");
+    for (bus, minor) in [("01", 0), ("02", 1)] {
+        let rel = format!("pci0000:00/0000:00:{bus}.0/0000:{bus}:00.0");
+        for (name, value) in [
+            ("class", "0x030200"),
+            ("vendor", "0x10de"),
+            ("device", "0x2330"),
+            ("numa_node", "-1"),
+        ] {
+            put(&format!("sys/devices/{rel}/{name}"), &format!("{value}\n"));
+        }
+        let bdf = format!("0000:{bus}:00.0");
+        let link = root.join("sys/bus/pci/devices").join(&bdf);
+        std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(format!("../../../devices/{rel}"), link).unwrap();
+        put(
+            &format!("proc/driver/nvidia/gpus/{bdf}/information"),
+            &format!(
+                "Model: \t Stand-in\nGPU UUID: \t GPU-{minor:08x}-vm\nDevice Minor: \t {minor}\n"
+            ),
+        );
+    }
+    put("proc/devices", "Character devices:\n195 nvidia-frontend\n");
+    root
+}
+
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn gpus_flag_allows_exactly_the_given_gpus_device_nodes() {
+    // Stand-in GPU nodes with NVIDIA's major 195 and no driver behind them: a node the device
+    // filter allows fails to open with ENXIO (no such device), one it does not with EPERM.
+    let fx = gpu_fixture();
+    let (out, _) = vm_with(
+        &["--file", &format!("{}:/fx", fx.display())],
+        r#"
+mkdir -p /fx/dev
+mknod -m 666 /fx/dev/nvidia0 c 195 0
+mknod -m 666 /fx/dev/nvidia1 c 195 1
+mknod -m 666 /fx/dev/nvidiactl c 195 255
+printf '[topology]\nhost_root = "/fx"\n' > /tmp/berth.toml
+opens() { (: < "$1") 2>&1 | sed 's/.*: //'; }
+echo "host-nvidia1=$(opens /fx/dev/nvidia1)"
+berth --config /tmp/berth.toml run --rootfs /rootfs --gpus 0 -- sh -c '
+  for d in nvidia0 nvidia1 nvidiactl; do
+    if [ -c /dev/$d ]; then echo "in-$d=$( (: < /dev/$d) 2>&1 | sed "s/.*: //")"; else echo "in-$d=absent"; fi
+  done
+  echo "in-cuda=$CUDA_VISIBLE_DEVICES"
+  sleep 8' &
+berth=$!
+cg=
+for i in $(seq 100); do
+  for d in /sys/fs/cgroup/berth/*/; do
+    grep -q . "$d/cgroup.procs" 2>/dev/null && cg=${d%/}
+  done
+  [ -n "$cg" ] && break
+  sleep 0.1
+done
+echo "cg=$cg"
+try() { sh -c "echo \$\$ > $cg/cgroup.procs && { : < $1; } 2>&1 | sed 's/.*: //'"; }
+echo "out-nvidia0=$(try /fx/dev/nvidia0)"
+echo "out-nvidia1=$(try /fx/dev/nvidia1)"
+echo "out-nvidiactl=$(try /fx/dev/nvidiactl)"
+wait $berth
+echo "berth=$?"
+"#,
+    );
+    let _ = std::fs::remove_dir_all(&fx);
+    const ENXIO: &str = "No such device or address";
+    const EPERM: &str = "Operation not permitted";
+    assert_eq!(
+        field(&out, "host-nvidia1"),
+        ENXIO,
+        "outside any container the stand-in opens as far as the missing driver:\n{out}"
+    );
+    assert!(
+        field(&out, "cg").starts_with("/sys/fs/cgroup/berth/"),
+        "{out}"
+    );
+    assert_eq!(field(&out, "in-nvidia0"), ENXIO, "{out}");
+    assert_eq!(field(&out, "in-nvidiactl"), ENXIO, "{out}");
+    assert_eq!(field(&out, "in-nvidia1"), "absent", "{out}");
+    assert_eq!(field(&out, "in-cuda"), "0", "{out}");
+    assert_eq!(field(&out, "out-nvidia0"), ENXIO, "allowed GPU:\n{out}");
+    assert_eq!(field(&out, "out-nvidiactl"), ENXIO, "control node:\n{out}");
+    assert_eq!(
+        field(&out, "out-nvidia1"),
+        EPERM,
+        "the GPU not given is refused by the device filter:\n{out}"
+    );
+    assert_eq!(field(&out, "berth"), "0", "{out}");
+}

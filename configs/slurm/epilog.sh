@@ -8,5 +8,12 @@ export PATH
 # The berth binary, and arguments before the verb (e.g. BERTH_ARGS="--config /etc/berth/berth.toml").
 BERTH=/usr/local/bin/berth
 BERTH_ARGS=
+# Slurm drains a node whose Epilog fails with the reason "Epilog error"; berth's one line says
+# what is wrong (a cleanup step, or the health checks), so the node is drained with that line as
+# the reason instead (the line also goes to slurmd's log).
 # shellcheck disable=SC2086 # BERTH_ARGS holds several words on purpose
-exec "$BERTH" $BERTH_ARGS epilog
+out=$("$BERTH" $BERTH_ARGS epilog 2>&1) && exit 0
+printf '%s\n' "$out" >&2
+reason=$(printf '%s\n' "$out" | sed -n 's/^berth: //p' | tail -n 1)
+scontrol update nodename="${SLURMD_NODENAME:?}" state=drain reason="${reason:-berth epilog failed}" && exit 0
+exit 1

@@ -13,6 +13,7 @@
 mod config;
 mod join;
 mod options;
+mod pin;
 mod request;
 mod runner;
 

@@ -28,12 +28,13 @@ pub enum Key {
     Writable,
     Env,
     Unshare,
+    Bind,
     StageIn,
     StageOut,
 }
 
 impl Key {
-    pub const ALL: [Key; 14] = [
+    pub const ALL: [Key; 15] = [
         Key::Image,
         Key::Mounts,
         Key::Workdir,
@@ -46,6 +47,7 @@ impl Key {
         Key::Writable,
         Key::Env,
         Key::Unshare,
+        Key::Bind,
         Key::StageIn,
         Key::StageOut,
     ];
@@ -65,6 +67,7 @@ impl Key {
             Key::Writable => "container-writable",
             Key::Env => "container-env",
             Key::Unshare => "container-unshare",
+            Key::Bind => "container-bind",
             Key::StageIn => "stage-in",
             Key::StageOut => "stage-out",
         }
@@ -85,6 +88,7 @@ impl Key {
             Key::Writable => "CONTAINER_WRITABLE",
             Key::Env => "CONTAINER_ENV",
             Key::Unshare => "CONTAINER_UNSHARE",
+            Key::Bind => "CONTAINER_BIND",
             Key::StageIn => "STAGE_IN",
             Key::StageOut => "STAGE_OUT",
         }
@@ -124,7 +128,7 @@ pub struct Flag {
 
 /// Every option, in `srun --help` order. The index of a row is the `val` Slurm passes back to
 /// the option callback.
-pub static FLAGS: [Flag; 18] = [
+pub static FLAGS: [Flag; 19] = [
     Flag {
         name: c"container-image",
         arginfo: Some(c"[USER@][REGISTRY#]IMAGE[:TAG]|PATH"),
@@ -238,6 +242,13 @@ pub static FLAGS: [Flag; 18] = [
         sets: false,
     },
     Flag {
+        name: c"container-bind",
+        arginfo: Some(c"closest|none"),
+        usage: c"[berth] closest: pin each task to its GPUs, their closest NICs and a share of the cores and memory of their NUMA node (CUDA_VISIBLE_DEVICES, UCX_NET_DEVICES, NCCL_IB_HCA, CPU affinity, memory policy); none: leave placement to Slurm [default: topology.bind in berth.toml, closest]",
+        key: Key::Bind,
+        sets: false,
+    },
+    Flag {
         name: c"stage-in",
         arginfo: Some(c"SRC[:DST][,SRC[:DST]...]"),
         usage: c"[berth] copy SRC (an absolute path on shared storage, read as you) into the job's node-local scratch ($BERTH_SCRATCH, /scratch in containers) at DST (relative; default: SRC's name) before the job's first step",
@@ -308,6 +319,7 @@ pub struct Options {
     pub writable: Option<bool>,
     pub env: Vec<String>,
     pub unshare: Vec<String>,
+    pub bind: Option<String>,
     pub stage_in: Vec<String>,
     pub stage_out: Vec<String>,
 }
@@ -391,6 +403,7 @@ impl Options {
             Key::Writable => self.writable.is_some(),
             Key::Env => !self.env.is_empty(),
             Key::Unshare => !self.unshare.is_empty(),
+            Key::Bind => self.bind.is_some(),
             Key::StageIn => !self.stage_in.is_empty(),
             Key::StageOut => !self.stage_out.is_empty(),
         }
@@ -467,6 +480,12 @@ impl Options {
                 push_unique(&mut self.unshare, value.split(','));
                 Ok(())
             }
+            Key::Bind => {
+                if !matches!(value, "closest" | "none") {
+                    return Err(invalid("use closest or none"));
+                }
+                set_once(&mut self.bind, flag, value)
+            }
             Key::StageIn => {
                 for entry in value.split(',') {
                     check_stage_in(entry).map_err(invalid)?;
@@ -540,6 +559,7 @@ impl Options {
         put_str(Key::Workdir, &self.workdir);
         put_str(Key::Name, &self.name);
         put_str(Key::Save, &self.save);
+        put_str(Key::Bind, &self.bind);
         for (key, list) in [
             (Key::Mounts, &self.mounts),
             (Key::Env, &self.env),
@@ -749,6 +769,7 @@ mod tests {
             "container-readonly",
             "container-env",
             "container-unshare",
+            "container-bind",
             "stage-in",
             "stage-out",
         ] {
@@ -963,6 +984,36 @@ mod tests {
         for bad in ["relative/slurm_script", "/a:b/slurm_script", "/a,b/x"] {
             assert!(o.add_batch_script(bad).unwrap_err().contains(bad));
         }
+    }
+
+    #[test]
+    fn container_bind_takes_closest_or_none_from_flag_or_environment() {
+        let mut o = Options::default();
+        flag(&mut o, "container-bind", Some("none")).unwrap();
+        flag(&mut o, "container-bind", Some("none")).unwrap();
+        assert_eq!(o.bind.as_deref(), Some("none"));
+        let e = flag(&mut o, "container-bind", Some("closest")).unwrap_err();
+        assert!(matches!(e, OptionError::Conflict { .. }), "{e}");
+        let e = flag(&mut Options::default(), "container-bind", Some("nearest")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--container-bind: invalid value 'nearest': use closest or none"
+        );
+        let mut o = Options::default();
+        o.apply_env(env(&[("BERTH_CONTAINER_BIND", "closest")]))
+            .unwrap();
+        assert_eq!(o.bind.as_deref(), Some("closest"));
+        flag(&mut o, "container-image", Some("x")).unwrap();
+        assert_eq!(o.to_json()["container-bind"], "closest");
+        // Without a container it does nothing, and says so.
+        let mut o = Options::default();
+        flag(&mut o, "container-bind", Some("closest")).unwrap();
+        assert_eq!(
+            o.ignored(),
+            [
+                "ignoring --container-bind because neither --container-image nor --container-name is set"
+            ]
+        );
     }
 
     #[test]

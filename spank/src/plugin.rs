@@ -7,9 +7,10 @@
 //!   stage-in failed (the Prolog left the reason next to the scratch), sets BERTH_SCRATCH for
 //!   steps without a container, and for a container runs `berth step create` and opens
 //!   the namespaces it reports; in each task, `task_init_privileged` (root) replaces the task's
-//!   environment and `task_init` joins the namespaces and enters the working directory; when the
-//!   last local task has ended (`task_exit`), or at the latest in `exit`, `berth step destroy`
-//!   removes the container.
+//!   environment and `task_init` applies the task's rank plan (`--container-bind=closest`:
+//!   variables, CPU affinity, memory policy), joins the namespaces and enters the working
+//!   directory; when the last local task has ended (`task_exit`), or at the latest in `exit`,
+//!   `berth step destroy` removes the container.
 //!
 //! Every entry point catches panics (none may unwind into Slurm) and reports failures as one
 //! `berth: …` line, which srun prints on the user's terminal.
@@ -66,6 +67,8 @@ struct Container {
     cwd: String,
     /// Printed by the node's first task, whose stderr reaches srun.
     entrypoint_log: Option<String>,
+    /// `--container-bind=closest`: each local task's CPUs, memory and variables.
+    bind: Option<request::Binding>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -455,6 +458,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         env: created.env,
         cwd: created.cwd,
         entrypoint_log: created.entrypoint_log,
+        bind: created.bind,
     })
 }
 
@@ -526,6 +530,7 @@ pub unsafe extern "C" fn slurm_spank_task_init(
             use std::io::Write;
             let _ = std::io::stderr().write_all(log.as_bytes());
         }
+        pin_task(sp, c)?;
         join::enter(&c.namespaces).map_err(berth_line)?;
         // As the job's user, without capabilities: the directory is checked with its rights.
         std::env::set_current_dir(&c.cwd).map_err(|e| {
@@ -537,6 +542,33 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         })?;
         Ok(())
     })
+}
+
+/// `--container-bind=closest`: sets the task's rank variables (after Slurm's GRES variables,
+/// which it replaces), then pins its CPUs and memory (after Slurm's task affinity). A rank berth
+/// did not plan keeps Slurm's placement.
+fn pin_task(sp: spank_t, c: &Container) -> Result<(), Fail> {
+    let Some(bind) = &c.bind else {
+        return Ok(());
+    };
+    let local = ffi::getenv(sp, "SLURM_LOCALID").and_then(|v| v.trim().parse::<u32>().ok());
+    let Some(rank) = local.and_then(|r| bind.rank(r)) else {
+        ffi::log_info(&berth_line(format!(
+            "no placement planned for local task {}: leaving it to Slurm",
+            local.map_or("?".to_string(), |r| r.to_string())
+        )));
+        return Ok(());
+    };
+    for entry in &rank.env {
+        // Created::parse checked that every entry has a name and a '='.
+        let (name, value) = entry.split_once('=').unwrap_or((entry, ""));
+        ffi::setenv(sp, name, value)
+            .map_err(|e| berth_line(format!("cannot set {name} for the task: {e}")))?;
+    }
+    for note in crate::pin::apply(rank, bind.memory_policy).notes {
+        ffi::log_info(&berth_line(format!("local task {}: {note}", rank.rank)));
+    }
+    Ok(())
 }
 
 /// # Safety

@@ -118,6 +118,41 @@ pub struct Created {
     /// What the image's entrypoint printed (`--container-entrypoint-log`).
     #[serde(default)]
     pub entrypoint_log: Option<String>,
+    /// With `--container-bind=closest`: what each local task is pinned to. Absent from an
+    /// older berth's answer.
+    #[serde(default)]
+    pub bind: Option<Binding>,
+}
+
+/// How a pinned task's memory follows its NUMA nodes (berth's `topology.memory_policy`).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MemPolicy {
+    Bind,
+    Preferred,
+    None,
+}
+
+/// The per-local-rank plans of a step.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+pub struct Binding {
+    pub memory_policy: MemPolicy,
+    pub ranks: Vec<RankBinding>,
+}
+
+/// One local rank (SLURM_LOCALID): its CPUs, NUMA nodes and variables.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+pub struct RankBinding {
+    pub rank: u32,
+    pub cpus: Vec<u32>,
+    pub mems: Vec<u32>,
+    pub env: Vec<String>,
+}
+
+impl Binding {
+    pub fn rank(&self, rank: u32) -> Option<&RankBinding> {
+        self.ranks.iter().find(|r| r.rank == rank)
+    }
 }
 
 /// `berth step create` broke the protocol: the plugin cannot use what it printed.
@@ -162,6 +197,13 @@ impl Created {
         }
         if !self.cwd.starts_with('/') {
             return Err(ProtocolError::BadCwd(self.cwd.clone()));
+        }
+        let bound = self.bind.iter().flat_map(|b| &b.ranks);
+        if let Some(bad) = bound
+            .flat_map(|r| &r.env)
+            .find(|e| !e.contains('=') || e.starts_with('='))
+        {
+            return Err(ProtocolError::BadEnv(bad.clone()));
         }
         Ok(())
     }
@@ -300,6 +342,33 @@ mod tests {
             .collect();
         assert_eq!(order, ["cgroup", "ipc", "uts", "net", "mnt", "user"]);
         assert_eq!(c.join_order().unwrap()[4].1, "/proc/4242/ns/mnt");
+    }
+
+    #[test]
+    fn response_may_carry_per_rank_bindings() {
+        assert_eq!(Created::parse(GOOD.as_bytes()).unwrap().bind, None);
+        let with = GOOD.replacen(
+            "\"extra\": 1",
+            r#""bind": {"memory_policy": "preferred", "ranks": [
+                {"rank": 0, "cpus": [2, 3], "mems": [1], "env": ["CUDA_VISIBLE_DEVICES=1"]},
+                {"rank": 1, "cpus": [0], "mems": [0], "env": ["NCCL_IB_HCA==mlx5_0"]}]}"#,
+            1,
+        );
+        let bind = Created::parse(with.as_bytes()).unwrap().bind.unwrap();
+        assert_eq!(bind.memory_policy, MemPolicy::Preferred);
+        let r1 = bind.rank(1).unwrap();
+        assert_eq!(
+            (r1.cpus.as_slice(), r1.mems.as_slice()),
+            (&[0][..], &[0][..])
+        );
+        assert_eq!(r1.env, ["NCCL_IB_HCA==mlx5_0"]);
+        assert!(bind.rank(2).is_none());
+        let bad = with.replacen("CUDA_VISIBLE_DEVICES=1", "CUDA_VISIBLE_DEVICES", 1);
+        let e = Created::parse(bad.as_bytes()).unwrap_err().to_string();
+        assert!(
+            e.contains("'CUDA_VISIBLE_DEVICES', which has no '='"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -79,6 +79,48 @@ fn job_id() -> Result<String, Failure> {
     }
 }
 
+/// Remembers where the kernel log stands for `job` (the last record's sequence number).
+fn write_mark(config: &Config, job: &str, records: Option<&[kmsg::Record]>) -> Result<(), Failure> {
+    let path = mark_path(config, job);
+    let seq = records.and_then(kmsg::last_seq).unwrap_or(0);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Failure::system(format!("creating {}: {e}", dir.display())))?;
+    }
+    crate::topology::atomic_write(&path, format!("{seq}\n").as_bytes()).map_err(failure)
+}
+
+/// (Prolog) Notes where the kernel log stands for SLURM_JOB_ID, so that the Epilog judges
+/// only the XIDs logged while the job ran; reads the log only, not the node.
+pub fn mark_job_start(config: &Config) -> Result<(), Failure> {
+    let job = job_id()?;
+    let host = super::topo::host(&Source::default(), config);
+    let records = kmsg::read(&host.path("/dev/kmsg")).ok();
+    write_mark(config, &job, records.as_deref())
+}
+
+/// (Epilog) Whether the node is fit after the job of SLURM_JOB_ID: `Some(reason)`, one line
+/// for Slurm's drain reason, when it is not. XIDs count from the Prolog's mark.
+pub fn epilog_verdict(config: &Config) -> Result<Option<String>, Failure> {
+    let report = report(
+        config,
+        &Source::default(),
+        None,
+        None,
+        XidWindow::Job,
+        false,
+    )?;
+    Ok(if report.healthy {
+        None
+    } else {
+        Some(
+            report
+                .reason
+                .unwrap_or_else(|| "unhealthy (berth health --json says why)".into()),
+        )
+    })
+}
+
 /// Runs the checks; with `job_start`, also records the kernel log's position for the job.
 pub fn report(
     config: &Config,
@@ -100,17 +142,7 @@ pub fn report(
     };
     if job_start {
         let job = job.as_deref().expect("set above");
-        let path = mark_path(config, job);
-        let seq = records
-            .as_ref()
-            .ok()
-            .and_then(|r| kmsg::last_seq(r))
-            .unwrap_or(0);
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Failure::system(format!("creating {}: {e}", dir.display())))?;
-        }
-        crate::topology::atomic_write(&path, format!("{seq}\n").as_bytes()).map_err(failure)?;
+        write_mark(config, job, records.as_deref().ok())?;
     }
     let after = match window {
         XidWindow::None => None,

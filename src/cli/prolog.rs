@@ -111,6 +111,7 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
             ),
         }
     }
+    health_mark(&job, config);
     Ok(0)
 }
 
@@ -182,7 +183,35 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
             failures.len()
         )));
     }
-    Ok(0)
+    epilog_health(config)
+}
+
+/// `topology.epilog_health`: the node's health after the job; unfit, the Epilog fails with the
+/// checks' one-line reason, which Slurm shows as the drain reason.
+fn epilog_health(config: &Config) -> Result<i32, Failure> {
+    if !config.topology.epilog_health {
+        return Ok(0);
+    }
+    match super::health::epilog_verdict(config)? {
+        None => Ok(0),
+        Some(reason) => Err(Failure {
+            code: 1,
+            message: reason,
+        }),
+    }
+}
+
+/// Notes where the kernel log stands, so that the Epilog's health checks judge only the XIDs
+/// of this job. Without the mark they skip XIDs; that is no reason to fail the Prolog.
+fn health_mark(job: &str, config: &Config) {
+    if config.topology.epilog_health
+        && let Err(e) = super::health::mark_job_start(config)
+    {
+        eprintln!(
+            "berth: job {job}: kernel log mark for the Epilog's health checks: {}",
+            e.message
+        );
+    }
 }
 
 /// A value the SPANK plugin passed with `spank_job_control_setenv`; empty counts as unset.

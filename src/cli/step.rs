@@ -11,8 +11,13 @@ use super::container::Description;
 use super::run::{host_files, options, runtime_failure};
 use crate::config::Config;
 use crate::runtime::{self, state};
-use crate::slurm::step::{NameMode, Scope, StepRequest, parse_name, to_request};
+use crate::slurm::step::{
+    self as slurm_step, NameMode, Scope, StepRequest, TaskBinding, parse_name, to_request,
+};
 use crate::spec;
+use crate::topology::job::Job;
+use crate::topology::plan::{self, BindMode, PlanOptions};
+use crate::topology::{Host, Node, cpu, inject};
 
 /// Containers of Slurm job steps (called by the SPANK plugin)
 #[derive(Debug, Args)]
@@ -24,7 +29,7 @@ pub struct StepArgs {
 #[derive(Debug, Subcommand)]
 pub enum StepCommand {
     /// Create (or find, for a named container) a step's container; reads the request as JSON on
-    /// stdin, prints {id, pid, namespaces, env, cwd} as JSON
+    /// stdin, prints {id, pid, namespaces, env, cwd[, bind]} as JSON
     Create,
     /// Remove a step's unnamed container (idempotent)
     Destroy(DestroyArgs),
@@ -56,6 +61,9 @@ fn create(config: &Config) -> Result<i32, Failure> {
         .map_err(|e| Failure::system(format!("reading the step request on stdin: {e}")))?;
     let step: StepRequest = serde_json::from_str(&text)
         .map_err(|e| Failure::input(format!("invalid step request from the SPANK plugin: {e}")))?;
+    let bind = step
+        .bind_mode(config.topology.bind)
+        .map_err(Failure::input)?;
     let opts = options(config, None);
     let mut labels = BTreeMap::from([
         ("job".to_string(), step.job_id.to_string()),
@@ -87,7 +95,9 @@ fn create(config: &Config) -> Result<i32, Failure> {
                     pid: record.init_pid,
                     timings: Vec::new(),
                 };
-                return print(&Description::new(&created, &spec));
+                let topo = StepTopology::discover(&step, config)?;
+                let binding = topo.binding(bind, config)?;
+                return print(&Description::new(&created, &spec), binding);
             }
             (None, NameMode::Exec) => {
                 return Err(Failure::input(format!(
@@ -158,7 +168,11 @@ fn create(config: &Config) -> Result<i32, Failure> {
             )));
         }
     }
-    let spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let mut spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    let topo = StepTopology::discover(&step, config)?;
+    let binding = topo.binding(bind, config)?;
+    // Kept until the container exists: its /etc/ld.so.cache is a bind of this file.
+    let _loader_cache = topo.inject_devices(&mut spec, &image.lowers, config)?;
     if let Some(digest) = &image.digest {
         labels.insert("image".into(), digest.clone());
     }
@@ -168,7 +182,6 @@ fn create(config: &Config) -> Result<i32, Failure> {
         .container_entrypoint
         .unwrap_or(step.plugin.execute_entrypoint);
     let mut log = None;
-    let mut spec = spec;
     let entrypoint = step_entrypoint(&image.defaults.entrypoint, &image.lowers);
     if use_entrypoint && !entrypoint.is_empty() {
         let ran = runtime::join::run_entrypoint(
@@ -200,7 +213,7 @@ fn create(config: &Config) -> Result<i32, Failure> {
     }
     let mut description = Description::new(&created, &spec);
     description.entrypoint_log = log;
-    print(&description)
+    print(&description, binding)
 }
 
 /// The entrypoint `--container-entrypoint` runs: the image's, or for an image without one that
@@ -216,10 +229,125 @@ fn step_entrypoint(image: &[String], lowers: &[std::path::PathBuf]) -> Vec<Strin
     Vec::new()
 }
 
-fn print(description: &Description) -> Result<i32, Failure> {
-    let text = serde_json::to_string(description).map_err(|e| Failure::system(e.to_string()))?;
+/// `berth step create`'s answer: the container, and with `--container-bind=closest` what each
+/// local task is pinned to (an optional field: a plugin that does not know it ignores it).
+#[derive(serde::Serialize)]
+struct Answer<'a> {
+    #[serde(flatten)]
+    description: &'a Description,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bind: Option<TaskBinding>,
+}
+
+fn print(description: &Description, bind: Option<TaskBinding>) -> Result<i32, Failure> {
+    let answer = Answer { description, bind };
+    let text = serde_json::to_string(&answer).map_err(|e| Failure::system(e.to_string()))?;
     println!("{text}");
     Ok(0)
+}
+
+/// The node as topology sees it and what the step was allocated on it.
+struct StepTopology {
+    host: Host,
+    node: Node,
+    job: Job,
+}
+
+impl StepTopology {
+    fn discover(step: &StepRequest, config: &Config) -> Result<Self, Failure> {
+        let (host, node) = super::topo::discover(&Default::default(), config)?;
+        let mut job = step.topology_job().map_err(super::topo::failure)?;
+        // A step has the GPUs Slurm names, never "every GPU"; and a CUDA_VISIBLE_DEVICES the
+        // user exported from a GPU machine names nothing on a node without GPUs.
+        if job.gpus.is_none()
+            || (node.gpus.is_empty() && job.gpus_from.as_deref() == Some("CUDA_VISIBLE_DEVICES"))
+        {
+            job.gpus = Some(Vec::new());
+        }
+        Ok(Self { host, node, job })
+    }
+
+    /// The per-rank plan for `--container-bind=closest`, within the step's cpuset.
+    fn binding(&self, mode: BindMode, config: &Config) -> Result<Option<TaskBinding>, Failure> {
+        if mode == BindMode::None {
+            return Ok(None);
+        }
+        // The step's cgroup cpuset is this process's (berth runs in slurmstepd's cgroup); on
+        // a snapshot host it would describe another machine.
+        let (allowed_cpus, allowed_mems) = if self.host.is_live() {
+            cpu::step_cpuset(&self.host)
+        } else {
+            (None, None)
+        };
+        let plan = plan::plan(
+            &self.node,
+            &self.job,
+            &PlanOptions {
+                allowed_cpus,
+                allowed_mems,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| {
+            Failure::input(format!(
+                "--container-bind=closest: {e}; or run with --container-bind=none"
+            ))
+        })?;
+        for w in &plan.warnings {
+            tracing::warn!("--container-bind=closest: {w}");
+        }
+        Ok(Some(slurm_step::binding(
+            &plan,
+            config.topology.memory_policy,
+        )))
+    }
+
+    /// Gives the container the step's GPUs (device nodes, the driver's files, a loader cache
+    /// that finds them) and their paired HCAs, and extends its device allow-list by exactly
+    /// these; the image's NVIDIA_VISIBLE_DEVICES plays no part. The returned file backs the
+    /// container's /etc/ld.so.cache until the container has been created.
+    fn inject_devices(
+        &self,
+        spec: &mut oci_spec::runtime::Spec,
+        lowers: &[std::path::PathBuf],
+        config: &Config,
+    ) -> Result<Option<tempfile::NamedTempFile>, Failure> {
+        let fail = |e: &dyn std::fmt::Display| Failure::input(format!("the step's GPUs: {e}"));
+        let plan = inject::for_job(
+            &self.host,
+            &self.node,
+            &self.job,
+            &inject::DriverFiles::default(),
+        )
+        .map_err(|e| fail(&e))?;
+        if plan.is_empty() {
+            return Ok(None);
+        }
+        for w in &plan.warnings {
+            tracing::warn!("the step's GPUs: {w}");
+        }
+        inject::apply(spec, &plan).map_err(|e| fail(&e))?;
+        if plan.libraries.is_empty() {
+            return Ok(None);
+        }
+        let image_cache = inject::read_image_loader_cache(lowers).map_err(|e| fail(&e))?;
+        let (bytes, warning) = inject::container_loader_cache(image_cache.as_deref(), &plan);
+        if let Some(w) = warning {
+            tracing::warn!("the step's GPUs: {w}");
+        }
+        std::fs::create_dir_all(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+        let mut file =
+            tempfile::NamedTempFile::new_in(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+        std::io::Write::write_all(&mut file, &bytes).map_err(|e| fail(&e))?;
+        // Every user of the container reads the loader cache.
+        std::fs::set_permissions(
+            file.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )
+        .map_err(|e| fail(&e))?;
+        inject::mount_loader_cache(spec, file.path()).map_err(|e| fail(&e))?;
+        Ok(Some(file))
+    }
 }
 
 fn destroy(args: &DestroyArgs, config: &Config) -> Result<i32, Failure> {

@@ -3,11 +3,15 @@
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::{env, mounts};
 use crate::spec::image::ImageDefaults;
 use crate::spec::{BindMount, Net, Request, UserIds};
+use crate::topology::TopologyError;
+use crate::topology::bind::MemPolicy;
+use crate::topology::job::{self, Job};
+use crate::topology::plan::{BindMode, NodePlan};
 
 /// What `berth step create` reads on stdin.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -27,6 +31,76 @@ pub struct StepRequest {
     pub job_env: Vec<String>,
 }
 
+impl StepRequest {
+    /// `--container-bind`, else `default` (`topology.bind`).
+    pub fn bind_mode(&self, default: BindMode) -> Result<BindMode, String> {
+        match self.options.container_bind.as_deref() {
+            None => Ok(default),
+            Some("closest") => Ok(BindMode::Closest),
+            Some("none") => Ok(BindMode::None),
+            Some(other) => Err(format!(
+                "invalid --container-bind '{other}': use closest or none"
+            )),
+        }
+    }
+
+    /// The step's GPUs and tasks on this node as topology plans them: the GPUs from the job's
+    /// environment (SLURM_STEP_GPUS, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES), the task count
+    /// from slurmstepd (the environment's per-node lists describe the job, not always the step).
+    pub fn topology_job(&self) -> Result<Job, TopologyError> {
+        let pairs = env::pairs(&self.job_env);
+        let get = |key: &str| {
+            pairs
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+        };
+        let mut job = job::from_env(&get)?;
+        if self.local_task_count > 0 {
+            job.tasks = self.local_task_count;
+            job.tasks_from = Some("the step's local task count".into());
+        }
+        // One plan serves every task; each picks its own rank by SLURM_LOCALID.
+        job.local_id = None;
+        Ok(job)
+    }
+}
+
+/// What each local task of a step is pinned to (`--container-bind=closest`): part of the answer
+/// of `berth step create`, applied by the SPANK plugin in each task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TaskBinding {
+    pub memory_policy: MemPolicy,
+    pub ranks: Vec<RankBinding>,
+}
+
+/// One local rank's CPUs, NUMA nodes and variables (CUDA_VISIBLE_DEVICES, UCX_NET_DEVICES,
+/// NCCL_IB_HCA, ...).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RankBinding {
+    pub rank: u32,
+    pub cpus: Vec<u32>,
+    pub mems: Vec<u32>,
+    pub env: Vec<String>,
+}
+
+pub fn binding(plan: &NodePlan, memory_policy: MemPolicy) -> TaskBinding {
+    TaskBinding {
+        memory_policy,
+        ranks: plan
+            .ranks
+            .iter()
+            .map(|r| RankBinding {
+                rank: r.rank,
+                cpus: r.cpus.iter().collect(),
+                mems: r.mems.iter().collect(),
+                env: r.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            })
+            .collect(),
+    }
+}
+
 /// The Pyxis options that were set (flags or their environment variables).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
@@ -44,6 +118,8 @@ pub struct Options {
     pub container_readonly: Option<bool>,
     pub container_env: Option<String>,
     pub container_unshare: Option<String>,
+    /// `closest` or `none`; unset: `topology.bind`.
+    pub container_bind: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -396,6 +472,76 @@ mod tests {
         assert!(parse_name("dev:bogus").is_err());
         assert!(parse_name("a/b").is_err());
         assert!(parse_name("").is_err());
+    }
+
+    #[test]
+    fn container_bind_defaults_to_the_configuration() {
+        let s = step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0}"#);
+        assert_eq!(s.bind_mode(BindMode::Closest), Ok(BindMode::Closest));
+        assert_eq!(s.bind_mode(BindMode::None), Ok(BindMode::None));
+        let s =
+            step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-bind":"none"}}"#);
+        assert_eq!(s.bind_mode(BindMode::Closest), Ok(BindMode::None));
+        let s =
+            step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-bind":"near"}}"#);
+        assert_eq!(
+            s.bind_mode(BindMode::Closest).unwrap_err(),
+            "invalid --container-bind 'near': use closest or none"
+        );
+    }
+
+    #[test]
+    fn the_steps_gpus_come_from_the_job_and_its_tasks_from_slurmstepd() {
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"local_task_count":3,
+                "job_env":["SLURM_JOB_ID=1","SLURM_JOB_GPUS=2,3","SLURM_TASKS_PER_NODE=8",
+                           "SLURM_LOCALID=1","CUDA_VISIBLE_DEVICES=0"]}"#,
+        );
+        let job = s.topology_job().unwrap();
+        assert_eq!(
+            job.gpus,
+            Some(vec![job::GpuId::Index(2), job::GpuId::Index(3)])
+        );
+        assert_eq!(job.tasks, 3);
+        assert_eq!(job.local_id, None);
+        let bad = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"job_env":["SLURM_JOB_ID=1","SLURM_STEP_GPUS=x"]}"#,
+        );
+        assert_eq!(
+            bad.topology_job().unwrap_err().to_string(),
+            "SLURM_STEP_GPUS=x: 'x' is not a GPU index, GPU-UUID or PCI address"
+        );
+    }
+
+    #[test]
+    fn a_binding_lists_each_ranks_cpus_nodes_and_variables() {
+        let (_f, node) = crate::topology::scenarios::dgx();
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"local_task_count":2,
+                "job_env":["SLURM_JOB_ID=1","SLURM_JOB_GPUS=2,5"]}"#,
+        );
+        let plan =
+            crate::topology::plan::plan(&node, &s.topology_job().unwrap(), &Default::default())
+                .unwrap();
+        let b = binding(&plan, MemPolicy::Preferred);
+        let json = serde_json::to_value(&b).unwrap();
+        assert_eq!(json["memory_policy"], "preferred");
+        assert_eq!(json["ranks"][1]["rank"], 1);
+        assert_eq!(json["ranks"][1]["mems"], serde_json::json!([1]));
+        assert_eq!(b.ranks[0].cpus.len(), 112);
+        assert_eq!(b.ranks[1].cpus[0], 56);
+        assert!(
+            b.ranks[1]
+                .env
+                .contains(&"CUDA_VISIBLE_DEVICES=1".to_string()),
+            "{:?}",
+            b.ranks[1].env
+        );
+        assert!(
+            b.ranks[0]
+                .env
+                .contains(&"UCX_NET_DEVICES=mlx5_4:1".to_string())
+        );
     }
 
     #[test]

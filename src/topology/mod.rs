@@ -236,4 +236,4 @@ mod tests {
 }
 
 #[cfg(test)]
-mod scenarios;
+pub(crate) mod scenarios;
