@@ -425,3 +425,33 @@ fn the_prolog_imports_the_jobs_image_and_never_fails_the_node_for_it() {
     assert!(o.status.success(), "a bad image would drain the node");
     assert!(stderr(&o).contains("test/missing"), "{}", stderr(&o));
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn an_image_with_a_hundred_layers_runs_plain_and_remapped() {
+    // Store paths of 100 layers are far longer than the page overlayfs takes its options in.
+    let e = env();
+    let up = Uploader::new(&e.registry.host(), None);
+    let gz = |e: Vec<Entry>| harness::blob_of(harness::tar_of(&e), Compression::Gzip, false);
+    let mut layers = vec![gz(harness::busybox_entries("amd64"))];
+    for i in 0..99 {
+        layers.push(gz(vec![
+            Entry::Dir("layers"),
+            Entry::File(format!("layers/{i}"), format!("{i}\n").into_bytes(), 0o644),
+            // Every layer writes `top`: the last one must win.
+            Entry::File("top".into(), format!("{i}\n").into_bytes(), 0o644),
+        ]));
+    }
+    up.image("test/tall", Some("1"), "amd64", layers, false);
+    let image = format!("{}#test/tall:1", e.registry.host());
+    let _ = test_user();
+    for extra in [&[][..], &["--user", "berthtest", "--remap-root"][..]] {
+        let mut args = vec!["run", "--image", &image];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "sh", "-c", "ls /layers | wc -l; cat /top; id -u"]);
+        let out = ok(berth_with(&e.config, &args));
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[..2], ["99", "98"], "{extra:?}: {out}");
+        assert_eq!(lines[2], "0", "{extra:?}: {out}");
+    }
+}

@@ -89,11 +89,20 @@ pub fn setup(
         std::fs::create_dir(work.join(dir))
             .map_err(|e| SetupError::new(format!("creating {}: {e}", work.join(dir).display())))?;
     }
-    let idmapped = match idmap {
-        Some(userns) => idmap_layers(lowers, work, userns)?,
-        None => Vec::new(),
+    // The overlay's options must fit in one page: with many layers (NGC images have 40 and more)
+    // under long store paths they do not. Then, and for idmapped layers, each layer is attached at
+    // a short name under `work` and named relative to it, as docker's overlay2 does.
+    let long = lowers
+        .iter()
+        .map(|p| overlay_escape(p).len() + 1)
+        .sum::<usize>()
+        > LOWERDIR_BUDGET;
+    let short = if long || idmap.is_some() {
+        attach_layers(lowers, work, idmap)?
+    } else {
+        Vec::new()
     };
-    if let Some(top) = idmapped.first() {
+    if let (Some(top), Some(_)) = (short.first(), idmap) {
         // The merged root directory is the upper one: it must belong to whoever the image's
         // root directory belongs to through the idmapping (the remapped user), or that user
         // could not create anything at the top level.
@@ -112,11 +121,22 @@ pub fn setup(
             ))
         })?;
     }
-    let lowerdir = if idmap.is_some() { &idmapped } else { lowers }
-        .iter()
-        .map(|p| overlay_escape(p))
-        .collect::<Vec<_>>()
-        .join(":");
+    let lowerdir = if short.is_empty() {
+        lowers
+            .iter()
+            .map(|p| overlay_escape(p))
+            .collect::<Vec<_>>()
+            .join(":")
+    } else {
+        // Relative to the working directory of the mount(2) call.
+        chdir(work).map_err(sys(format!("entering {}", work.display())))?;
+        short
+            .iter()
+            .filter_map(|p| p.file_name())
+            .map(|n| overlay_escape(Path::new(n)))
+            .collect::<Vec<_>>()
+            .join(":")
+    };
     let data = format!(
         "lowerdir={lowerdir},upperdir={},workdir={}",
         overlay_escape(&work.join("upper")),
@@ -209,27 +229,43 @@ pub fn setup(
     Ok(())
 }
 
-/// Attaches an idmapped copy of each layer at `work`/lN (in the container's mount namespace
-/// only) and returns those paths, topmost first like `lowers`.
-fn idmap_layers(
+/// Bytes of layer paths beyond which the layers are attached at short names (the overlay's
+/// whole option string must stay under a page, 4096 bytes).
+const LOWERDIR_BUDGET: usize = 3072;
+
+/// Attaches each layer at `work`/lN (in the container's mount namespace only), idmapped through
+/// `idmap` when given, and returns those paths, topmost first like `lowers`.
+fn attach_layers(
     lowers: &[PathBuf],
     work: &Path,
-    userns: BorrowedFd<'_>,
+    idmap: Option<BorrowedFd<'_>>,
 ) -> Result<Vec<PathBuf>, SetupError> {
     let mut out = Vec::with_capacity(lowers.len());
     for (i, lower) in lowers.iter().enumerate() {
         let at = work.join(format!("l{i}"));
         std::fs::create_dir(&at)
             .map_err(|e| SetupError::new(format!("creating {}: {e}", at.display())))?;
-        let target = open(
-            &at,
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(sys(format!("opening {}", at.display())))?;
-        mounts::Tree::idmapped(lower, userns)?
-            .attach(&target)
-            .map_err(sys(format!("attaching the idmapped {}", lower.display())))?;
+        match idmap {
+            Some(userns) => {
+                let target = open(
+                    &at,
+                    OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(sys(format!("opening {}", at.display())))?;
+                mounts::Tree::idmapped(lower, userns)?
+                    .attach(&target)
+                    .map_err(sys(format!("attaching the idmapped {}", lower.display())))?;
+            }
+            None => mount(
+                Some(lower.as_path()),
+                &at,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(sys(format!("binding layer {}", lower.display())))?,
+        }
         out.push(at);
     }
     Ok(out)
