@@ -73,8 +73,10 @@ fn container_source(record: &Record) -> Result<Source, Failure> {
         )));
     }
     export::can_export_containers().map_err(|e| Failure::input(e.to_string()))?;
+    // The recorded init must still be in the container's cgroup: a pid reused by another
+    // process since is not.
     let procs = record.cgroup.join("cgroup.procs");
-    let pids: Vec<i32> = std::fs::read_to_string(&procs)
+    let listed = std::fs::read_to_string(&procs)
         .map_err(|e| {
             Failure::system(format!(
                 "container {}: reading {}: {e}",
@@ -83,17 +85,14 @@ fn container_source(record: &Record) -> Result<Source, Failure> {
             ))
         })?
         .lines()
-        .filter_map(|l| l.trim().parse().ok())
-        .collect();
-    let pid = export::container_init(&pids, |pid| {
-        std::fs::read_to_string(format!("/proc/{pid}/status")).ok()
-    })
-    .ok_or_else(|| {
-        Failure::input(format!(
-            "container {} has no processes left; nothing to export",
+        .any(|l| l.trim().parse::<i32>().ok() == Some(record.init_pid));
+    if record.init_pid <= 0 || !listed {
+        return Err(Failure::input(format!(
+            "container {} has no init left; nothing to export",
             record.id
-        ))
-    })?;
+        )));
+    }
+    let pid = record.init_pid;
     Ok(Source::Container { pid })
 }
 

@@ -680,23 +680,6 @@ fn remapped_root(pid: i32) -> Option<(u32, u32)> {
     }
 }
 
-/// The container's init among the pids of its cgroup: the process that is PID 1 in its own
-/// PID namespace (innermost NSpid), else the first listed.
-pub fn container_init(pids: &[i32], status_of: impl Fn(i32) -> Option<String>) -> Option<i32> {
-    pids.iter()
-        .copied()
-        .find(|&pid| {
-            status_of(pid).is_some_and(|status| {
-                status
-                    .lines()
-                    .find_map(|l| l.strip_prefix("NSpid:"))
-                    .and_then(|ids| ids.split_whitespace().last().map(|s| s == "1"))
-                    .unwrap_or(false)
-            })
-        })
-        .or_else(|| pids.first().copied())
-}
-
 /// Whether a `setns`-based export can read a process's root: the caller must be root.
 pub fn can_export_containers() -> Result<(), ExportError> {
     if is_root() {
@@ -803,20 +786,6 @@ mod tests {
                 .unwrap()
                 .starts_with(".app.sqsh.berth-tmp.")
         );
-    }
-
-    #[test]
-    fn init_is_pid_1_of_its_namespace() {
-        let status = |pid: i32| {
-            Some(match pid {
-                100 => "Name:\tsh\nNSpid:\t100\t2\n".to_string(),
-                101 => "Name:\tberth\nNSpid:\t101\t1\n".to_string(),
-                _ => "Name:\tx\n".to_string(),
-            })
-        };
-        assert_eq!(container_init(&[100, 101], status), Some(101));
-        assert_eq!(container_init(&[7, 8], status), Some(7));
-        assert_eq!(container_init(&[], status), None);
     }
 
     #[test]

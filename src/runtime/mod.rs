@@ -255,6 +255,13 @@ fn start(
         clone_at.elapsed().saturating_sub(inside),
     ));
     record.init_pid = pid.as_raw();
+    // `berth export` and `berth ps` find the container's init here.
+    state
+        .save_record(&record)
+        .map_err(|source| RuntimeError::State {
+            path: state.path.clone(),
+            source,
+        })?;
     Ok(Started {
         id,
         pid,

@@ -49,6 +49,11 @@ impl StateDir {
         write_json(&self.path.join("state.json"), record)
     }
 
+    /// Rewrites the record alone (once init's pid is known).
+    pub fn save_record(&self, record: &Record) -> std::io::Result<()> {
+        write_json(&self.path.join("state.json"), record)
+    }
+
     /// Leaves the directory in place when this value is dropped.
     pub fn keep(mut self) {
         self.keep = true;
