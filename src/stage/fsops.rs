@@ -224,3 +224,75 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
     }
     Ok(())
 }
+
+pub fn fchown(fd: &OwnedFd, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: `fd` is an open descriptor.
+    check(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) })
+}
+
+/// lstat of the plain name `name` in the open directory `dir` (one syscall: no path walk, and a
+/// single component cannot lead through a symlink), or `None` when it does not exist.
+pub fn lstat_at(dir: &OwnedFd, name: &std::ffi::CStr) -> io::Result<Option<libc::stat>> {
+    // SAFETY: an all-zero stat is a valid value for fstatat to overwrite.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `dir` is open, `name` a valid C string and `st` a valid out pointer.
+    match check(unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    }) {
+        Ok(()) => Ok(Some(st)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Hardlinks `from` (beneath `from_root`) to `rel` beneath `root`. The source path lies in a
+/// tree only root writes (the dataset cache); `rel`'s parent is resolved beneath `root`.
+pub fn link_beneath(
+    from_root: &OwnedFd,
+    from: &Path,
+    root: &OwnedFd,
+    rel: &Path,
+) -> io::Result<()> {
+    let (dir, name) = parent_beneath(root, rel)?;
+    let from = cstr(from)?;
+    // SAFETY: both descriptors are open directories and both names valid C strings; flags 0:
+    // a symlink at `from` is linked itself, never followed.
+    check(unsafe {
+        libc::linkat(
+            from_root.as_raw_fd(),
+            from.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            0,
+        )
+    })
+}
+
+/// Changes the owner of `rel` itself beneath `root` (a symlink is not followed).
+pub fn lchown_beneath(root: &OwnedFd, rel: &Path, uid: u32, gid: u32) -> io::Result<()> {
+    let (dir, name) = parent_beneath(root, rel)?;
+    // SAFETY: `dir` is an open directory and `name` a valid C string.
+    check(unsafe {
+        libc::fchownat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            uid,
+            gid,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+}
+
+/// Clones all of `src` into `dst` (FICLONE): shared extents, no data written. Fails with
+/// EXDEV or EOPNOTSUPP where the filesystems cannot share extents.
+pub fn reflink(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
+    // _IOW(0x94, 9, int), from linux/fs.h; the libc crate does not define it.
+    const FICLONE: libc::c_ulong = 0x4004_9409;
+    // SAFETY: both descriptors are open; FICLONE takes the source descriptor as its argument.
+    check(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) })
+}
