@@ -320,13 +320,17 @@ fn scratch_is_the_users_and_is_removed_whatever_the_job_left() {
 
 /// A config with the dataset cache on for `prefix`, its cache under `w`.
 fn cache_config(w: &Path, prefix: &Path, max_bytes: u64) -> PathBuf {
+    cache_config_at(w, &w.join("cache"), prefix, max_bytes)
+}
+
+fn cache_config_at(w: &Path, cache: &Path, prefix: &Path, max_bytes: u64) -> PathBuf {
     let cfg = w.join("berth.toml");
     std::fs::write(
         &cfg,
         format!(
             "[stage]\ncache_dir = \"{}\"\ncache_prefixes = [\"{}\"]\ncache_max_bytes = {max_bytes}\n\
              [scratch]\nroot = \"{}\"\n",
-            w.join("cache").display(),
+            cache.display(),
             prefix.display(),
             w.join("scratch").display()
         ),
@@ -692,4 +696,39 @@ fn a_killed_fill_leaves_no_entry_that_is_served() {
         stage::checksums(&job.join("ds")).unwrap()
     );
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_cache_on_another_filesystem_hands_out_the_users_own_copies() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset(&src, 4, 3000);
+    // /dev/shm is a tmpfs: no hardlinks into /var/tmp, no reflinks either.
+    let cache = tempfile::tempdir_in("/dev/shm").unwrap();
+    let cfg = cache_config_at(w.path(), cache.path(), &data, 1 << 30);
+    let job = user_scratch(w.path(), "1");
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert_eq!(counts(&o), (4, 0, 4), "{}", common::stderr(&o));
+    assert!(common::stderr(&o).contains("(copied from cache)"));
+    let (uid, _, _) = test_user();
+    let (s, d) = (
+        std::fs::metadata(src.join("sub/f1")).unwrap(),
+        std::fs::metadata(job.join("ds/sub/f1")).unwrap(),
+    );
+    assert_eq!((d.uid(), d.mode()), (uid, s.mode()));
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&job.join("ds")).unwrap()
+    );
+    let job2 = user_scratch(w.path(), "2");
+    assert_eq!(
+        counts(&stage_cached(&cfg, &src, &job2, "berthtest")),
+        (0, 0, 4)
+    );
+    assert_eq!(
+        counts(&stage_cached(&cfg, &src, &job2, "berthtest")),
+        (0, 4, 0)
+    );
 }

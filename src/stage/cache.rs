@@ -673,6 +673,16 @@ fn link_into(
                         unchanged.fetch_add(1, Ordering::Relaxed);
                         return Ok(());
                     }
+                    // A copy made earlier (cache on another filesystem): the engine's rule.
+                    Some(st)
+                        if st.st_mode & libc::S_IFMT == libc::S_IFREG
+                            && st.st_uid == uid
+                            && (st.st_size as u64, (st.st_mtime, st.st_mtime_nsec))
+                                == (i.size, i.mtime) =>
+                    {
+                        unchanged.fetch_add(1, Ordering::Relaxed);
+                        return Ok(());
+                    }
                     Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
                         return Err(StageError::Conflict {
                             path: dest_path.join(&i.rel),
