@@ -388,12 +388,14 @@ impl Cache {
                         0o600,
                     )
                     .map_err(cache_err("create", &dest()))?;
-                    fsops::copy_range(&sfd, &dfd, 0, i.size).map_err(|e| match e.kind() {
-                        std::io::ErrorKind::UnexpectedEof => StageError::Source {
-                            path: src.clone(),
-                            source: e,
-                        },
-                        _ => cache_err("write", &dest())(e),
+                    fsops::copy_data(&sfd, &dfd, 0, i.size, i.size).map_err(|e| {
+                        match e.kind() {
+                            std::io::ErrorKind::UnexpectedEof => StageError::Source {
+                                path: src.clone(),
+                                source: e,
+                            },
+                            _ => cache_err("write", &dest())(e),
+                        }
                     })?;
                     fsops::fchmod(&dfd, read_only(i.mode)).map_err(cache_err("chmod", &dest()))?;
                     fsops::set_mtime_fd(&dfd, i.mtime)

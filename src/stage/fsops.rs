@@ -296,3 +296,123 @@ pub fn reflink(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
     // SAFETY: both descriptors are open; FICLONE takes the source descriptor as its argument.
     check(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) })
 }
+
+/// Below this, a copy goes through `copy_file_range` (the page cache); at or above it, through
+/// [`copy_range_direct`].
+pub const DIRECT_MIN: u64 = 8 << 20;
+const DIRECT_ALIGN: usize = 4096;
+const DIRECT_BUF: usize = 8 << 20;
+
+/// Copies `len` bytes at `offset` of a file of `file_size` bytes, choosing the way by size:
+/// large ranges are written with O_DIRECT, small ones with `copy_file_range`.
+pub fn copy_data(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+    offset: u64,
+    len: u64,
+    file_size: u64,
+) -> io::Result<()> {
+    if len >= DIRECT_MIN && offset % DIRECT_ALIGN as u64 == 0 {
+        copy_range_direct(src, dst, offset, len, file_size)
+    } else {
+        copy_range(src, dst, offset, len)
+    }
+}
+
+/// A zeroed, page-aligned buffer (O_DIRECT needs aligned memory, offsets and lengths).
+struct Aligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, DIRECT_ALIGN).expect("valid layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Self { ptr, layout }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `layout.size()` initialized bytes owned by this value.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this very layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// Copies a large range with O_DIRECT writes: the source is read through the page cache (cheap
+/// when it is warm, read ahead when it is cold), the destination written straight to the device
+/// in large aligned blocks, so that nothing is left dirty for the final sync to flush and the
+/// page cache is not filled with a copy nobody has read yet. The last, partial block of the file
+/// is written padded and the file cut back to `file_size`. Falls back to [`copy_range`] where
+/// the filesystem refuses O_DIRECT (tmpfs).
+pub fn copy_range_direct(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+    offset: u64,
+    len: u64,
+    file_size: u64,
+) -> io::Result<()> {
+    // O_DIRECT is a property of the open file description; the caller's `dst` is its own (one
+    // open per copy task).
+    // SAFETY: F_GETFL/F_SETFL on an open descriptor have no memory effects.
+    let flags = unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_SETFL, flags | libc::O_DIRECT) } < 0 {
+        return match io::Error::last_os_error().raw_os_error() {
+            Some(libc::EINVAL | libc::EOPNOTSUPP) => copy_range(src, dst, offset, len),
+            _ => Err(io::Error::last_os_error()),
+        };
+    }
+    let direct = std::fs::File::from(dst.try_clone()?);
+    // SAFETY: POSIX_FADV_SEQUENTIAL is advice; it has no memory effects.
+    unsafe {
+        libc::posix_fadvise(
+            src.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_SEQUENTIAL,
+        )
+    };
+    use std::os::unix::fs::FileExt;
+    let src = std::fs::File::from(src.try_clone()?);
+    let mut buf = Aligned::new(DIRECT_BUF);
+    let buf = buf.as_mut();
+    let mut done = 0u64;
+    while done < len {
+        let want = (len - done).min(DIRECT_BUF as u64) as usize;
+        // Fill the block completely (a short read mid-file would misalign the next write).
+        let mut got = 0;
+        while got < want {
+            let n = src.read_at(&mut buf[got..want], offset + done + got as u64)?;
+            if n == 0 {
+                return Err(shrunk());
+            }
+            got += n;
+        }
+        let at = offset + done;
+        if got % DIRECT_ALIGN == 0 {
+            direct.write_all_at(&buf[..got], at)?;
+        } else {
+            // The file's tail: padded to the block size, then cut back.
+            let padded = got.next_multiple_of(DIRECT_ALIGN);
+            buf[got..padded].fill(0);
+            direct.write_all_at(&buf[..padded], at)?;
+            direct.set_len(file_size)?;
+        }
+        done += got as u64;
+    }
+    Ok(())
+}

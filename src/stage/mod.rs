@@ -760,12 +760,14 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                         fsops::open_beneath(&root, &e.rel, libc::O_WRONLY, 0)
                     }
                     .map_err(|err| dest_err("create", &e.rel, err))?;
-                    fsops::copy_range(&sfd, &dfd, off, len).map_err(|err| match err.kind() {
-                        std::io::ErrorKind::UnexpectedEof => StageError::Source {
-                            path: src.clone(),
-                            source: err,
-                        },
-                        _ => dest_err("write", &e.rel, err),
+                    fsops::copy_data(&sfd, &dfd, off, len, e.size).map_err(|err| {
+                        match err.kind() {
+                            std::io::ErrorKind::UnexpectedEof => StageError::Source {
+                                path: src.clone(),
+                                source: err,
+                            },
+                            _ => dest_err("write", &e.rel, err),
+                        }
                     })?;
                     // The last chunk of a file completes it (mode and mtime set last).
                     if whole || chunks_left[i].fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -1205,6 +1207,39 @@ mod tests {
             "{msg}"
         );
         assert!(!base.join("big").exists() && status(&base).is_none());
+    }
+
+    #[test]
+    fn large_files_are_written_direct_to_the_byte_whole_or_in_chunks() {
+        let tmp = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        // Unaligned sizes: the padded tail must be cut back exactly.
+        for (name, len) in [("whole", (9 << 20) + 123), ("chunked", (20 << 20) + 77)] {
+            let data: Vec<u8> = (0..len).map(|i: usize| (i * 13 % 251) as u8).collect();
+            std::fs::write(src.join(name), data).unwrap();
+        }
+        for chunk in [64 << 20, 8 << 20] {
+            let dst = tmp.path().join(format!("dst{chunk}"));
+            let r = stage(
+                &src,
+                &dst,
+                Path::new(""),
+                &Options {
+                    chunk_size: chunk,
+                    ..opts()
+                },
+            )
+            .unwrap();
+            assert_eq!(r.files_copied, 2);
+            assert_eq!(checksums(&src).unwrap(), checksums(&dst).unwrap());
+            for name in ["whole", "chunked"] {
+                assert_eq!(
+                    std::fs::metadata(src.join(name)).unwrap().len(),
+                    std::fs::metadata(dst.join(name)).unwrap().len()
+                );
+            }
+        }
     }
 
     #[test]
