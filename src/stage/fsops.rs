@@ -312,7 +312,7 @@ pub fn copy_data(
     len: u64,
     file_size: u64,
 ) -> io::Result<()> {
-    if len >= DIRECT_MIN && offset % DIRECT_ALIGN as u64 == 0 {
+    if len >= DIRECT_MIN && offset.is_multiple_of(DIRECT_ALIGN as u64) {
         copy_range_direct(src, dst, offset, len, file_size)
     } else {
         copy_range(src, dst, offset, len)
@@ -403,7 +403,7 @@ pub fn copy_range_direct(
             got += n;
         }
         let at = offset + done;
-        if got % DIRECT_ALIGN == 0 {
+        if got.is_multiple_of(DIRECT_ALIGN) {
             direct.write_all_at(&buf[..got], at)?;
         } else {
             // The file's tail: padded to the block size, then cut back.
