@@ -95,7 +95,7 @@ struct Item {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct Manifest {
     source: PathBuf,
-    /// Pre-order: a directory before its contents; the first item is the root.
+    /// A directory before its contents; the first item is the root.
     items: Vec<Item>,
 }
 
@@ -170,7 +170,7 @@ fn key(canon: &Path) -> String {
 /// The user's walk of the source: every directory listed and every file opened with the user's
 /// credentials (the read check), symlink targets read.
 fn survey(source: &Path, workers: usize) -> Result<Manifest, StageError> {
-    let plan = walk(source)?;
+    let plan = walk(source, workers)?;
     let targets: Vec<OnceLock<PathBuf>> = plan.entries.iter().map(|_| OnceLock::new()).collect();
     parallel(plan.entries.len(), workers, |i| {
         let e = &plan.entries[i];

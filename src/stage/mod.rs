@@ -1,11 +1,13 @@
 //! Data staging: copies a dataset (a directory tree or one file) from shared storage into a
 //! job's node-local scratch, or results back out, fast and safely.
 //!
-//! A stage is planned, then applied. The plan walks the source without following symlinks and
-//! compares each file with the destination by size and mtime; unchanged files are not copied
-//! again, so a re-stage of an unchanged dataset only reads metadata. The apply phase copies with
-//! a pool of worker threads (`copy_file_range`, large files split into chunks copied in
-//! parallel), keeps modes and mtimes, recreates symlinks as symlinks, and resolves every
+//! A stage is planned, then applied. The plan walks the source without following symlinks (the
+//! directories of one level listed in parallel) and compares each file with the destination by
+//! size and mtime; unchanged files are not copied again, so a re-stage of an unchanged dataset
+//! only reads metadata, and writes nothing at all when the destination's marker says it is
+//! complete. The apply phase copies with a pool of worker threads (`copy_file_range` for small
+//! files; large files split into chunks copied in parallel, written with O_DIRECT), keeps modes
+//! and mtimes, recreates symlinks as symlinks, and resolves every
 //! destination path beneath the destination root (`openat2 RESOLVE_BENEATH`). A completion marker
 //! is written last: a tree without it is never taken as complete, and staging again resumes
 //! (files whose size and mtime already match are skipped; a file's mtime is set only once all its
@@ -24,8 +26,8 @@ use std::io::{IsTerminal, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -272,7 +274,7 @@ struct Plan {
     skipped_special: u64,
 }
 
-fn walk(source: &Path) -> Result<Plan, StageError> {
+fn walk(source: &Path, workers: usize) -> Result<Plan, StageError> {
     let src_err = |path: &Path, source| StageError::Source {
         path: path.to_path_buf(),
         source,
@@ -304,33 +306,49 @@ fn walk(source: &Path) -> Result<Plan, StageError> {
     }
     plan.entries
         .push(Entry::from_meta(PathBuf::new(), &meta).expect("a directory"));
-    // Pre-order: a directory always comes before its contents.
-    let mut stack = vec![PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = source.join(&rel);
-        let mut children = Vec::new();
-        for item in std::fs::read_dir(&dir).map_err(|e| src_err(&dir, e))? {
-            let item = item.map_err(|e| src_err(&dir, e))?;
-            let child_rel = rel.join(item.file_name());
-            if rel.as_os_str().is_empty()
-                && (item.file_name() == MARKER || item.file_name() == MARKER_TMP)
-            {
-                continue;
+    // Level by level, each level's directories listed in parallel (on a cold cache every stat
+    // is a disk read: many in flight at once). A directory comes before its contents, and the
+    // entries of one directory are together, sorted.
+    let mut level = vec![PathBuf::new()];
+    while !level.is_empty() {
+        let listed: Vec<OnceLock<(Vec<Entry>, u64)>> =
+            level.iter().map(|_| OnceLock::new()).collect();
+        parallel(level.len(), workers, |k| {
+            let rel = &level[k];
+            let dir = source.join(rel);
+            let mut children = Vec::new();
+            let mut special = 0;
+            for item in std::fs::read_dir(&dir).map_err(|e| src_err(&dir, e))? {
+                let item = item.map_err(|e| src_err(&dir, e))?;
+                if rel.as_os_str().is_empty()
+                    && (item.file_name() == MARKER || item.file_name() == MARKER_TMP)
+                {
+                    continue;
+                }
+                // DirEntry::metadata does not follow symlinks.
+                let meta = item.metadata().map_err(|e| src_err(&item.path(), e))?;
+                match Entry::from_meta(rel.join(item.file_name()), &meta) {
+                    Some(e) => children.push(e),
+                    None => special += 1,
+                }
             }
-            // DirEntry::metadata does not follow symlinks.
-            let meta = item.metadata().map_err(|e| src_err(&item.path(), e))?;
-            match Entry::from_meta(child_rel, &meta) {
-                Some(e) => children.push(e),
-                None => plan.skipped_special += 1,
-            }
+            children.sort_by(|a, b| a.rel.cmp(&b.rel));
+            let _ = listed[k].set((children, special));
+            Ok(())
+        })?;
+        let mut next = Vec::new();
+        for cell in listed {
+            let (children, special) = cell.into_inner().unwrap_or_default();
+            plan.skipped_special += special;
+            next.extend(
+                children
+                    .iter()
+                    .filter(|e| e.kind == Kind::Dir)
+                    .map(|e| e.rel.clone()),
+            );
+            plan.entries.extend(children);
         }
-        children.sort_by(|a, b| a.rel.cmp(&b.rel));
-        for e in children.into_iter().rev() {
-            if e.kind == Kind::Dir {
-                stack.push(e.rel.clone());
-            }
-            plan.entries.push(e);
-        }
+        level = next;
     }
     Ok(plan)
 }
@@ -538,7 +556,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     // What an earlier complete stage left: if the source is unchanged since, nothing is written.
     let prior = read_marker(&root);
 
-    let mut plan = walk(source)?;
+    let mut plan = walk(source, opts.workers)?;
     let src_path = |rel: &Path| {
         if plan.single_file {
             plan.source.clone()
@@ -653,7 +671,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         });
     }
 
-    // Directories first (pre-order), writable by their owner until the end.
+    // Directories first (parents before children), writable by their owner until the end.
     for (e, _) in plan
         .entries
         .iter()
@@ -935,7 +953,7 @@ fn verify(plan: &Plan, root: &OwnedFd, dest: &Path, workers: usize) -> Result<()
 /// Checksums (xxh3) of every regular file under `dir`, keyed by relative path: for tests and
 /// `stage status`.
 pub fn checksums(dir: &Path) -> Result<std::collections::BTreeMap<PathBuf, u64>, StageError> {
-    let plan = walk(dir)?;
+    let plan = walk(dir, Options::default().workers)?;
     let mut out = std::collections::BTreeMap::new();
     for e in plan.entries.iter().filter(|e| e.kind == Kind::File) {
         let path = dir.join(&e.rel);
