@@ -645,91 +645,45 @@ fn link_into(
         AtomicU64::new(0),
         AtomicU64::new(0),
     );
-    parallel(m.items.len(), opts.workers, |n| {
-        let i = &m.items[n];
-        match i.kind {
-            Kind::Dir => {}
-            Kind::Symlink => {
-                let target = i.target.as_deref().unwrap_or(Path::new(""));
-                fsops::unlink_beneath(&root, &i.rel).map_err(dest_err("remove", &i.rel))?;
-                fsops::symlink_beneath(&root, target, &i.rel)
-                    .map_err(dest_err("create", &i.rel))?;
-                fsops::lchown_beneath(&root, &i.rel, uid, gid)
-                    .map_err(dest_err("chown", &i.rel))?;
-                fsops::set_mtime_beneath(&root, &i.rel, i.mtime)
-                    .map_err(dest_err("set the mtime of", &i.rel))?;
-            }
-            Kind::File => {
-                let cached = fsops::lstat_beneath(&data, &i.rel)
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| StageError::Cache {
-                        op: "read",
-                        path: data_path.join(&i.rel),
-                        source: std::io::ErrorKind::NotFound.into(),
-                    })?;
-                let (dir, name) =
-                    fsops::parent_beneath(&root, &i.rel).map_err(dest_err("open", &i.rel))?;
-                match fsops::lstat_at(&dir, &name).map_err(dest_err("inspect", &i.rel))? {
-                    Some(st) if (st.st_dev, st.st_ino) == (cached.st_dev, cached.st_ino) => {
-                        unchanged.fetch_add(1, Ordering::Relaxed);
-                        return Ok(());
-                    }
-                    // A copy made earlier (cache on another filesystem): the engine's rule.
-                    Some(st)
-                        if st.st_mode & libc::S_IFMT == libc::S_IFREG
-                            && st.st_uid == uid
-                            && (st.st_size as u64, (st.st_mtime, st.st_mtime_nsec))
-                                == (i.size, i.mtime) =>
-                    {
-                        unchanged.fetch_add(1, Ordering::Relaxed);
-                        return Ok(());
-                    }
-                    Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
-                        return Err(StageError::Conflict {
-                            path: dest_path.join(&i.rel),
-                            message: "a directory where the dataset has a file; remove it".into(),
-                        });
-                    }
-                    Some(_) => {
-                        fsops::unlink_beneath(&root, &i.rel).map_err(dest_err("remove", &i.rel))?
-                    }
-                    None => {}
+    // One task per directory's files: its directory in the cache and in the destination opened
+    // once, then a few calls on plain names per file.
+    let groups = super::sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
+    parallel(groups.len(), opts.workers, |g| {
+        let (first, end) = groups[g];
+        let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
+        let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
+        let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
+            .map_err(cache_err("open", &data_path.join(parent)))?;
+        let ddir =
+            fsops::open_beneath(&root, parent, dir_flags, 0).map_err(dest_err("open", parent))?;
+        for i in &m.items[first..end] {
+            let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
+            match i.kind {
+                Kind::Dir => {}
+                Kind::Symlink => {
+                    let target = i.target.as_deref().unwrap_or(Path::new(""));
+                    fsops::unlink_at(&ddir, &name).map_err(dest_err("remove", &i.rel))?;
+                    fsops::symlink_at(&ddir, &name, target, Some((uid, gid)), i.mtime)
+                        .map_err(dest_err("create", &i.rel))?;
                 }
-                if !other_fs.load(Ordering::Relaxed) {
-                    match fsops::link_beneath(&data, &i.rel, &root, &i.rel) {
-                        Ok(()) => {
-                            linked.fetch_add(1, Ordering::Relaxed);
-                            return Ok(());
-                        }
-                        // EMLINK: the inode's link count is full; this one file is copied.
-                        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                            other_fs.store(true, Ordering::Relaxed)
-                        }
-                        Err(e) if e.raw_os_error() == Some(libc::EMLINK) => {}
-                        Err(e) => return Err(dest_err("link", &i.rel)(e)),
-                    }
+                Kind::File => {
+                    link_file(i, &name, &cdir, &ddir, (uid, gid), &other_fs)
+                        .map_err(|(op, e)| match op {
+                            "conflict" => StageError::Conflict {
+                                path: dest_path.join(&i.rel),
+                                message: "a directory where the dataset has a file; remove it"
+                                    .into(),
+                            },
+                            "cache" => cache_err("read", &data_path.join(&i.rel))(e),
+                            op => dest_err(op, &i.rel)(e),
+                        })
+                        .map(|done| match done {
+                            Put::Unchanged => unchanged.fetch_add(1, Ordering::Relaxed),
+                            Put::Linked => linked.fetch_add(1, Ordering::Relaxed),
+                            Put::Cloned => cloned.fetch_add(1, Ordering::Relaxed),
+                            Put::Copied => copied.fetch_add(1, Ordering::Relaxed),
+                        })?;
                 }
-                // A copy of the user's own: created new (never through what is there), with
-                // the source's mode.
-                let cfd = fsops::open_beneath(&data, &i.rel, libc::O_RDONLY, 0)
-                    .map_err(cache_err("open", &data_path.join(&i.rel)))?;
-                let dfd = fsops::open_beneath(
-                    &root,
-                    &i.rel,
-                    libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
-                    0o600,
-                )
-                .map_err(dest_err("create", &i.rel))?;
-                fsops::fchown(&dfd, uid, gid).map_err(dest_err("chown", &i.rel))?;
-                if fsops::reflink(&cfd, &dfd).is_ok() {
-                    cloned.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    fsops::copy_range(&cfd, &dfd, 0, i.size).map_err(dest_err("write", &i.rel))?;
-                    copied.fetch_add(1, Ordering::Relaxed);
-                }
-                fsops::fchmod(&dfd, i.mode).map_err(dest_err("chmod", &i.rel))?;
-                fsops::set_mtime_fd(&dfd, i.mtime).map_err(dest_err("set the mtime of", &i.rel))?;
             }
         }
         Ok(())
@@ -785,6 +739,80 @@ fn link_into(
     fsops::lchown_beneath(&root, Path::new(MARKER), uid, gid)
         .map_err(dest_err("chown", Path::new(MARKER)))?;
     Ok(report)
+}
+
+/// How one file got into the destination.
+enum Put {
+    Unchanged,
+    Linked,
+    Cloned,
+    Copied,
+}
+
+/// Puts the cached file `name` (in `cdir`) into `ddir`: already there (the same inode, or an
+/// earlier copy of the same size and mtime), a hardlink, or a clone or copy of the user's own
+/// once `other_fs` says hardlinks cannot cross. Errors carry the operation that failed.
+fn link_file(
+    i: &Item,
+    name: &std::ffi::CStr,
+    cdir: &OwnedFd,
+    ddir: &OwnedFd,
+    (uid, gid): (u32, u32),
+    other_fs: &AtomicBool,
+) -> Result<Put, (&'static str, std::io::Error)> {
+    let missing = || std::io::Error::from(std::io::ErrorKind::NotFound);
+    let cached = fsops::lstat_at(cdir, name)
+        .map_err(|e| ("cache", e))?
+        .ok_or_else(|| ("cache", missing()))?;
+    match fsops::lstat_at(ddir, name).map_err(|e| ("inspect", e))? {
+        Some(st) if (st.st_dev, st.st_ino) == (cached.st_dev, cached.st_ino) => {
+            return Ok(Put::Unchanged);
+        }
+        // A copy made earlier (cache on another filesystem): the engine's rule.
+        Some(st)
+            if st.st_mode & libc::S_IFMT == libc::S_IFREG
+                && st.st_uid == uid
+                && (st.st_size as u64, (st.st_mtime, st.st_mtime_nsec)) == (i.size, i.mtime) =>
+        {
+            return Ok(Put::Unchanged);
+        }
+        Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
+            return Err(("conflict", missing()));
+        }
+        Some(_) => fsops::unlink_at(ddir, name).map_err(|e| ("remove", e))?,
+        None => {}
+    }
+    if !other_fs.load(Ordering::Relaxed) {
+        match fsops::link_at(cdir, ddir, name) {
+            Ok(()) => return Ok(Put::Linked),
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                other_fs.store(true, Ordering::Relaxed)
+            }
+            // EMLINK: this inode's link count is full; this one file is copied.
+            Err(e) if e.raw_os_error() == Some(libc::EMLINK) => {}
+            Err(e) => return Err(("link", e)),
+        }
+    }
+    // A copy of the user's own: created new (never through what is there), with the source's
+    // mode.
+    let cfd = fsops::open_at(cdir, name, libc::O_RDONLY, 0).map_err(|e| ("cache", e))?;
+    let dfd = fsops::open_at(
+        ddir,
+        name,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+        0o600,
+    )
+    .map_err(|e| ("create", e))?;
+    fsops::fchown(&dfd, uid, gid).map_err(|e| ("chown", e))?;
+    let put = if fsops::reflink(&cfd, &dfd).is_ok() {
+        Put::Cloned
+    } else {
+        fsops::copy_data(&cfd, &dfd, 0, i.size, i.size).map_err(|e| ("write", e))?;
+        Put::Copied
+    };
+    fsops::fchmod(&dfd, i.mode).map_err(|e| ("chmod", e))?;
+    fsops::set_mtime_fd(&dfd, i.mtime).map_err(|e| ("set the mtime of", e))?;
+    Ok(put)
 }
 
 /// Compares every file of `m` at its source and in `dest` by hash (run as the user).

@@ -2,7 +2,7 @@
 //! root directory (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`): a symlink planted in
 //! the destination, or a `..` in a path, cannot make berth write outside it.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -415,4 +415,92 @@ pub fn copy_range_direct(
         done += got as u64;
     }
     Ok(())
+}
+
+// Calls on a plain name in an open directory: one component, so nothing to resolve and no
+// symlink to follow on the way (the last component is never followed either). The directory
+// itself was opened beneath the root.
+
+pub fn name_of(rel: &Path) -> io::Result<CString> {
+    let name = rel
+        .file_name()
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    CString::new(name.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// Opens `name` in `dir`, never following a symlink there.
+pub fn open_at(dir: &OwnedFd, name: &CStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    // SAFETY: `dir` is open and `name` a valid C string; the kernel returns a new descriptor.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just handed us this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Removes the non-directory `name` in `dir` (a missing one is not an error).
+pub fn unlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<()> {
+    // SAFETY: `dir` is open and `name` a valid C string.
+    match check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) }) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+/// Hardlinks `name` in `from` to the same name in `to` (a symlink is linked, not followed).
+pub fn link_at(from: &OwnedFd, to: &OwnedFd, name: &CStr) -> io::Result<()> {
+    // SAFETY: both descriptors are open directories and `name` a valid C string.
+    check(unsafe {
+        libc::linkat(
+            from.as_raw_fd(),
+            name.as_ptr(),
+            to.as_raw_fd(),
+            name.as_ptr(),
+            0,
+        )
+    })
+}
+
+/// Creates the symlink `name` → `target` in `dir`, owned by `uid:gid`, with the mtime `mtime`.
+pub fn symlink_at(
+    dir: &OwnedFd,
+    name: &CStr,
+    target: &Path,
+    owner: Option<(u32, u32)>,
+    mtime: (i64, i64),
+) -> io::Result<()> {
+    let target = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `dir` is open; both strings are valid C strings.
+    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+    if let Some((uid, gid)) = owner {
+        // SAFETY: as above; AT_SYMLINK_NOFOLLOW changes the link itself.
+        check(unsafe {
+            libc::fchownat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                uid,
+                gid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })?;
+    }
+    let ts = timespecs(mtime);
+    // SAFETY: `dir` is open, `name` a C string, `ts` two valid timespecs.
+    check(unsafe {
+        libc::utimensat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            ts.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
 }

@@ -353,20 +353,20 @@ fn walk(source: &Path, workers: usize) -> Result<Plan, StageError> {
     Ok(plan)
 }
 
-/// Runs of consecutive entries with one parent directory (the walk lists siblings together), as
+/// Runs of consecutive paths with one parent directory (the walk lists siblings together), as
 /// `(first, end)` index ranges; the root itself (an empty path) belongs to none.
-fn sibling_groups(entries: &[Entry]) -> Vec<(usize, usize)> {
+fn sibling_groups<'a>(rels: impl IntoIterator<Item = &'a Path>) -> Vec<(usize, usize)> {
     let mut groups: Vec<(usize, usize)> = Vec::new();
-    for (i, e) in entries.iter().enumerate() {
-        if e.rel.as_os_str().is_empty() {
+    let mut parent: Option<&Path> = None;
+    for (i, rel) in rels.into_iter().enumerate() {
+        if rel.as_os_str().is_empty() {
             continue;
         }
         match groups.last_mut() {
-            Some((first, end)) if *end == i && entries[*first].rel.parent() == e.rel.parent() => {
-                *end = i + 1
-            }
+            Some((_, end)) if *end == i && parent == rel.parent() => *end = i + 1,
             _ => groups.push((i, i + 1)),
         }
+        parent = rel.parent();
     }
     groups
 }
@@ -576,7 +576,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             dirs_exact.store(false, Ordering::Relaxed);
         }
     }
-    let groups = sibling_groups(&plan.entries);
+    let groups = sibling_groups(plan.entries.iter().map(|e| e.rel.as_path()));
     parallel(groups.len(), opts.workers, |g| {
         let (first, end) = groups[g];
         let parent = plan.entries[first].rel.parent().unwrap_or(Path::new(""));
