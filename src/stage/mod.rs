@@ -226,7 +226,7 @@ enum Kind {
     Symlink,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Entry {
     /// Relative to the source root (and to the destination root); empty for the root.
     rel: PathBuf,
@@ -572,7 +572,12 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     let dirs_exact = AtomicBool::new(true);
     if let Some(e) = plan.entries.first().filter(|e| e.kind == Kind::Dir) {
         let st = fsops::fstat(&root).map_err(|err| dest_err("inspect", Path::new(""), err))?;
-        if !dir_exact(e, &st, e.mode | 0o700) {
+        // The root's mtime is not the source's: the marker, written last, changed it.
+        let root = Entry {
+            mtime: (st.st_mtime, st.st_mtime_nsec),
+            ..e.clone()
+        };
+        if !dir_exact(&root, &st, e.mode | 0o700) {
             dirs_exact.store(false, Ordering::Relaxed);
         }
     }
@@ -642,7 +647,11 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     // A completed stage of this very source, and nothing changed since: done, without the
     // syncfs and the marker rewrite (the fixed cost of an unchanged re-stage).
     let unchanged = !opts.verify
-        && plan.copy.iter().all(|c| !c)
+        && plan
+            .entries
+            .iter()
+            .zip(&plan.copy)
+            .all(|(e, &c)| !c || e.rel.as_os_str().is_empty())
         && dirs_exact.load(Ordering::Relaxed)
         && prior.is_some_and(|m| {
             (m.source.as_path(), m.files, m.bytes)
@@ -1135,7 +1144,14 @@ mod tests {
         let m = status(&dst).unwrap();
         assert_eq!((m.files, m.source.as_path()), (4, src.as_path()));
 
+        // Unchanged: nothing is written, not even a new marker.
+        let marker = |p: &Path| {
+            let m = std::fs::metadata(p.join(MARKER)).unwrap();
+            (m.ino(), m.mtime(), m.mtime_nsec())
+        };
+        let before = marker(&dst);
         let again = stage(&src, &base, Path::new("data"), &opts()).unwrap();
+        assert_eq!(marker(&dst), before);
         assert_eq!(
             (
                 again.files_copied,
