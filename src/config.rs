@@ -302,6 +302,23 @@ mod tests {
     }
 
     #[test]
+    fn the_dataset_cache_is_on_only_with_prefixes() {
+        assert_eq!(Config::default().stage.options().cache, None);
+        let c = Config::parse(
+            "[stage]\ncache_prefixes = [\"/data\"]\ncache_dir = \"/nvme/cache\"\ncache_max_bytes = 5\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.stage.options().cache,
+            Some(crate::stage::cache::CacheOptions {
+                dir: PathBuf::from("/nvme/cache"),
+                prefixes: vec![PathBuf::from("/data")],
+                max_bytes: 5,
+            })
+        );
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let err = Config::parse("[cgroup]\nrot = \"/x\"\n").unwrap_err();
         assert!(err.contains("rot"), "{err}");

@@ -500,8 +500,21 @@ fn a_changed_source_file_is_copied_again_and_the_others_stay_linked() {
     std::fs::write(src.join("sub/f3"), b"changed").unwrap();
     std::fs::write(src.join("new"), b"added").unwrap();
     let job2 = user_scratch(w.path(), "2");
-    let o = stage_cached(&cfg, &src, &job2, "berthtest");
+    let mut cmd = Command::new(common::BERTH);
+    cmd.arg("--config").arg(&cfg).args(["stage", "in"]);
+    cmd.arg(format!("{}:ds", src.display()))
+        .arg("--to")
+        .arg(&job2);
+    let o = cmd
+        .args(["--user", "berthtest", "--verify"])
+        .output()
+        .unwrap();
     assert_eq!(counts(&o), (2, 0, 11), "{}", common::stderr(&o));
+    assert!(
+        common::stderr(&o).contains(", verified"),
+        "{}",
+        common::stderr(&o)
+    );
     assert_eq!(std::fs::read(job2.join("ds/sub/f3")).unwrap(), b"changed");
     assert_eq!(
         stage::checksums(&src).unwrap(),
