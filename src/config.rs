@@ -320,6 +320,23 @@ mod tests {
     }
 
     #[test]
+    fn the_dataset_cache_is_on_only_with_prefixes() {
+        assert_eq!(Config::default().stage.options().cache, None);
+        let c = Config::parse(
+            "[stage]\ncache_prefixes = [\"/data\"]\ncache_dir = \"/nvme/cache\"\ncache_max_bytes = 5\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.stage.options().cache,
+            Some(crate::stage::cache::CacheOptions {
+                dir: PathBuf::from("/nvme/cache"),
+                prefixes: vec![PathBuf::from("/data")],
+                max_bytes: 5,
+            })
+        );
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let err = Config::parse("[cgroup]\nrot = \"/x\"\n").unwrap_err();
         assert!(err.contains("rot"), "{err}");
@@ -384,6 +401,13 @@ pub struct StageConfig {
     pub verify: bool,
     /// Seconds between progress lines when stderr is not a terminal.
     pub progress_interval_s: u64,
+    /// The dataset cache's directory (root's, 0700), on the scratch filesystem so that cached
+    /// files can be hardlinked into jobs' scratch.
+    pub cache_dir: PathBuf,
+    /// Source directories whose datasets are cached; empty: no cache.
+    pub cache_prefixes: Vec<PathBuf>,
+    /// Least-recently-used entries are evicted beyond this many bytes.
+    pub cache_max_bytes: u64,
 }
 
 impl Default for StageConfig {
@@ -393,6 +417,9 @@ impl Default for StageConfig {
             chunk_mib: 64,
             verify: false,
             progress_interval_s: 10,
+            cache_dir: PathBuf::from("/var/tmp/berth-cache"),
+            cache_prefixes: Vec::new(),
+            cache_max_bytes: 100_000_000_000,
         }
     }
 }
@@ -406,6 +433,11 @@ impl StageConfig {
             cap: None,
             progress: true,
             progress_interval: std::time::Duration::from_secs(self.progress_interval_s.max(1)),
+            cache: (!self.cache_prefixes.is_empty()).then(|| crate::stage::cache::CacheOptions {
+                dir: self.cache_dir.clone(),
+                prefixes: self.cache_prefixes.clone(),
+                max_bytes: self.cache_max_bytes,
+            }),
         }
     }
 }

@@ -315,3 +315,433 @@ fn scratch_is_the_users_and_is_removed_whatever_the_job_left() {
     scratch::remove(&root, "77").unwrap();
     assert!(!dir.exists());
 }
+
+// ---- The dataset cache ----
+
+/// A config with the dataset cache on for `prefix`, its cache under `w`.
+fn cache_config(w: &Path, prefix: &Path, max_bytes: u64) -> PathBuf {
+    cache_config_at(w, &w.join("cache"), prefix, max_bytes)
+}
+
+fn cache_config_at(w: &Path, cache: &Path, prefix: &Path, max_bytes: u64) -> PathBuf {
+    let cfg = w.join("berth.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[stage]\ncache_dir = \"{}\"\ncache_prefixes = [\"{}\"]\ncache_max_bytes = {max_bytes}\n\
+             [scratch]\nroot = \"{}\"\n",
+            cache.display(),
+            prefix.display(),
+            w.join("scratch").display()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+fn stage_cached(cfg: &Path, src: &Path, to: &Path, user: &str) -> Output {
+    Command::new(common::BERTH)
+        .arg("--config")
+        .arg(cfg)
+        .args(["stage", "in"])
+        .arg(format!("{}:ds", src.display()))
+        .arg("--to")
+        .arg(to)
+        .args(["--user", user])
+        .output()
+        .unwrap()
+}
+
+/// The summary line's numbers: (copied, unchanged, from cache).
+fn counts(o: &Output) -> (u64, u64, u64) {
+    let err = common::stderr(o);
+    assert!(o.status.success(), "{err}");
+    let line = err.lines().find(|l| l.starts_with("staged ")).unwrap();
+    let inner = line
+        .split(" files (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap();
+    let n: Vec<u64> = inner
+        .split(", ")
+        .map(|p| p.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    (n[0], n[1], n[2])
+}
+
+/// The cache's entry directory for the (canonical) source `src`, if any.
+fn entry_of(w: &Path, src: &Path) -> Option<PathBuf> {
+    let src = std::fs::canonicalize(src).unwrap();
+    std::fs::read_dir(w.join("cache/entries"))
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            std::fs::read(p.join("meta.json")).is_ok_and(|b| {
+                serde_json::from_slice::<serde_json::Value>(&b).unwrap()["source"]
+                    == src.to_str().unwrap()
+            })
+        })
+}
+
+fn dataset(dir: &Path, files: usize, size: usize) {
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    for f in 0..files {
+        let rel = if f % 2 == 0 {
+            format!("f{f}")
+        } else {
+            format!("sub/f{f}")
+        };
+        std::fs::write(dir.join(rel), vec![f as u8; size + f]).unwrap();
+    }
+    std::os::unix::fs::symlink("f0", dir.join("link")).unwrap();
+}
+
+fn user_scratch(w: &Path, job: &str) -> PathBuf {
+    let (uid, gid, _) = test_user();
+    scratch::create(&w.join("scratch"), job, uid, gid, None).unwrap()
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_cache_serves_a_second_job_by_hardlinks_that_the_job_cannot_write_through() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset(&src, 10, 5000);
+    let cfg = cache_config(w.path(), &data, 1 << 30);
+    let job1 = user_scratch(w.path(), "1");
+    let o = stage_cached(&cfg, &src, &job1, "berthtest");
+    assert_eq!(counts(&o), (10, 0, 10), "{}", common::stderr(&o));
+    assert!(common::stderr(&o).contains("(linked from cache)"));
+
+    let job2 = user_scratch(w.path(), "2");
+    let o = stage_cached(&cfg, &src, &job2, "berthtest");
+    // Nothing read from the source: every file linked from the cache.
+    assert_eq!(counts(&o), (0, 0, 10), "{}", common::stderr(&o));
+    assert!(common::stderr(&o).contains("0 bytes copied"));
+    let entry = entry_of(w.path(), &src).unwrap();
+    for f in ["f0", "sub/f1", "f8"] {
+        let (a, b) = (
+            std::fs::metadata(entry.join("data").join(f)).unwrap(),
+            std::fs::metadata(job2.join("ds").join(f)).unwrap(),
+        );
+        assert_eq!(
+            (a.dev(), a.ino()),
+            (b.dev(), b.ino()),
+            "{f} is not the cached inode"
+        );
+        assert_eq!(
+            (b.uid(), b.mode() & 0o222),
+            (0, 0),
+            "{f}: root's, read-only"
+        );
+    }
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&job2.join("ds")).unwrap()
+    );
+    let (uid, _, _) = test_user();
+    let ds = std::fs::symlink_metadata(job2.join("ds/sub")).unwrap();
+    assert_eq!(ds.uid(), uid, "directories are the user's");
+    assert!(
+        std::fs::symlink_metadata(job2.join("ds/link"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(stage::status(&job2.join("ds")).is_some());
+
+    // The job (as the user) cannot write into or chmod its linked copy, but can replace it; the
+    // cache is untouched either way.
+    let f = job2.join("ds/f0");
+    let script = format!(
+        "echo x >> {f} ; chmod 666 {f} ; truncate -s 0 {f} ; rm -f {f} && echo mine > {f}",
+        f = f.display()
+    );
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid",
+            &uid.to_string(),
+            "--regid",
+            &test_user().1.to_string(),
+        ])
+        .args(["--clear-groups", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read(&f).unwrap(), b"mine\n");
+    assert_eq!(
+        std::fs::read(entry.join("data/f0")).unwrap(),
+        std::fs::read(src.join("f0")).unwrap()
+    );
+    assert_eq!(
+        std::fs::read(job1.join("ds/f0")).unwrap(),
+        std::fs::read(src.join("f0")).unwrap()
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_changed_source_file_is_copied_again_and_the_others_stay_linked() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset(&src, 10, 5000);
+    let cfg = cache_config(w.path(), &data, 1 << 30);
+    let job1 = user_scratch(w.path(), "1");
+    assert_eq!(counts(&stage_cached(&cfg, &src, &job1, "berthtest")).0, 10);
+    std::fs::write(src.join("sub/f3"), b"changed").unwrap();
+    std::fs::write(src.join("new"), b"added").unwrap();
+    let job2 = user_scratch(w.path(), "2");
+    let mut cmd = Command::new(common::BERTH);
+    cmd.arg("--config").arg(&cfg).args(["stage", "in"]);
+    cmd.arg(format!("{}:ds", src.display()))
+        .arg("--to")
+        .arg(&job2);
+    let o = cmd
+        .args(["--user", "berthtest", "--verify"])
+        .output()
+        .unwrap();
+    assert_eq!(counts(&o), (2, 0, 11), "{}", common::stderr(&o));
+    assert!(
+        common::stderr(&o).contains(", verified"),
+        "{}",
+        common::stderr(&o)
+    );
+    assert_eq!(std::fs::read(job2.join("ds/sub/f3")).unwrap(), b"changed");
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&job2.join("ds")).unwrap()
+    );
+    // Unchanged files are the same inodes as the first job's; the first job's copy of the
+    // changed file still holds the old data.
+    let ino = |p: PathBuf| std::fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(job1.join("ds/f0")), ino(job2.join("ds/f0")));
+    assert_ne!(ino(job1.join("ds/sub/f3")), ino(job2.join("ds/sub/f3")));
+    assert_eq!(
+        std::fs::read(job1.join("ds/sub/f3")).unwrap(),
+        vec![3u8; 5003]
+    );
+    // Staged again into the same scratch: nothing to do.
+    let o = stage_cached(&cfg, &src, &job2, "berthtest");
+    assert_eq!(counts(&o), (0, 11, 0), "{}", common::stderr(&o));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_user_who_cannot_read_the_source_is_refused_though_it_is_cached() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset(&src, 4, 100);
+    std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let cfg = cache_config(w.path(), &data, 1 << 30);
+    // Root (a user who can read it) fills the cache.
+    let rootdir = w.path().join("rootjob");
+    assert_eq!(counts(&stage_cached(&cfg, &src, &rootdir, "root")).0, 4);
+    assert!(entry_of(w.path(), &src).is_some());
+    let job = user_scratch(w.path(), "2");
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("Permission denied"), "{err}");
+    assert!(!job.join("ds/f0").exists() && stage::status(&job.join("ds")).is_none());
+    // One unreadable file is enough to be refused.
+    std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(src.join("f2"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert!(!o.status.success());
+    assert!(common::stderr(&o).contains("f2"), "{}", common::stderr(&o));
+    assert!(!job.join("ds/f0").exists());
+    // Readable again, as when it was cached: served from the cache.
+    std::fs::set_permissions(src.join("f2"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert_eq!(counts(&o), (0, 0, 4), "{}", common::stderr(&o));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_least_recently_used_entry_is_evicted_under_the_cap() {
+    let w = workdir();
+    let data = w.path().join("data");
+    for s in ["a", "b", "c"] {
+        dataset(&data.join(s), 4, 25_000);
+    }
+    // Each set is ~100 kB: two fit, three do not.
+    let cfg = cache_config(w.path(), &data, 250_000);
+    let job = user_scratch(w.path(), "1");
+    for s in ["a", "b", "a", "c"] {
+        let o = stage_cached(&cfg, &data.join(s), &job.join(s), "berthtest");
+        assert!(o.status.success(), "{}", common::stderr(&o));
+    }
+    assert!(entry_of(w.path(), &data.join("a")).is_some());
+    assert!(
+        entry_of(w.path(), &data.join("b")).is_none(),
+        "b was least recently used"
+    );
+    assert!(entry_of(w.path(), &data.join("c")).is_some());
+    // The evicted dataset's staged copy lives on in the job's scratch.
+    assert_eq!(
+        stage::checksums(&data.join("b")).unwrap(),
+        stage::checksums(&job.join("b/ds")).unwrap()
+    );
+}
+
+fn big_dataset(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for i in 0..6u8 {
+        let data: Vec<u8> = (0..64u32 << 20)
+            .map(|j| (j.wrapping_mul(31) >> 7) as u8 ^ i)
+            .collect();
+        std::fs::write(dir.join(format!("part{i}")), data).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn concurrent_fills_of_one_entry_copy_it_once() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    big_dataset(&src);
+    let cfg = cache_config(w.path(), &data, 1 << 40);
+    let jobs: Vec<PathBuf> = ["1", "2", "3"]
+        .iter()
+        .map(|j| user_scratch(w.path(), j))
+        .collect();
+    let children: Vec<_> = jobs
+        .iter()
+        .map(|j| {
+            Command::new(common::BERTH)
+                .arg("--config")
+                .arg(&cfg)
+                .args(["stage", "in"])
+                .arg(format!("{}:ds", src.display()))
+                .arg("--to")
+                .arg(j)
+                .args(["--user", "berthtest"])
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let copied: u64 = children
+        .into_iter()
+        .map(|c| counts(&c.wait_with_output().unwrap()).0)
+        .sum();
+    assert_eq!(
+        copied, 6,
+        "the dataset was copied into the cache more than once"
+    );
+    let sums = stage::checksums(&src).unwrap();
+    for j in &jobs {
+        assert_eq!(sums, stage::checksums(&j.join("ds")).unwrap());
+    }
+    assert_eq!(
+        std::fs::read_dir(w.path().join("cache/entries"))
+            .unwrap()
+            .count(),
+        1
+    );
+    assert_eq!(
+        std::fs::read_dir(w.path().join("cache/tmp"))
+            .unwrap()
+            .count(),
+        0
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_killed_fill_leaves_no_entry_that_is_served() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    big_dataset(&src);
+    let cfg = cache_config(w.path(), &data, 1 << 40);
+    let job = user_scratch(w.path(), "1");
+    let mut child = Command::new(common::BERTH)
+        .arg("--config")
+        .arg(&cfg)
+        .args(["stage", "in"])
+        .arg(format!("{}:ds", src.display()))
+        .arg("--to")
+        .arg(&job)
+        .args(["--user", "berthtest", "--workers", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed once the fill has written a first file's data.
+    let tmp = w.path().join("cache/tmp");
+    let start = Instant::now();
+    let writing = || {
+        std::fs::read_dir(&tmp).is_ok_and(|rd| {
+            rd.flatten().any(|e| {
+                std::fs::read_dir(e.path().join("data"))
+                    .is_ok_and(|d| d.flatten().any(|f| f.metadata().is_ok_and(|m| m.len() > 0)))
+            })
+        })
+    };
+    while !writing() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(writing(), "the fill was not caught in progress");
+    assert!(
+        entry_of(w.path(), &src).is_none(),
+        "a killed fill left an entry"
+    );
+    assert!(stage::status(&job.join("ds")).is_none());
+    // The next stage fills it completely (all 6 files from the source) and clears the leftover.
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert_eq!(counts(&o).0, 6, "{}", common::stderr(&o));
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&job.join("ds")).unwrap()
+    );
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_cache_on_another_filesystem_hands_out_the_users_own_copies() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset(&src, 4, 3000);
+    // /dev/shm is a tmpfs: no hardlinks into /var/tmp, no reflinks either.
+    let cache = tempfile::tempdir_in("/dev/shm").unwrap();
+    let cfg = cache_config_at(w.path(), cache.path(), &data, 1 << 30);
+    let job = user_scratch(w.path(), "1");
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert_eq!(counts(&o), (4, 0, 4), "{}", common::stderr(&o));
+    assert!(common::stderr(&o).contains("(copied from cache)"));
+    let (uid, _, _) = test_user();
+    let (s, d) = (
+        std::fs::metadata(src.join("sub/f1")).unwrap(),
+        std::fs::metadata(job.join("ds/sub/f1")).unwrap(),
+    );
+    assert_eq!((d.uid(), d.mode()), (uid, s.mode()));
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&job.join("ds")).unwrap()
+    );
+    let job2 = user_scratch(w.path(), "2");
+    assert_eq!(
+        counts(&stage_cached(&cfg, &src, &job2, "berthtest")),
+        (0, 0, 4)
+    );
+    assert_eq!(
+        counts(&stage_cached(&cfg, &src, &job2, "berthtest")),
+        (0, 4, 0)
+    );
+}

@@ -80,6 +80,11 @@ fn run(
                 crate::spec::user::resolve(user).map_err(|e| Failure::input(e.to_string()))?;
             stage::stage_as(&ids, source, base, rel, opts)
         }
+        // Root's own stage goes through the dataset cache too (`stage_as` uses it when root).
+        None if opts.cache.is_some() && nix::unistd::Uid::current().is_root() => {
+            let ids = crate::spec::user::resolve("0").map_err(|e| Failure::input(e.to_string()))?;
+            stage::stage_as(&ids, source, base, rel, opts)
+        }
         None => stage::stage(source, base, rel, opts),
     }
     .map_err(|e| Failure::system(e.to_string()))?;

@@ -2,7 +2,7 @@
 //! root directory (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`): a symlink planted in
 //! the destination, or a `..` in a path, cannot make berth write outside it.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -223,4 +223,284 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
         done += n as u64;
     }
     Ok(())
+}
+
+pub fn fchown(fd: &OwnedFd, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: `fd` is an open descriptor.
+    check(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) })
+}
+
+/// lstat of the plain name `name` in the open directory `dir` (one syscall: no path walk, and a
+/// single component cannot lead through a symlink), or `None` when it does not exist.
+pub fn lstat_at(dir: &OwnedFd, name: &std::ffi::CStr) -> io::Result<Option<libc::stat>> {
+    // SAFETY: an all-zero stat is a valid value for fstatat to overwrite.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `dir` is open, `name` a valid C string and `st` a valid out pointer.
+    match check(unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    }) {
+        Ok(()) => Ok(Some(st)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Hardlinks `from` (beneath `from_root`) to `rel` beneath `root`. The source path lies in a
+/// tree only root writes (the dataset cache); `rel`'s parent is resolved beneath `root`.
+pub fn link_beneath(
+    from_root: &OwnedFd,
+    from: &Path,
+    root: &OwnedFd,
+    rel: &Path,
+) -> io::Result<()> {
+    let (dir, name) = parent_beneath(root, rel)?;
+    let from = cstr(from)?;
+    // SAFETY: both descriptors are open directories and both names valid C strings; flags 0:
+    // a symlink at `from` is linked itself, never followed.
+    check(unsafe {
+        libc::linkat(
+            from_root.as_raw_fd(),
+            from.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            0,
+        )
+    })
+}
+
+/// Changes the owner of `rel` itself beneath `root` (a symlink is not followed).
+pub fn lchown_beneath(root: &OwnedFd, rel: &Path, uid: u32, gid: u32) -> io::Result<()> {
+    let (dir, name) = parent_beneath(root, rel)?;
+    // SAFETY: `dir` is an open directory and `name` a valid C string.
+    check(unsafe {
+        libc::fchownat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            uid,
+            gid,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+}
+
+/// Clones all of `src` into `dst` (FICLONE): shared extents, no data written. Fails with
+/// EXDEV or EOPNOTSUPP where the filesystems cannot share extents.
+pub fn reflink(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
+    // _IOW(0x94, 9, int), from linux/fs.h; the libc crate does not define it.
+    const FICLONE: libc::c_ulong = 0x4004_9409;
+    // SAFETY: both descriptors are open; FICLONE takes the source descriptor as its argument.
+    check(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) })
+}
+
+/// Below this, a copy goes through `copy_file_range` (the page cache); at or above it, through
+/// [`copy_range_direct`].
+pub const DIRECT_MIN: u64 = 8 << 20;
+const DIRECT_ALIGN: usize = 4096;
+const DIRECT_BUF: usize = 8 << 20;
+
+/// Copies `len` bytes at `offset` of a file of `file_size` bytes, choosing the way by size:
+/// large ranges are written with O_DIRECT, small ones with `copy_file_range`.
+pub fn copy_data(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+    offset: u64,
+    len: u64,
+    file_size: u64,
+) -> io::Result<()> {
+    if len >= DIRECT_MIN && offset.is_multiple_of(DIRECT_ALIGN as u64) {
+        copy_range_direct(src, dst, offset, len, file_size)
+    } else {
+        copy_range(src, dst, offset, len)
+    }
+}
+
+/// A zeroed, page-aligned buffer (O_DIRECT needs aligned memory, offsets and lengths).
+struct Aligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, DIRECT_ALIGN).expect("valid layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Self { ptr, layout }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `layout.size()` initialized bytes owned by this value.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this very layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// Copies a large range with O_DIRECT writes: the source is read through the page cache (cheap
+/// when it is warm, read ahead when it is cold), the destination written straight to the device
+/// in large aligned blocks, so that nothing is left dirty for the final sync to flush and the
+/// page cache is not filled with a copy nobody has read yet. The last, partial block of the file
+/// is written padded and the file cut back to `file_size`. Falls back to [`copy_range`] where
+/// the filesystem refuses O_DIRECT (tmpfs).
+pub fn copy_range_direct(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+    offset: u64,
+    len: u64,
+    file_size: u64,
+) -> io::Result<()> {
+    // O_DIRECT is a property of the open file description; the caller's `dst` is its own (one
+    // open per copy task).
+    // SAFETY: F_GETFL/F_SETFL on an open descriptor have no memory effects.
+    let flags = unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_SETFL, flags | libc::O_DIRECT) } < 0 {
+        return match io::Error::last_os_error().raw_os_error() {
+            Some(libc::EINVAL | libc::EOPNOTSUPP) => copy_range(src, dst, offset, len),
+            _ => Err(io::Error::last_os_error()),
+        };
+    }
+    let direct = std::fs::File::from(dst.try_clone()?);
+    // SAFETY: POSIX_FADV_SEQUENTIAL is advice; it has no memory effects.
+    unsafe {
+        libc::posix_fadvise(
+            src.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_SEQUENTIAL,
+        )
+    };
+    use std::os::unix::fs::FileExt;
+    let src = std::fs::File::from(src.try_clone()?);
+    let mut buf = Aligned::new(DIRECT_BUF);
+    let buf = buf.as_mut();
+    let mut done = 0u64;
+    while done < len {
+        let want = (len - done).min(DIRECT_BUF as u64) as usize;
+        // Fill the block completely (a short read mid-file would misalign the next write).
+        let mut got = 0;
+        while got < want {
+            let n = src.read_at(&mut buf[got..want], offset + done + got as u64)?;
+            if n == 0 {
+                return Err(shrunk());
+            }
+            got += n;
+        }
+        let at = offset + done;
+        if got.is_multiple_of(DIRECT_ALIGN) {
+            direct.write_all_at(&buf[..got], at)?;
+        } else {
+            // The file's tail: padded to the block size, then cut back.
+            let padded = got.next_multiple_of(DIRECT_ALIGN);
+            buf[got..padded].fill(0);
+            direct.write_all_at(&buf[..padded], at)?;
+            direct.set_len(file_size)?;
+        }
+        done += got as u64;
+    }
+    Ok(())
+}
+
+// Calls on a plain name in an open directory: one component, so nothing to resolve and no
+// symlink to follow on the way (the last component is never followed either). The directory
+// itself was opened beneath the root.
+
+pub fn name_of(rel: &Path) -> io::Result<CString> {
+    let name = rel
+        .file_name()
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    CString::new(name.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// Opens `name` in `dir`, never following a symlink there.
+pub fn open_at(dir: &OwnedFd, name: &CStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    // SAFETY: `dir` is open and `name` a valid C string; the kernel returns a new descriptor.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just handed us this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Removes the non-directory `name` in `dir` (a missing one is not an error).
+pub fn unlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<()> {
+    // SAFETY: `dir` is open and `name` a valid C string.
+    match check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) }) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+/// Hardlinks `name` in `from` to the same name in `to` (a symlink is linked, not followed).
+pub fn link_at(from: &OwnedFd, to: &OwnedFd, name: &CStr) -> io::Result<()> {
+    // SAFETY: both descriptors are open directories and `name` a valid C string.
+    check(unsafe {
+        libc::linkat(
+            from.as_raw_fd(),
+            name.as_ptr(),
+            to.as_raw_fd(),
+            name.as_ptr(),
+            0,
+        )
+    })
+}
+
+/// Creates the symlink `name` → `target` in `dir`, owned by `uid:gid`, with the mtime `mtime`.
+pub fn symlink_at(
+    dir: &OwnedFd,
+    name: &CStr,
+    target: &Path,
+    owner: Option<(u32, u32)>,
+    mtime: (i64, i64),
+) -> io::Result<()> {
+    let target = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `dir` is open; both strings are valid C strings.
+    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+    if let Some((uid, gid)) = owner {
+        // SAFETY: as above; AT_SYMLINK_NOFOLLOW changes the link itself.
+        check(unsafe {
+            libc::fchownat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                uid,
+                gid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })?;
+    }
+    let ts = timespecs(mtime);
+    // SAFETY: `dir` is open, `name` a C string, `ts` two valid timespecs.
+    check(unsafe {
+        libc::utimensat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            ts.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
 }

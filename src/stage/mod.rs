@@ -1,19 +1,24 @@
 //! Data staging: copies a dataset (a directory tree or one file) from shared storage into a
 //! job's node-local scratch, or results back out, fast and safely.
 //!
-//! A stage is planned, then applied. The plan walks the source without following symlinks and
-//! compares each file with the destination by size and mtime; unchanged files are not copied
-//! again, so a re-stage of an unchanged dataset only reads metadata. The apply phase copies with
-//! a pool of worker threads (`copy_file_range`, large files split into chunks copied in
-//! parallel), keeps modes and mtimes, recreates symlinks as symlinks, and resolves every
+//! A stage is planned, then applied. The plan walks the source without following symlinks (the
+//! directories of one level listed in parallel) and compares each file with the destination by
+//! size and mtime; unchanged files are not copied again, so a re-stage of an unchanged dataset
+//! only reads metadata, and writes nothing at all when the destination's marker says it is
+//! complete. The apply phase copies with a pool of worker threads (`copy_file_range` for small
+//! files; large files split into chunks copied in parallel, written with O_DIRECT), keeps modes
+//! and mtimes, recreates symlinks as symlinks, and resolves every
 //! destination path beneath the destination root (`openat2 RESOLVE_BENEATH`). A completion marker
 //! is written last: a tree without it is never taken as complete, and staging again resumes
 //! (files whose size and mtime already match are skipped; a file's mtime is set only once all its
 //! bytes are written).
 //!
 //! [`stage_as`] runs the whole stage in a child process that has taken the job user's
-//! credentials, so a user can never stage what that user cannot read.
+//! credentials, so a user can never stage what that user cannot read. A source under one of the
+//! cache's prefixes goes through the dataset cache instead ([`cache`]): the user's child only
+//! walks and opens the source, and root links the cached copy into the destination.
 
+pub mod cache;
 mod fsops;
 pub mod job;
 pub mod retain;
@@ -23,8 +28,8 @@ use std::io::{IsTerminal, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -56,6 +61,12 @@ pub enum StageError {
         needed: u64,
         available: u64,
         limit: &'static str,
+    },
+    #[error("dataset cache: cannot {op} {path}: {source}{hint}", hint = space_hint(source))]
+    Cache {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
     },
     #[error("staging: {path} differs from its source after copying (--verify); stage it again")]
     Verify { path: PathBuf },
@@ -99,6 +110,8 @@ pub struct Options {
     /// Progress: a live line on a TTY, else a log line every `progress_interval`.
     pub progress: bool,
     pub progress_interval: Duration,
+    /// The dataset cache, for [`stage_as`] run by root; `None`: every stage copies.
+    pub cache: Option<cache::CacheOptions>,
 }
 
 impl Default for Options {
@@ -110,7 +123,33 @@ impl Default for Options {
             cap: None,
             progress: false,
             progress_interval: Duration::from_secs(10),
+            cache: None,
         }
+    }
+}
+
+/// How a stage put the files into the destination.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum How {
+    /// Copied from the source (the plain engine).
+    #[default]
+    Copied,
+    /// Hardlinked from the dataset cache: no data written.
+    LinkedFromCache,
+    /// Cloned from the cache (FICLONE): the cache is on another filesystem that shares extents.
+    ReflinkedFromCache,
+    /// Copied from the cache: on another filesystem without reflinks.
+    CopiedFromCache,
+}
+
+impl std::fmt::Display for How {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            How::Copied => "copied",
+            How::LinkedFromCache => "linked from cache",
+            How::ReflinkedFromCache => "reflinked from cache",
+            How::CopiedFromCache => "copied from cache",
+        })
     }
 }
 
@@ -119,10 +158,15 @@ impl Default for Options {
 pub struct Report {
     pub source: PathBuf,
     pub dest: PathBuf,
+    pub how: How,
     /// Regular files in the source.
     pub files: u64,
+    /// Files read from the source (into the destination, or into the cache).
     pub files_copied: u64,
+    /// Files the destination already had.
     pub files_unchanged: u64,
+    /// Files put into the destination from the cache.
+    pub files_from_cache: u64,
     pub dirs: u64,
     pub symlinks: u64,
     /// Sockets, FIFOs and devices: never staged.
@@ -142,12 +186,14 @@ impl Report {
             0.0
         };
         format!(
-            "staged {} -> {}: {} files ({} copied, {} unchanged), {} bytes copied of {}, {:.2} s, {:.2} GB/s{}",
+            "staged {} -> {} ({}): {} files ({} copied, {} unchanged, {} from cache), {} bytes copied of {}, {:.2} s, {:.2} GB/s{}",
             self.source.display(),
             self.dest.display(),
+            self.how,
             self.files,
             self.files_copied,
             self.files_unchanged,
+            self.files_from_cache,
             self.bytes_copied,
             self.bytes,
             self.seconds,
@@ -175,14 +221,14 @@ pub fn status(dest: &Path) -> Option<Marker> {
     serde_json::from_slice(&text).ok()
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Kind {
     Dir,
     File,
     Symlink,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Entry {
     /// Relative to the source root (and to the destination root); empty for the root.
     rel: PathBuf,
@@ -190,6 +236,9 @@ struct Entry {
     size: u64,
     mode: u32,
     mtime: (i64, i64),
+    /// Identify the inode the walk saw, so that a later open can be checked against it.
+    dev: u64,
+    ino: u64,
 }
 
 impl Entry {
@@ -211,6 +260,8 @@ impl Entry {
             // setuid/setgid bits are dropped: a staged copy never gains privilege.
             mode: meta.mode() & 0o1777,
             mtime: (meta.mtime(), meta.mtime_nsec()),
+            dev: meta.dev(),
+            ino: meta.ino(),
         })
     }
 }
@@ -225,7 +276,7 @@ struct Plan {
     skipped_special: u64,
 }
 
-fn walk(source: &Path) -> Result<Plan, StageError> {
+fn walk(source: &Path, workers: usize) -> Result<Plan, StageError> {
     let src_err = |path: &Path, source| StageError::Source {
         path: path.to_path_buf(),
         source,
@@ -257,35 +308,84 @@ fn walk(source: &Path) -> Result<Plan, StageError> {
     }
     plan.entries
         .push(Entry::from_meta(PathBuf::new(), &meta).expect("a directory"));
-    // Pre-order: a directory always comes before its contents.
-    let mut stack = vec![PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = source.join(&rel);
-        let mut children = Vec::new();
-        for item in std::fs::read_dir(&dir).map_err(|e| src_err(&dir, e))? {
-            let item = item.map_err(|e| src_err(&dir, e))?;
-            let child_rel = rel.join(item.file_name());
-            if rel.as_os_str().is_empty()
-                && (item.file_name() == MARKER || item.file_name() == MARKER_TMP)
-            {
-                continue;
+    // Level by level, each level's directories listed in parallel (on a cold cache every stat
+    // is a disk read: many in flight at once). A directory comes before its contents, and the
+    // entries of one directory are together, sorted.
+    let mut level = vec![PathBuf::new()];
+    while !level.is_empty() {
+        let listed: Vec<OnceLock<(Vec<Entry>, u64)>> =
+            level.iter().map(|_| OnceLock::new()).collect();
+        parallel(level.len(), workers, |k| {
+            let rel = &level[k];
+            let dir = source.join(rel);
+            let mut children = Vec::new();
+            let mut special = 0;
+            for item in std::fs::read_dir(&dir).map_err(|e| src_err(&dir, e))? {
+                let item = item.map_err(|e| src_err(&dir, e))?;
+                if rel.as_os_str().is_empty()
+                    && (item.file_name() == MARKER || item.file_name() == MARKER_TMP)
+                {
+                    continue;
+                }
+                // DirEntry::metadata does not follow symlinks.
+                let meta = item.metadata().map_err(|e| src_err(&item.path(), e))?;
+                match Entry::from_meta(rel.join(item.file_name()), &meta) {
+                    Some(e) => children.push(e),
+                    None => special += 1,
+                }
             }
-            // DirEntry::metadata does not follow symlinks.
-            let meta = item.metadata().map_err(|e| src_err(&item.path(), e))?;
-            match Entry::from_meta(child_rel, &meta) {
-                Some(e) => children.push(e),
-                None => plan.skipped_special += 1,
-            }
+            children.sort_by(|a, b| a.rel.cmp(&b.rel));
+            let _ = listed[k].set((children, special));
+            Ok(())
+        })?;
+        let mut next = Vec::new();
+        for cell in listed {
+            let (children, special) = cell.into_inner().unwrap_or_default();
+            plan.skipped_special += special;
+            next.extend(
+                children
+                    .iter()
+                    .filter(|e| e.kind == Kind::Dir)
+                    .map(|e| e.rel.clone()),
+            );
+            plan.entries.extend(children);
         }
-        children.sort_by(|a, b| a.rel.cmp(&b.rel));
-        for e in children.into_iter().rev() {
-            if e.kind == Kind::Dir {
-                stack.push(e.rel.clone());
-            }
-            plan.entries.push(e);
-        }
+        level = next;
     }
     Ok(plan)
+}
+
+/// Runs of consecutive paths with one parent directory (the walk lists siblings together), as
+/// `(first, end)` index ranges; the root itself (an empty path) belongs to none.
+fn sibling_groups<'a>(rels: impl IntoIterator<Item = &'a Path>) -> Vec<(usize, usize)> {
+    let mut groups: Vec<(usize, usize)> = Vec::new();
+    let mut parent: Option<&Path> = None;
+    for (i, rel) in rels.into_iter().enumerate() {
+        if rel.as_os_str().is_empty() {
+            continue;
+        }
+        match groups.last_mut() {
+            Some((_, end)) if *end == i && parent == rel.parent() => *end = i + 1,
+            _ => groups.push((i, i + 1)),
+        }
+        parent = rel.parent();
+    }
+    groups
+}
+
+/// Whether a directory already has its final `mode` and the source's mtime.
+fn dir_exact(entry: &Entry, st: &libc::stat, mode: u32) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFDIR
+        && st.st_mode & 0o7777 == mode
+        && (st.st_mtime, st.st_mtime_nsec) == entry.mtime
+}
+
+/// The completion marker in the open destination root, if a valid one is there.
+fn read_marker(root: &OwnedFd) -> Option<Marker> {
+    let fd = fsops::open_beneath(root, Path::new(MARKER), libc::O_RDONLY, 0).ok()?;
+    let mut text = Vec::new();
+    std::fs::File::from(fd).read_to_end(&mut text).ok()?;
+    serde_json::from_slice(&text).ok()
 }
 
 fn same(entry: &Entry, st: &libc::stat) -> bool {
@@ -388,14 +488,21 @@ fn progress_thread<'s>(
 }
 
 /// Opens (creating each missing component beneath `base`) the directory `base/rel`. `base` is
-/// trusted (the job's scratch, or a directory the user named); `rel` may not leave it.
-fn open_dest(base: &Path, rel: &Path) -> Result<OwnedFd, StageError> {
+/// trusted (the job's scratch, or a directory the user named); `rel` may not leave it. With
+/// `owner` (root staging for a user), what is created is given to that uid and gid.
+fn open_dest(base: &Path, rel: &Path, owner: Option<(u32, u32)>) -> Result<OwnedFd, StageError> {
     let dest_err = |op, source| StageError::Dest {
         op,
         path: base.join(rel),
         source,
     };
-    std::fs::create_dir_all(base).map_err(|e| dest_err("create", e))?;
+    if !base.is_dir() {
+        std::fs::create_dir_all(base).map_err(|e| dest_err("create", e))?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::chown(base, Some(uid), Some(gid))
+                .map_err(|e| dest_err("chown", e))?;
+        }
+    }
     let base_fd = fsops::open_beneath(
         &std::fs::File::open(base)
             .map_err(|e| dest_err("open", e))?
@@ -418,7 +525,18 @@ fn open_dest(base: &Path, rel: &Path) -> Result<OwnedFd, StageError> {
             }
         }
         match fsops::mkdir_beneath(&base_fd, &sofar, 0o700) {
-            Ok(()) => {}
+            Ok(()) => {
+                if let Some((uid, gid)) = owner {
+                    let fd = fsops::open_beneath(
+                        &base_fd,
+                        &sofar,
+                        libc::O_RDONLY | libc::O_DIRECTORY,
+                        0,
+                    )
+                    .map_err(|e| dest_err("open", e))?;
+                    fsops::fchown(&fd, uid, gid).map_err(|e| dest_err("chown", e))?;
+                }
+            }
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(dest_err("create", e)),
         }
@@ -431,17 +549,16 @@ fn open_dest(base: &Path, rel: &Path) -> Result<OwnedFd, StageError> {
 pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<Report, StageError> {
     let start = Instant::now();
     let dest_path = base.join(rel);
-    let root = open_dest(base, rel)?;
+    let root = open_dest(base, rel, None)?;
     let dest_err = |op, rel: &Path, source| StageError::Dest {
         op,
         path: dest_path.join(rel),
         source,
     };
-    // A stage in progress is never complete, whatever an earlier stage left.
-    fsops::unlink_beneath(&root, Path::new(MARKER))
-        .map_err(|e| dest_err("remove", Path::new(MARKER), e))?;
+    // What an earlier complete stage left: if the source is unchanged since, nothing is written.
+    let prior = read_marker(&root);
 
-    let mut plan = walk(source)?;
+    let mut plan = walk(source, opts.workers)?;
     let src_path = |rel: &Path| {
         if plan.single_file {
             plan.source.clone()
@@ -450,20 +567,54 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         }
     };
 
-    // Plan: which entries differ from the destination (metadata only, in parallel).
+    // Plan: which entries differ from the destination (metadata only, in parallel): each group
+    // of siblings opens its directory once, then one fstatat per entry.
     let differs: Vec<AtomicBool> = plan.entries.iter().map(|_| AtomicBool::new(true)).collect();
-    parallel(plan.entries.len(), opts.workers, |i| {
-        let e = &plan.entries[i];
-        if e.rel.as_os_str().is_empty() {
-            return Ok(());
-        }
-        let st = match fsops::lstat_beneath(&root, &e.rel) {
-            // A parent that is a symlink or a file: replaced when directories are made.
-            Err(err) if matches!(err.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => None,
-            other => other.map_err(|err| dest_err("inspect", &e.rel, err))?,
+    // Every directory already has its final mode and mtime (a completed stage's state).
+    let dirs_exact = AtomicBool::new(true);
+    if let Some(e) = plan.entries.first().filter(|e| e.kind == Kind::Dir) {
+        let st = fsops::fstat(&root).map_err(|err| dest_err("inspect", Path::new(""), err))?;
+        // The root's mtime is not the source's: the marker, written last, changed it.
+        let root = Entry {
+            mtime: (st.st_mtime, st.st_mtime_nsec),
+            ..e.clone()
         };
-        if st.is_some_and(|st| same(e, &st)) {
-            differs[i].store(false, Ordering::Relaxed);
+        if !dir_exact(&root, &st, e.mode | 0o700) {
+            dirs_exact.store(false, Ordering::Relaxed);
+        }
+    }
+    let groups = sibling_groups(plan.entries.iter().map(|e| e.rel.as_path()));
+    parallel(groups.len(), opts.workers, |g| {
+        let (first, end) = groups[g];
+        let parent = plan.entries[first].rel.parent().unwrap_or(Path::new(""));
+        let dir = match fsops::open_beneath(&root, parent, libc::O_PATH | libc::O_DIRECTORY, 0) {
+            Ok(fd) => fd,
+            // Missing, or a symlink or a file in its place: all of it is (re)made.
+            Err(err)
+                if matches!(
+                    err.raw_os_error(),
+                    Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
+                ) =>
+            {
+                dirs_exact.store(false, Ordering::Relaxed);
+                return Ok(());
+            }
+            Err(err) => return Err(dest_err("inspect", parent, err)),
+        };
+        for (i, e) in plan.entries.iter().enumerate().take(end).skip(first) {
+            let name = e.rel.file_name().map(|n| {
+                std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(n))
+                    .expect("a file name has no NUL")
+            });
+            let Some(name) = name else { continue };
+            let st =
+                fsops::lstat_at(&dir, &name).map_err(|err| dest_err("inspect", &e.rel, err))?;
+            if st.is_some_and(|st| same(e, &st)) {
+                differs[i].store(false, Ordering::Relaxed);
+            }
+            if e.kind == Kind::Dir && !st.is_some_and(|st| dir_exact(e, &st, e.mode)) {
+                dirs_exact.store(false, Ordering::Relaxed);
+            }
         }
         Ok(())
     })?;
@@ -495,6 +646,27 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         }
     }
 
+    // A completed stage of this very source, and nothing changed since: done, without the
+    // syncfs and the marker rewrite (the fixed cost of an unchanged re-stage).
+    let unchanged = !opts.verify
+        && plan
+            .entries
+            .iter()
+            .zip(&plan.copy)
+            .all(|(e, &c)| !c || e.rel.as_os_str().is_empty())
+        && dirs_exact.load(Ordering::Relaxed)
+        && prior.is_some_and(|m| {
+            (m.source.as_path(), m.files, m.bytes)
+                == (source_abs.as_path(), report.files, report.bytes)
+        });
+    if unchanged {
+        report.seconds = start.elapsed().as_secs_f64();
+        return Ok(report);
+    }
+    // A stage in progress is never complete, whatever an earlier stage left.
+    fsops::unlink_beneath(&root, Path::new(MARKER))
+        .map_err(|e| dest_err("remove", Path::new(MARKER), e))?;
+
     // Space: the bytes to copy must fit both the filesystem and the per-job cap.
     let free = fsops::available_bytes(&root).map_err(|e| dest_err("inspect", Path::new(""), e))?;
     let (available, limit) = match opts.cap {
@@ -510,7 +682,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         });
     }
 
-    // Directories first (pre-order), writable by their owner until the end.
+    // Directories first (parents before children), writable by their owner until the end.
     for (e, _) in plan
         .entries
         .iter()
@@ -617,12 +789,14 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                         fsops::open_beneath(&root, &e.rel, libc::O_WRONLY, 0)
                     }
                     .map_err(|err| dest_err("create", &e.rel, err))?;
-                    fsops::copy_range(&sfd, &dfd, off, len).map_err(|err| match err.kind() {
-                        std::io::ErrorKind::UnexpectedEof => StageError::Source {
-                            path: src.clone(),
-                            source: err,
-                        },
-                        _ => dest_err("write", &e.rel, err),
+                    fsops::copy_data(&sfd, &dfd, off, len, e.size).map_err(|err| {
+                        match err.kind() {
+                            std::io::ErrorKind::UnexpectedEof => StageError::Source {
+                                path: src.clone(),
+                                source: err,
+                            },
+                            _ => dest_err("write", &e.rel, err),
+                        }
                     })?;
                     // The last chunk of a file completes it (mode and mtime set last).
                     if whole || chunks_left[i].fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -790,7 +964,7 @@ fn verify(plan: &Plan, root: &OwnedFd, dest: &Path, workers: usize) -> Result<()
 /// Checksums (xxh3) of every regular file under `dir`, keyed by relative path: for tests and
 /// `stage status`.
 pub fn checksums(dir: &Path) -> Result<std::collections::BTreeMap<PathBuf, u64>, StageError> {
-    let plan = walk(dir)?;
+    let plan = walk(dir, Options::default().workers)?;
     let mut out = std::collections::BTreeMap::new();
     for e in plan.entries.iter().filter(|e| e.kind == Kind::File) {
         let path = dir.join(&e.rel);
@@ -805,6 +979,9 @@ pub fn checksums(dir: &Path) -> Result<std::collections::BTreeMap<PathBuf, u64>,
 /// root; otherwise as the caller). Call it from a single-threaded process (the Prolog/Epilog and
 /// the CLI are): the child starts its own worker threads after the fork. The child dies with
 /// its parent (PR_SET_PDEATHSIG), so killing berth stops the copy; staging again resumes it.
+///
+/// With a cache configured (`opts.cache`) and run by root, a directory under one of the cache's
+/// prefixes is staged through the dataset cache ([`cache::stage_cached`]).
 pub fn stage_as(
     user: &UserIds,
     source: &Path,
@@ -812,11 +989,28 @@ pub fn stage_as(
     rel: &Path,
     opts: &Options,
 ) -> Result<Report, StageError> {
-    use nix::sys::wait::waitpid;
-    use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
-    if !Uid::current().is_root() {
+    if !nix::unistd::Uid::current().is_root() {
         return stage(source, base, rel, opts);
     }
+    if let Some(cache) = &opts.cache
+        && let Some(canon) = cache.covers(source)
+    {
+        return cache::stage_cached(user, &canon, base, rel, opts, cache);
+    }
+    as_user(user, || {
+        stage(source, base, rel, opts).map_err(|e| e.to_string())
+    })
+}
+
+/// Runs `f` in a forked child with `user`'s uid, gid and groups and returns its result (the
+/// caller must be root and single-threaded; see [`stage_as`]).
+fn as_user<T, F>(user: &UserIds, f: F) -> Result<T, StageError>
+where
+    T: Serialize + serde::de::DeserializeOwned,
+    F: FnOnce() -> Result<T, String>,
+{
+    use nix::sys::wait::waitpid;
+    use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
     let cred_err = |message: String| StageError::Credentials {
         uid: user.uid,
         message,
@@ -824,14 +1018,14 @@ pub fn stage_as(
     let parent = nix::unistd::getpid();
     let (reader, writer) = nix::unistd::pipe().map_err(|e| cred_err(format!("pipe: {e}")))?;
     // SAFETY: the caller is single-threaded (documented above); the child drops privileges,
-    // stages, writes its result to the pipe and exits without returning.
+    // runs `f`, writes its result to the pipe and exits without returning.
     match unsafe { fork() } {
         Ok(ForkResult::Child) => {
             drop(reader);
             let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
             let gid = Gid::from_raw(user.gid);
             let uid = Uid::from_raw(user.uid);
-            let result: Result<Report, String> = setgroups(&groups)
+            let result: Result<T, String> = setgroups(&groups)
                 .and_then(|_| setresgid(gid, gid, gid))
                 .and_then(|_| setresuid(uid, uid, uid))
                 .map_err(|e| format!("staging as uid {}: dropping privileges: {e}", user.uid))
@@ -840,12 +1034,17 @@ pub fn stage_as(
                     // the parent is already gone, nobody waits for this stage.
                     // SAFETY: prctl with PR_SET_PDEATHSIG and a signal number has no memory effects.
                     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                    // The user must not ptrace this child or reach its pipe through /proc: root
+                    // trusts what it reports (the dataset cache serves by its manifest). The
+                    // kernel clears the flag on the uid change already; this does not rely on it.
+                    // SAFETY: as above.
+                    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) };
                     if nix::unistd::getppid() != parent {
                         // SAFETY: exiting the child without running the parent's exit handlers.
                         unsafe { libc::_exit(1) }
                     }
                 })
-                .and_then(|_| stage(source, base, rel, opts).map_err(|e| e.to_string()));
+                .and_then(|_| f());
             let mut w = std::fs::File::from(writer);
             let ok = result.is_ok();
             let _ = w.write_all(&serde_json::to_vec(&result).unwrap_or_default());
@@ -858,8 +1057,8 @@ pub fn stage_as(
             let mut buf = Vec::new();
             let _ = std::fs::File::from(reader).read_to_end(&mut buf);
             let status = waitpid(child, None);
-            match serde_json::from_slice::<Result<Report, String>>(&buf) {
-                Ok(Ok(report)) => Ok(report),
+            match serde_json::from_slice::<Result<T, String>>(&buf) {
+                Ok(Ok(value)) => Ok(value),
                 Ok(Err(message)) => Err(StageError::Child(message)),
                 Err(_) => Err(cred_err(format!(
                     "the staging process ended without a result ({status:?})",
@@ -947,7 +1146,14 @@ mod tests {
         let m = status(&dst).unwrap();
         assert_eq!((m.files, m.source.as_path()), (4, src.as_path()));
 
+        // Unchanged: nothing is written, not even a new marker.
+        let marker = |p: &Path| {
+            let m = std::fs::metadata(p.join(MARKER)).unwrap();
+            (m.ino(), m.mtime(), m.mtime_nsec())
+        };
+        let before = marker(&dst);
         let again = stage(&src, &base, Path::new("data"), &opts()).unwrap();
+        assert_eq!(marker(&dst), before);
         assert_eq!(
             (
                 again.files_copied,
@@ -1042,6 +1248,39 @@ mod tests {
             "{msg}"
         );
         assert!(!base.join("big").exists() && status(&base).is_none());
+    }
+
+    #[test]
+    fn large_files_are_written_direct_to_the_byte_whole_or_in_chunks() {
+        let tmp = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        // Unaligned sizes: the padded tail must be cut back exactly.
+        for (name, len) in [("whole", (9 << 20) + 123), ("chunked", (20 << 20) + 77)] {
+            let data: Vec<u8> = (0..len).map(|i: usize| (i * 13 % 251) as u8).collect();
+            std::fs::write(src.join(name), data).unwrap();
+        }
+        for chunk in [64 << 20, 8 << 20] {
+            let dst = tmp.path().join(format!("dst{chunk}"));
+            let r = stage(
+                &src,
+                &dst,
+                Path::new(""),
+                &Options {
+                    chunk_size: chunk,
+                    ..opts()
+                },
+            )
+            .unwrap();
+            assert_eq!(r.files_copied, 2);
+            assert_eq!(checksums(&src).unwrap(), checksums(&dst).unwrap());
+            for name in ["whole", "chunked"] {
+                assert_eq!(
+                    std::fs::metadata(src.join(name)).unwrap().len(),
+                    std::fs::metadata(dst.join(name)).unwrap().len()
+                );
+            }
+        }
     }
 
     #[test]
