@@ -745,3 +745,76 @@ fn a_cache_on_another_filesystem_hands_out_the_users_own_copies() {
         (0, 4, 0)
     );
 }
+
+/// A 1 MiB tmpfs at `dir` (unmounted on drop).
+fn small_tmpfs(dir: &Path) -> Mount {
+    std::fs::create_dir_all(dir).unwrap();
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs"])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    Mount(dir.to_path_buf())
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn copies_from_a_cache_on_another_filesystem_stay_within_the_scratch_cap() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset(&src, 4, 3000);
+    let cache = tempfile::tempdir_in("/dev/shm").unwrap();
+    let cfg = cache_config_at(w.path(), cache.path(), &data, 1 << 30);
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    text.push_str("cap_bytes = 5000\n");
+    std::fs::write(&cfg, text).unwrap();
+    let job = user_scratch(w.path(), "1");
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // 3000 + 3001 + 3002 + 3003 bytes, none of them in place yet.
+    assert!(
+        err.contains("needs 12006 bytes, 5000 available (per-job scratch cap)"),
+        "{err}"
+    );
+    assert!(stage::status(&job.join("ds")).is_none());
+    assert!(
+        !job.join("ds/f0").exists(),
+        "copied before checking the cap"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_full_cache_filesystem_gives_the_job_a_plain_copy() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    // 4 files of 400 KB: more than the cache's 1 MiB filesystem holds.
+    dataset(&src, 4, 400_000);
+    let cache_dir = w.path().join("cache");
+    let _guard = small_tmpfs(&cache_dir);
+    let cfg = cache_config(w.path(), &data, 1 << 30);
+    let job = user_scratch(w.path(), "1");
+    let o = stage_cached(&cfg, &src, &job, "berthtest");
+    let err = common::stderr(&o);
+    assert_eq!(counts(&o), (4, 0, 0), "{err}");
+    assert!(
+        err.contains("no room for") && err.contains("staging without the cache"),
+        "{err}"
+    );
+    assert!(err.contains("(copied)"), "{err}");
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&job.join("ds")).unwrap()
+    );
+    assert!(
+        entry_of(w.path(), &src).is_none(),
+        "a partial entry was kept"
+    );
+    let left: Vec<_> = std::fs::read_dir(cache_dir.join("tmp")).unwrap().collect();
+    assert!(left.is_empty(), "a partial fill was left: {left:?}");
+}

@@ -3,9 +3,17 @@
 #   (a) SMALL_FILES files of 4-64 KiB in 200 directories, (b) LARGE_FILES files of LARGE_MIB MiB;
 # cold (page cache dropped before each arm) and warm; plus O_DIRECT dd as the device limit for (b)
 # and an unchanged re-stage; and the dataset cache: a first job that fills it, a second job served
-# from it (hardlinks), against berth's plain first copy. Every arm's time includes `sync -f` of its destination (berth
-# syncs before writing its completion marker), so no arm is timed writing only to page cache.
-# Needs root (drop_caches), rsync, python3. Usage: bench/stage/run.sh [BERTH_BINARY]
+# from it (hardlinks), against berth's plain first copy. Every arm's time includes `sync -f` of its
+# destination (berth syncs before writing its completion marker), so no arm is timed writing only
+# to page cache.
+# The source stays under BENCH_DIR (the shared-storage stand-in); the destination is node-local
+# scratch: a journaled ext4 on a loop device (direct I/O to a preallocated file), made afresh
+# before each arm. So every arm starts from the same state and crosses filesystems as a real stage
+# does; and none pays for the previous arm's deletions: this machine's root ext4 has no journal,
+# and there creating files where thousands were deleted in the last minutes makes the inode
+# allocator skip each "recently deleted" inode again on every create (found with perf: a third of
+# the CPU of a copy went to ext4's recently_deleted()).
+# Needs root (drop_caches, mkfs, mount), rsync, python3. Usage: bench/stage/run.sh [BERTH_BINARY]
 set -euo pipefail
 BERTH=${1:-${BERTH:-target/release/berth}}
 DIR=${BENCH_DIR:-/var/tmp/berth-bench-stage}
@@ -17,7 +25,7 @@ MODES=${MODES:-"cold warm"}
 SETS=${SETS:-"small large"}
 [ "$(id -u)" = 0 ] || { echo "bench/stage: needs root (drop_caches)" >&2; exit 1; }
 command -v rsync >/dev/null || { echo "bench/stage: apt-get install rsync" >&2; exit 1; }
-mkdir -p "$DIR"
+mkdir -p "$DIR" "$DIR/dst"
 
 if [ ! -e "$DIR/small.done" ]; then
   rm -rf "$DIR/small"
@@ -41,11 +49,33 @@ if [ ! -e "$DIR/large.done" ]; then
   touch "$DIR/large.done"
 fi
 
-# The dataset cache's arms: a config that caches everything under $DIR, the cache in $DIR/cache
-# (the same filesystem as the destination, so the second job gets hardlinks).
+# The scratch filesystem: big enough for the larger set twice (the cache arms hold the cache and
+# the job's links to it), plus room for ext4's own.
+SCRATCH_IMG=$DIR/scratch.img
+set_bytes() { du -sb "$DIR/$1" | cut -f1; }
+scratch_gib=$(( ($(set_bytes small) > $(set_bytes large) ? $(set_bytes small) : $(set_bytes large)) * 2 / (1 << 30) + 2 ))
+LOOP=
+cleanup() {
+  mountpoint -q "$DIR/dst" && umount "$DIR/dst"
+  [ -n "$LOOP" ] && losetup -d "$LOOP"
+  rm -f "$SCRATCH_IMG"
+}
+trap cleanup EXIT
+rm -f "$SCRATCH_IMG"
+fallocate -l "${scratch_gib}G" "$SCRATCH_IMG"
+LOOP=$(losetup --direct-io=on --show -f "$SCRATCH_IMG")
+# fresh_scratch: an empty filesystem at $DIR/dst.
+fresh_scratch() {
+  mountpoint -q "$DIR/dst" && umount "$DIR/dst"
+  mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0,nodiscard "$LOOP"
+  mount "$LOOP" "$DIR/dst"
+}
+
+# The dataset cache's arms: a config that caches everything under $DIR, the cache on the scratch
+# filesystem (as the destination, so the second job gets hardlinks).
 CACHE_CFG=$DIR/cache.toml
 printf '[stage]\ncache_dir = "%s"\ncache_prefixes = ["%s"]\ncache_max_bytes = 1000000000000\n' \
-  "$DIR/cache" "$DIR" > "$CACHE_CFG"
+  "$DIR/dst/cache" "$DIR" > "$CACHE_CFG"
 cached() { "$BERTH" --config "$CACHE_CFG" stage in "$DIR/$1:x" --to "$DIR/dst" --workers "$WORKERS"; }
 
 now() { date +%s.%N; }
@@ -61,14 +91,15 @@ settle() {
 }
 RESULTS=$DIR/results.tsv
 : > "$RESULTS"
-# arm SET MODE NAME COMMAND...: times COMMAND into a fresh $DIR/dst, then sync.
+# arm SET MODE NAME COMMAND...: times COMMAND into a fresh scratch filesystem, then sync.
+# KEEP=1: the same filesystem, only the job's directory removed (the cache's second job).
 arm() {
   local set=$1 mode=$2 name=$3; shift 3
-  rm -rf "$DIR/dst"; mkdir -p "$DIR/dst"
+  if [ "${KEEP:-0}" = 1 ]; then rm -rf "$DIR/dst/x"; else fresh_scratch; fi
   settle "$mode" "$set"
   local t0 t1
   t0=$(now); "$@" >/dev/null 2>&1; sync -f "$DIR/dst"; t1=$(now)
-  local bytes; bytes=$(du -sb "$DIR/$set" | cut -f1)
+  local bytes; bytes=$(set_bytes "$set")
   echo -e "$set\t$mode\t$name\t$(echo "$t1 - $t0" | bc -l)\t$bytes" | tee -a "$RESULTS"
 }
 xargs_cp() { (cd "$DIR/$1" && find . -type f -print0 | xargs -0 -P4 -n 256 cp --parents -t "$DIR/dst"); }
@@ -88,12 +119,10 @@ for mode in $MODES; do
     arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"
     arm $set $mode xargs-cp xargs_cp $set
     if [ $set = large ]; then arm $set $mode dd-direct dd_direct; fi
-    rm -rf "$DIR/cache"
     arm $set $mode berth-cache-fill cached $set
-    arm $set $mode berth-cache-hit cached $set
+    KEEP=1 arm $set $mode berth-cache-hit cached $set
   done
 done
-rm -rf "$DIR/dst" "$DIR/cache"
 
 python3 - "$RESULTS" <<'PY'
 import sys

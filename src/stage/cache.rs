@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     How, Kind, MARKER, Marker, Options, Report, StageError, as_user, fsops, open_dest, open_source,
-    parallel, walk, write_marker,
+    parallel, walk, with_progress, write_marker,
 };
 use crate::spec::user::UserIds;
 
@@ -284,7 +284,7 @@ impl Cache {
         key: &str,
         m: &Manifest,
         old: Option<&Manifest>,
-        workers: usize,
+        opts: &Options,
     ) -> Result<(u64, u64), StageError> {
         let nanos = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
@@ -295,7 +295,7 @@ impl Cache {
             .join("tmp")
             .join(format!("{key}.{}.{nanos}", std::process::id()));
         std::fs::create_dir(&tmp).map_err(cache_err("create", &tmp))?;
-        let result = self.fill_in(&tmp, key, m, old, workers);
+        let result = self.fill_in(&tmp, key, m, old, opts);
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&tmp);
         }
@@ -308,7 +308,7 @@ impl Cache {
         key: &str,
         m: &Manifest,
         old: Option<&Manifest>,
-        workers: usize,
+        opts: &Options,
     ) -> Result<(u64, u64), StageError> {
         let data_path = tmp.join("data");
         std::fs::create_dir(&data_path).map_err(cache_err("create", &data_path))?;
@@ -336,75 +336,93 @@ impl Cache {
             None => None,
         };
         let reuse = reusable(old, m);
+        // What is copied from the source must fit the cache's filesystem.
+        let (to_copy, bytes_to_copy) = m
+            .items
+            .iter()
+            .zip(&reuse)
+            .filter(|(i, r)| i.kind == Kind::File && !**r)
+            .fold((0, 0), |(n, b), (i, _)| (n + 1, b + i.size));
+        let free = fsops::available_bytes(&data).map_err(cache_err("inspect", &data_path))?;
+        if bytes_to_copy > free {
+            return Err(StageError::NoSpace {
+                dest: self.dir.clone(),
+                needed: bytes_to_copy,
+                available: free,
+                limit: "free space of the dataset cache",
+            });
+        }
         for i in m.items.iter().skip(1).filter(|i| i.kind == Kind::Dir) {
             fsops::mkdir_beneath(&data, &i.rel, 0o755)
                 .map_err(cache_err("create", &data_path.join(&i.rel)))?;
         }
-        let files = AtomicU64::new(0);
-        let bytes = AtomicU64::new(0);
-        parallel(m.items.len(), workers, |n| {
-            let i = &m.items[n];
-            let dest = || data_path.join(&i.rel);
-            match i.kind {
-                Kind::Dir => {}
-                Kind::Symlink => {
-                    let target = i.target.as_deref().unwrap_or(Path::new(""));
-                    fsops::symlink_beneath(&data, target, &i.rel)
-                        .map_err(cache_err("create", &dest()))?;
-                    fsops::set_mtime_beneath(&data, &i.rel, i.mtime)
-                        .map_err(cache_err("set the mtime of", &dest()))?;
-                }
-                Kind::File if reuse[n] => {
-                    let od = old_data.as_ref().expect("reuse implies an old entry");
-                    fsops::link_beneath(od, &i.rel, &data, &i.rel)
-                        .map_err(cache_err("link", &dest()))?;
-                }
-                Kind::File => {
-                    let src = m.source.join(&i.rel);
-                    let sfd = fsops::open_beneath(&src_root, &i.rel, libc::O_RDONLY, 0).map_err(
-                        |source| StageError::Source {
+        let way = fsops::CopyWay::default();
+        let files = m.files().count() as u64;
+        with_progress(opts, (files - to_copy, files), bytes_to_copy, |progress| {
+            parallel(m.items.len(), opts.workers, |n| {
+                let i = &m.items[n];
+                let dest = || data_path.join(&i.rel);
+                match i.kind {
+                    Kind::Dir => {}
+                    Kind::Symlink => {
+                        let target = i.target.as_deref().unwrap_or(Path::new(""));
+                        fsops::symlink_beneath(&data, target, &i.rel)
+                            .map_err(cache_err("create", &dest()))?;
+                        fsops::set_mtime_beneath(&data, &i.rel, i.mtime)
+                            .map_err(cache_err("set the mtime of", &dest()))?;
+                    }
+                    Kind::File if reuse[n] => {
+                        let od = old_data.as_ref().expect("reuse implies an old entry");
+                        fsops::link_beneath(od, &i.rel, &data, &i.rel)
+                            .map_err(cache_err("link", &dest()))?;
+                    }
+                    Kind::File => {
+                        let src = m.source.join(&i.rel);
+                        let sfd = fsops::open_beneath(&src_root, &i.rel, libc::O_RDONLY, 0)
+                            .map_err(|source| StageError::Source {
+                                path: src.clone(),
+                                source,
+                            })?;
+                        let st = fsops::fstat(&sfd).map_err(|source| StageError::Source {
                             path: src.clone(),
                             source,
-                        },
-                    )?;
-                    let st = fsops::fstat(&sfd).map_err(|source| StageError::Source {
-                        path: src.clone(),
-                        source,
-                    })?;
-                    // Root copies only the inode the user opened, unchanged since.
-                    if (
-                        st.st_dev,
-                        st.st_ino,
-                        st.st_size as u64,
-                        (st.st_mtime, st.st_mtime_nsec),
-                    ) != (i.dev, i.ino, i.size, i.mtime)
-                    {
-                        return Err(changed(&src));
-                    }
-                    let dfd = fsops::open_beneath(
-                        &data,
-                        &i.rel,
-                        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
-                        0o600,
-                    )
-                    .map_err(cache_err("create", &dest()))?;
-                    fsops::copy_data(&sfd, &dfd, 0, i.size, i.size).map_err(|e| {
-                        match e.kind() {
-                            std::io::ErrorKind::UnexpectedEof => StageError::Source {
-                                path: src.clone(),
-                                source: e,
-                            },
-                            _ => cache_err("write", &dest())(e),
+                        })?;
+                        // Root copies only the inode the user opened, unchanged since.
+                        if (
+                            st.st_dev,
+                            st.st_ino,
+                            st.st_size as u64,
+                            (st.st_mtime, st.st_mtime_nsec),
+                        ) != (i.dev, i.ino, i.size, i.mtime)
+                        {
+                            return Err(changed(&src));
                         }
-                    })?;
-                    fsops::fchmod(&dfd, read_only(i.mode)).map_err(cache_err("chmod", &dest()))?;
-                    fsops::set_mtime_fd(&dfd, i.mtime)
-                        .map_err(cache_err("set the mtime of", &dest()))?;
-                    files.fetch_add(1, Ordering::Relaxed);
-                    bytes.fetch_add(i.size, Ordering::Relaxed);
+                        let dfd = fsops::open_beneath(
+                            &data,
+                            &i.rel,
+                            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+                            0o600,
+                        )
+                        .map_err(cache_err("create", &dest()))?;
+                        fsops::copy_data(&sfd, &dfd, 0, i.size, i.size, &way).map_err(
+                            |e| match e.kind() {
+                                std::io::ErrorKind::UnexpectedEof => StageError::Source {
+                                    path: src.clone(),
+                                    source: e,
+                                },
+                                _ => cache_err("write", &dest())(e),
+                            },
+                        )?;
+                        fsops::fchmod(&dfd, read_only(i.mode))
+                            .map_err(cache_err("chmod", &dest()))?;
+                        fsops::set_mtime_fd(&dfd, i.mtime)
+                            .map_err(cache_err("set the mtime of", &dest()))?;
+                        progress.files.fetch_add(1, Ordering::Relaxed);
+                        progress.bytes.fetch_add(i.size, Ordering::Relaxed);
+                    }
                 }
-            }
-            Ok(())
+                Ok(())
+            })
         })?;
         let write = |name: &str, value: &[u8]| -> Result<(), StageError> {
             let p = tmp.join(name);
@@ -422,7 +440,7 @@ impl Cache {
         // The entry's data on disk before it can be found.
         fsops::syncfs(&data).map_err(cache_err("sync", tmp))?;
         self.commit(tmp, key)?;
-        Ok((files.into_inner(), bytes.into_inner()))
+        Ok((to_copy, bytes_to_copy))
     }
 
     /// Moves a filled entry into place: atomically replacing an older one (which is then
@@ -553,7 +571,25 @@ pub(super) fn stage_cached(
         // Another stage may have filled it while this one waited.
         let old = c.manifest(&key);
         if old.as_ref() != Some(&manifest) {
-            copied = c.fill(&key, &manifest, old.as_ref(), workers)?;
+            match c.fill(&key, &manifest, old.as_ref(), opts) {
+                Ok(done) => copied = done,
+                // No room in the cache: this job gets a plain copy.
+                Err(StageError::NoSpace {
+                    needed, available, ..
+                }) => {
+                    drop(lock);
+                    tracing::warn!(
+                        "dataset cache {}: no room for {} (needs {needed} bytes, {available} \
+                         available); staging without the cache",
+                        cache.dir.display(),
+                        canon.display()
+                    );
+                    return as_user(user, || {
+                        super::stage(canon, base, rel, opts).map_err(|e| e.to_string())
+                    });
+                }
+                Err(e) => return Err(e),
+            }
         }
         // Shared again for the linking (flock converts in place; no one can slip in between
         // since a conversion to shared conflicts with no other holder).
@@ -603,6 +639,65 @@ fn link_into(
         .map_err(dest_err("remove", Path::new(MARKER)))?;
     let data = open_dir(data_path).map_err(cache_err("open", data_path))?;
 
+    // Space, before anything is put there: what is not in place yet counts against the job's
+    // cap (as the scratch's usage counts every file, links too), and must fit the destination's
+    // filesystem when the cache is on another one (links take no room).
+    let groups = super::sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
+    let needed = AtomicU64::new(0);
+    parallel(groups.len(), opts.workers, |g| {
+        let (first, end) = groups[g];
+        let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
+        let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
+        let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
+            .map_err(cache_err("open", &data_path.join(parent)))?;
+        let ddir = match fsops::open_beneath(&root, parent, dir_flags, 0) {
+            Ok(fd) => Some(fd),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+                ) =>
+            {
+                None
+            }
+            Err(e) => return Err(dest_err("open", parent)(e)),
+        };
+        for i in m.items[first..end].iter().filter(|i| i.kind == Kind::File) {
+            let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
+            let cached = fsops::lstat_at(&cdir, &name)
+                .map_err(cache_err("read", &data_path.join(&i.rel)))?;
+            let dest = match &ddir {
+                Some(d) => fsops::lstat_at(d, &name).map_err(dest_err("inspect", &i.rel))?,
+                None => None,
+            };
+            let there = matches!((&cached, &dest), (Some(c), Some(d)) if in_place(i, c, d, uid));
+            if !there {
+                needed.fetch_add(i.size, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    })?;
+    let needed = needed.into_inner();
+    let dest_st = fsops::fstat(&root).map_err(dest_err("inspect", Path::new("")))?;
+    let cache_st = fsops::fstat(&data).map_err(cache_err("inspect", data_path))?;
+    let free = if dest_st.st_dev != cache_st.st_dev {
+        fsops::available_bytes(&root).map_err(dest_err("inspect", Path::new("")))?
+    } else {
+        u64::MAX
+    };
+    let (available, limit) = match opts.cap {
+        Some(cap) if cap < free => (cap, "per-job scratch cap"),
+        _ => (free, "free space"),
+    };
+    if needed > available {
+        return Err(StageError::NoSpace {
+            dest: dest_path,
+            needed,
+            available,
+            limit,
+        });
+    }
+
     let mut report = Report {
         source: m.source.clone(),
         dest: dest_path.clone(),
@@ -647,46 +742,55 @@ fn link_into(
     );
     // One task per directory's files: its directory in the cache and in the destination opened
     // once, then a few calls on plain names per file.
-    let groups = super::sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
-    parallel(groups.len(), opts.workers, |g| {
-        let (first, end) = groups[g];
-        let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
-        let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
-        let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
-            .map_err(cache_err("open", &data_path.join(parent)))?;
-        let ddir =
-            fsops::open_beneath(&root, parent, dir_flags, 0).map_err(dest_err("open", parent))?;
-        for i in &m.items[first..end] {
-            let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
-            match i.kind {
-                Kind::Dir => {}
-                Kind::Symlink => {
-                    let target = i.target.as_deref().unwrap_or(Path::new(""));
-                    fsops::unlink_at(&ddir, &name).map_err(dest_err("remove", &i.rel))?;
-                    fsops::symlink_at(&ddir, &name, target, Some((uid, gid)), i.mtime)
-                        .map_err(dest_err("create", &i.rel))?;
-                }
-                Kind::File => {
-                    link_file(i, &name, &cdir, &ddir, (uid, gid), &other_fs)
-                        .map_err(|(op, e)| match op {
-                            "conflict" => StageError::Conflict {
-                                path: dest_path.join(&i.rel),
-                                message: "a directory where the dataset has a file; remove it"
-                                    .into(),
-                            },
-                            "cache" => cache_err("read", &data_path.join(&i.rel))(e),
-                            op => dest_err(op, &i.rel)(e),
-                        })
-                        .map(|done| match done {
-                            Put::Unchanged => unchanged.fetch_add(1, Ordering::Relaxed),
-                            Put::Linked => linked.fetch_add(1, Ordering::Relaxed),
-                            Put::Cloned => cloned.fetch_add(1, Ordering::Relaxed),
-                            Put::Copied => copied.fetch_add(1, Ordering::Relaxed),
-                        })?;
+    let way = fsops::CopyWay::default();
+    let files = m.files().count() as u64;
+    with_progress(opts, (0, files), needed, |progress| {
+        parallel(groups.len(), opts.workers, |g| {
+            let (first, end) = groups[g];
+            let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
+            let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
+            let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
+                .map_err(cache_err("open", &data_path.join(parent)))?;
+            let ddir = fsops::open_beneath(&root, parent, dir_flags, 0)
+                .map_err(dest_err("open", parent))?;
+            for i in &m.items[first..end] {
+                let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
+                match i.kind {
+                    Kind::Dir => {}
+                    Kind::Symlink => {
+                        let target = i.target.as_deref().unwrap_or(Path::new(""));
+                        fsops::unlink_at(&ddir, &name).map_err(dest_err("remove", &i.rel))?;
+                        fsops::symlink_at(&ddir, &name, target, Some((uid, gid)), i.mtime)
+                            .map_err(dest_err("create", &i.rel))?;
+                    }
+                    Kind::File => {
+                        link_file(i, &name, &cdir, &ddir, (uid, gid), &other_fs, &way)
+                            .map_err(|(op, e)| match op {
+                                "conflict" => StageError::Conflict {
+                                    path: dest_path.join(&i.rel),
+                                    message: "a directory where the dataset has a file; remove it"
+                                        .into(),
+                                },
+                                "cache" => cache_err("read", &data_path.join(&i.rel))(e),
+                                op => dest_err(op, &i.rel)(e),
+                            })
+                            .map(|done| {
+                                progress.files.fetch_add(1, Ordering::Relaxed);
+                                match done {
+                                    Put::Unchanged => unchanged.fetch_add(1, Ordering::Relaxed),
+                                    Put::Linked => linked.fetch_add(1, Ordering::Relaxed),
+                                    Put::Cloned => cloned.fetch_add(1, Ordering::Relaxed),
+                                    Put::Copied => {
+                                        progress.bytes.fetch_add(i.size, Ordering::Relaxed);
+                                        copied.fetch_add(1, Ordering::Relaxed)
+                                    }
+                                }
+                            })?;
+                    }
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     })?;
     // Directory modes and mtimes last, deepest first.
     for i in m.items.iter().rev().filter(|i| i.kind == Kind::Dir) {
@@ -741,6 +845,16 @@ fn link_into(
     Ok(report)
 }
 
+/// Whether the destination's `dest` already is the cached file `cached` of item `i`: the same
+/// inode, or a copy made earlier (cache on another filesystem) that is the user's, by the
+/// engine's rule (size and mtime).
+fn in_place(i: &Item, cached: &libc::stat, dest: &libc::stat, uid: u32) -> bool {
+    (dest.st_dev, dest.st_ino) == (cached.st_dev, cached.st_ino)
+        || (dest.st_mode & libc::S_IFMT == libc::S_IFREG
+            && dest.st_uid == uid
+            && (dest.st_size as u64, (dest.st_mtime, dest.st_mtime_nsec)) == (i.size, i.mtime))
+}
+
 /// How one file got into the destination.
 enum Put {
     Unchanged,
@@ -759,23 +873,14 @@ fn link_file(
     ddir: &OwnedFd,
     (uid, gid): (u32, u32),
     other_fs: &AtomicBool,
+    way: &fsops::CopyWay,
 ) -> Result<Put, (&'static str, std::io::Error)> {
     let missing = || std::io::Error::from(std::io::ErrorKind::NotFound);
     let cached = fsops::lstat_at(cdir, name)
         .map_err(|e| ("cache", e))?
         .ok_or_else(|| ("cache", missing()))?;
     match fsops::lstat_at(ddir, name).map_err(|e| ("inspect", e))? {
-        Some(st) if (st.st_dev, st.st_ino) == (cached.st_dev, cached.st_ino) => {
-            return Ok(Put::Unchanged);
-        }
-        // A copy made earlier (cache on another filesystem): the engine's rule.
-        Some(st)
-            if st.st_mode & libc::S_IFMT == libc::S_IFREG
-                && st.st_uid == uid
-                && (st.st_size as u64, (st.st_mtime, st.st_mtime_nsec)) == (i.size, i.mtime) =>
-        {
-            return Ok(Put::Unchanged);
-        }
+        Some(st) if in_place(i, &cached, &st, uid) => return Ok(Put::Unchanged),
         Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
             return Err(("conflict", missing()));
         }
@@ -807,7 +912,7 @@ fn link_file(
     let put = if fsops::reflink(&cfd, &dfd).is_ok() {
         Put::Cloned
     } else {
-        fsops::copy_data(&cfd, &dfd, 0, i.size, i.size).map_err(|e| ("write", e))?;
+        fsops::copy_data(&cfd, &dfd, 0, i.size, i.size, way).map_err(|e| ("write", e))?;
         Put::Copied
     };
     fsops::fchmod(&dfd, i.mode).map_err(|e| ("chmod", e))?;

@@ -7,6 +7,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 fn cstr(path: &Path) -> io::Result<CString> {
     // An empty relative path names the root itself.
@@ -165,7 +166,16 @@ pub fn available_bytes(fd: &OwnedFd) -> io::Result<u64> {
 /// Copies `len` bytes at `offset` from `src` to `dst`: `copy_file_range` (in-kernel, a reflink on
 /// filesystems that share extents), else `pread`/`pwrite` when the kernel cannot (another
 /// filesystem on old kernels, FUSE/NFS without support, special files).
-pub fn copy_range(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Result<()> {
+pub fn copy_range(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+    offset: u64,
+    len: u64,
+    way: &CopyWay,
+) -> io::Result<()> {
+    if way.read_write.load(Ordering::Relaxed) {
+        return copy_range_rw(src, dst, offset, len);
+    }
     let mut done = 0u64;
     while done < len {
         let mut off_in = (offset + done) as libc::loff_t;
@@ -187,7 +197,10 @@ pub fn copy_range(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Re
             return match err.raw_os_error() {
                 Some(
                     libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS | libc::EPERM,
-                ) if done == 0 => copy_range_rw(src, dst, offset, len),
+                ) if done == 0 => {
+                    way.read_write.store(true, Ordering::Relaxed);
+                    copy_range_rw(src, dst, offset, len)
+                }
                 _ => Err(err),
             };
         }
@@ -199,6 +212,14 @@ pub fn copy_range(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Re
     Ok(())
 }
 
+/// How a stage's copies go between its pair of filesystems, learned from the first copy: once
+/// `copy_file_range` is refused (EXDEV between most filesystems, EOPNOTSUPP, ...), every later
+/// file is read and written directly instead of paying a failed call first.
+#[derive(Debug, Default)]
+pub struct CopyWay {
+    read_write: AtomicBool,
+}
+
 fn shrunk() -> io::Error {
     io::Error::new(
         io::ErrorKind::UnexpectedEof,
@@ -206,23 +227,73 @@ fn shrunk() -> io::Error {
     )
 }
 
+thread_local! {
+    /// Each copy thread's buffer for read/write copies, kept between files.
+    static RW_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    // Large aligned buffers: fewer syscalls, and full pages for the destination's page cache.
-    let mut buf = vec![0u8; (len.min(4 << 20)) as usize];
-    let src = std::fs::File::from(src.try_clone()?);
-    let dst = std::fs::File::from(dst.try_clone()?);
-    let mut done = 0u64;
-    while done < len {
-        let want = (len - done).min(buf.len() as u64) as usize;
-        let n = src.read_at(&mut buf[..want], offset + done)?;
-        if n == 0 {
-            return Err(shrunk());
+    // Large buffers: fewer syscalls, and full pages for the destination's page cache.
+    const MAX: usize = 4 << 20;
+    RW_BUF.with_borrow_mut(|buf| {
+        let size = (len as usize).clamp(1, MAX);
+        if buf.len() < size {
+            buf.resize(size, 0);
         }
-        dst.write_all_at(&buf[..n], offset + done)?;
-        done += n as u64;
+        let mut done = 0u64;
+        while done < len {
+            let want = (len - done).min(buf.len() as u64) as usize;
+            let n = pread(src, &mut buf[..want], offset + done)?;
+            if n == 0 {
+                return Err(shrunk());
+            }
+            let mut put = 0;
+            while put < n {
+                put += pwrite(dst, &buf[put..n], offset + done + put as u64)?;
+            }
+            done += n as u64;
+        }
+        Ok(())
+    })
+}
+
+fn pread(fd: &OwnedFd, buf: &mut [u8], at: u64) -> io::Result<usize> {
+    loop {
+        // SAFETY: `fd` is open and `buf` a valid writable buffer of its length.
+        let n = unsafe {
+            libc::pread(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                at as libc::off_t,
+            )
+        };
+        match n {
+            0.. => return Ok(n as usize),
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            _ => return Err(io::Error::last_os_error()),
+        }
     }
-    Ok(())
+}
+
+fn pwrite(fd: &OwnedFd, buf: &[u8], at: u64) -> io::Result<usize> {
+    loop {
+        // SAFETY: `fd` is open and `buf` a valid buffer of its length.
+        let n = unsafe {
+            libc::pwrite(
+                fd.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                at as libc::off_t,
+            )
+        };
+        match n {
+            1.. => return Ok(n as usize),
+            0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            _ => return Err(io::Error::last_os_error()),
+        }
+    }
 }
 
 pub fn fchown(fd: &OwnedFd, uid: u32, gid: u32) -> io::Result<()> {
@@ -311,11 +382,12 @@ pub fn copy_data(
     offset: u64,
     len: u64,
     file_size: u64,
+    way: &CopyWay,
 ) -> io::Result<()> {
     if len >= DIRECT_MIN && offset.is_multiple_of(DIRECT_ALIGN as u64) {
-        copy_range_direct(src, dst, offset, len, file_size)
+        copy_range_direct(src, dst, offset, len, file_size, way)
     } else {
-        copy_range(src, dst, offset, len)
+        copy_range(src, dst, offset, len, way)
     }
 }
 
@@ -361,6 +433,7 @@ pub fn copy_range_direct(
     offset: u64,
     len: u64,
     file_size: u64,
+    way: &CopyWay,
 ) -> io::Result<()> {
     // O_DIRECT is a property of the open file description; the caller's `dst` is its own (one
     // open per copy task).
@@ -372,7 +445,7 @@ pub fn copy_range_direct(
     // SAFETY: as above.
     if unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_SETFL, flags | libc::O_DIRECT) } < 0 {
         return match io::Error::last_os_error().raw_os_error() {
-            Some(libc::EINVAL | libc::EOPNOTSUPP) => copy_range(src, dst, offset, len),
+            Some(libc::EINVAL | libc::EOPNOTSUPP) => copy_range(src, dst, offset, len, way),
             _ => Err(io::Error::last_os_error()),
         };
     }
