@@ -399,6 +399,8 @@ pub struct StageConfig {
     pub chunk_mib: u64,
     /// Hash source and destination after every stage (xxh3).
     pub verify: bool,
+    /// Copy the `user.*` extended attributes of staged files and directories.
+    pub xattrs: bool,
     /// Seconds between progress lines when stderr is not a terminal.
     pub progress_interval_s: u64,
     /// The dataset cache's directory (root's, 0700), on the scratch filesystem so that cached
@@ -416,6 +418,7 @@ impl Default for StageConfig {
             workers: 8,
             chunk_mib: 64,
             verify: false,
+            xattrs: false,
             progress_interval_s: 10,
             cache_dir: PathBuf::from("/var/tmp/berth-cache"),
             cache_prefixes: Vec::new(),
@@ -430,6 +433,7 @@ impl StageConfig {
             workers: self.workers.max(1),
             chunk_size: self.chunk_mib.max(1) << 20,
             verify: self.verify,
+            xattrs: self.xattrs,
             cap: None,
             progress: true,
             progress_interval: std::time::Duration::from_secs(self.progress_interval_s.max(1)),

@@ -818,3 +818,113 @@ fn a_full_cache_filesystem_gives_the_job_a_plain_copy() {
     let left: Vec<_> = std::fs::read_dir(cache_dir.join("tmp")).unwrap().collect();
     assert!(left.is_empty(), "a partial fill was left: {left:?}");
 }
+
+fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+    let (p, n) = (cstr(path), std::ffi::CString::new(name).unwrap());
+    // SAFETY: valid C strings and a buffer of the given length.
+    let r = unsafe {
+        libc::setxattr(
+            p.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "setxattr {name} on {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+/// The value of the extended attribute `name` of `path`, if it has one.
+fn get_xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    let (p, n) = (cstr(path), std::ffi::CString::new(name).unwrap());
+    let mut buf = vec![0u8; 256];
+    // SAFETY: valid C strings and a writable buffer of the given length.
+    let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    (r >= 0).then(|| buf[..r as usize].to_vec())
+}
+
+fn cstr(path: &Path) -> std::ffi::CString {
+    std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str())).unwrap()
+}
+
+/// A dataset with user.* attributes on a file and a directory, and a trusted.* one (root's
+/// namespace) that must never be handed on.
+fn dataset_with_xattrs(src: &Path) {
+    dataset(src, 4, 100);
+    set_xattr(&src.join("f0"), "user.origin", b"sensor-7");
+    set_xattr(&src.join("sub"), "user.kind", b"shard");
+    set_xattr(&src.join("f0"), "trusted.secret", b"root only");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn user_extended_attributes_are_staged_when_asked_and_no_others() {
+    let w = workdir();
+    let src = w.path().join("src");
+    dataset_with_xattrs(&src);
+    let dest = scratch_for_user(&w.path().join("scratch"));
+    let spec = format!("{}:plain", src.display());
+    let o = stage_in(&spec, &dest, &["--user", "berthtest"]);
+    assert_eq!(copied(&o), 4, "{}", common::stderr(&o));
+    assert_eq!(get_xattr(&dest.join("plain/f0"), "user.origin"), None);
+
+    let spec = format!("{}:attrs", src.display());
+    let o = stage_in(&spec, &dest, &["--user", "berthtest", "--xattrs"]);
+    assert_eq!(copied(&o), 4, "{}", common::stderr(&o));
+    let got = dest.join("attrs");
+    assert_eq!(
+        get_xattr(&got.join("f0"), "user.origin").as_deref(),
+        Some(&b"sensor-7"[..])
+    );
+    assert_eq!(
+        get_xattr(&got.join("sub"), "user.kind").as_deref(),
+        Some(&b"shard"[..])
+    );
+    assert_eq!(get_xattr(&got.join("f0"), "trusted.secret"), None);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_cache_keeps_extended_attributes_apart_from_entries_without_them() {
+    let w = workdir();
+    let data = w.path().join("data");
+    let src = data.join("set");
+    dataset_with_xattrs(&src);
+    let cfg = cache_config(w.path(), &data, 1 << 30);
+    let job = user_scratch(w.path(), "1");
+    assert_eq!(
+        counts(&stage_cached(&cfg, &src, &job, "berthtest")),
+        (4, 0, 4)
+    );
+    assert_eq!(get_xattr(&job.join("ds/f0"), "user.origin"), None);
+
+    // Asking for the attributes: the entry made without them is not served; a new one is made.
+    let job2 = user_scratch(w.path(), "2");
+    let o = Command::new(common::BERTH)
+        .arg("--config")
+        .arg(&cfg)
+        .args(["stage", "in", "--xattrs", "--user", "berthtest", "--to"])
+        .arg(&job2)
+        .arg(format!("{}:ds", src.display()))
+        .output()
+        .unwrap();
+    assert_eq!(counts(&o), (4, 0, 4));
+    let got = job2.join("ds");
+    assert_eq!(
+        get_xattr(&got.join("f0"), "user.origin").as_deref(),
+        Some(&b"sensor-7"[..])
+    );
+    assert_eq!(
+        get_xattr(&got.join("sub"), "user.kind").as_deref(),
+        Some(&b"shard"[..])
+    );
+    assert_eq!(get_xattr(&got.join("f0"), "trusted.secret"), None);
+    let entry = entry_of(w.path(), &src).unwrap();
+    assert_eq!(get_xattr(&entry.join("data/f0"), "trusted.secret"), None);
+}

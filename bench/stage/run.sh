@@ -13,6 +13,7 @@
 # and there creating files where thousands were deleted in the last minutes makes the inode
 # allocator skip each "recently deleted" inode again on every create (found with perf: a third of
 # the CPU of a copy went to ext4's recently_deleted()).
+# Every arm runs ROUNDS times (3), interleaved with the others; the medians are printed.
 # Needs root (drop_caches, mkfs, mount), rsync, python3. Usage: bench/stage/run.sh [BERTH_BINARY]
 set -euo pipefail
 BERTH=${1:-${BERTH:-target/release/berth}}
@@ -22,6 +23,7 @@ LARGE_FILES=${LARGE_FILES:-4}
 LARGE_MIB=${LARGE_MIB:-512}
 WORKERS=${WORKERS:-8}
 MODES=${MODES:-"cold warm"}
+ROUNDS=${ROUNDS:-3}
 SETS=${SETS:-"small large"}
 [ "$(id -u)" = 0 ] || { echo "bench/stage: needs root (drop_caches)" >&2; exit 1; }
 command -v rsync >/dev/null || { echo "bench/stage: apt-get install rsync" >&2; exit 1; }
@@ -61,6 +63,7 @@ cleanup() {
   rm -f "$SCRATCH_IMG"
 }
 trap cleanup EXIT
+trap "exit 130" INT TERM
 rm -f "$SCRATCH_IMG"
 fallocate -l "${scratch_gib}G" "$SCRATCH_IMG"
 LOOP=$(losetup --direct-io=on --show -f "$SCRATCH_IMG")
@@ -98,37 +101,55 @@ arm() {
   if [ "${KEEP:-0}" = 1 ]; then rm -rf "$DIR/dst/x"; else fresh_scratch; fi
   settle "$mode" "$set"
   local t0 t1
-  t0=$(now); "$@" >/dev/null 2>&1; sync -f "$DIR/dst"; t1=$(now)
+  t0=$(now)
+  if ! "$@" >/dev/null 2>"$DIR/arm.err"; then
+    echo "bench/stage: the $name arm ($set, $mode) failed: $(tail -n 1 "$DIR/arm.err")" >&2
+    exit 1
+  fi
+  sync -f "$DIR/dst"; t1=$(now)
   local bytes; bytes=$(set_bytes "$set")
   echo -e "$set\t$mode\t$name\t$(echo "$t1 - $t0" | bc -l)\t$bytes" | tee -a "$RESULTS"
 }
-xargs_cp() { (cd "$DIR/$1" && find . -type f -print0 | xargs -0 -P4 -n 256 cp --parents -t "$DIR/dst"); }
+# The directories first: parallel `cp --parents` race to create a shared parent and fail.
+xargs_cp() {
+  (cd "$DIR/$1" && find . -type d -print0 | (cd "$DIR/dst" && xargs -0 mkdir -p) &&
+    find . -type f -print0 | xargs -0 -P4 -n 256 cp --parents -t "$DIR/dst")
+}
 dd_direct() {
   for f in "$DIR/large"/*; do
     dd if="$f" of="$DIR/dst/$(basename "$f")" bs=16M iflag=direct oflag=direct status=none
   done
 }
 
+# Each round runs every arm once, so that the arms are interleaved; medians are reported.
 for mode in $MODES; do
   for set in $SETS; do
-    arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
-    # An unchanged re-stage of what the berth arm just staged: metadata only.
-    settle "$mode" "$set"; t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
-    echo -e "$set\t$mode\tberth-restage\t$(echo "$t1 - $t0" | bc -l)\t0" | tee -a "$RESULTS"
-    arm $set $mode cp-a cp -a "$DIR/$set" "$DIR/dst/x"
-    arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"
-    arm $set $mode xargs-cp xargs_cp $set
-    if [ $set = large ]; then arm $set $mode dd-direct dd_direct; fi
-    arm $set $mode berth-cache-fill cached $set
-    KEEP=1 arm $set $mode berth-cache-hit cached $set
+    for round in $(seq "$ROUNDS"); do
+      arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
+      # An unchanged re-stage of what the berth arm just staged: metadata only.
+      settle "$mode" "$set"
+      t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
+      echo -e "$set\t$mode\tberth-restage\t$(echo "$t1 - $t0" | bc -l)\t0" | tee -a "$RESULTS"
+      arm $set $mode cp-a cp -a "$DIR/$set" "$DIR/dst/x"
+      arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"
+      arm $set $mode xargs-cp xargs_cp $set
+      if [ $set = large ]; then arm $set $mode dd-direct dd_direct; fi
+      arm $set $mode berth-cache-fill cached $set
+      KEEP=1 arm $set $mode berth-cache-hit cached $set
+    done
   done
 done
 
 python3 - "$RESULTS" <<'PY'
 import sys
+import statistics
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
-t = {(s, m, n): float(sec) for s, m, n, sec, _ in rows}
+runs = {}
+for s, m, n, sec, _ in rows:
+    runs.setdefault((s, m, n), []).append(float(sec))
+t = {k: statistics.median(v) for k, v in runs.items()}
 b = {(s, m, n): int(by) for s, m, n, _, by in rows}
+print(f"\nmedians of {max(len(v) for v in runs.values())} rounds")
 print(f"\n{'set':6} {'mode':5} {'arm':14} {'seconds':>8} {'MB/s':>8} {'berth speed-up':>15}")
 for (s, m, n), sec in t.items():
     mbps = b[(s, m, n)] / sec / 1e6 if b[(s, m, n)] else 0

@@ -47,6 +47,9 @@ pub struct Common {
     /// Compare source and destination by hash after copying
     #[arg(long)]
     verify: bool,
+    /// Copy the files' and directories' user.* extended attributes [default: stage.xattrs]
+    #[arg(long)]
+    xattrs: bool,
     /// Stage as this user (NAME|UID[:GROUP|GID]), with its groups; needs root [default: the
     /// caller]
     #[arg(long, value_name = "USER")]
@@ -59,6 +62,7 @@ fn options(common: &Common, config: &Config) -> stage::Options {
         opts.workers = n.max(1);
     }
     opts.verify |= common.verify;
+    opts.xattrs |= common.xattrs;
     opts
 }
 

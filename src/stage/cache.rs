@@ -97,6 +97,10 @@ struct Manifest {
     source: PathBuf,
     /// A directory before its contents; the first item is the root.
     items: Vec<Item>,
+    /// The entry holds the `user.*` extended attributes (`stage.xattrs`): an entry made without
+    /// them is not served to a stage that asks for them, nor the other way round.
+    #[serde(default)]
+    xattrs: bool,
 }
 
 impl Manifest {
@@ -113,6 +117,7 @@ impl Manifest {
 /// and mode at the source), so that the new entry can hardlink it instead of copying.
 fn reusable(old: Option<&Manifest>, new: &Manifest) -> Vec<bool> {
     let old: HashMap<&Path, &Item> = old
+        .filter(|m| m.xattrs == new.xattrs)
         .map(|m| m.files().map(|i| (i.rel.as_path(), i)).collect())
         .unwrap_or_default();
     new.items
@@ -204,6 +209,7 @@ fn survey(source: &Path, workers: usize) -> Result<Manifest, StageError> {
     Ok(Manifest {
         source: source.to_path_buf(),
         items,
+        xattrs: false,
     })
 }
 
@@ -352,9 +358,21 @@ impl Cache {
                 limit: "free space of the dataset cache",
             });
         }
-        for i in m.items.iter().skip(1).filter(|i| i.kind == Kind::Dir) {
-            fsops::mkdir_beneath(&data, &i.rel, 0o755)
-                .map_err(cache_err("create", &data_path.join(&i.rel)))?;
+        for i in m.items.iter().filter(|i| i.kind == Kind::Dir) {
+            if !i.rel.as_os_str().is_empty() {
+                fsops::mkdir_beneath(&data, &i.rel, 0o755)
+                    .map_err(cache_err("create", &data_path.join(&i.rel)))?;
+            }
+            if m.xattrs {
+                let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+                let src = m.source.join(&i.rel);
+                let sfd = fsops::open_beneath(&src_root, &i.rel, flags, 0)
+                    .map_err(|source| StageError::Source { path: src, source })?;
+                let dfd = fsops::open_beneath(&data, &i.rel, flags, 0)
+                    .map_err(cache_err("open", &data_path.join(&i.rel)))?;
+                fsops::copy_xattrs(&sfd, &dfd)
+                    .map_err(cache_err(super::XATTRS_OP, &data_path.join(&i.rel)))?;
+            }
         }
         let way = fsops::CopyWay::default();
         let files = m.files().count() as u64;
@@ -413,6 +431,10 @@ impl Cache {
                                 _ => cache_err("write", &dest())(e),
                             },
                         )?;
+                        if m.xattrs {
+                            fsops::copy_xattrs(&sfd, &dfd)
+                                .map_err(cache_err(super::XATTRS_OP, &dest()))?;
+                        }
                         fsops::fchmod(&dfd, read_only(i.mode))
                             .map_err(cache_err("chmod", &dest()))?;
                         fsops::set_mtime_fd(&dfd, i.mtime)
@@ -553,7 +575,8 @@ pub(super) fn stage_cached(
 ) -> Result<Report, StageError> {
     let start = Instant::now();
     let workers = opts.workers;
-    let manifest = as_user(user, || survey(canon, workers).map_err(|e| e.to_string()))?;
+    let mut manifest = as_user(user, || survey(canon, workers).map_err(|e| e.to_string()))?;
+    manifest.xattrs = opts.xattrs;
     if manifest.bytes() > cache.max_bytes {
         // Larger than the whole cache: copied as without one.
         return as_user(user, || {
@@ -732,8 +755,12 @@ fn link_into(
         }
     }
 
-    // Set once a hardlink fails with EXDEV: the cache is on another filesystem.
-    let other_fs = AtomicBool::new(false);
+    let how = Putting {
+        owner: (uid, gid),
+        other_fs: AtomicBool::new(false),
+        way: fsops::CopyWay::default(),
+        xattrs: m.xattrs,
+    };
     let (linked, cloned, copied, unchanged) = (
         AtomicU64::new(0),
         AtomicU64::new(0),
@@ -742,7 +769,6 @@ fn link_into(
     );
     // One task per directory's files: its directory in the cache and in the destination opened
     // once, then a few calls on plain names per file.
-    let way = fsops::CopyWay::default();
     let files = m.files().count() as u64;
     with_progress(opts, (0, files), needed, |progress| {
         parallel(groups.len(), opts.workers, |g| {
@@ -764,7 +790,7 @@ fn link_into(
                             .map_err(dest_err("create", &i.rel))?;
                     }
                     Kind::File => {
-                        link_file(i, &name, &cdir, &ddir, (uid, gid), &other_fs, &way)
+                        link_file(i, &name, &cdir, &ddir, &how)
                             .map_err(|(op, e)| match op {
                                 "conflict" => StageError::Conflict {
                                     path: dest_path.join(&i.rel),
@@ -794,8 +820,13 @@ fn link_into(
     })?;
     // Directory modes and mtimes last, deepest first.
     for i in m.items.iter().rev().filter(|i| i.kind == Kind::Dir) {
-        let fd = fsops::open_beneath(&root, &i.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
-            .map_err(dest_err("open", &i.rel))?;
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+        let fd = fsops::open_beneath(&root, &i.rel, flags, 0).map_err(dest_err("open", &i.rel))?;
+        if m.xattrs {
+            let cfd = fsops::open_beneath(&data, &i.rel, flags, 0)
+                .map_err(cache_err("open", &data_path.join(&i.rel)))?;
+            fsops::copy_xattrs(&cfd, &fd).map_err(dest_err(super::XATTRS_OP, &i.rel))?;
+        }
         fsops::set_mtime_fd(&fd, i.mtime).map_err(dest_err("set the mtime of", &i.rel))?;
         let mode = if i.rel.as_os_str().is_empty() {
             i.mode | 0o700
@@ -863,6 +894,17 @@ enum Put {
     Copied,
 }
 
+/// How [`link_file`] puts files into one destination.
+struct Putting {
+    /// The job's user and group: the owner of copies.
+    owner: (u32, u32),
+    /// Set once a hardlink fails with EXDEV: the cache is on another filesystem.
+    other_fs: AtomicBool,
+    way: fsops::CopyWay,
+    /// Copies get the cached file's `user.*` extended attributes.
+    xattrs: bool,
+}
+
 /// Puts the cached file `name` (in `cdir`) into `ddir`: already there (the same inode, or an
 /// earlier copy of the same size and mtime), a hardlink, or a clone or copy of the user's own
 /// once `other_fs` says hardlinks cannot cross. Errors carry the operation that failed.
@@ -871,10 +913,9 @@ fn link_file(
     name: &std::ffi::CStr,
     cdir: &OwnedFd,
     ddir: &OwnedFd,
-    (uid, gid): (u32, u32),
-    other_fs: &AtomicBool,
-    way: &fsops::CopyWay,
+    how: &Putting,
 ) -> Result<Put, (&'static str, std::io::Error)> {
+    let ((uid, gid), other_fs) = (how.owner, &how.other_fs);
     let missing = || std::io::Error::from(std::io::ErrorKind::NotFound);
     let cached = fsops::lstat_at(cdir, name)
         .map_err(|e| ("cache", e))?
@@ -912,9 +953,12 @@ fn link_file(
     let put = if fsops::reflink(&cfd, &dfd).is_ok() {
         Put::Cloned
     } else {
-        fsops::copy_data(&cfd, &dfd, 0, i.size, i.size, way).map_err(|e| ("write", e))?;
+        fsops::copy_data(&cfd, &dfd, 0, i.size, i.size, &how.way).map_err(|e| ("write", e))?;
         Put::Copied
     };
+    if how.xattrs {
+        fsops::copy_xattrs(&cfd, &dfd).map_err(|e| (super::XATTRS_OP, e))?;
+    }
     fsops::fchmod(&dfd, i.mode).map_err(|e| ("chmod", e))?;
     fsops::set_mtime_fd(&dfd, i.mtime).map_err(|e| ("set the mtime of", e))?;
     Ok(put)
@@ -966,6 +1010,7 @@ mod tests {
         Manifest {
             source: "/data/set".into(),
             items: all,
+            xattrs: false,
         }
     }
 

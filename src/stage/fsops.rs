@@ -149,6 +149,69 @@ pub fn fchmod(fd: &OwnedFd, mode: u32) -> io::Result<()> {
     check(unsafe { libc::fchmod(fd.as_raw_fd(), mode) })
 }
 
+/// Copies the `user.*` extended attributes of `src` to `dst`. Only that namespace: the others
+/// need privilege (`trusted.*`, `security.*`: a file capability must never be handed on) or carry
+/// access rules meant for the source's filesystem (ACLs). A destination that keeps no extended
+/// attributes fails with EOPNOTSUPP.
+pub fn copy_xattrs(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
+    let names = xattr_buf(|buf| {
+        // SAFETY: `src` is open; `buf` is valid for `buf.len()` bytes (with length 0 the call
+        // only returns the size).
+        unsafe { libc::flistxattr(src.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) }
+    })?;
+    for name in names.split(|&b| b == 0).filter(|n| n.starts_with(b"user.")) {
+        let name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+        let value = match xattr_buf(|buf| {
+            // SAFETY: as above; `name` is a valid C string.
+            unsafe {
+                libc::fgetxattr(
+                    src.as_raw_fd(),
+                    name.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            }
+        }) {
+            Ok(v) => v,
+            // Removed since it was listed.
+            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => continue,
+            Err(e) => return Err(e),
+        };
+        // SAFETY: `dst` is open; `name` a valid C string; `value` valid for its length.
+        check(unsafe {
+            libc::fsetxattr(
+                dst.as_raw_fd(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Calls a size-returning xattr call with a buffer of the right size (asking for it first;
+/// again if it grew in between).
+fn xattr_buf(mut call: impl FnMut(&mut [u8]) -> libc::ssize_t) -> io::Result<Vec<u8>> {
+    loop {
+        let n = call(&mut []);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut buf = vec![0u8; n as usize];
+        let got = call(&mut buf);
+        if got >= 0 {
+            buf.truncate(got as usize);
+            return Ok(buf);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ERANGE) {
+            return Err(e);
+        }
+    }
+}
+
 pub fn syncfs(fd: &OwnedFd) -> io::Result<()> {
     // SAFETY: `fd` is an open descriptor.
     check(unsafe { libc::syncfs(fd.as_raw_fd()) })

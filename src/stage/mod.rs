@@ -36,6 +36,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::spec::user::UserIds;
 
+/// What a failed extended-attribute copy says it was doing.
+const XATTRS_OP: &str = "copy the user.* extended attributes (stage.xattrs) to";
+
 /// The completion marker, written last in the destination root.
 pub const MARKER: &str = ".berth-staged";
 const MARKER_TMP: &str = ".berth-staged.tmp";
@@ -105,6 +108,8 @@ pub struct Options {
     pub chunk_size: u64,
     /// Hash every file on both sides after copying (xxh3) and fail on a difference.
     pub verify: bool,
+    /// Copy the `user.*` extended attributes of files and directories.
+    pub xattrs: bool,
     /// Bytes the destination may still take (a per-job scratch cap), besides its free space.
     pub cap: Option<u64>,
     /// Progress: a live line on a TTY, else a log line every `progress_interval`.
@@ -120,6 +125,7 @@ impl Default for Options {
             workers: 8,
             chunk_size: 64 << 20,
             verify: false,
+            xattrs: false,
             cap: None,
             progress: false,
             progress_interval: Duration::from_secs(10),
@@ -840,6 +846,10 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                         })?;
                         // The last chunk of a file completes it (mode and mtime set last).
                         if whole || chunks_left[i].fetch_sub(1, Ordering::AcqRel) == 1 {
+                            if opts.xattrs {
+                                fsops::copy_xattrs(&sfd, &dfd)
+                                    .map_err(|err| dest_err(XATTRS_OP, &e.rel, err))?;
+                            }
                             finish_file(&dfd, e)
                                 .map_err(|err| dest_err("set the mode of", &e.rel, err))?;
                             progress.files.fetch_add(1, Ordering::Relaxed);
@@ -862,6 +872,11 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     for e in plan.entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
         let fd = fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
             .map_err(|err| dest_err("open", &e.rel, err))?;
+        if opts.xattrs {
+            let src = src_path(&e.rel);
+            let sfd = open_source(&src)?;
+            fsops::copy_xattrs(&sfd, &fd).map_err(|err| dest_err(XATTRS_OP, &e.rel, err))?;
+        }
         fsops::set_mtime_fd(&fd, e.mtime)
             .map_err(|err| dest_err("set the mtime of", &e.rel, err))?;
         // The destination root stays writable by its owner: the marker goes there.
