@@ -319,10 +319,6 @@ impl Cache {
         let data_path = tmp.join("data");
         std::fs::create_dir(&data_path).map_err(cache_err("create", &data_path))?;
         let data = open_dir(&data_path).map_err(cache_err("open", &data_path))?;
-        let changed = |path: &Path| StageError::Conflict {
-            path: path.to_path_buf(),
-            message: "changed while it was being staged; stage again".into(),
-        };
         // The source root, checked to be the directory the user's walk listed; everything
         // below is opened beneath it without following symlinks.
         let src_root = open_dir(&m.source).map_err(|source| StageError::Source {
@@ -395,50 +391,7 @@ impl Cache {
                             .map_err(cache_err("link", &dest()))?;
                     }
                     Kind::File => {
-                        let src = m.source.join(&i.rel);
-                        let sfd = fsops::open_beneath(&src_root, &i.rel, libc::O_RDONLY, 0)
-                            .map_err(|source| StageError::Source {
-                                path: src.clone(),
-                                source,
-                            })?;
-                        let st = fsops::fstat(&sfd).map_err(|source| StageError::Source {
-                            path: src.clone(),
-                            source,
-                        })?;
-                        // Root copies only the inode the user opened, unchanged since.
-                        if (
-                            st.st_dev,
-                            st.st_ino,
-                            st.st_size as u64,
-                            (st.st_mtime, st.st_mtime_nsec),
-                        ) != (i.dev, i.ino, i.size, i.mtime)
-                        {
-                            return Err(changed(&src));
-                        }
-                        let dfd = fsops::open_beneath(
-                            &data,
-                            &i.rel,
-                            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
-                            0o600,
-                        )
-                        .map_err(cache_err("create", &dest()))?;
-                        fsops::copy_data(&sfd, &dfd, 0, i.size, i.size, &way).map_err(
-                            |e| match e.kind() {
-                                std::io::ErrorKind::UnexpectedEof => StageError::Source {
-                                    path: src.clone(),
-                                    source: e,
-                                },
-                                _ => cache_err("write", &dest())(e),
-                            },
-                        )?;
-                        if m.xattrs {
-                            fsops::copy_xattrs(&sfd, &dfd)
-                                .map_err(cache_err(super::XATTRS_OP, &dest()))?;
-                        }
-                        fsops::fchmod(&dfd, read_only(i.mode))
-                            .map_err(cache_err("chmod", &dest()))?;
-                        fsops::set_mtime_fd(&dfd, i.mtime)
-                            .map_err(cache_err("set the mtime of", &dest()))?;
+                        fill_file(i, &m.source, &src_root, &data, &data_path, &way, m.xattrs)?;
                         progress.files.fetch_add(1, Ordering::Relaxed);
                         progress.bytes.fetch_add(i.size, Ordering::Relaxed);
                     }
@@ -532,6 +485,56 @@ impl Cache {
             }
         }
     }
+}
+
+fn changed(path: &Path) -> StageError {
+    StageError::Conflict {
+        path: path.to_path_buf(),
+        message: "changed while it was being staged; stage again".into(),
+    }
+}
+
+/// Copies the file `i` of the source (opened beneath `src_root`) into an entry being filled
+/// (`data`), read-only, once it is checked to be the very inode the user's walk opened and
+/// unchanged since.
+fn fill_file(
+    i: &Item,
+    source: &Path,
+    src_root: &OwnedFd,
+    data: &OwnedFd,
+    data_path: &Path,
+    way: &fsops::CopyWay,
+    xattrs: bool,
+) -> Result<(), StageError> {
+    let src = source.join(&i.rel);
+    let dest = data_path.join(&i.rel);
+    let src_err = |source| StageError::Source {
+        path: src.clone(),
+        source,
+    };
+    let sfd = fsops::open_beneath(src_root, &i.rel, libc::O_RDONLY, 0).map_err(src_err)?;
+    let st = fsops::fstat(&sfd).map_err(src_err)?;
+    let seen = (
+        st.st_dev,
+        st.st_ino,
+        st.st_size as u64,
+        (st.st_mtime, st.st_mtime_nsec),
+    );
+    if seen != (i.dev, i.ino, i.size, i.mtime) {
+        return Err(changed(&src));
+    }
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL;
+    let dfd =
+        fsops::open_beneath(data, &i.rel, flags, 0o600).map_err(cache_err("create", &dest))?;
+    fsops::copy_data(&sfd, &dfd, 0, i.size, i.size, way).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => src_err(e),
+        _ => cache_err("write", &dest)(e),
+    })?;
+    if xattrs {
+        fsops::copy_xattrs(&sfd, &dfd).map_err(cache_err(super::XATTRS_OP, &dest))?;
+    }
+    fsops::fchmod(&dfd, read_only(i.mode)).map_err(cache_err("chmod", &dest))?;
+    fsops::set_mtime_fd(&dfd, i.mtime).map_err(cache_err("set the mtime of", &dest))
 }
 
 fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {

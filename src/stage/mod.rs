@@ -442,15 +442,17 @@ struct Progress {
     bytes: AtomicU64,
 }
 
+/// Reports `progress` on `out` until `done`: a line rewritten in place every half second on a
+/// terminal (`tty`), else a line every `interval`.
 fn progress_thread<'s>(
     scope: &'s std::thread::Scope<'s, '_>,
     progress: &'s Progress,
     done: &'s AtomicBool,
-    total_files: u64,
-    total_bytes: u64,
+    (total_files, total_bytes): (u64, u64),
     interval: Duration,
+    tty: bool,
+    mut out: impl Write + Send + 's,
 ) {
-    let tty = std::io::stderr().is_terminal();
     let interval = if tty {
         Duration::from_millis(500)
     } else {
@@ -460,7 +462,7 @@ fn progress_thread<'s>(
         let start = Instant::now();
         let mut last = Instant::now();
         while !done.load(Ordering::Relaxed) {
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(100).min(interval));
             if last.elapsed() < interval {
                 continue;
             }
@@ -481,14 +483,15 @@ fn progress_thread<'s>(
                 total_bytes as f64 / 1e9,
                 rate / 1e9
             );
-            if tty {
-                eprint!("\r{line}\x1b[K");
+            // Progress is best effort: a closed stderr does not fail the stage.
+            let _ = if tty {
+                write!(out, "\r{line}\x1b[K")
             } else {
-                eprintln!("{line}");
-            }
+                writeln!(out, "{line}")
+            };
         }
         if tty {
-            eprint!("\r\x1b[K");
+            let _ = write!(out, "\r\x1b[K");
         }
     });
 }
@@ -508,7 +511,18 @@ fn with_progress<R>(
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         if opts.progress {
-            progress_thread(s, &progress, &done, files.1, bytes, opts.progress_interval);
+            let err = std::io::stderr();
+            let tty = err.is_terminal();
+            let totals = (files.1, bytes);
+            progress_thread(
+                s,
+                &progress,
+                &done,
+                totals,
+                opts.progress_interval,
+                tty,
+                err,
+            );
         }
         let r = f(&progress);
         done.store(true, Ordering::Relaxed);
@@ -1143,6 +1157,62 @@ mod tests {
             workers: 4,
             chunk_size: 1 << 20,
             ..Options::default()
+        }
+    }
+
+    /// A writer the test can read back.
+    #[derive(Clone, Default)]
+    struct Sink(std::sync::Arc<Mutex<Vec<u8>>>);
+    impl Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn progress_is_reported_while_work_goes_on_as_lines_or_in_place() {
+        for tty in [false, true] {
+            let sink = Sink::default();
+            let progress = Progress {
+                files: AtomicU64::new(3),
+                bytes: AtomicU64::new(0),
+            };
+            let done = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                let every = Duration::from_millis(20);
+                progress_thread(
+                    s,
+                    &progress,
+                    &done,
+                    (10, 2_000_000_000),
+                    every,
+                    tty,
+                    sink.clone(),
+                );
+                progress.files.store(5, Ordering::Relaxed);
+                progress.bytes.store(1_000_000_000, Ordering::Relaxed);
+                // Long enough for several lines, and for the terminal's half-second period.
+                std::thread::sleep(Duration::from_millis(700));
+                done.store(true, Ordering::Relaxed);
+            });
+            let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+            assert!(
+                text.contains("staging: 5/10 files, 1.00/2.00 GB, "),
+                "{text:?}"
+            );
+            assert!(text.contains(" GB/s, ETA "), "{text:?}");
+            if tty {
+                assert!(
+                    !text.contains('\n') && text.ends_with("\r\x1b[K"),
+                    "{text:?}"
+                );
+            } else {
+                assert!(text.lines().count() >= 5, "{text:?}");
+            }
         }
     }
 
