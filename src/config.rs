@@ -415,7 +415,7 @@ pub struct StageConfig {
 impl Default for StageConfig {
     fn default() -> Self {
         Self {
-            workers: 8,
+            workers: 16,
             chunk_mib: 64,
             verify: false,
             xattrs: false,

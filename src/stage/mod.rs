@@ -122,7 +122,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
-            workers: 8,
+            workers: 16,
             chunk_size: 64 << 20,
             verify: false,
             xattrs: false,
