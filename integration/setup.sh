@@ -36,6 +36,7 @@ PACKAGES=(
   libopenmpi-dev  #   (mpicc for the test program)
   libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)
   rsync           # bench/stage: the rsync -a arm berth stage is compared with
+  xfsprogs        # root tier (tests/root_stage.rs): an XFS with reflinks, where staging clones
   debootstrap     # integration/slurm/mpi-image.sh: the Debian minbase MPI test image
 )
 

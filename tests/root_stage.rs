@@ -928,3 +928,69 @@ fn the_cache_keeps_extended_attributes_apart_from_entries_without_them() {
     let entry = entry_of(w.path(), &src).unwrap();
     assert_eq!(get_xattr(&entry.join("data/f0"), "trusted.secret"), None);
 }
+
+/// Bytes free on the filesystem holding `path`.
+fn free_bytes(path: &Path) -> u64 {
+    let st = nix::sys::statvfs::statvfs(path).unwrap();
+    st.blocks_free() as u64 * st.fragment_size() as u64
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn on_a_filesystem_that_shares_extents_staging_clones_instead_of_copying() {
+    let w = workdir();
+    // An XFS (reflinks on, as mkfs.xfs makes it by default) on a sparse file.
+    let img = w.path().join("xfs.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(512 << 20)
+        .unwrap();
+    let mkfs = Command::new("mkfs.xfs")
+        .args(["-q", "-m", "reflink=1"])
+        .arg(&img)
+        .status()
+        .expect("mkfs.xfs (apt-get install xfsprogs)");
+    assert!(mkfs.success());
+    let mnt = w.path().join("xfs");
+    std::fs::create_dir(&mnt).unwrap();
+    let status = Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(&img)
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let _guard = Mount(mnt.clone());
+    std::fs::set_permissions(&mnt, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    // 96 MiB in one file: two 64 MiB chunks (the second one ending at the end of the file), and
+    // small files beside it.
+    let src = mnt.join("data");
+    std::fs::create_dir(&src).unwrap();
+    let big: Vec<u8> = (0..96u32 << 20)
+        .map(|j| (j.wrapping_mul(131) >> 9) as u8)
+        .collect();
+    std::fs::write(src.join("big"), &big).unwrap();
+    for i in 0..8 {
+        std::fs::write(src.join(format!("small{i}")), vec![i as u8; 5000 + i]).unwrap();
+    }
+    let dest = scratch_for_user(&mnt.join("scratch"));
+    Command::new("sync").status().unwrap();
+    let before = free_bytes(&mnt);
+    let o = stage_in(
+        &format!("{}:ds", src.display()),
+        &dest,
+        &["--user", "berthtest"],
+    );
+    assert_eq!(copied(&o), 9, "{}", common::stderr(&o));
+    Command::new("sync").status().unwrap();
+    let used = before.saturating_sub(free_bytes(&mnt));
+    assert!(
+        used < 8 << 20,
+        "staging 96 MiB within one XFS took {used} bytes: copied, not cloned"
+    );
+    assert_eq!(
+        stage::checksums(&src).unwrap(),
+        stage::checksums(&dest.join("ds")).unwrap()
+    );
+}
