@@ -667,43 +667,9 @@ fn link_into(
 
     // Space, before anything is put there: what is not in place yet counts against the job's
     // cap (as the scratch's usage counts every file, links too), and must fit the destination's
-    // filesystem when the cache is on another one (links take no room).
+    // filesystem when the cache is on another one (links take no room there). With neither, the
+    // destination is not inspected twice.
     let groups = super::sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
-    let needed = AtomicU64::new(0);
-    parallel(groups.len(), opts.workers, |g| {
-        let (first, end) = groups[g];
-        let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
-        let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
-        let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
-            .map_err(cache_err("open", &data_path.join(parent)))?;
-        let ddir = match fsops::open_beneath(&root, parent, dir_flags, 0) {
-            Ok(fd) => Some(fd),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
-                ) =>
-            {
-                None
-            }
-            Err(e) => return Err(dest_err("open", parent)(e)),
-        };
-        for i in m.items[first..end].iter().filter(|i| i.kind == Kind::File) {
-            let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
-            let cached = fsops::lstat_at(&cdir, &name)
-                .map_err(cache_err("read", &data_path.join(&i.rel)))?;
-            let dest = match &ddir {
-                Some(d) => fsops::lstat_at(d, &name).map_err(dest_err("inspect", &i.rel))?,
-                None => None,
-            };
-            let there = matches!((&cached, &dest), (Some(c), Some(d)) if in_place(i, c, d, uid));
-            if !there {
-                needed.fetch_add(i.size, Ordering::Relaxed);
-            }
-        }
-        Ok(())
-    })?;
-    let needed = needed.into_inner();
     let dest_st = fsops::fstat(&root).map_err(dest_err("inspect", Path::new("")))?;
     let cache_st = fsops::fstat(&data).map_err(cache_err("inspect", data_path))?;
     let free = if dest_st.st_dev != cache_st.st_dev {
@@ -714,6 +680,18 @@ fn link_into(
     let (available, limit) = match opts.cap {
         Some(cap) if cap < free => (cap, "per-job scratch cap"),
         _ => (free, "free space"),
+    };
+    let needed = if available < u64::MAX {
+        missing_bytes(
+            m,
+            &groups,
+            (&data, data_path),
+            (&root, &dest_path),
+            uid,
+            opts.workers,
+        )?
+    } else {
+        0
     };
     if needed > available {
         return Err(StageError::NoSpace {
@@ -877,6 +855,57 @@ fn link_into(
     fsops::lchown_beneath(&root, Path::new(MARKER), uid, gid)
         .map_err(dest_err("chown", Path::new(MARKER)))?;
     Ok(report)
+}
+
+/// Bytes of the files of `m` that are not in place in the destination yet (neither the cached
+/// inode nor an earlier copy of it), grouped by directory as `groups` says.
+fn missing_bytes(
+    m: &Manifest,
+    groups: &[(usize, usize)],
+    (data, data_path): (&OwnedFd, &Path),
+    (root, dest_path): (&OwnedFd, &Path),
+    uid: u32,
+    workers: usize,
+) -> Result<u64, StageError> {
+    let dest_err = |op, rel: &Path| {
+        let path = dest_path.join(rel);
+        move |source| StageError::Dest { op, path, source }
+    };
+    let needed = AtomicU64::new(0);
+    parallel(groups.len(), workers, |g| {
+        let (first, end) = groups[g];
+        let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
+        let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
+        let cdir = fsops::open_beneath(data, parent, dir_flags, 0)
+            .map_err(cache_err("open", &data_path.join(parent)))?;
+        let ddir = match fsops::open_beneath(root, parent, dir_flags, 0) {
+            Ok(fd) => Some(fd),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+                ) =>
+            {
+                None
+            }
+            Err(e) => return Err(dest_err("open", parent)(e)),
+        };
+        for i in m.items[first..end].iter().filter(|i| i.kind == Kind::File) {
+            let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
+            let cached = fsops::lstat_at(&cdir, &name)
+                .map_err(cache_err("read", &data_path.join(&i.rel)))?;
+            let dest = match &ddir {
+                Some(d) => fsops::lstat_at(d, &name).map_err(dest_err("inspect", &i.rel))?,
+                None => None,
+            };
+            let there = matches!((&cached, &dest), (Some(c), Some(d)) if in_place(i, c, d, uid));
+            if !there {
+                needed.fetch_add(i.size, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(needed.into_inner())
 }
 
 /// Whether the destination's `dest` already is the cached file `cached` of item `i`: the same
