@@ -121,21 +121,33 @@ dd_direct() {
   done
 }
 
-# Each round runs every arm once, so that the arms are interleaved; medians are reported.
+# The arms of a set, as units that run together (the re-stage needs the berth arm's tree, the
+# cache hit the fill's cache).
+unit_berth() {
+  arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
+  # An unchanged re-stage of what the berth arm just staged: metadata only.
+  settle "$mode" "$set"
+  t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
+  echo -e "$set\t$mode\tberth-restage\t$(echo "$t1 - $t0" | bc -l)\t0" | tee -a "$RESULTS"
+}
+unit_cp() { arm $set $mode cp-a cp -a "$DIR/$set" "$DIR/dst/x"; }
+unit_rsync() { arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"; }
+unit_xargs() { arm $set $mode xargs-cp xargs_cp $set; }
+unit_dd() { if [ $set = large ]; then arm $set $mode dd-direct dd_direct; fi; }
+unit_cache() {
+  arm $set $mode berth-cache-fill cached $set
+  KEEP=1 arm $set $mode berth-cache-hit cached $set
+}
+UNITS=(unit_berth unit_cp unit_rsync unit_xargs unit_dd unit_cache)
+
+# Each round runs every arm once, so that the arms are interleaved, starting one unit further
+# each round so that no arm always follows the same one; medians are reported.
 for mode in $MODES; do
   for set in $SETS; do
     for round in $(seq "$ROUNDS"); do
-      arm $set $mode berth "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS"
-      # An unchanged re-stage of what the berth arm just staged: metadata only.
-      settle "$mode" "$set"
-      t0=$(now); "$BERTH" stage in "$DIR/$set:x" --to "$DIR/dst" --workers "$WORKERS" 2>/dev/null; t1=$(now)
-      echo -e "$set\t$mode\tberth-restage\t$(echo "$t1 - $t0" | bc -l)\t0" | tee -a "$RESULTS"
-      arm $set $mode cp-a cp -a "$DIR/$set" "$DIR/dst/x"
-      arm $set $mode rsync-a rsync -a "$DIR/$set/" "$DIR/dst/x/"
-      arm $set $mode xargs-cp xargs_cp $set
-      if [ $set = large ]; then arm $set $mode dd-direct dd_direct; fi
-      arm $set $mode berth-cache-fill cached $set
-      KEEP=1 arm $set $mode berth-cache-hit cached $set
+      for k in "${!UNITS[@]}"; do
+        "${UNITS[$(( (k + round - 1) % ${#UNITS[@]} ))]}"
+      done
     done
   done
 done

@@ -797,8 +797,9 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     }
     // Large files first (they set the stage's length; small files fill in around them), each
     // file's chunks together so that files complete one after another: a killed stage leaves
-    // whole files for the next one to skip. Small files in inode order: on a local source that
-    // is close to their order on disk, so that cold reads run forward rather than seek.
+    // whole files for the next one to skip. Small files in inode order, which on most
+    // filesystems follows their order on disk: fewer seeks when the source is cold (on this
+    // project's virtual disks it made no measurable difference).
     tasks.sort_by_key(|t| {
         let e = &plan.entries[t.0];
         (
