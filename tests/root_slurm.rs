@@ -1071,6 +1071,19 @@ fn node_states() -> String {
     stdout(&run(slurm("sinfo", &["-h", "-N", "-o", "%T"])))
 }
 
+/// The node's states once no Epilog is running any more (or after 30 s): srun returns before
+/// its job's Epilog has finished.
+fn settled_node_states() -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let states = node_states();
+        if !states.contains("completing") || Instant::now() > deadline {
+            return states;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
 fn stage_in_and_out_through_sbatch_with_and_without_a_container() {
@@ -1209,14 +1222,7 @@ fn an_unreadable_stage_in_fails_the_job_with_one_line_and_not_the_node() {
     assert!(berth[0].contains("stage-in of"), "{}", berth[0]);
     wait_gone(&scratch_root().join(&job), "the failed job's scratch");
     // Once the last job's Epilog is done, the node is idle again: not drained, no reason set.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let states = loop {
-        let states = node_states();
-        if !states.contains("completing") || Instant::now() > deadline {
-            break states;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let states = settled_node_states();
     assert!(
         states.lines().all(|s| s.trim() == "idle"),
         "the node is not idle: {states}"
@@ -1404,7 +1410,8 @@ fn topology_fixture(root: &Path) {
 }
 
 /// The cluster's berth configuration with `extra` appended, until dropped (berth reads its
-/// configuration at every call, so the following steps see it).
+/// configuration at every call, so the following steps see it). Changed only while no Epilog
+/// runs, so that no other job's Epilog reads it.
 struct ConfigWith {
     path: PathBuf,
     original: String,
@@ -1418,6 +1425,7 @@ impl ConfigWith {
             checkout_hash()
         ));
         let original = std::fs::read_to_string(&path).unwrap();
+        settled_node_states();
         std::fs::write(&path, format!("{original}{extra}")).unwrap();
         Self { path, original }
     }
@@ -1425,6 +1433,7 @@ impl ConfigWith {
 
 impl Drop for ConfigWith {
     fn drop(&mut self) {
+        settled_node_states();
         let _ = std::fs::write(&self.path, &self.original);
     }
 }
@@ -1547,12 +1556,20 @@ fn an_unfit_node_is_drained_with_the_health_checks_reason() {
         &fx.path().join("sys/bus/pci/devices/0000:01:00.0"),
     );
     let _resume = ResumeNode;
+    // An earlier test's job whose Epilog read the fixture's config would drain the node before
+    // this test's job (ConfigWith waits for Epilogs to end).
+    let states = settled_node_states();
+    assert!(
+        states.lines().all(|s| s.trim() == "idle"),
+        "the node is not idle: {states}"
+    );
     {
         let _config = ConfigWith::new(&format!(
             "[topology]\nhost_root = \"{}\"\n",
             fx.path().display()
         ));
-        succeeded(run(slurm("srun", &["true"])));
+        // --immediate: fail rather than wait if the node is not available after all.
+        succeeded(run(slurm("srun", &["--immediate=60", "true"])));
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let reasons = stdout(&run(slurm("sinfo", &["-h", "-R", "-o", "%E"])));

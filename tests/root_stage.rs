@@ -181,14 +181,7 @@ impl Drop for Mount {
 fn a_full_destination_fails_in_one_line_without_a_marker() {
     let w = workdir();
     let mnt = w.path().join("small");
-    std::fs::create_dir(&mnt).unwrap();
-    let status = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs"])
-        .arg(&mnt)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let _guard = Mount(mnt.clone());
+    let _guard = small_tmpfs(&mnt, 0o755);
     let dest = scratch_for_user(&mnt);
     let src = w.path().join("src");
     std::fs::create_dir(&src).unwrap();
@@ -198,18 +191,23 @@ fn a_full_destination_fails_in_one_line_without_a_marker() {
         &dest,
         &["--user", "berthtest"],
     );
+    refused_for_space(
+        &o,
+        "needs 3145728 bytes",
+        "available (free space)",
+        &dest.join("ds/big"),
+    );
+}
+
+/// `o` failed in one line saying `needed` and `limit`, before `file` was written or the
+/// destination marked complete.
+fn refused_for_space(o: &Output, needed: &str, limit: &str, file: &Path) {
     assert!(!o.status.success());
-    let err = common::stderr(&o);
+    let err = common::stderr(o);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(
-        err.contains("needs 3145728 bytes") && err.contains("available (free space)"),
-        "{err}"
-    );
-    assert!(stage::status(&dest.join("ds")).is_none());
-    assert!(
-        !dest.join("ds/big").exists(),
-        "copied before checking space"
-    );
+    assert!(err.contains(needed) && err.contains(limit), "{err}");
+    assert!(stage::status(file.parent().unwrap()).is_none());
+    assert!(!file.exists(), "copied before checking space");
 }
 
 #[test]
@@ -746,11 +744,17 @@ fn a_cache_on_another_filesystem_hands_out_the_users_own_copies() {
     );
 }
 
-/// A 1 MiB tmpfs at `dir` (unmounted on drop).
-fn small_tmpfs(dir: &Path) -> Mount {
+/// A 1 MiB tmpfs at `dir` with `mode` (unmounted on drop).
+fn small_tmpfs(dir: &Path, mode: u32) -> Mount {
     std::fs::create_dir_all(dir).unwrap();
     let status = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs"])
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size=1m,mode={mode:o}"),
+            "tmpfs",
+        ])
         .arg(dir)
         .status()
         .unwrap();
@@ -772,19 +776,9 @@ fn copies_from_a_cache_on_another_filesystem_stay_within_the_scratch_cap() {
     std::fs::write(&cfg, text).unwrap();
     let job = user_scratch(w.path(), "1");
     let o = stage_cached(&cfg, &src, &job, "berthtest");
-    assert!(!o.status.success());
-    let err = common::stderr(&o);
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
     // 3000 + 3001 + 3002 + 3003 bytes, none of them in place yet.
-    assert!(
-        err.contains("needs 12006 bytes, 5000 available (per-job scratch cap)"),
-        "{err}"
-    );
-    assert!(stage::status(&job.join("ds")).is_none());
-    assert!(
-        !job.join("ds/f0").exists(),
-        "copied before checking the cap"
-    );
+    let (needed, limit) = ("needs 12006 bytes", "5000 available (per-job scratch cap)");
+    refused_for_space(&o, needed, limit, &job.join("ds/f0"));
 }
 
 #[test]
@@ -796,7 +790,7 @@ fn a_full_cache_filesystem_gives_the_job_a_plain_copy() {
     // 4 files of 400 KB: more than the cache's 1 MiB filesystem holds.
     dataset(&src, 4, 400_000);
     let cache_dir = w.path().join("cache");
-    let _guard = small_tmpfs(&cache_dir);
+    let _guard = small_tmpfs(&cache_dir, 0o700);
     let cfg = cache_config(w.path(), &data, 1 << 30);
     let job = user_scratch(w.path(), "1");
     let o = stage_cached(&cfg, &src, &job, "berthtest");
