@@ -6,8 +6,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -553,34 +551,6 @@ impl Drop for Background {
     }
 }
 
-fn getxattr(path: &Path, name: &str) -> Option<Vec<u8>> {
-    let p = CString::new(path.as_os_str().as_bytes()).unwrap();
-    let n = CString::new(name).unwrap();
-    let mut buf = vec![0u8; 256];
-    // SAFETY: lgetxattr writes at most buf.len() bytes into buf.
-    let r = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    (r >= 0).then(|| {
-        buf.truncate(r as usize);
-        buf
-    })
-}
-
-fn setxattr(path: &Path, name: &str, value: &[u8]) {
-    let p = CString::new(path.as_os_str().as_bytes()).unwrap();
-    let n = CString::new(name).unwrap();
-    // SAFETY: plain syscall on NUL-terminated strings and a live buffer.
-    let r = unsafe {
-        libc::lsetxattr(
-            p.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(r, 0, "setxattr {name} on {}", path.display());
-}
-
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
 fn export_of_a_rootfs_keeps_owners_modes_and_xattrs_and_runs() {
@@ -599,8 +569,8 @@ fn export_of_a_rootfs_keeps_owners_modes_and_xattrs_and_runs() {
     )
     .unwrap();
     symlink("readable", tree.join("data/link")).unwrap();
-    setxattr(&tree.join("data/owned"), "user.berth", b"kept");
-    setxattr(&tree.join("data"), "trusted.overlay.opaque", b"y");
+    set_xattr(&tree.join("data/owned"), "user.berth", b"kept");
+    set_xattr(&tree.join("data"), "trusted.overlay.opaque", b"y");
     let mounts = MountDir::new();
     for (name, reader) in [
         (
@@ -627,11 +597,11 @@ fn export_of_a_rootfs_keeps_owners_modes_and_xattrs_and_runs() {
             (1234, 5678, 0o640)
         );
         assert_eq!(
-            getxattr(&mnt.join("data/owned"), "user.berth").unwrap(),
+            get_xattr(&mnt.join("data/owned"), "user.berth").unwrap(),
             b"kept"
         );
         assert_eq!(
-            getxattr(&mnt.join("data"), "trusted.overlay.opaque"),
+            get_xattr(&mnt.join("data"), "trusted.overlay.opaque"),
             None,
             "overlayfs's private attributes stay out"
         );

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use berth::stage::{self, scratch};
-use common::test_user;
+use common::{get_xattr, set_xattr, test_user};
 
 const IGNORE: &str = "root tier: run by integration/test.sh";
 const _: &str = IGNORE;
@@ -813,40 +813,6 @@ fn a_full_cache_filesystem_gives_the_job_a_plain_copy() {
     assert!(left.is_empty(), "a partial fill was left: {left:?}");
 }
 
-fn set_xattr(path: &Path, name: &str, value: &[u8]) {
-    let (p, n) = (cstr(path), std::ffi::CString::new(name).unwrap());
-    // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe {
-        libc::setxattr(
-            p.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "setxattr {name} on {}: {}",
-        path.display(),
-        std::io::Error::last_os_error()
-    );
-}
-
-/// The value of the extended attribute `name` of `path`, if it has one.
-fn get_xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
-    let (p, n) = (cstr(path), std::ffi::CString::new(name).unwrap());
-    let mut buf = vec![0u8; 256];
-    // SAFETY: valid C strings and a writable buffer of the given length.
-    let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    (r >= 0).then(|| buf[..r as usize].to_vec())
-}
-
-fn cstr(path: &Path) -> std::ffi::CString {
-    std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str())).unwrap()
-}
-
 /// A dataset with user.* attributes on a file and a directory, and a trusted.* one (root's
 /// namespace) that must never be handed on.
 fn dataset_with_xattrs(src: &Path) {
@@ -854,6 +820,20 @@ fn dataset_with_xattrs(src: &Path) {
     set_xattr(&src.join("f0"), "user.origin", b"sensor-7");
     set_xattr(&src.join("sub"), "user.kind", b"shard");
     set_xattr(&src.join("f0"), "trusted.secret", b"root only");
+}
+
+/// `got`, staged from [`dataset_with_xattrs`] with `--xattrs`, has its user.* attributes and not
+/// the trusted.* one.
+fn has_the_user_xattrs_only(got: &Path) {
+    assert_eq!(
+        get_xattr(&got.join("f0"), "user.origin").as_deref(),
+        Some(&b"sensor-7"[..])
+    );
+    assert_eq!(
+        get_xattr(&got.join("sub"), "user.kind").as_deref(),
+        Some(&b"shard"[..])
+    );
+    assert_eq!(get_xattr(&got.join("f0"), "trusted.secret"), None);
 }
 
 #[test]
@@ -871,16 +851,7 @@ fn user_extended_attributes_are_staged_when_asked_and_no_others() {
     let spec = format!("{}:attrs", src.display());
     let o = stage_in(&spec, &dest, &["--user", "berthtest", "--xattrs"]);
     assert_eq!(copied(&o), 4, "{}", common::stderr(&o));
-    let got = dest.join("attrs");
-    assert_eq!(
-        get_xattr(&got.join("f0"), "user.origin").as_deref(),
-        Some(&b"sensor-7"[..])
-    );
-    assert_eq!(
-        get_xattr(&got.join("sub"), "user.kind").as_deref(),
-        Some(&b"shard"[..])
-    );
-    assert_eq!(get_xattr(&got.join("f0"), "trusted.secret"), None);
+    has_the_user_xattrs_only(&dest.join("attrs"));
 }
 
 #[test]
@@ -909,16 +880,7 @@ fn the_cache_keeps_extended_attributes_apart_from_entries_without_them() {
         .output()
         .unwrap();
     assert_eq!(counts(&o), (4, 0, 4));
-    let got = job2.join("ds");
-    assert_eq!(
-        get_xattr(&got.join("f0"), "user.origin").as_deref(),
-        Some(&b"sensor-7"[..])
-    );
-    assert_eq!(
-        get_xattr(&got.join("sub"), "user.kind").as_deref(),
-        Some(&b"shard"[..])
-    );
-    assert_eq!(get_xattr(&got.join("f0"), "trusted.secret"), None);
+    has_the_user_xattrs_only(&job2.join("ds"));
     let entry = entry_of(w.path(), &src).unwrap();
     assert_eq!(get_xattr(&entry.join("data/f0"), "trusted.secret"), None);
 }

@@ -4,6 +4,8 @@
 //! built from busybox-static with GNU tar, gzip and zstd and hand-written JSON. Run by
 //! integration/test.sh as root: `cargo test --test root_store -- --ignored --test-threads=1`.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -11,6 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use berth::image::store::Store;
+use common::{get_xattr, set_xattr};
 use sha2::{Digest as _, Sha256};
 
 const BERTH: &str = env!("CARGO_BIN_EXE_berth");
@@ -261,36 +264,6 @@ fn net_raw_capability() -> Vec<u8> {
         v.extend_from_slice(&word.to_le_bytes());
     }
     v
-}
-
-fn set_xattr(path: &Path, name: &str, value: &[u8]) {
-    let p = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let n = std::ffi::CString::new(name).unwrap();
-    // SAFETY: NUL-terminated path and name; value is a valid slice.
-    let rc = unsafe {
-        libc::setxattr(
-            p.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(
-        rc,
-        0,
-        "setxattr {name}: {}",
-        std::io::Error::last_os_error()
-    );
-}
-
-fn get_xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
-    let p = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let n = std::ffi::CString::new(name).unwrap();
-    let mut buf = vec![0u8; 256];
-    // SAFETY: NUL-terminated path and name; buf is writable for its length.
-    let rc = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    (rc >= 0).then(|| buf[..rc as usize].to_vec())
 }
 
 /// The three layers of the test image:

@@ -742,12 +742,8 @@ fn link_into(
         way: fsops::CopyWay::default(),
         xattrs: m.xattrs,
     };
-    let (linked, cloned, copied, unchanged) = (
-        AtomicU64::new(0),
-        AtomicU64::new(0),
-        AtomicU64::new(0),
-        AtomicU64::new(0),
-    );
+    // Files put each way, indexed by `Put`.
+    let puts: [AtomicU64; 4] = Default::default();
     // One task per directory's files: its directory in the cache and in the destination opened
     // once, then a few calls on plain names per file.
     let files = m.files().count() as u64;
@@ -771,28 +767,24 @@ fn link_into(
                             .map_err(dest_err("create", &i.rel))?;
                     }
                     Kind::File => {
-                        link_file(i, &name, &cdir, &ddir, &how)
-                            .map_err(|(op, e)| match op {
-                                "conflict" => StageError::Conflict {
-                                    path: dest_path.join(&i.rel),
-                                    message: "a directory where the dataset has a file; remove it"
-                                        .into(),
+                        let put =
+                            link_file(i, &name, &cdir, &ddir, &how).map_err(
+                                |(op, e)| match op {
+                                    "conflict" => StageError::Conflict {
+                                        path: dest_path.join(&i.rel),
+                                        message:
+                                            "a directory where the dataset has a file; remove it"
+                                                .into(),
+                                    },
+                                    "cache" => cache_err("read", &data_path.join(&i.rel))(e),
+                                    op => dest_err(op, &i.rel)(e),
                                 },
-                                "cache" => cache_err("read", &data_path.join(&i.rel))(e),
-                                op => dest_err(op, &i.rel)(e),
-                            })
-                            .map(|done| {
-                                progress.files.fetch_add(1, Ordering::Relaxed);
-                                match done {
-                                    Put::Unchanged => unchanged.fetch_add(1, Ordering::Relaxed),
-                                    Put::Linked => linked.fetch_add(1, Ordering::Relaxed),
-                                    Put::Cloned => cloned.fetch_add(1, Ordering::Relaxed),
-                                    Put::Copied => {
-                                        progress.bytes.fetch_add(i.size, Ordering::Relaxed);
-                                        copied.fetch_add(1, Ordering::Relaxed)
-                                    }
-                                }
-                            })?;
+                            )?;
+                        puts[put as usize].fetch_add(1, Ordering::Relaxed);
+                        progress.files.fetch_add(1, Ordering::Relaxed);
+                        if put == Put::Copied {
+                            progress.bytes.fetch_add(i.size, Ordering::Relaxed);
+                        }
                     }
                 }
             }
@@ -816,12 +808,7 @@ fn link_into(
         };
         fsops::fchmod(&fd, mode).map_err(dest_err("chmod", &i.rel))?;
     }
-    let (linked, cloned, copied, unchanged) = (
-        linked.into_inner(),
-        cloned.into_inner(),
-        copied.into_inner(),
-        unchanged.into_inner(),
-    );
+    let [unchanged, linked, cloned, copied] = puts.map(AtomicU64::into_inner);
     // Links are metadata, committed with the marker's fsync on a journaling filesystem; copied
     // or cloned data must reach the disk before the marker says it is there.
     if copied + cloned > 0 {
@@ -918,7 +905,8 @@ fn in_place(i: &Item, cached: &libc::stat, dest: &libc::stat, uid: u32) -> bool 
             && (dest.st_size as u64, (dest.st_mtime, dest.st_mtime_nsec)) == (i.size, i.mtime))
 }
 
-/// How one file got into the destination.
+/// How one file got into the destination (in this order, it indexes `link_into`'s counts).
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Put {
     Unchanged,
     Linked,

@@ -308,13 +308,25 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
         let mut done = 0u64;
         while done < len {
             let want = (len - done).min(buf.len() as u64) as usize;
-            let n = pread(src, &mut buf[..want], offset + done)?;
+            let at = (offset + done) as libc::off_t;
+            // SAFETY: `src` is open and `buf` is writable for `want` bytes.
+            let n = retrying(|| unsafe {
+                libc::pread(src.as_raw_fd(), buf.as_mut_ptr().cast(), want, at)
+            })?;
             if n == 0 {
                 return Err(shrunk());
             }
             let mut put = 0;
             while put < n {
-                put += pwrite(dst, &buf[put..n], offset + done + put as u64)?;
+                let at = (offset + done) as libc::off_t + put as libc::off_t;
+                let rest = &buf[put..n];
+                // SAFETY: `dst` is open and `rest` is a valid buffer of its length.
+                match retrying(|| unsafe {
+                    libc::pwrite(dst.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at)
+                })? {
+                    0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                    w => put += w,
+                }
             }
             done += n as u64;
         }
@@ -322,41 +334,16 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
     })
 }
 
-fn pread(fd: &OwnedFd, buf: &mut [u8], at: u64) -> io::Result<usize> {
+/// Runs a read or write call again when a signal interrupted it.
+fn retrying(mut call: impl FnMut() -> libc::ssize_t) -> io::Result<usize> {
     loop {
-        // SAFETY: `fd` is open and `buf` a valid writable buffer of its length.
-        let n = unsafe {
-            libc::pread(
-                fd.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                at as libc::off_t,
-            )
-        };
-        match n {
-            0.. => return Ok(n as usize),
-            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-            _ => return Err(io::Error::last_os_error()),
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
         }
-    }
-}
-
-fn pwrite(fd: &OwnedFd, buf: &[u8], at: u64) -> io::Result<usize> {
-    loop {
-        // SAFETY: `fd` is open and `buf` a valid buffer of its length.
-        let n = unsafe {
-            libc::pwrite(
-                fd.as_raw_fd(),
-                buf.as_ptr().cast(),
-                buf.len(),
-                at as libc::off_t,
-            )
-        };
-        match n {
-            1.. => return Ok(n as usize),
-            0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
-            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-            _ => return Err(io::Error::last_os_error()),
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
 }

@@ -602,12 +602,12 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     let prior = read_marker(&root);
 
     let mut plan = walk(source, opts.workers)?;
-    tracing::debug!(
-        "stage {}: walked {} entries in {:.3} s",
-        source.display(),
-        plan.entries.len(),
-        start.elapsed().as_secs_f64()
-    );
+    // When each phase ended, for `-vv`.
+    let phase = |what: std::fmt::Arguments| {
+        let at = start.elapsed().as_secs_f64();
+        tracing::debug!("stage {}: {what} at {at:.3} s", source.display());
+    };
+    phase(format_args!("walked {} entries", plan.entries.len()));
     let src_path = |rel: &Path| {
         if plan.single_file {
             plan.source.clone()
@@ -668,11 +668,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         Ok(())
     })?;
     plan.copy = differs.into_iter().map(AtomicBool::into_inner).collect();
-    tracing::debug!(
-        "stage {}: compared with the destination at {:.3} s",
-        source.display(),
-        start.elapsed().as_secs_f64()
-    );
+    phase(format_args!("compared with the destination"));
 
     // Absolute in the report and the marker: `stage status` must name the source whatever the
     // directory it runs in.
@@ -808,15 +804,10 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             t.1,
         )
     });
-    tracing::debug!(
-        "stage {}: {} copy tasks ready at {:.3} s",
-        source.display(),
-        tasks.len(),
-        start.elapsed().as_secs_f64()
-    );
+    phase(format_args!("{} copy tasks ready", tasks.len()));
 
     let way = fsops::CopyWay::default();
-    let result = with_progress(
+    with_progress(
         opts,
         (report.files_unchanged, report.files),
         report.bytes_copied,
@@ -876,13 +867,8 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                 Ok(())
             })
         },
-    );
-    result?;
-    tracing::debug!(
-        "stage {}: copied at {:.3} s",
-        source.display(),
-        start.elapsed().as_secs_f64()
-    );
+    )?;
+    phase(format_args!("copied"));
     // Directory modes and mtimes last, deepest first: creating entries changed their mtimes.
     for e in plan.entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
         let fd = fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
@@ -909,11 +895,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     }
     // Data on disk before the marker says it is there.
     fsops::syncfs(&root).map_err(|e| dest_err("sync", Path::new(""), e))?;
-    tracing::debug!(
-        "stage {}: synced at {:.3} s",
-        source.display(),
-        start.elapsed().as_secs_f64()
-    );
+    phase(format_args!("synced"));
     write_marker(
         &root,
         &Marker {

@@ -194,3 +194,39 @@ pub fn test_user() -> (u32, u32, u32) {
         (id("-u", "berthtest"), id("-g", "berthtest"), extra)
     })
 }
+
+/// Sets the extended attribute `name` of `path` (not following a symlink there).
+pub fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+    let (p, n) = (c_path(path), std::ffi::CString::new(name).unwrap());
+    // SAFETY: NUL-terminated path and name; `value` is valid for its length.
+    let rc = unsafe {
+        libc::lsetxattr(
+            p.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    assert_eq!(
+        rc,
+        0,
+        "setxattr {name} on {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+/// The value of the extended attribute `name` of `path` (not following a symlink there), if it
+/// has one.
+pub fn get_xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    let (p, n) = (c_path(path), std::ffi::CString::new(name).unwrap());
+    let mut buf = vec![0u8; 256];
+    // SAFETY: NUL-terminated path and name; `buf` is writable for its length.
+    let rc = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    (rc >= 0).then(|| buf[..rc as usize].to_vec())
+}
+
+fn c_path(path: &Path) -> std::ffi::CString {
+    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap()
+}
