@@ -175,7 +175,7 @@ fn key(canon: &Path) -> String {
 /// The user's walk of the source: every directory listed and every file opened with the user's
 /// credentials (the read check), symlink targets read.
 fn survey(source: &Path, workers: usize) -> Result<Manifest, StageError> {
-    let plan = walk(source, workers)?;
+    let plan = walk(source, None, workers)?;
     let targets: Vec<OnceLock<PathBuf>> = plan.entries.iter().map(|_| OnceLock::new()).collect();
     parallel(plan.entries.len(), workers, |i| {
         let e = &plan.entries[i];

@@ -1,9 +1,10 @@
 //! Data staging: copies a dataset (a directory tree or one file) from shared storage into a
 //! job's node-local scratch, or results back out, fast and safely.
 //!
-//! A stage is planned, then applied. The plan walks the source without following symlinks (the
-//! directories of one level listed in parallel) and compares each file with the destination by
-//! size and mtime; unchanged files are not copied again, so a re-stage of an unchanged dataset
+//! A stage is planned, then applied. The plan walks the source without following symlinks (level
+//! by level: the directories listed in parallel, then their entries statted in runs spread over
+//! the workers) and compares each entry with the destination by size and mtime as it is
+//! statted; unchanged files are not copied again, so a re-stage of an unchanged dataset
 //! only reads metadata, and writes nothing at all when the destination's marker says it is
 //! complete. The apply phase copies with a pool of worker threads (`copy_file_range` for small
 //! files; large files split into chunks copied in parallel, written with O_DIRECT), keeps modes
@@ -24,9 +25,10 @@ pub mod job;
 pub mod retain;
 pub mod scratch;
 
+use std::ffi::CString;
 use std::io::{IsTerminal, Read, Write};
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -248,26 +250,22 @@ struct Entry {
 }
 
 impl Entry {
-    fn from_meta(rel: PathBuf, meta: &std::fs::Metadata) -> Option<Self> {
-        let ft = meta.file_type();
-        let kind = if ft.is_dir() {
-            Kind::Dir
-        } else if ft.is_file() {
-            Kind::File
-        } else if ft.is_symlink() {
-            Kind::Symlink
-        } else {
-            return None;
+    fn from_stat(rel: PathBuf, st: &libc::stat) -> Option<Self> {
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => Kind::Dir,
+            libc::S_IFREG => Kind::File,
+            libc::S_IFLNK => Kind::Symlink,
+            _ => return None,
         };
         Some(Self {
             rel,
             kind,
-            size: meta.len(),
+            size: st.st_size as u64,
             // setuid/setgid bits are dropped: a staged copy never gains privilege.
-            mode: meta.mode() & 0o1777,
-            mtime: (meta.mtime(), meta.mtime_nsec()),
-            dev: meta.dev(),
-            ino: meta.ino(),
+            mode: st.st_mode & 0o1777,
+            mtime: (st.st_mtime, st.st_mtime_nsec),
+            dev: st.st_dev,
+            ino: st.st_ino,
         })
     }
 }
@@ -278,87 +276,252 @@ struct Plan {
     /// `true` when the source is one file, staged into the destination under its own name.
     single_file: bool,
     entries: Vec<Entry>,
+    /// Per entry: copy it (it differs from the destination, or there was none to compare with).
     copy: Vec<bool>,
+    /// Every directory but the root already has its final mode and mtime in the destination.
+    dirs_exact: bool,
     skipped_special: u64,
 }
 
-fn walk(source: &Path, workers: usize) -> Result<Plan, StageError> {
-    let src_err = |path: &Path, source| StageError::Source {
-        path: path.to_path_buf(),
-        source,
-    };
+/// Walks `source`; with `dest` (the open destination root and its path), every entry is
+/// compared with the destination's by the worker that stats it: one pass, and on a cold cache
+/// the reads of both trees are in flight together.
+fn walk(
+    source: &Path,
+    dest: Option<(&OwnedFd, &Path)>,
+    workers: usize,
+) -> Result<Plan, StageError> {
     // The source named by the user is followed if it is a symlink; nothing inside it is.
-    let meta = std::fs::metadata(source).map_err(|e| src_err(source, e))?;
+    let st = nix::sys::stat::stat(source).map_err(|e| StageError::Source {
+        path: source.to_path_buf(),
+        source: e.into(),
+    })?;
     let mut plan = Plan {
         source: source.to_path_buf(),
         single_file: false,
         entries: Vec::new(),
         copy: Vec::new(),
+        dirs_exact: true,
         skipped_special: 0,
     };
-    if meta.is_file() {
-        let name = source.file_name().ok_or_else(|| StageError::Conflict {
-            path: source.to_path_buf(),
-            message: "not a file name".into(),
-        })?;
-        plan.single_file = true;
-        plan.entries
-            .push(Entry::from_meta(name.into(), &meta).expect("a regular file"));
-        return Ok(plan);
-    }
-    if !meta.is_dir() {
-        return Err(StageError::Conflict {
-            path: source.to_path_buf(),
-            message: "neither a directory nor a regular file".into(),
-        });
+    match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => {
+            let name = source.file_name().ok_or_else(|| StageError::Conflict {
+                path: source.to_path_buf(),
+                message: "not a file name".into(),
+            })?;
+            let e = Entry::from_stat(name.into(), &st).expect("a regular file");
+            let copy = match dest {
+                Some((root, path)) => compare(root, &c_name(name), &e, path)?.0,
+                None => true,
+            };
+            plan.single_file = true;
+            plan.entries.push(e);
+            plan.copy.push(copy);
+            return Ok(plan);
+        }
+        libc::S_IFDIR => {}
+        _ => {
+            return Err(StageError::Conflict {
+                path: source.to_path_buf(),
+                message: "neither a directory nor a regular file".into(),
+            });
+        }
     }
     plan.entries
-        .push(Entry::from_meta(PathBuf::new(), &meta).expect("a directory"));
-    // Level by level, each level's directories listed in parallel (on a cold cache every stat
-    // is a disk read: many in flight at once). A directory comes before its contents, and the
-    // entries of one directory are together, sorted.
+        .push(Entry::from_stat(PathBuf::new(), &st).expect("a directory"));
+    // The root is compared by the caller: its mtime is the marker's, not the source's.
+    plan.copy.push(true);
+    // Level by level: the level's directories listed in parallel, then their entries statted
+    // in runs spread over the workers (on a cold cache every stat is a disk read, and a level
+    // of few directories with many entries, such as a dataset's root with hundreds of
+    // subdirectories, would otherwise read them one by one). A directory comes before its
+    // contents, and the entries of one directory are together, sorted.
     let mut level = vec![PathBuf::new()];
     while !level.is_empty() {
-        let listed: Vec<OnceLock<(Vec<Entry>, u64)>> =
-            level.iter().map(|_| OnceLock::new()).collect();
+        let listed: Vec<OnceLock<Listed>> = level.iter().map(|_| OnceLock::new()).collect();
         parallel(level.len(), workers, |k| {
-            let rel = &level[k];
-            let dir = source.join(rel);
-            let mut children = Vec::new();
-            let mut special = 0;
-            for item in std::fs::read_dir(&dir).map_err(|e| src_err(&dir, e))? {
-                let item = item.map_err(|e| src_err(&dir, e))?;
-                if rel.as_os_str().is_empty()
-                    && (item.file_name() == MARKER || item.file_name() == MARKER_TMP)
-                {
-                    continue;
-                }
-                // DirEntry::metadata does not follow symlinks.
-                let meta = item.metadata().map_err(|e| src_err(&item.path(), e))?;
-                match Entry::from_meta(rel.join(item.file_name()), &meta) {
-                    Some(e) => children.push(e),
-                    None => special += 1,
-                }
-            }
-            children.sort_by(|a, b| a.rel.cmp(&b.rel));
-            let _ = listed[k].set((children, special));
+            let _ = listed[k].set(list_dir(source, &level[k], dest)?);
             Ok(())
         })?;
+        let listed: Vec<Listed> = listed
+            .into_iter()
+            .filter_map(OnceLock::into_inner)
+            .collect();
+        let total: usize = listed.iter().map(|d| d.names.len()).sum();
+        let run = (total / (workers.max(1) * 4)).clamp(1, 256);
+        let runs: Vec<(usize, usize)> = listed
+            .iter()
+            .enumerate()
+            .flat_map(|(k, d)| (0..d.names.len()).step_by(run).map(move |first| (k, first)))
+            .collect();
+        let statted: Vec<OnceLock<Statted>> = runs.iter().map(|_| OnceLock::new()).collect();
+        parallel(runs.len(), workers, |t| {
+            let (k, first) = runs[t];
+            let dir = &listed[k];
+            let names = &dir.names[first..(first + run).min(dir.names.len())];
+            let _ = statted[t].set(stat_run(source, dir, names, dest.map(|d| d.1))?);
+            Ok(())
+        })?;
+        plan.dirs_exact &= listed.iter().all(|d| !d.dest_missing);
         let mut next = Vec::new();
-        for cell in listed {
-            let (children, special) = cell.into_inner().unwrap_or_default();
-            plan.skipped_special += special;
+        for s in statted.into_iter().filter_map(OnceLock::into_inner) {
+            plan.skipped_special += s.special;
+            plan.dirs_exact &= s.dirs_exact;
+            plan.copy.extend(s.copy);
             next.extend(
-                children
+                s.children
                     .iter()
                     .filter(|e| e.kind == Kind::Dir)
                     .map(|e| e.rel.clone()),
             );
-            plan.entries.extend(children);
+            plan.entries.extend(s.children);
         }
         level = next;
     }
     Ok(plan)
+}
+
+fn dest_err(op: &'static str, dest: &Path, rel: &Path, source: std::io::Error) -> StageError {
+    StageError::Dest {
+        op,
+        path: dest.join(rel),
+        source,
+    }
+}
+
+fn c_name(name: &std::ffi::OsStr) -> CString {
+    CString::new(name.as_bytes()).expect("a file name has no NUL")
+}
+
+/// A source directory of the walk's current level, listed.
+struct Listed {
+    rel: PathBuf,
+    /// Open, for its entries' `fstatat`.
+    fd: OwnedFd,
+    /// Its entries' names, sorted.
+    names: Vec<CString>,
+    /// The destination's directory of the same path, when comparing.
+    dest: Option<OwnedFd>,
+    /// Comparing, and the destination has no directory there (missing, or a file or a symlink
+    /// in its place): all of it is (re)made.
+    dest_missing: bool,
+}
+
+/// Lists the source directory `rel` (names only) and opens its destination counterpart.
+fn list_dir(
+    source: &Path,
+    rel: &Path,
+    dest: Option<(&OwnedFd, &Path)>,
+) -> Result<Listed, StageError> {
+    let path = source.join(rel);
+    let src_err = |e: std::io::Error| StageError::Source {
+        path: path.clone(),
+        source: e,
+    };
+    let fd = OwnedFd::from(std::fs::File::open(&path).map_err(src_err)?);
+    let mut names = Vec::new();
+    let mut dir =
+        nix::dir::Dir::from_fd(fd.try_clone().map_err(src_err)?).map_err(|e| src_err(e.into()))?;
+    for item in dir.iter() {
+        let item = item.map_err(|e| src_err(e.into()))?;
+        let name = item.file_name();
+        if matches!(name.to_bytes(), b"." | b"..")
+            || rel.as_os_str().is_empty() && matches!(name.to_str(), Ok(MARKER | MARKER_TMP))
+        {
+            continue;
+        }
+        names.push(name.to_owned());
+    }
+    names.sort_unstable();
+    let (dest, dest_missing) = match dest {
+        None => (None, false),
+        Some((root, dest_path)) => {
+            match fsops::open_beneath(root, rel, libc::O_PATH | libc::O_DIRECTORY, 0) {
+                Ok(fd) => (Some(fd), false),
+                Err(err)
+                    if matches!(
+                        err.raw_os_error(),
+                        Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
+                    ) =>
+                {
+                    (None, true)
+                }
+                Err(err) => return Err(dest_err("inspect", dest_path, rel, err)),
+            }
+        }
+    };
+    Ok(Listed {
+        rel: rel.to_path_buf(),
+        fd,
+        names,
+        dest,
+        dest_missing,
+    })
+}
+
+/// A run of one directory's entries, statted and compared.
+struct Statted {
+    children: Vec<Entry>,
+    /// Per child: the destination lacks it or has it differing (or there is no destination).
+    copy: Vec<bool>,
+    /// Every child directory already has its final mode and mtime in the destination.
+    dirs_exact: bool,
+    /// Sockets, FIFOs and devices: left out.
+    special: u64,
+}
+
+/// Stats `names` in the listed directory `dir` (never following a symlink) and compares each
+/// with the destination's entry of the same name.
+fn stat_run(
+    source: &Path,
+    dir: &Listed,
+    names: &[CString],
+    dest: Option<&Path>,
+) -> Result<Statted, StageError> {
+    let mut out = Statted {
+        children: Vec::with_capacity(names.len()),
+        copy: Vec::with_capacity(names.len()),
+        dirs_exact: true,
+        special: 0,
+    };
+    for name in names {
+        let rel = dir.rel.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
+        let st = fsops::lstat_at(&dir.fd, name).map_err(|e| StageError::Source {
+            path: source.join(&rel),
+            source: e,
+        })?;
+        // Gone since the listing: the source changed under the walk, and there is nothing to
+        // stage.
+        let Some(st) = st else { continue };
+        let Some(e) = Entry::from_stat(rel, &st) else {
+            out.special += 1;
+            continue;
+        };
+        let (copy, exact) = match (&dir.dest, dest) {
+            (Some(fd), Some(path)) => compare(fd, name, &e, path)?,
+            _ => (true, !dir.dest_missing),
+        };
+        out.copy.push(copy);
+        out.dirs_exact &= exact || e.kind != Kind::Dir;
+        out.children.push(e);
+    }
+    Ok(out)
+}
+
+/// Compares source entry `e` with `name` in the destination directory `dir`: whether it must be
+/// copied, and (for a directory) whether it already has its final mode and mtime.
+fn compare(
+    dir: &OwnedFd,
+    name: &std::ffi::CStr,
+    e: &Entry,
+    dest: &Path,
+) -> Result<(bool, bool), StageError> {
+    let st = fsops::lstat_at(dir, name).map_err(|err| dest_err("inspect", dest, &e.rel, err))?;
+    Ok((
+        !st.is_some_and(|st| same(e, &st)),
+        st.is_some_and(|st| dir_exact(e, &st, e.mode)),
+    ))
 }
 
 /// Runs of consecutive paths with one parent directory (the walk lists siblings together), as
@@ -601,13 +764,16 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     // What an earlier complete stage left: if the source is unchanged since, nothing is written.
     let prior = read_marker(&root);
 
-    let mut plan = walk(source, opts.workers)?;
+    let plan = walk(source, Some((&root, &dest_path)), opts.workers)?;
     // When each phase ended, for `-vv`.
     let phase = |what: std::fmt::Arguments| {
         let at = start.elapsed().as_secs_f64();
         tracing::debug!("stage {}: {what} at {at:.3} s", source.display());
     };
-    phase(format_args!("walked {} entries", plan.entries.len()));
+    phase(format_args!(
+        "walked {} entries and compared them with the destination",
+        plan.entries.len()
+    ));
     let src_path = |rel: &Path| {
         if plan.single_file {
             plan.source.clone()
@@ -615,60 +781,17 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             plan.source.join(rel)
         }
     };
-
-    // Plan: which entries differ from the destination (metadata only, in parallel): each group
-    // of siblings opens its directory once, then one fstatat per entry.
-    let differs: Vec<AtomicBool> = plan.entries.iter().map(|_| AtomicBool::new(true)).collect();
-    // Every directory already has its final mode and mtime (a completed stage's state).
-    let dirs_exact = AtomicBool::new(true);
+    // Every directory already has its final mode and mtime (a completed stage's state); the
+    // root's mtime is not the source's: the marker, written last, changed it.
+    let mut dirs_exact = plan.dirs_exact;
     if let Some(e) = plan.entries.first().filter(|e| e.kind == Kind::Dir) {
         let st = fsops::fstat(&root).map_err(|err| dest_err("inspect", Path::new(""), err))?;
-        // The root's mtime is not the source's: the marker, written last, changed it.
         let root = Entry {
             mtime: (st.st_mtime, st.st_mtime_nsec),
             ..e.clone()
         };
-        if !dir_exact(&root, &st, e.mode | 0o700) {
-            dirs_exact.store(false, Ordering::Relaxed);
-        }
+        dirs_exact &= dir_exact(&root, &st, e.mode | 0o700);
     }
-    let groups = sibling_groups(plan.entries.iter().map(|e| e.rel.as_path()));
-    parallel(groups.len(), opts.workers, |g| {
-        let (first, end) = groups[g];
-        let parent = plan.entries[first].rel.parent().unwrap_or(Path::new(""));
-        let dir = match fsops::open_beneath(&root, parent, libc::O_PATH | libc::O_DIRECTORY, 0) {
-            Ok(fd) => fd,
-            // Missing, or a symlink or a file in its place: all of it is (re)made.
-            Err(err)
-                if matches!(
-                    err.raw_os_error(),
-                    Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
-                ) =>
-            {
-                dirs_exact.store(false, Ordering::Relaxed);
-                return Ok(());
-            }
-            Err(err) => return Err(dest_err("inspect", parent, err)),
-        };
-        for (i, e) in plan.entries.iter().enumerate().take(end).skip(first) {
-            let name = e.rel.file_name().map(|n| {
-                std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(n))
-                    .expect("a file name has no NUL")
-            });
-            let Some(name) = name else { continue };
-            let st =
-                fsops::lstat_at(&dir, &name).map_err(|err| dest_err("inspect", &e.rel, err))?;
-            if st.is_some_and(|st| same(e, &st)) {
-                differs[i].store(false, Ordering::Relaxed);
-            }
-            if e.kind == Kind::Dir && !st.is_some_and(|st| dir_exact(e, &st, e.mode)) {
-                dirs_exact.store(false, Ordering::Relaxed);
-            }
-        }
-        Ok(())
-    })?;
-    plan.copy = differs.into_iter().map(AtomicBool::into_inner).collect();
-    phase(format_args!("compared with the destination"));
 
     // Absolute in the report and the marker: `stage status` must name the source whatever the
     // directory it runs in.
@@ -704,7 +827,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             .iter()
             .zip(&plan.copy)
             .all(|(e, &c)| !c || e.rel.as_os_str().is_empty())
-        && dirs_exact.load(Ordering::Relaxed)
+        && dirs_exact
         && prior.is_some_and(|m| {
             (m.source.as_path(), m.files, m.bytes)
                 == (source_abs.as_path(), report.files, report.bytes)
@@ -1025,7 +1148,7 @@ fn verify(plan: &Plan, root: &OwnedFd, dest: &Path, workers: usize) -> Result<()
 /// Checksums (xxh3) of every regular file under `dir`, keyed by relative path: for tests and
 /// `stage status`.
 pub fn checksums(dir: &Path) -> Result<std::collections::BTreeMap<PathBuf, u64>, StageError> {
-    let plan = walk(dir, Options::default().workers)?;
+    let plan = walk(dir, None, Options::default().workers)?;
     let mut out = std::collections::BTreeMap::new();
     for e in plan.entries.iter().filter(|e| e.kind == Kind::File) {
         let path = dir.join(&e.rel);
@@ -1133,7 +1256,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn opts() -> Options {
         Options {
@@ -1284,6 +1407,39 @@ mod tests {
         let third = stage(&src, &base, Path::new("data"), &opts()).unwrap();
         assert_eq!(third.files_copied, 1);
         assert_eq!(std::fs::read(dst.join("a/small")).unwrap(), b"changed!");
+    }
+
+    #[test]
+    fn a_directory_of_many_files_is_walked_in_runs_and_compared_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, base) = (tmp.path().join("src"), tmp.path().join("scratch"));
+        std::fs::create_dir_all(src.join("sub")).unwrap();
+        for i in 0..1000 {
+            std::fs::write(src.join(format!("f{i:04}")), i.to_string()).unwrap();
+        }
+        for name in ["c", "a", "b"] {
+            std::fs::write(src.join("sub").join(name), name).unwrap();
+        }
+        // One worker: the root's 1001 entries are statted in runs of 250.
+        let plan = walk(&src, None, 1).unwrap();
+        let rels: Vec<_> = plan.entries.iter().map(|e| e.rel.clone()).collect();
+        let mut want = vec![PathBuf::new()];
+        want.extend((0..1000).map(|i| PathBuf::from(format!("f{i:04}"))));
+        want.push("sub".into());
+        want.extend(["sub/a", "sub/b", "sub/c"].map(PathBuf::from));
+        assert_eq!(rels, want);
+
+        let r = stage(&src, &base, Path::new("d"), &opts()).unwrap();
+        assert_eq!((r.files, r.files_copied), (1003, 1003));
+        // Changes in the first, a middle and the last run of the big directory, and in sub.
+        let dst = base.join("d");
+        std::fs::write(src.join("f0000"), "changed").unwrap();
+        std::fs::remove_file(dst.join("f0500")).unwrap();
+        std::fs::write(dst.join("f0999"), "the job wrote this").unwrap();
+        std::fs::write(src.join("sub/b"), "bb").unwrap();
+        let r = stage(&src, &base, Path::new("d"), &opts()).unwrap();
+        assert_eq!((r.files_copied, r.files_unchanged), (4, 999));
+        assert_eq!(checksums(&src).unwrap(), checksums(&dst).unwrap());
     }
 
     #[test]
