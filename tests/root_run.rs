@@ -264,7 +264,20 @@ fn signals_are_forwarded_to_the_command() {
         let script = format!(
             "trap 'echo got-{name}; exit 3' {name}; echo ready; while :; do sleep 0.05; done"
         );
-        let mut child = berth(&["run", "--rootfs", rootfs, "--", "sh", "-c", &script])
+        let mut cmd = berth(&["run", "--rootfs", rootfs, "--", "sh", "-c", &script]);
+        // A harness started in the background or under nohup hands its children SIGINT, SIGQUIT
+        // or SIGHUP ignored, and a command keeps what it inherits ignored (berth does not reset
+        // it, as no exec does), so the shell's trap would never fire: this test wants defaults.
+        // SAFETY: between fork and exec only async-signal-safe calls (signal) are made.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+                Ok(())
+            })
+        };
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -275,7 +288,17 @@ fn signals_are_forwarded_to_the_command() {
         assert_eq!(&buf, b"ready\n");
         // SAFETY: signalling the child we spawned.
         unsafe { libc::kill(child.id() as i32, sig) };
-        let status = child.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("SIG{name}: the command did not end within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
         let mut rest = String::new();
         std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
         assert_eq!(
@@ -285,6 +308,20 @@ fn signals_are_forwarded_to_the_command() {
         );
         assert_eq!(status.code(), Some(3), "SIG{name}");
     }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_command_writing_into_a_closed_pipe_is_ended_by_sigpipe() {
+    // berth's Rust runtime ignores SIGPIPE, and an exec keeps an ignored signal ignored: unless
+    // berth restores it, `yes` gets EPIPE (exit 1) instead of dying of SIGPIPE (141).
+    let out = run_sh(&[], "(yes; echo \"yes ended $?\" >&2) | head -n 1");
+    assert_eq!(stdout(&out).trim(), "y");
+    assert!(
+        stderr(&out).contains("yes ended 141"),
+        "SIGPIPE did not end yes: {}",
+        stderr(&out)
+    );
 }
 
 #[test]

@@ -5,6 +5,7 @@ use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
+use nix::sys::signal::{SigHandler, SigSet, SigmaskHow, Signal, signal, sigprocmask};
 use nix::unistd::execve;
 
 use super::SetupError;
@@ -32,6 +33,14 @@ pub fn exec(args: &[CString], env: &[CString]) -> SetupError {
     let Some(cmd) = args.first() else {
         return SetupError::with_code(125, "no command given".into());
     };
+    // The command gets the signal state any command expects: nothing blocked (berth blocks the
+    // signals it forwards) and SIGPIPE at its default, which an exec would otherwise keep
+    // ignored from Rust's runtime (then `yes | head` never ends `yes`). Other dispositions stay
+    // the caller's, as across any exec: `nohup berth run …` keeps SIGHUP from the command.
+    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+    // SAFETY: setting a signal's disposition to SIG_DFL installs no handler; no other thread
+    // runs in this process between its fork and the exec.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
     let cmd_str = cmd.to_string_lossy();
     let path_var = env
         .iter()

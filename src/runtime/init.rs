@@ -168,7 +168,6 @@ pub(super) fn cstrings(items: &[String], what: &str) -> Result<Vec<CString>, Set
 }
 
 fn start_command(cwd: &std::path::Path, argv: &[CString], env: &[CString]) -> SetupError {
-    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
     if let Err(e) = nix::unistd::chdir(cwd) {
         return SetupError::with_code(
             125,

@@ -315,7 +315,6 @@ fn enter(
     if let Err(e) = init::drop_privileges(process) {
         return e;
     }
-    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
     if let Err(e) = nix::unistd::chdir(process.cwd()) {
         return SetupError::with_code(
             125,
