@@ -326,6 +326,41 @@ fn a_command_writing_into_a_closed_pipe_is_ended_by_sigpipe() {
 
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
+fn the_callers_umask_reaches_the_command_and_not_the_containers_setup() {
+    test_user();
+    let rootfs = rootfs().to_str().unwrap();
+    let mut cmd = berth(&[
+        "run",
+        "--rootfs",
+        rootfs,
+        "--user",
+        "berthtest",
+        "--hostname",
+        "inside",
+        "--",
+        "sh",
+        "-c",
+        "umask; ls -ld / | cut -c1-10; cat /etc/hostname; touch /tmp/f; ls -l /tmp/f | cut -c1-10",
+    ]);
+    // SAFETY: umask is async-signal-safe.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::umask(0o077);
+            Ok(())
+        })
+    };
+    // Before: `/` (the overlay's upper directory) was made 0700 under this umask and the user
+    // could not even enter the working directory.
+    let out = ok(cmd.output().unwrap());
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["0077", "drwxr-xr-x", "inside", "-rw-------"],
+        "{out}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
 fn init_reaps_orphans() {
     // Orphans re-parent to init, which must reap them: no zombie piles up while the command runs.
     let out = ok(run_sh(

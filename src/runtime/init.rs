@@ -12,6 +12,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sched::{CloneFlags, unshare};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::stat::{Mode, umask};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Gid, Pid, Uid, fork, setresgid, setresuid, setsid};
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
@@ -72,6 +73,11 @@ pub fn main(args: InitArgs<'_>) -> ! {
 fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     let started = Instant::now();
     let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+    // What the setup makes (the overlay's upper directory, which is the container's `/`, mount
+    // points, /etc/hostname) must have the modes it asks for, not the caller's umask's: under a
+    // umask of 077 the container's `/` was 0700 and no user but root could enter it. The
+    // command gets the caller's umask back, as a command run by Slurm or a shell does.
+    let caller_umask = umask(Mode::from_bits_truncate(0o022));
     let mut byte = [0u8; 1];
     if nix::unistd::read(&args.lifeline, &mut byte) != Ok(1) {
         return Err(SetupError::new(
@@ -141,6 +147,7 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     // may run arbitrary code until it execs.
     match unsafe { fork() }.map_err(|e| SetupError::new(format!("forking the command: {e}")))? {
         ForkResult::Child => {
+            umask(caller_umask);
             let err = start_command(&cwd, &argv, &env);
             report::send(&args.report, &report::Message::Error(err.code, err.message));
             // SAFETY: see `main`.
