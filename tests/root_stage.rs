@@ -314,6 +314,50 @@ fn scratch_is_the_users_and_is_removed_whatever_the_job_left() {
     assert!(!dir.exists());
 }
 
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn scratch_and_retention_made_under_a_umask_of_077_are_reachable_by_the_user() {
+    let w = workdir();
+    // Missing parents too: the Prolog creates what the config names.
+    let root = w.path().join("local/scratch");
+    let area = w.path().join("kept/retained");
+    let (uid, gid, _) = test_user();
+    // The root tier runs one test at a time: the process's umask is this test's alone.
+    // SAFETY: umask only changes this process's file mode creation mask.
+    let before = unsafe { libc::umask(0o077) };
+    let made = (|| -> Result<PathBuf, String> {
+        let dir = scratch::create(&root, "88", uid, gid, None).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("result"), "r").map_err(|e| e.to_string())?;
+        stage::retain::retain(&root, "88", &area, 1_000).map_err(|e| e.to_string())
+    })();
+    // SAFETY: as above.
+    unsafe { libc::umask(before) };
+    let kept = made.unwrap();
+    for (dir, mode) in [
+        (w.path().join("local"), 0o755),
+        (root.clone(), 0o755),
+        (w.path().join("kept"), 0o755),
+        (area.clone(), 0o711),
+    ] {
+        let m = std::fs::metadata(&dir).unwrap().mode() & 0o7777;
+        assert_eq!(m, mode, "{}: {m:o}", dir.display());
+    }
+    // The user reaches the job's directory through them (before: EACCES at the 0700 root).
+    let ls = Command::new("setpriv")
+        .args([
+            "--reuid",
+            &uid.to_string(),
+            "--regid",
+            &gid.to_string(),
+            "--clear-groups",
+        ])
+        .arg("ls")
+        .arg(&kept)
+        .output()
+        .unwrap();
+    assert_eq!(common::stdout(&ls), "result\n", "{}", common::stderr(&ls));
+}
+
 // ---- The dataset cache ----
 
 /// A config with the dataset cache on for `prefix`, its cache under `w`.

@@ -42,7 +42,7 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Re
 /// the scratch whose path they were told, but cannot list other jobs'.
 pub fn retain(root: &Path, job_id: &str, dir: &Path, now: u64) -> Result<PathBuf, RetainError> {
     let from = scratch::path(root, job_id)?;
-    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    scratch::create_dirs(dir, 0o755).map_err(io("create", dir))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
         .map_err(io("chmod", dir))?;
     let to = dir.join(format!("{job_id}-{now}"));

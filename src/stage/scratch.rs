@@ -54,7 +54,7 @@ pub fn create(
     _cap: Option<u64>,
 ) -> Result<PathBuf, ScratchError> {
     let dir = path(root, job_id)?;
-    std::fs::create_dir_all(root).map_err(io("create", root))?;
+    create_dirs(root, 0o755).map_err(io("create", root))?;
     match std::fs::create_dir(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -69,6 +69,25 @@ pub fn create(
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
         .map_err(io("chmod", &dir))?;
     Ok(dir)
+}
+
+/// Creates `dir` and its missing parents, each with `mode` whatever the umask: under a
+/// Prolog's umask of 077 they were made 0700, and no user could reach a job's directory below.
+/// Existing directories are left as the admin made them.
+pub(crate) fn create_dirs(dir: &Path, mode: u32) -> std::io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && !a.is_dir())
+        .collect();
+    for d in missing.into_iter().rev() {
+        match std::fs::create_dir(d) {
+            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))?,
+            // Another Prolog made it meanwhile.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Removes `root/job_id` and everything in it. Directories the job made read-only are made
