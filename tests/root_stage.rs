@@ -31,6 +31,15 @@ fn stage_in(spec: &str, to: &Path, extra: &[&str]) -> Output {
     cmd.output().unwrap()
 }
 
+/// A command run as the test user, with its primary group only.
+fn as_test_user() -> Command {
+    let (uid, gid, _) = test_user();
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid", &uid.to_string(), "--regid", &gid.to_string()])
+        .arg("--clear-groups");
+    cmd
+}
+
 fn scratch_for_user(root: &Path) -> PathBuf {
     let (uid, gid, _) = test_user();
     scratch::create(root, "1234", uid, gid, None).unwrap()
@@ -294,19 +303,7 @@ fn scratch_is_the_users_and_is_removed_whatever_the_job_left() {
         "mkdir -p {d}/a/b && echo x > {d}/a/b/f && chmod 0500 {d}/a/b {d}/a && chmod 0400 {d}/a/b/f",
         d = dir.display()
     );
-    let ok = Command::new("setpriv")
-        .args([
-            "--reuid",
-            &uid.to_string(),
-            "--regid",
-            &gid.to_string(),
-            "--clear-groups",
-            "sh",
-            "-c",
-            &script,
-        ])
-        .status()
-        .unwrap();
+    let ok = as_test_user().args(["sh", "-c", &script]).status().unwrap();
     assert!(ok.success());
     // Another user's existing directory is never taken over.
     assert!(scratch::create(&root, "77", 0, 0, None).is_err());
@@ -343,18 +340,7 @@ fn scratch_and_retention_made_under_a_umask_of_077_are_reachable_by_the_user() {
         assert_eq!(m, mode, "{}: {m:o}", dir.display());
     }
     // The user reaches the job's directory through them (before: EACCES at the 0700 root).
-    let ls = Command::new("setpriv")
-        .args([
-            "--reuid",
-            &uid.to_string(),
-            "--regid",
-            &gid.to_string(),
-            "--clear-groups",
-        ])
-        .arg("ls")
-        .arg(&kept)
-        .output()
-        .unwrap();
+    let ls = as_test_user().arg("ls").arg(&kept).output().unwrap();
     assert_eq!(common::stdout(&ls), "result\n", "{}", common::stderr(&ls));
 }
 
@@ -503,16 +489,7 @@ fn the_cache_serves_a_second_job_by_hardlinks_that_the_job_cannot_write_through(
         "echo x >> {f} ; chmod 666 {f} ; truncate -s 0 {f} ; rm -f {f} && echo mine > {f}",
         f = f.display()
     );
-    let out = Command::new("setpriv")
-        .args([
-            "--reuid",
-            &uid.to_string(),
-            "--regid",
-            &test_user().1.to_string(),
-        ])
-        .args(["--clear-groups", "sh", "-c", &script])
-        .output()
-        .unwrap();
+    let out = as_test_user().args(["sh", "-c", &script]).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
