@@ -507,3 +507,18 @@ fn the_prolog_stages_in_as_the_user_within_the_cap_and_the_epilog_stages_out() {
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
     assert!(!scratch_root.join("4272").exists());
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn output_into_a_closed_pipe_ends_berth_quietly_with_141() {
+    // `berth ps | head -0`: the reader is gone before berth writes. Rust's println! panicked
+    // there ("failed printing to stdout: Broken pipe") with a backtrace and status 101.
+    let (read, write) = nix::unistd::pipe().unwrap();
+    drop(read);
+    let out = berth(&["ps"]).stdout(Stdio::from(write)).output().unwrap();
+    assert_eq!(
+        (out.status.code(), stderr(&out).as_str()),
+        (Some(141), ""),
+        "{out:?}"
+    );
+}

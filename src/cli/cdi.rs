@@ -59,7 +59,7 @@ pub struct GenerateArgs {
 
 pub fn execute(args: &CdiArgs, config: &Config) -> Result<i32, Failure> {
     let (text, code) = output(args, config)?;
-    print!("{text}");
+    out!("{text}");
     Ok(code)
 }
 

@@ -130,9 +130,9 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     if args.json {
         let text = serde_json::to_string(&Description::new(&created, &spec))
             .map_err(|e| Failure::system(e.to_string()))?;
-        println!("{text}");
+        outln!("{text}");
     } else {
-        println!("{}", created.id);
+        outln!("{}", created.id);
     }
     Ok(0)
 }
@@ -158,7 +158,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
         match resolve(config, key) {
             Some(id) => {
                 runtime::remove(&opts, &id).map_err(runtime_failure)?;
-                println!("{id}");
+                outln!("{id}");
             }
             None => {
                 eprintln!("berth: no container '{key}' (see berth ps)");
@@ -176,10 +176,10 @@ pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
     if args.json {
         let text =
             serde_json::to_string_pretty(&records).map_err(|e| Failure::system(e.to_string()))?;
-        println!("{text}");
+        outln!("{text}");
         return Ok(0);
     }
-    println!("{:<14} {:>8}  {:<16} LABELS", "ID", "PID", "NAME");
+    outln!("{:<14} {:>8}  {:<16} LABELS", "ID", "PID", "NAME");
     for r in records {
         let labels: Vec<String> = r
             .labels
@@ -187,7 +187,7 @@ pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
             .filter(|(k, _)| *k != "name")
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
-        println!(
+        outln!(
             "{:<14} {:>8}  {:<16} {}",
             r.id,
             r.init_pid,

@@ -21,7 +21,7 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
         Duration::from_secs(config.runtime.kill_timeout_s),
     );
     for id in &ids {
-        println!("reclaimed {id}");
+        outln!("reclaimed {id}");
     }
     // Squashfs and SIF images stay mounted for the next container of the image; unmount those
     // no container uses any more. A store that cannot be opened has nothing mounted either.
@@ -31,14 +31,14 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
         }) {
             Ok(digests) => {
                 for d in digests {
-                    println!("unmounted {d}");
+                    outln!("unmounted {d}");
                 }
             }
             Err(e) => eprintln!("berth: {e}"),
         }
     }
     for line in super::prolog::housekeeping(config, None) {
-        println!("{line}");
+        outln!("{line}");
     }
     Ok(0)
 }

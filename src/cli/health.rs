@@ -178,7 +178,7 @@ pub fn report(
 
 pub fn execute(args: &HealthArgs, config: &Config) -> Result<i32, Failure> {
     let (text, code) = output(args, config)?;
-    print!("{text}");
+    out!("{text}");
     Ok(code)
 }
 

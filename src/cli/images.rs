@@ -133,19 +133,19 @@ fn inspect_json(e: &Entry) -> serde_json::Value {
 pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
     let store = open_store(config)?;
     match &args.command {
-        ImagesCommand::Ls => print!("{}", table(&store.list())),
+        ImagesCommand::Ls => out!("{}", table(&store.list())),
         ImagesCommand::Inspect { target } => {
             let entry = store.inspect(&select(&store, target)?).map_err(failure)?;
             let text = serde_json::to_string_pretty(&inspect_json(&entry)).unwrap_or_default();
-            println!("{text}");
+            outln!("{text}");
         }
         ImagesCommand::Rm { target } => {
             match store.remove(&select(&store, target)?).map_err(failure)? {
-                Removed::Untagged(r) => println!("untagged {r}"),
+                Removed::Untagged(r) => outln!("untagged {r}"),
                 Removed::Image {
                     digest, references, ..
                 } => {
-                    println!("removed {digest} {}", references.join(" "));
+                    outln!("removed {digest} {}", references.join(" "));
                 }
             }
         }
@@ -168,7 +168,7 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             };
             let report = store.gc(&policy).map_err(failure)?;
             for (digest, refs, size) in &report.removed {
-                println!(
+                outln!(
                     "removed {digest} {} ({})",
                     refs.join(" "),
                     store::human_size(*size)

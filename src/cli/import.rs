@@ -57,6 +57,6 @@ pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
     };
     let image = crate::image::import::import(&store, &reference, config, &who, &progress)
         .map_err(failure)?;
-    println!("{}", image.digest);
+    outln!("{}", image.digest);
     Ok(0)
 }

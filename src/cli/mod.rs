@@ -1,6 +1,16 @@
 //! The command line: one file per verb. Each verb turns its arguments into library calls and
 //! returns the process exit status.
 
+/// `print!` for the verbs' output: see [`write_stdout`].
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!($($arg)*)) };
+}
+
+/// `println!` for the verbs' output: see [`write_stdout`].
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 pub mod cdi;
 pub mod container;
 pub mod export;
@@ -120,5 +130,21 @@ impl Cli {
             Command::Cdi(args) => cdi::execute(args, &config),
             Command::Stage(args) => stage::execute(args, &config),
         }
+    }
+}
+
+/// Writes a verb's output to stdout. A reader that went away (`berth images | head -1`) ends
+/// berth quietly with 141, as SIGPIPE ends other tools; `println!` would panic. berth keeps
+/// SIGPIPE ignored (Rust's runtime does) so that a child or a socket closing on it is an error
+/// it reports and cleans up after, not its death.
+pub fn write_stdout(args: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("berth: cannot write to stdout: {e}");
+        std::process::exit(1);
     }
 }

@@ -143,7 +143,7 @@ pub fn execute(args: &StageArgs, config: &Config) -> Result<i32, Failure> {
         }
         StageCommand::Status { dir } => match stage::status(dir) {
             Some(m) => {
-                println!(
+                outln!(
                     "{}: complete: {} files, {} bytes from {}, at {} (unix){}",
                     dir.display(),
                     m.files,
@@ -155,7 +155,7 @@ pub fn execute(args: &StageArgs, config: &Config) -> Result<i32, Failure> {
                 Ok(0)
             }
             None => {
-                println!(
+                outln!(
                     "{}: not completely staged (no {} marker)",
                     dir.display(),
                     stage::MARKER

@@ -242,7 +242,7 @@ struct Answer<'a> {
 fn print(description: &Description, bind: Option<TaskBinding>) -> Result<i32, Failure> {
     let answer = Answer { description, bind };
     let text = serde_json::to_string(&answer).map_err(|e| Failure::system(e.to_string()))?;
-    println!("{text}");
+    outln!("{text}");
     Ok(0)
 }
 

@@ -235,7 +235,7 @@ pub fn execute(args: &TopoArgs, config: &Config) -> Result<i32, Failure> {
         return exec(args, e, config);
     }
     let (text, code) = output(args, config)?;
-    print!("{text}");
+    out!("{text}");
     Ok(code)
 }
 
