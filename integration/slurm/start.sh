@@ -100,6 +100,9 @@ if [ -z "$berth_config" ]; then
 root = "/sys/fs/cgroup/unified/berth-slurm"
 [runtime]
 state_dir = "$state/berth/state"
+# Under the state directory, so that stop.sh unmounts the images the cluster's jobs mounted.
+[squashfs]
+mount_dir = "$state/berth/images"
 EOF
 fi
 
