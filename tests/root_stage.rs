@@ -344,6 +344,46 @@ fn scratch_and_retention_made_under_a_umask_of_077_are_reachable_by_the_user() {
     assert_eq!(common::stdout(&ls), "result\n", "{}", common::stderr(&ls));
 }
 
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_level_of_more_directories_than_open_files_allowed_is_staged() {
+    // 300 directories side by side (as a dataset of 1,000 classes has), with at most 64 open
+    // files: the walk must not hold a directory open per directory of a level.
+    let w = workdir();
+    let src = w.path().join("classes");
+    for i in 0..300 {
+        let d = src.join(format!("c{i:03}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("x"), i.to_string()).unwrap();
+    }
+    let to = w.path().join("scratch");
+    let limited = |extra: &[&str]| {
+        let mut cmd = common::berth(&["stage", "in", src.to_str().unwrap(), "--to"]);
+        cmd.arg(&to).args(extra);
+        // SAFETY: setrlimit is async-signal-safe.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                let lim = libc::rlimit {
+                    rlim_cur: 64,
+                    rlim_max: 64,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        };
+        cmd.output().unwrap()
+    };
+    let first = limited(&[]);
+    assert!(first.status.success(), "{}", common::stderr(&first));
+    assert_eq!(copied(&first), 300);
+    // The re-stage compares every entry with the destination, under the same limit.
+    let again = limited(&[]);
+    assert!(again.status.success(), "{}", common::stderr(&again));
+    assert_eq!(copied(&again), 0);
+}
+
 // ---- The dataset cache ----
 
 /// A config with the dataset cache on for `prefix`, its cache under `w`.

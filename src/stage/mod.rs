@@ -341,7 +341,7 @@ fn walk(
     while !level.is_empty() {
         let listed: Vec<OnceLock<Listed>> = level.iter().map(|_| OnceLock::new()).collect();
         parallel(level.len(), workers, |k| {
-            let _ = listed[k].set(list_dir(source, &level[k], dest)?);
+            let _ = listed[k].set(list_dir(source, &level[k])?);
             Ok(())
         })?;
         let listed: Vec<Listed> = listed
@@ -360,10 +360,9 @@ fn walk(
             let (k, first) = runs[t];
             let dir = &listed[k];
             let names = &dir.names[first..(first + run).min(dir.names.len())];
-            let _ = statted[t].set(stat_run(source, dir, names, dest.map(|d| d.1))?);
+            let _ = statted[t].set(stat_run(source, dir, names, dest)?);
             Ok(())
         })?;
-        plan.dirs_exact &= listed.iter().all(|d| !d.dest_missing);
         let mut next = Vec::new();
         for s in statted.into_iter().filter_map(OnceLock::into_inner) {
             plan.skipped_special += s.special;
@@ -394,35 +393,28 @@ fn c_name(name: &std::ffi::OsStr) -> CString {
     CString::new(name.as_bytes()).expect("a file name has no NUL")
 }
 
-/// A source directory of the walk's current level, listed.
+/// A source directory of the walk's current level, listed. No descriptor is kept open with it:
+/// a level may have more directories than the process may open files.
 struct Listed {
     rel: PathBuf,
-    /// Open, for its entries' `fstatat`.
-    fd: OwnedFd,
     /// Its entries' names, sorted.
     names: Vec<CString>,
-    /// The destination's directory of the same path, when comparing.
-    dest: Option<OwnedFd>,
-    /// Comparing, and the destination has no directory there (missing, or a file or a symlink
-    /// in its place): all of it is (re)made.
-    dest_missing: bool,
 }
 
-/// Lists the source directory `rel` (names only) and opens its destination counterpart.
-fn list_dir(
-    source: &Path,
-    rel: &Path,
-    dest: Option<(&OwnedFd, &Path)>,
-) -> Result<Listed, StageError> {
+/// Lists the source directory `rel`: its entries' names.
+fn list_dir(source: &Path, rel: &Path) -> Result<Listed, StageError> {
     let path = source.join(rel);
     let src_err = |e: std::io::Error| StageError::Source {
         path: path.clone(),
         source: e,
     };
-    let fd = OwnedFd::from(std::fs::File::open(&path).map_err(src_err)?);
+    let mut dir = nix::dir::Dir::open(
+        &path,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| src_err(e.into()))?;
     let mut names = Vec::new();
-    let mut dir =
-        nix::dir::Dir::from_fd(fd.try_clone().map_err(src_err)?).map_err(|e| src_err(e.into()))?;
     for item in dir.iter() {
         let item = item.map_err(|e| src_err(e.into()))?;
         let name = item.file_name();
@@ -434,29 +426,9 @@ fn list_dir(
         names.push(name.to_owned());
     }
     names.sort_unstable();
-    let (dest, dest_missing) = match dest {
-        None => (None, false),
-        Some((root, dest_path)) => {
-            match fsops::open_beneath(root, rel, libc::O_PATH | libc::O_DIRECTORY, 0) {
-                Ok(fd) => (Some(fd), false),
-                Err(err)
-                    if matches!(
-                        err.raw_os_error(),
-                        Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
-                    ) =>
-                {
-                    (None, true)
-                }
-                Err(err) => return Err(dest_err("inspect", dest_path, rel, err)),
-            }
-        }
-    };
     Ok(Listed {
         rel: rel.to_path_buf(),
-        fd,
         names,
-        dest,
-        dest_missing,
     })
 }
 
@@ -477,8 +449,29 @@ fn stat_run(
     source: &Path,
     dir: &Listed,
     names: &[CString],
-    dest: Option<&Path>,
+    dest: Option<(&OwnedFd, &Path)>,
 ) -> Result<Statted, StageError> {
+    let path = source.join(&dir.rel);
+    let fd = open_source_dir(&path)?;
+    // The destination's directory of the same path; `None` when it has none there (missing, or
+    // a file or a symlink in its place): all of it is (re)made.
+    let dest = match dest {
+        None => None,
+        Some((root, dest_path)) => {
+            match fsops::open_beneath(root, &dir.rel, libc::O_PATH | libc::O_DIRECTORY, 0) {
+                Ok(fd) => Some((fd, dest_path)),
+                Err(err)
+                    if matches!(
+                        err.raw_os_error(),
+                        Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
+                    ) =>
+                {
+                    None
+                }
+                Err(err) => return Err(dest_err("inspect", dest_path, &dir.rel, err)),
+            }
+        }
+    };
     let mut out = Statted {
         children: Vec::with_capacity(names.len()),
         copy: Vec::with_capacity(names.len()),
@@ -487,7 +480,7 @@ fn stat_run(
     };
     for name in names {
         let rel = dir.rel.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
-        let st = fsops::lstat_at(&dir.fd, name).map_err(|e| StageError::Source {
+        let st = fsops::lstat_at(&fd, name).map_err(|e| StageError::Source {
             path: source.join(&rel),
             source: e,
         })?;
@@ -498,15 +491,27 @@ fn stat_run(
             out.special += 1;
             continue;
         };
-        let (copy, exact) = match (&dir.dest, dest) {
-            (Some(fd), Some(path)) => compare(fd, name, &e, path)?,
-            _ => (true, !dir.dest_missing),
+        let (copy, exact) = match &dest {
+            Some((fd, path)) => compare(fd, name, &e, path)?,
+            None => (true, false),
         };
         out.copy.push(copy);
         out.dirs_exact &= exact || e.kind != Kind::Dir;
         out.children.push(e);
     }
     Ok(out)
+}
+
+fn open_source_dir(path: &Path) -> Result<OwnedFd, StageError> {
+    nix::fcntl::open(
+        path,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| StageError::Source {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })
 }
 
 /// Compares source entry `e` with `name` in the destination directory `dir`: whether it must be
