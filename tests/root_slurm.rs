@@ -509,17 +509,34 @@ fn tasks_have_no_capabilities_and_no_new_privileges() {
 
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
-fn a_named_container_keeps_its_files_across_the_steps_of_a_job() {
+fn a_named_container_keeps_its_files_across_the_steps_of_a_job_and_its_modes_hold() {
     let c = cluster();
+    // Pyxis's modes: create refuses an existing name, exec a missing one; no_exec makes a
+    // missing one and (in berth) joins an existing one, as auto does.
     let script = format!(
         "srun --container-name=keep --container-image={img} sh -c 'echo kept > /tmp/note'; \
          srun --container-name=keep cat /tmp/note; \
+         srun --container-name=keep:create --container-image={img} true 2>/dev/null || echo create-refused; \
+         srun --container-name=other:exec true 2>/dev/null || echo exec-refused; \
+         srun --container-name=other:no_exec --container-image={img} echo made; \
+         srun --container-name=keep:no_exec cat /tmp/note; \
          srun --container-image={img} sh -c 'cat /tmp/note 2>/dev/null || echo fresh'",
         img = image()
     );
     let out = succeeded(run(slurm("salloc", &["-Q", "sh", "-c", &script])));
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines, ["kept", "fresh"], "{out}");
+    assert_eq!(
+        lines,
+        [
+            "kept",
+            "create-refused",
+            "exec-refused",
+            "made",
+            "kept",
+            "fresh"
+        ],
+        "{out}"
+    );
     // The Epilog removes the job's named containers.
     let state = c.state.join("berth/state");
     let deadline = Instant::now() + Duration::from_secs(15);

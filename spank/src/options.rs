@@ -153,7 +153,7 @@ pub static FLAGS: [Flag; 19] = [
     Flag {
         name: c"container-name",
         arginfo: Some(c"NAME[:auto|create|exec|no_exec]"),
-        usage: c"[berth] name of the container, kept across the steps of the job (or of the user, with container_scope=global); an existing container of this name is reused and the import is skipped",
+        usage: c"[berth] name of the container, kept across the steps of the job (or of the user, with container_scope=global); an existing container of this name is reused and the import is skipped; :create only makes it, :exec only joins it, :no_exec acts as :auto",
         key: Key::Name,
         sets: false,
     },

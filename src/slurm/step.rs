@@ -158,9 +158,13 @@ pub fn parse_name(text: &str) -> Result<(String, NameMode), String> {
         None => (text, "auto"),
     };
     let mode = match mode {
-        "auto" => NameMode::Auto,
+        // Pyxis's no_exec starts a container that exists but is in use anew, on its
+        // filesystem, instead of joining it; a berth named container's filesystem lives as long
+        // as its namespaces, so joining is the nearest: like auto, it never fails for a missing
+        // container (mapping it to exec did).
+        "auto" | "no_exec" => NameMode::Auto,
         "create" => NameMode::Create,
-        "exec" | "no_exec" => NameMode::Exec,
+        "exec" => NameMode::Exec,
         other => {
             return Err(format!(
                 "invalid --container-name '{text}': unknown mode '{other}' (use auto, create, exec or no_exec)"
@@ -469,6 +473,7 @@ mod tests {
         assert_eq!(parse_name("dev").unwrap(), ("dev".into(), NameMode::Auto));
         assert_eq!(parse_name("dev:exec").unwrap().1, NameMode::Exec);
         assert_eq!(parse_name("dev:create").unwrap().1, NameMode::Create);
+        assert_eq!(parse_name("dev:no_exec").unwrap().1, NameMode::Auto);
         assert!(parse_name("dev:bogus").is_err());
         assert!(parse_name("a/b").is_err());
         assert!(parse_name("").is_err());
