@@ -35,8 +35,9 @@ pub fn exec(args: &[CString], env: &[CString]) -> SetupError {
     };
     // The command gets the signal state any command expects: nothing blocked (berth blocks the
     // signals it forwards) and SIGPIPE at its default, which an exec would otherwise keep
-    // ignored from Rust's runtime (then `yes | head` never ends `yes`). Other dispositions stay
-    // the caller's, as across any exec: `nohup berth run …` keeps SIGHUP from the command.
+    // ignored from Rust's runtime (then in `yes | head`, `yes` fails with "Broken pipe" instead
+    // of ending quietly). Other dispositions stay the caller's, as across any exec:
+    // `nohup berth run …` keeps SIGHUP from the command.
     let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
     // SAFETY: setting a signal's disposition to SIG_DFL installs no handler; no other thread
     // runs in this process between its fork and the exec.
