@@ -454,6 +454,23 @@ fn a_bad_image_fails_the_step_with_one_line_naming_it() {
         "{}",
         stderr(&o)
     );
+    // So does a mount the node would refuse (before: only slurmstepd, once the job had run).
+    let o = run(slurm(
+        "srun",
+        &[
+            &format!("--container-image={}", image()),
+            "--container-mounts=data:/data",
+            "true",
+        ],
+    ));
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains(
+            "berth: --container-mounts: invalid value 'data:/data': the source must be an absolute path"
+        ) && !stderr(&o).contains("slurmstepd"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

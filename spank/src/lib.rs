@@ -12,6 +12,11 @@
 
 mod config;
 mod join;
+/// berth's own parser of `--container-mounts` (plain std code), shared rather than copied; the
+/// plugin checks entries one by one and leaves the rest of it to berth.
+#[path = "../../src/slurm/mounts.rs"]
+#[allow(dead_code)]
+mod mounts;
 mod options;
 mod pin;
 mod request;

@@ -298,7 +298,7 @@ pub enum OptionError {
         flag: &'static str,
         origin: Source,
         value: String,
-        hint: &'static str,
+        hint: std::borrow::Cow<'static, str>,
     },
     #[error("${var}: '{value}' is not a boolean: use 1 or 0 (also true/false, yes/no, on/off)")]
     NotBool { var: String, value: String },
@@ -438,12 +438,13 @@ impl Options {
                 origin: source.clone(),
             });
         }
-        let invalid = |hint: &'static str| OptionError::Invalid {
+        let invalid_because = |hint: std::borrow::Cow<'static, str>| OptionError::Invalid {
             flag,
             origin: source.clone(),
             value: value.to_string(),
             hint,
         };
+        let invalid = |hint: &'static str| invalid_because(hint.into());
         match key {
             Key::Image => set_once(&mut self.image, flag, value),
             Key::Workdir => set_once(&mut self.workdir, flag, value),
@@ -459,7 +460,7 @@ impl Options {
             }
             Key::Mounts => {
                 for entry in value.split(',') {
-                    check_mount(entry).map_err(invalid)?;
+                    check_mount(entry).map_err(invalid_because)?;
                 }
                 push_unique(&mut self.mounts, value.split(','));
                 Ok(())
@@ -640,16 +641,19 @@ fn push_unique<'a>(list: &mut Vec<String>, items: impl Iterator<Item = &'a str>)
     }
 }
 
-/// `SRC[:DST[:FLAGS]]`, every part present non-empty (FLAGS may be empty).
-fn check_mount(entry: &str) -> Result<(), &'static str> {
+/// `SRC[:DST[:FLAGS]]`, every part present non-empty (FLAGS may be empty), checked as the node
+/// will (absolute paths, known flags), so that a mistake fails `srun` before the job is queued.
+fn check_mount(entry: &str) -> Result<(), std::borrow::Cow<'static, str>> {
     let parts: Vec<&str> = entry.split(':').collect();
     if parts.len() > 3 {
-        return Err("a mount is SRC[:DST[:FLAGS]], with FLAGS separated by \"+\"");
+        return Err("a mount is SRC[:DST[:FLAGS]], with FLAGS separated by \"+\"".into());
     }
     if parts[0].is_empty() || parts.get(1).is_some_and(|d| d.is_empty()) {
-        return Err("a mount is SRC[:DST[:FLAGS]] with non-empty SRC and DST");
+        return Err("a mount is SRC[:DST[:FLAGS]] with non-empty SRC and DST".into());
     }
-    Ok(())
+    crate::mounts::parse_entry(entry)
+        .map(drop)
+        .map_err(Into::into)
 }
 
 /// A path inside the job's scratch: relative, without `..`.
@@ -850,6 +854,19 @@ mod tests {
             ("container-mounts", ":/a", "non-empty SRC and DST"),
             ("container-mounts", "/a:/b:ro:x", "SRC[:DST[:FLAGS]]"),
             ("container-mounts", "/a,,/b", "non-empty SRC and DST"),
+            // Checked as the node checks them, before the job is queued.
+            (
+                "container-mounts",
+                "data:/data",
+                "the source must be an absolute path or 'tmpfs'",
+            ),
+            ("container-mounts", "/a:/b:ro+bogus", "unknown flag 'bogus'"),
+            (
+                "container-mounts",
+                "/a:b",
+                "the destination must be an absolute path",
+            ),
+            ("container-mounts", "/a:/b/../..", "must not contain '..'"),
             (
                 "container-name",
                 "x:sometimes",

@@ -22,57 +22,61 @@ const NEUTRAL_FLAGS: [&str; 8] = [
     "rbind", "bind", "rprivate", "private", "rslave", "slave", "nosuid", "nodev",
 ];
 
+/// Parses `--container-mounts`; an error names the entry and what is wrong with it.
 pub fn parse(text: &str) -> Result<Vec<Mount>, String> {
-    let mut out = Vec::new();
-    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-        let bad = |why: &str| format!("invalid --container-mounts entry '{entry}': {why}");
-        let parts: Vec<&str> = entry.split(':').collect();
-        if parts.len() > 3 {
-            return Err(bad("expected SRC[:DST[:FLAGS]]"));
+    text.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|entry| {
+            parse_entry(entry)
+                .map_err(|why| format!("invalid --container-mounts entry '{entry}': {why}"))
+        })
+        .collect()
+}
+
+/// One `SRC[:DST[:FLAGS]]` entry; the error says what is wrong with it. The SPANK plugin
+/// shares this file, so that `srun` refuses a bad entry before the job is even queued.
+pub fn parse_entry(entry: &str) -> Result<Mount, String> {
+    let parts: Vec<&str> = entry.split(':').collect();
+    if parts.len() > 3 {
+        return Err("expected SRC[:DST[:FLAGS]]".into());
+    }
+    let source = parts[0];
+    let destination = parts.get(1).copied().unwrap_or(source);
+    let mut readonly = false;
+    for flag in parts
+        .get(2)
+        .copied()
+        .unwrap_or("")
+        .split('+')
+        .filter(|f| !f.is_empty())
+    {
+        match flag {
+            "ro" => readonly = true,
+            "rw" => readonly = false,
+            f if NEUTRAL_FLAGS.contains(&f) => {}
+            f => return Err(format!("unknown flag '{f}' (use ro, rw, rprivate, ...)")),
         }
-        let source = parts[0];
-        let destination = parts.get(1).copied().unwrap_or(source);
-        let mut readonly = false;
-        for flag in parts
-            .get(2)
-            .copied()
-            .unwrap_or("")
-            .split('+')
-            .filter(|f| !f.is_empty())
-        {
-            match flag {
-                "ro" => readonly = true,
-                "rw" => readonly = false,
-                f if NEUTRAL_FLAGS.contains(&f) => {}
-                f => {
-                    return Err(bad(&format!(
-                        "unknown flag '{f}' (use ro, rw, rprivate, ...)"
-                    )));
-                }
-            }
-        }
-        if !destination.starts_with('/') {
-            return Err(bad("the destination must be an absolute path"));
-        }
-        if destination.split('/').any(|c| c == "..") {
-            return Err(bad("the destination must not contain '..'"));
-        }
-        if source == "tmpfs" {
-            out.push(Mount::Tmpfs {
-                destination: destination.into(),
-            });
-            continue;
-        }
-        if !source.starts_with('/') {
-            return Err(bad("the source must be an absolute path or 'tmpfs'"));
-        }
-        out.push(Mount::Bind {
-            source: source.into(),
+    }
+    if !destination.starts_with('/') {
+        return Err("the destination must be an absolute path".into());
+    }
+    if destination.split('/').any(|c| c == "..") {
+        return Err("the destination must not contain '..'".into());
+    }
+    if source == "tmpfs" {
+        return Ok(Mount::Tmpfs {
             destination: destination.into(),
-            readonly,
         });
     }
-    Ok(out)
+    if !source.starts_with('/') {
+        return Err("the source must be an absolute path or 'tmpfs'".into());
+    }
+    Ok(Mount::Bind {
+        source: source.into(),
+        destination: destination.into(),
+        readonly,
+    })
 }
 
 #[cfg(test)]
