@@ -754,17 +754,32 @@ fn container_save_writes_a_squashfs_that_a_later_step_runs() {
         ],
     )));
     assert_eq!(out.trim(), "from-the-first-step");
-    // A path the user cannot write: the step reports it, nothing is written there.
+    // A path the user cannot write fails the step before its command runs (before: the command
+    // ran, and the save failed only at its end), and nothing is written there.
     let o = run(slurm_as_user(
         "srun",
         &[
             &format!("--container-image={}", image()),
             "--container-save=/root/not-yours.sqsh",
-            "true",
+            "sh",
+            "-c",
+            "echo ran",
         ],
     ));
-    assert!(!std::path::Path::new("/root/not-yours.sqsh").exists());
-    let _ = o;
+    assert!(!o.status.success());
+    assert!(!stdout(&o).contains("ran"), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("--container-save=/root/not-yours.sqsh: uid")
+            && stderr(&o).contains("cannot write it"),
+        "{}",
+        stderr(&o)
+    );
+    let left: Vec<_> = std::fs::read_dir("/root")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("not-yours"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]

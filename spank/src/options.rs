@@ -447,7 +447,13 @@ impl Options {
         let invalid = |hint: &'static str| invalid_because(hint.into());
         match key {
             Key::Image => set_once(&mut self.image, flag, value),
-            Key::Workdir => set_once(&mut self.workdir, flag, value),
+            Key::Workdir => {
+                // As the node checks it (slurm/step.rs), but before the job is queued.
+                if !value.starts_with('/') {
+                    return Err(invalid("use an absolute path"));
+                }
+                set_once(&mut self.workdir, flag, value)
+            }
             Key::Name => {
                 check_name(value).map_err(invalid)?;
                 set_once(&mut self.name, flag, value)
@@ -867,6 +873,7 @@ mod tests {
                 "the destination must be an absolute path",
             ),
             ("container-mounts", "/a:/b/../..", "must not contain '..'"),
+            ("container-workdir", "work", "use an absolute path"),
             (
                 "container-name",
                 "x:sometimes",

@@ -121,6 +121,12 @@ fn create(config: &Config) -> Result<i32, Failure> {
                 "--container-save={save}: use an absolute path"
             )));
         }
+        check_save_target(std::path::Path::new(save), step.uid, step.gid).map_err(|e| {
+            Failure::input(format!(
+                "--container-save={save}: uid {} cannot write it: {e}; give a path the job's user can write",
+                step.uid
+            ))
+        })?;
         labels.insert("save".into(), save.clone());
         labels.insert("gid".into(), step.gid.to_string());
     }
@@ -408,33 +414,55 @@ fn copy_as_user(
     uid: u32,
     gid: u32,
 ) -> std::io::Result<()> {
+    let mut source = std::fs::File::open(from)?;
+    as_user(uid, gid, || {
+        let tmp = to.with_extension("sqsh.berth-tmp");
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        let copied = std::io::copy(&mut source, &mut out).and_then(|_| out.sync_all());
+        match copied.and_then(|()| std::fs::rename(&tmp, to)) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    })
+}
+
+/// Whether the user can create `to` (a file made and removed next to it, as the user): checked
+/// when the step starts, so that a job does not run for hours to lose its container at the end.
+fn check_save_target(to: &std::path::Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    let name = to.file_name().unwrap_or_default().to_string_lossy();
+    let probe = to.with_file_name(format!(".{name}.berth-check-{}", std::process::id()));
+    as_user(uid, gid, || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)?;
+        std::fs::remove_file(&probe)
+    })
+}
+
+/// Runs `f` in a forked child that has taken `uid`, `gid` and the user's groups; its error
+/// comes back as the error's text.
+fn as_user(uid: u32, gid: u32, f: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<()> {
     use nix::sys::wait::{WaitStatus, waitpid};
     use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
-    let mut source = std::fs::File::open(from)?;
     let user = spec::user::by_id(uid, gid);
     let (r, w) = nix::unistd::pipe().map_err(std::io::Error::from)?;
     // SAFETY: berth is single-threaded here; the child only makes syscalls and exits.
     match unsafe { fork() }.map_err(std::io::Error::from)? {
         ForkResult::Child => {
             drop(r);
-            let mut run = || -> std::io::Result<()> {
+            let run = || -> std::io::Result<()> {
                 let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
                 setgroups(&groups)?;
                 setresgid(Gid::from_raw(gid), Gid::from_raw(gid), Gid::from_raw(gid))?;
                 setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
-                let tmp = to.with_extension("sqsh.berth-tmp");
-                let mut out = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .open(&tmp)?;
-                let copied = std::io::copy(&mut source, &mut out).and_then(|_| out.sync_all());
-                match copied.and_then(|()| std::fs::rename(&tmp, to)) {
-                    Ok(()) => Ok(()),
-                    Err(e) => {
-                        let _ = std::fs::remove_file(&tmp);
-                        Err(e)
-                    }
-                }
+                f()
             };
             let code = match run() {
                 Ok(()) => 0,
