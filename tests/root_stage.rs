@@ -770,16 +770,23 @@ fn a_killed_fill_leaves_no_entry_that_is_served() {
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
 }
 
+/// A 4-file dataset under `w/data` and a config caching it in a directory of /dev/shm, a tmpfs:
+/// no hardlinks into /var/tmp, no reflinks either. The cache directory lives as long as the
+/// returned handle.
+fn dataset_with_a_cache_on_another_filesystem(w: &Path) -> (PathBuf, tempfile::TempDir, PathBuf) {
+    let data = w.join("data");
+    let src = data.join("set");
+    dataset(&src, 4, 3000);
+    let cache = tempfile::tempdir_in("/dev/shm").unwrap();
+    let cfg = cache_config_at(w, cache.path(), &data, 1 << 30);
+    (src, cache, cfg)
+}
+
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
 fn a_cache_on_another_filesystem_hands_out_the_users_own_copies() {
     let w = workdir();
-    let data = w.path().join("data");
-    let src = data.join("set");
-    dataset(&src, 4, 3000);
-    // /dev/shm is a tmpfs: no hardlinks into /var/tmp, no reflinks either.
-    let cache = tempfile::tempdir_in("/dev/shm").unwrap();
-    let cfg = cache_config_at(w.path(), cache.path(), &data, 1 << 30);
+    let (src, _cache, cfg) = dataset_with_a_cache_on_another_filesystem(w.path());
     let job = user_scratch(w.path(), "1");
     let o = stage_cached(&cfg, &src, &job, "berthtest");
     assert_eq!(counts(&o), (4, 0, 4), "{}", common::stderr(&o));
@@ -827,11 +834,7 @@ fn small_tmpfs(dir: &Path, mode: u32) -> Mount {
 #[ignore = "root tier: run by integration/test.sh"]
 fn copies_from_a_cache_on_another_filesystem_stay_within_the_scratch_cap() {
     let w = workdir();
-    let data = w.path().join("data");
-    let src = data.join("set");
-    dataset(&src, 4, 3000);
-    let cache = tempfile::tempdir_in("/dev/shm").unwrap();
-    let cfg = cache_config_at(w.path(), cache.path(), &data, 1 << 30);
+    let (src, _cache, cfg) = dataset_with_a_cache_on_another_filesystem(w.path());
     let mut text = std::fs::read_to_string(&cfg).unwrap();
     text.push_str("cap_bytes = 5000\n");
     std::fs::write(&cfg, text).unwrap();

@@ -413,8 +413,10 @@ fn copy_as_user(
     to: &std::path::Path,
     uid: u32,
     gid: u32,
-) -> std::io::Result<()> {
-    let mut source = std::fs::File::open(from)?;
+) -> Result<(), crate::stage::StageError> {
+    let mut source = std::fs::File::open(from).map_err(|e| {
+        crate::stage::StageError::Child(format!("cannot read {}: {e}", from.display()))
+    })?;
     as_user(uid, gid, || {
         let tmp = to.with_extension("sqsh.berth-tmp");
         let mut out = std::fs::OpenOptions::new()
@@ -434,7 +436,11 @@ fn copy_as_user(
 
 /// Whether the user can create `to` (a file made and removed next to it, as the user): checked
 /// when the step starts, so that a job does not run for hours to lose its container at the end.
-fn check_save_target(to: &std::path::Path, uid: u32, gid: u32) -> std::io::Result<()> {
+fn check_save_target(
+    to: &std::path::Path,
+    uid: u32,
+    gid: u32,
+) -> Result<(), crate::stage::StageError> {
     let name = to.file_name().unwrap_or_default().to_string_lossy();
     let probe = to.with_file_name(format!(".{name}.berth-check-{}", std::process::id()));
     as_user(uid, gid, || {
@@ -446,42 +452,14 @@ fn check_save_target(to: &std::path::Path, uid: u32, gid: u32) -> std::io::Resul
     })
 }
 
-/// Runs `f` in a forked child that has taken `uid`, `gid` and the user's groups; its error
-/// comes back as the error's text.
-fn as_user(uid: u32, gid: u32, f: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<()> {
-    use nix::sys::wait::{WaitStatus, waitpid};
-    use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
-    let user = spec::user::by_id(uid, gid);
-    let (r, w) = nix::unistd::pipe().map_err(std::io::Error::from)?;
-    // SAFETY: berth is single-threaded here; the child only makes syscalls and exits.
-    match unsafe { fork() }.map_err(std::io::Error::from)? {
-        ForkResult::Child => {
-            drop(r);
-            let run = || -> std::io::Result<()> {
-                let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
-                setgroups(&groups)?;
-                setresgid(Gid::from_raw(gid), Gid::from_raw(gid), Gid::from_raw(gid))?;
-                setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
-                f()
-            };
-            let code = match run() {
-                Ok(()) => 0,
-                Err(e) => {
-                    let _ = nix::unistd::write(&w, e.to_string().as_bytes());
-                    1
-                }
-            };
-            // SAFETY: leaving the child without the parent's exit handlers.
-            unsafe { libc::_exit(code) }
-        }
-        ForkResult::Parent { child } => {
-            drop(w);
-            let mut message = String::new();
-            let _ = std::io::Read::read_to_string(&mut std::fs::File::from(r), &mut message);
-            match waitpid(child, None) {
-                Ok(WaitStatus::Exited(_, 0)) => Ok(()),
-                _ => Err(std::io::Error::other(message)),
-            }
-        }
-    }
+/// Runs the file operations `f` as the job's user (with its groups), through the staging
+/// engine's fork-as-the-user.
+fn as_user(
+    uid: u32,
+    gid: u32,
+    f: impl FnOnce() -> std::io::Result<()>,
+) -> Result<(), crate::stage::StageError> {
+    crate::stage::as_user(&spec::user::by_id(uid, gid), || {
+        f().map_err(|e| e.to_string())
+    })
 }

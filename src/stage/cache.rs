@@ -865,18 +865,7 @@ fn missing_bytes(
         let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
         let cdir = fsops::open_beneath(data, parent, dir_flags, 0)
             .map_err(cache_err("open", &data_path.join(parent)))?;
-        let ddir = match fsops::open_beneath(root, parent, dir_flags, 0) {
-            Ok(fd) => Some(fd),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
-                ) =>
-            {
-                None
-            }
-            Err(e) => return Err(dest_err("open", parent)(e)),
-        };
+        let ddir = fsops::open_dir_if_any(root, parent).map_err(dest_err("open", parent))?;
         for i in m.items[first..end].iter().filter(|i| i.kind == Kind::File) {
             let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
             let cached = fsops::lstat_at(&cdir, &name)

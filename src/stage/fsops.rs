@@ -353,6 +353,23 @@ pub fn fchown(fd: &OwnedFd, uid: u32, gid: u32) -> io::Result<()> {
     check(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) })
 }
 
+/// The directory `rel` beneath `root` (O_PATH), or `None` when there is none: missing, or a file
+/// or a symlink in its place.
+pub fn open_dir_if_any(root: &OwnedFd, rel: &Path) -> io::Result<Option<OwnedFd>> {
+    match open_beneath(root, rel, libc::O_PATH | libc::O_DIRECTORY, 0) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// lstat of the plain name `name` in the open directory `dir` (one syscall: no path walk, and a
 /// single component cannot lead through a symlink), or `None` when it does not exist.
 pub fn lstat_at(dir: &OwnedFd, name: &std::ffi::CStr) -> io::Result<Option<libc::stat>> {

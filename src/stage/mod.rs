@@ -457,20 +457,9 @@ fn stat_run(
     // a file or a symlink in its place): all of it is (re)made.
     let dest = match dest {
         None => None,
-        Some((root, dest_path)) => {
-            match fsops::open_beneath(root, &dir.rel, libc::O_PATH | libc::O_DIRECTORY, 0) {
-                Ok(fd) => Some((fd, dest_path)),
-                Err(err)
-                    if matches!(
-                        err.raw_os_error(),
-                        Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)
-                    ) =>
-                {
-                    None
-                }
-                Err(err) => return Err(dest_err("inspect", dest_path, &dir.rel, err)),
-            }
-        }
+        Some((root, dest_path)) => fsops::open_dir_if_any(root, &dir.rel)
+            .map_err(|err| dest_err("inspect", dest_path, &dir.rel, err))?
+            .map(|fd| (fd, dest_path)),
     };
     let mut out = Statted {
         children: Vec::with_capacity(names.len()),
@@ -761,11 +750,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     let start = Instant::now();
     let dest_path = base.join(rel);
     let root = open_dest(base, rel, None)?;
-    let dest_err = |op, rel: &Path, source| StageError::Dest {
-        op,
-        path: dest_path.join(rel),
-        source,
-    };
+    let dest_err = |op, rel: &Path, source| dest_err(op, &dest_path, rel, source);
     // What an earlier complete stage left: if the source is unchanged since, nothing is written.
     let prior = read_marker(&root);
 
@@ -1192,8 +1177,9 @@ pub fn stage_as(
 }
 
 /// Runs `f` in a forked child with `user`'s uid, gid and groups and returns its result (the
-/// caller must be root and single-threaded; see [`stage_as`]).
-fn as_user<T, F>(user: &UserIds, f: F) -> Result<T, StageError>
+/// caller must be root and single-threaded; see [`stage_as`]). `berth step` writes
+/// `--container-save` through it too.
+pub(crate) fn as_user<T, F>(user: &UserIds, f: F) -> Result<T, StageError>
 where
     T: Serialize + serde::de::DeserializeOwned,
     F: FnOnce() -> Result<T, String>,
