@@ -88,32 +88,57 @@ impl Description {
     }
 }
 
-/// Resolves an id or a name (of the calling user) to an id.
+/// Resolves an id or a name to the id of a container the caller may see: any for root, only
+/// their own (those whose process runs as their uid) for another user, so that another user's
+/// container is never found, exactly like a missing one. A name is unique per user: root names
+/// another user's container by id, or by name when only one container has that name.
 pub fn resolve(config: &Config, key: &str) -> Option<String> {
-    let uid = nix::unistd::getuid().as_raw().to_string();
     let records = state::list(&config.runtime.state_dir);
-    records
+    let me = nix::unistd::geteuid().as_raw();
+    let visible = |r: &&state::Record| me == 0 || r.uid() == me;
+    if let Some(r) = records.iter().filter(visible).find(|r| r.id == key) {
+        return Some(r.id.clone());
+    }
+    let named: Vec<&state::Record> = records
         .iter()
-        .find(|r| r.id == key)
-        .or_else(|| {
-            records.iter().find(|r| {
-                r.labels.get("name").map(String::as_str) == Some(key)
-                    && r.labels.get("uid") == Some(&uid)
-            })
-        })
-        .map(|r| r.id.clone())
+        .filter(visible)
+        .filter(|r| r.labels.get("name").map(String::as_str) == Some(key))
+        .collect();
+    match named.as_slice() {
+        [one] => Some(one.id.clone()),
+        // Root asking for a name several users chose: its own, else none (ids are unique).
+        many => many.iter().find(|r| r.uid() == me).map(|r| r.id.clone()),
+    }
+}
+
+/// Whether `uid` has a container named `name`.
+fn name_taken(config: &Config, name: &str, uid: u32) -> bool {
+    state::list(&config.runtime.state_dir)
+        .iter()
+        .any(|r| r.uid() == uid && r.labels.get("name").map(String::as_str) == Some(name))
+}
+
+/// Joining or removing a container takes root's privileges (setns, the cgroup): another user,
+/// who can only find their own containers, is told so after the lookup.
+fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
+    let me = nix::unistd::geteuid().as_raw();
+    if me == 0 {
+        return Ok(());
+    }
+    Err(Failure::input(format!(
+        "berth {verb} {key}: only root can join or remove a container (you are uid {me}); \
+         run it through Slurm (srun --container-name) or as root"
+    )))
 }
 
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
     let (spec, _ld_cache) = prepared.spec(config)?;
-    let mut labels = BTreeMap::new();
-    labels.insert(
-        "uid".to_string(),
-        nix::unistd::getuid().as_raw().to_string(),
-    );
+    // Whose container it is: the user its process runs as (--user), not who created it.
+    let mut labels = state::with_uid(&BTreeMap::new(), &spec);
+    let uid = state::host_uid(&spec);
     if let Some(name) = &args.name {
-        if resolve(config, name).is_some() {
+        if name_taken(config, name, uid) {
             return Err(Failure::input(format!(
                 "--name {name}: a container of that name exists (berth rm {name})"
             )));
@@ -141,6 +166,7 @@ pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
     let id = resolve(config, &args.container).ok_or_else(|| {
         Failure::input(format!("no container '{}' (see berth ps)", args.container))
     })?;
+    needs_root("exec", &args.container)?;
     let env = args
         .env
         .iter()
@@ -157,6 +183,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
     for key in &args.containers {
         match resolve(config, key) {
             Some(id) => {
+                needs_root("rm", key)?;
                 runtime::remove(&opts, &id).map_err(runtime_failure)?;
                 outln!("{id}");
             }
@@ -169,6 +196,8 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
     Ok(code)
 }
 
+/// Lists the containers the caller may see: every one for root, their own for another user
+/// (`state::list`). UID is the host uid the container's process runs as.
 pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
     let mut records = state::list(&config.runtime.state_dir);
     records.retain(state::owner_alive);
@@ -179,17 +208,24 @@ pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
         outln!("{text}");
         return Ok(0);
     }
-    outln!("{:<14} {:>8}  {:<16} LABELS", "ID", "PID", "NAME");
+    outln!(
+        "{:<14} {:>8} {:>8}  {:<16} LABELS",
+        "ID",
+        "UID",
+        "PID",
+        "NAME"
+    );
     for r in records {
         let labels: Vec<String> = r
             .labels
             .iter()
-            .filter(|(k, _)| *k != "name")
+            .filter(|(k, _)| *k != "name" && *k != "uid")
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
         outln!(
-            "{:<14} {:>8}  {:<16} {}",
+            "{:<14} {:>8} {:>8}  {:<16} {}",
             r.id,
+            r.uid(),
             r.init_pid,
             r.labels.get("name").map(String::as_str).unwrap_or("-"),
             labels.join(",")

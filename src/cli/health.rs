@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::Failure;
-use super::topo::{Source, discover, failure};
+use super::topo::{Source, discover};
 use crate::config::Config;
+use crate::runtime::state;
 use crate::topology::health::{self, Options, Report};
 use crate::topology::kmsg;
 
@@ -62,12 +63,20 @@ pub enum XidWindow {
     Job,
 }
 
-fn mark_path(config: &Config, job: &str) -> PathBuf {
-    config
-        .runtime
-        .state_dir
-        .join("health")
-        .join(format!("job-{job}.kmsg-seq"))
+/// The Prolog's marks, one per job, in a private subdirectory of the state directory (root's,
+/// 0700, checked like the state directory itself: no other user reads or plants them).
+const MARKS: &str = "health";
+
+fn mark_name(job: &str) -> String {
+    format!("job-{job}.kmsg-seq")
+}
+
+fn marks_dir(config: &Config) -> Result<std::os::fd::OwnedFd, Failure> {
+    state::private_dir(&config.runtime.state_dir, MARKS).map_err(|e| {
+        Failure::system(format!(
+            "berth health: the state directory for job marks: {e}"
+        ))
+    })
 }
 
 fn job_id() -> Result<String, Failure> {
@@ -81,13 +90,15 @@ fn job_id() -> Result<String, Failure> {
 
 /// Remembers where the kernel log stands for `job` (the last record's sequence number).
 fn write_mark(config: &Config, job: &str, records: Option<&[kmsg::Record]>) -> Result<(), Failure> {
-    let path = mark_path(config, job);
     let seq = records.and_then(kmsg::last_seq).unwrap_or(0);
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Failure::system(format!("creating {}: {e}", dir.display())))?;
-    }
-    crate::topology::atomic_write(&path, format!("{seq}\n").as_bytes()).map_err(failure)
+    let dir = marks_dir(config)?;
+    let name = mark_name(job);
+    state::write_at(&dir, &name, format!("{seq}\n").as_bytes(), 0o600).map_err(|e| {
+        Failure::system(format!(
+            "writing {}: {e}",
+            config.runtime.state_dir.join(MARKS).join(&name).display()
+        ))
+    })
 }
 
 /// (Prolog) Notes where the kernel log stands for SLURM_JOB_ID, so that the Epilog judges
@@ -149,11 +160,13 @@ pub fn report(
         XidWindow::All => Some(None),
         XidWindow::After(s) => Some(Some(s)),
         XidWindow::Job => {
-            let path = mark_path(config, job.as_deref().expect("set above"));
-            let seq = std::fs::read_to_string(&path)
+            let dir = marks_dir(config)?;
+            let name = mark_name(job.as_deref().expect("set above"));
+            let seq = state::read_at(&dir, std::ffi::OsStr::new(&name), 64)
                 .ok()
+                .and_then(|(b, _)| String::from_utf8(b).ok())
                 .and_then(|t| t.trim().parse::<u64>().ok());
-            let _ = std::fs::remove_file(&path);
+            let _ = state::remove_at(&dir, &name);
             // Without a mark (no --job-start ran) there is no window to judge.
             seq.map(Some)
         }

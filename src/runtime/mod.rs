@@ -178,7 +178,7 @@ fn start(
         owner_start: state::process_start(me).unwrap_or(0),
         cgroup: hierarchy.root().join(&id),
         init_pid: 0,
-        labels: labels.clone(),
+        labels: state::with_uid(labels, spec),
     };
     let state = state::StateDir::create(&opts.state_dir, &record).map_err(|source| {
         RuntimeError::State {
@@ -358,8 +358,10 @@ pub fn remove(opts: &Options, id: &str) -> Result<bool, RuntimeError> {
     cgroup.kill()?;
     cgroup.wait_empty(opts.kill_timeout)?;
     cgroup.remove()?;
-    let dir = opts.state_dir.join(&record.id);
-    std::fs::remove_dir_all(&dir).map_err(|source| RuntimeError::State { path: dir, source })?;
+    state::remove(&opts.state_dir, &record).map_err(|source| RuntimeError::State {
+        path: opts.state_dir.clone(),
+        source,
+    })?;
     Ok(true)
 }
 
