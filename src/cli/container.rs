@@ -126,7 +126,7 @@ fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
         return Ok(());
     }
     Err(Failure::input(format!(
-        "berth {verb} {key}: only root can join or remove a container (you are uid {me}); \
+        "{verb} {key}: only root can join or remove a container (you are uid {me}); \
          run it through Slurm (srun --container-name) or as root"
     )))
 }
@@ -199,6 +199,9 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
 /// Lists the containers the caller may see: every one for root, their own for another user
 /// (`state::list`). UID is the host uid the container's process runs as.
 pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
+    if nix::unistd::geteuid().is_root() {
+        state::open_root(&config.runtime.state_dir).map_err(|e| Failure::system(e.to_string()))?;
+    }
     let mut records = state::list(&config.runtime.state_dir);
     records.retain(state::owner_alive);
     records.sort_by(|a, b| a.id.cmp(&b.id));

@@ -16,6 +16,8 @@ use crate::runtime::state;
 pub struct GcArgs {}
 
 pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
+    // A state directory another user could change is refused in one line, never cleaned.
+    state::open_root(&config.runtime.state_dir).map_err(|e| Failure::system(e.to_string()))?;
     let ids = state::reclaim(
         &config.runtime.state_dir,
         Duration::from_secs(config.runtime.kill_timeout_s),

@@ -341,7 +341,8 @@ impl StepTopology {
         if let Some(w) = warning {
             tracing::warn!("the step's GPUs: {w}");
         }
-        std::fs::create_dir_all(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+        // Root's alone (state::open_root): only root can touch the file bind-mounted by path.
+        crate::runtime::state::open_root(&config.runtime.state_dir).map_err(|e| fail(&e))?;
         let mut file =
             tempfile::NamedTempFile::new_in(&config.runtime.state_dir).map_err(|e| fail(&e))?;
         std::io::Write::write_all(&mut file, &bytes).map_err(|e| fail(&e))?;
