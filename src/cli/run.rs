@@ -10,6 +10,7 @@ use clap::Args;
 use super::Failure;
 use crate::config::Config;
 use crate::image::store::human_size;
+use crate::privfs;
 use crate::runtime::{self, Exit, Outcome, RuntimeError};
 use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
 
@@ -229,13 +230,7 @@ pub fn request(
     let mut mounts = Vec::new();
     for text in &args.mounts {
         let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
-        if let Err(e) = std::fs::metadata(&m.source) {
-            return Err(Failure::input(format!(
-                "--mount {text}: source {}: {e}",
-                m.source.display()
-            )));
-        }
-        mounts.push(m);
+        mounts.push((text, m));
     }
     let mut cli_env = Vec::new();
     for text in &args.env {
@@ -274,7 +269,17 @@ pub fn request(
                 in_use: None,
             }
         }
-        (None, Some(text)) => super::image::resolve(text, config, &caller, args.arch.clone())?,
+        (None, Some(text)) => {
+            // An image path is opened as the user the container runs as (`--user`): root reads
+            // no image for that user that the user could not read.
+            let reader = match &args.user {
+                Some(u) => {
+                    spec::user::resolve(u).map_err(|e| Failure::input(format!("--user: {e}")))?
+                }
+                None => caller.clone(),
+            };
+            super::image::resolve(text, config, &reader, args.arch.clone())?
+        }
         (None, None) => return Err(Failure::input("give --rootfs DIR or --image REF")),
     };
     let user = match (&args.user, &image.defaults.user) {
@@ -286,6 +291,22 @@ pub fn request(
         (None, Some(text)) if caller.uid == 0 => image_user(text)?,
         (None, _) => caller,
     };
+    // What the user could open, as the user: root's view of a source never decides. This early
+    // look only words the refusal; the runtime opens each source again as the user and mounts
+    // what it opened, so a path swapped in between gains nothing.
+    let mounts = mounts
+        .into_iter()
+        .map(
+            |(text, m)| match privfs::open_readable_as_user(&m.source, &user) {
+                Ok(_) => Ok(m),
+                Err(e) => Err(Failure::input(format!(
+                    "--mount {text}: uid {} cannot read the source {}: {e}",
+                    user.uid,
+                    m.source.display()
+                ))),
+            },
+        )
+        .collect::<Result<Vec<_>, _>>()?;
     let mut env = image.defaults.env.clone();
     env.extend(cli_env);
     let args_line = if args.image.is_some() {
@@ -323,7 +344,7 @@ pub fn request(
         .partition(|d| crate::topology::cdi::is_qualified(d));
     let devices = paths
         .iter()
-        .map(|p| host_device(&PathBuf::from(p)))
+        .map(|p| host_device(&PathBuf::from(p), &user))
         .collect::<Result<Vec<_>, _>>()?;
     let terminal = std::io::stdin().is_terminal();
     let request = Request {
@@ -387,15 +408,44 @@ pub fn host_files() -> Vec<PathBuf> {
         .collect()
 }
 
-fn host_device(path: &PathBuf) -> Result<HostDevice, Failure> {
+/// A device node the user asked for, opened as the user (the kernel resolves the path with the
+/// user's permissions) and described from what was opened; the user must be allowed to read or
+/// write it on the host, or the container would give the user a device the host does not.
+fn host_device(path: &PathBuf, user: &spec::UserIds) -> Result<HostDevice, Failure> {
+    use nix::fcntl::OFlag;
     let bad = |why: String| Failure::input(format!("--device {}: {why}", path.display()));
     if !path.starts_with("/dev/") {
         return Err(bad("must be a device node under /dev".into()));
     }
-    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    let fd = privfs::open_as_user(path, user, OFlag::O_PATH).map_err(|e| bad(e.to_string()))?;
+    let meta = std::fs::File::from(fd.try_clone().map_err(|e| bad(e.to_string()))?)
+        .metadata()
+        .map_err(|e| bad(e.to_string()))?;
     let ft = meta.file_type();
     if !ft.is_char_device() && !ft.is_block_device() {
         return Err(bad("not a character or block device".into()));
+    }
+    let allowed = privfs::as_user(user, || {
+        [libc::R_OK, libc::W_OK].iter().any(|&how| {
+            // SAFETY: faccessat2 on a valid fd with an empty path and AT_EMPTY_PATH; it only
+            // reads its arguments.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_faccessat2,
+                    std::os::fd::AsRawFd::as_raw_fd(&fd),
+                    c"".as_ptr(),
+                    how,
+                    libc::AT_EMPTY_PATH | libc::AT_EACCESS,
+                ) == 0
+            }
+        })
+    })
+    .map_err(|e| bad(e.to_string()))?;
+    if !allowed {
+        return Err(bad(format!(
+            "uid {} may neither read nor write it on the host",
+            user.uid
+        )));
     }
     let rdev = meta.rdev();
     Ok(HostDevice {

@@ -165,10 +165,12 @@ fn create(config: &Config) -> Result<i32, Failure> {
             readonly: true,
         })
         .collect();
+    // Opened as the user, only to word the refusal: the runtime opens each source again as the
+    // user and mounts what it opened, never the path as root.
     for m in &req.mounts {
-        if !spec::user::can_read(&m.source, &user) {
+        if let Err(e) = crate::privfs::open_readable_as_user(&m.source, &user) {
             return Err(Failure::input(format!(
-                "--container-mounts: uid {} cannot read {} (or it does not exist)",
+                "--container-mounts: uid {} cannot read {}: {e}",
                 user.uid,
                 m.source.display()
             )));
@@ -229,7 +231,22 @@ fn step_entrypoint(image: &[String], lowers: &[std::path::PathBuf]) -> Vec<Strin
         return image.to_vec();
     }
     let rc = crate::image::synth::ENROOT_RC.trim_start_matches('/');
-    if lowers.iter().any(|l| l.join(rc).is_file()) {
+    // Looked at beneath each layer, following none of the image's symlinks.
+    let is_file = |layer: &std::path::PathBuf| {
+        std::fs::File::open(layer)
+            .and_then(|dir| {
+                crate::privfs::open_beneath(
+                    &dir,
+                    std::path::Path::new(rc),
+                    nix::fcntl::OFlag::O_PATH,
+                    0,
+                    false,
+                )
+            })
+            .and_then(|fd| std::fs::File::from(fd).metadata())
+            .is_ok_and(|m| m.is_file())
+    };
+    if lowers.iter().any(is_file) {
         return vec!["/bin/sh".into(), crate::image::synth::ENROOT_RC.into()];
     }
     Vec::new()

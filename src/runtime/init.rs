@@ -36,6 +36,10 @@ pub struct InitArgs<'a> {
     pub lowers: &'a [PathBuf],
     /// Per-container directory for the upper layer (a tmpfs is mounted on it in our namespace).
     pub work: PathBuf,
+    /// The image's layers, opened and cloned by the parent (`mounts::open_layers`).
+    pub layers: &'a [super::mounts::Tree],
+    /// The Spec's bind sources, opened and cloned by the parent (`mounts::open_sources`).
+    pub trees: &'a [Option<super::mounts::Tree>],
     /// Readable end of the parent's lifeline: one byte means "you are in the cgroup, go on";
     /// end-of-file means the parent died.
     pub lifeline: OwnedFd,
@@ -100,8 +104,10 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     rootfs::setup(
         spec,
         args.lowers,
+        args.layers,
+        args.remap.is_some(),
         &args.work,
-        args.remap.map(|r| r.layers.as_fd()),
+        args.trees,
     )?;
     if let Some(name) = spec.hostname() {
         nix::unistd::sethostname(name)

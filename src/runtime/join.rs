@@ -193,6 +193,9 @@ pub fn exec(
     })
 }
 
+/// The most of an entrypoint's environment berth reads.
+const ENVIRON_LIMIT: u64 = 16 << 20;
+
 /// What the image's entrypoint left behind: the environment it handed to its arguments, and
 /// what it printed.
 #[derive(Debug)]
@@ -242,7 +245,9 @@ pub fn run_entrypoint(
                 ));
             }
             Ok(WaitStatus::Stopped(..)) => {
-                let environ = std::fs::read(format!("/proc/{pid}/environ"));
+                // Bounded: the entrypoint is the image's, its environment whatever it made.
+                let environ = std::fs::File::open(format!("/proc/{pid}/environ"))
+                    .and_then(|mut f| crate::privfs::read_bounded(&mut f, ENVIRON_LIMIT));
                 let _ = kill(pid, Signal::SIGKILL);
                 let _ = waitpid(pid, None);
                 break environ

@@ -168,6 +168,10 @@ fn start(
         .as_ref()
         .ok_or(RuntimeError::Spec("no linux section"))?;
     let resources = linux.resources().clone().unwrap_or_default();
+    // Bind sources are opened now, in the host's mount namespace and before the container
+    // exists: those the user named with the user's credentials. Init attaches what was opened.
+    let trees =
+        mounts::open_sources(spec, &host_user(spec, linux)?).map_err(RuntimeError::Setup)?;
 
     let id = new_id();
     let hierarchy = Hierarchy::open(&opts.cgroup_root, &cgroup::required_controllers(&resources))?;
@@ -198,6 +202,8 @@ fn start(
 
     let flags = namespace_flags(spec);
     let remap = remap_namespaces(linux)?;
+    let layers = mounts::open_layers(lowers, remap.as_ref().map(|r| r.layers.as_fd()))
+        .map_err(RuntimeError::Setup)?;
     let (report_r, report_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
     let (life_r, life_w) =
@@ -219,6 +225,8 @@ fn start(
                 spec,
                 lowers,
                 work: state.work(),
+                layers: &layers,
+                trees: &trees,
                 lifeline: life_r,
                 report: report_w,
                 hold: mode == Mode::Hold,
@@ -466,6 +474,55 @@ fn remap_namespaces(linux: &oci_spec::runtime::Linux) -> Result<Option<init::Rem
         join: userns::create(&uids, &gids).map_err(setup)?,
         layers: userns::create(&userns::layer_map(uid), &userns::layer_map(gid)).map_err(setup)?,
     }))
+}
+
+/// The host identity the container's process runs as: the Spec's user, through the user
+/// namespace's mappings when it has one (a remapped container's root is the user on the host).
+fn host_user(
+    spec: &Spec,
+    linux: &oci_spec::runtime::Linux,
+) -> Result<crate::spec::UserIds, RuntimeError> {
+    let user = spec
+        .process()
+        .as_ref()
+        .ok_or(RuntimeError::Spec("no process"))?
+        .user();
+    let remapped = linux
+        .namespaces()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .any(|n| n.typ() == LinuxNamespaceType::User);
+    // An id the mappings leave out is the overflow id on the host: nobody.
+    let map = |m: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>, id: u32| {
+        if !remapped {
+            return id;
+        }
+        m.as_deref()
+            .unwrap_or_default()
+            .iter()
+            .find(|m| id >= m.container_id() && id - m.container_id() < m.size())
+            .map(|m| m.host_id() + (id - m.container_id()))
+            .unwrap_or(65534)
+    };
+    let uid = map(linux.uid_mappings(), user.uid());
+    let gid = map(linux.gid_mappings(), user.gid());
+    let mut groups: Vec<u32> = user
+        .additional_gids()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|g| map(linux.gid_mappings(), *g))
+        .collect();
+    if !groups.contains(&gid) {
+        groups.push(gid);
+    }
+    Ok(crate::spec::UserIds {
+        uid,
+        gid,
+        groups,
+        ..Default::default()
+    })
 }
 
 fn namespace_flags(spec: &Spec) -> libc::c_int {

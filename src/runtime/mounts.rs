@@ -1,5 +1,8 @@
 //! Turns OCI mount entries into mount(2) calls, and creates mount points inside the container root
-//! without ever following a symlink out of it (the root filesystem comes from an untrusted image).
+//! without ever following a symlink out of it (the root filesystem comes from an untrusted image)
+//! and never inside a tree bound from the host (DESIGN.md, "Privilege model"). Bind sources are
+//! opened before the container's namespaces exist, a source the user named with the user's
+//! credentials, and init attaches those opened trees: no path is resolved again as root.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
@@ -8,8 +11,11 @@ use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
 use nix::mount::{MsFlags, mount};
 use nix::sys::stat::{Mode, mkdirat};
+use oci_spec::runtime::Spec;
 
 use super::SetupError;
+use crate::privfs;
+use crate::spec::{USER_SOURCE_OPTION, UserIds};
 
 /// mount(2) flags and filesystem data of an OCI option list.
 #[derive(Debug, PartialEq, Eq)]
@@ -35,6 +41,8 @@ impl MountOptions {
                 "noatime" => flags |= MsFlags::MS_NOATIME,
                 "bind" => flags |= MsFlags::MS_BIND,
                 "rbind" => flags |= MsFlags::MS_BIND | MsFlags::MS_REC,
+                // Options for berth itself (USER_SOURCE_OPTION), never for the kernel.
+                other if other.starts_with("x-") => {}
                 other => data.push(other),
             }
         }
@@ -80,9 +88,60 @@ fn open_in_root(root: &OwnedFd, rel: &Path, flags: OFlag) -> nix::Result<OwnedFd
     openat2(root.as_fd(), rel, how)
 }
 
+/// The mounts berth itself made in the container (its overlay root, /dev, /proc, tmpfs, ...), by
+/// mount id. Root creates mount points only inside these: a tree bound from the host (a user's
+/// directory, a host file) is shown to the container, never written by root.
+#[derive(Debug, Default)]
+pub struct Made(Vec<u64>);
+
+impl Made {
+    /// Records the mount `fd` is on as one of berth's.
+    pub fn add(&mut self, fd: BorrowedFd<'_>) -> Result<(), Errno> {
+        let id = mount_id(fd)?;
+        if !self.0.contains(&id) {
+            self.0.push(id);
+        }
+        Ok(())
+    }
+
+    fn contains(&self, fd: BorrowedFd<'_>) -> Result<bool, Errno> {
+        Ok(self.0.contains(&mount_id(fd)?))
+    }
+}
+
+/// The id of the mount `fd` is on (statx's STATX_MNT_ID, Linux 5.8).
+fn mount_id(fd: BorrowedFd<'_>) -> Result<u64, Errno> {
+    // SAFETY: all-zero is a valid `struct statx`.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx on a valid fd with an empty path and AT_EMPTY_PATH, writing into `st`.
+    let ret = unsafe {
+        libc::statx(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_MNT_ID,
+            &mut st,
+        )
+    };
+    if ret != 0 {
+        return Err(Errno::last());
+    }
+    if st.stx_mask & libc::STATX_MNT_ID == 0 {
+        return Err(Errno::ENOSYS);
+    }
+    Ok(st.stx_mnt_id)
+}
+
 /// Opens (creating when missing) `path` inside `root` as an O_PATH fd: a directory, or an empty
-/// file when `file` is set. Symlinks are resolved as if `root` were `/`.
-pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd, SetupError> {
+/// file when `file` is set. Symlinks are resolved as if `root` were `/`, so nothing outside it is
+/// reached; a missing component is created only on a mount of `made`, never in a tree bound from
+/// the host, wherever a symlink in the image led.
+pub fn ensure_in_root(
+    root: &OwnedFd,
+    path: &Path,
+    file: bool,
+    made: &Made,
+) -> Result<OwnedFd, SetupError> {
     let rel = in_root(path);
     let err = |what: &str, e: Errno| SetupError::new(format!("{what} {}: {e}", path.display()));
     let mut so_far = PathBuf::new();
@@ -90,6 +149,7 @@ pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd
         .map_err(|e| err("opening the container root for", e))?;
     let count = rel.components().count();
     for (i, comp) in rel.components().enumerate() {
+        let above = so_far.clone();
         so_far.push(comp);
         let last = i + 1 == count;
         let want_file = last && file;
@@ -101,13 +161,27 @@ pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd
         match open_in_root(root, &so_far, OFlag::O_PATH | dir_flag) {
             Ok(fd) => parent = fd,
             Err(Errno::ENOENT) => {
+                let ours = made
+                    .contains(parent.as_fd())
+                    .map_err(|e| err("finding the mount of the mount point", e))?;
+                if !ours {
+                    return Err(SetupError::new(format!(
+                        "cannot create the mount point {}: /{} is a directory bound from the \
+                         host, in which berth creates nothing; mount at a path that exists there \
+                         or outside it",
+                        path.display(),
+                        above.display()
+                    )));
+                }
                 if want_file {
                     let how = OpenHow::new()
-                        .flags(OFlag::O_CREAT | OFlag::O_WRONLY | OFlag::O_CLOEXEC)
+                        .flags(OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_CLOEXEC)
                         .mode(Mode::from_bits_truncate(0o644))
-                        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_SYMLINKS);
-                    openat2(parent.as_fd(), comp.as_os_str(), how)
-                        .map_err(|e| err("creating mount point", e))?;
+                        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+                    match openat2(parent.as_fd(), comp.as_os_str(), how) {
+                        Ok(_) | Err(Errno::EEXIST) => {}
+                        Err(e) => return Err(err("creating mount point", e)),
+                    }
                 } else {
                     match mkdirat(
                         parent.as_fd(),
@@ -127,9 +201,13 @@ pub fn ensure_in_root(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd
     Ok(parent)
 }
 
-/// A copy of a host mount tree, taken with open_tree(2) before the container's own mounts exist,
-/// so a recursive bind never drags them along; attached later with move_mount(2).
-pub struct Tree(OwnedFd);
+/// A copy of a host mount tree, taken with open_tree(2) on an opened source before the
+/// container's namespaces exist, so neither a path swapped since nor the container's own mounts
+/// can end up in it; attached in the container with move_mount(2).
+pub struct Tree {
+    fd: OwnedFd,
+    is_dir: bool,
+}
 
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
@@ -149,32 +227,122 @@ struct MountAttr {
     userns_fd: u64,
 }
 
+/// Opens the source of every bind mount of `spec` and clones its mount tree, in the calling
+/// (host's) mount namespace, before the container's exists: a source the user named (marked with
+/// [`USER_SOURCE_OPTION`]) as `user`, who must be able to read or list it; berth's own sources
+/// (host files, cgroup views, the loader cache, GPU files) as root. One entry per Spec mount,
+/// `None` for the mounts that are not binds.
+pub fn open_sources(spec: &Spec, user: &UserIds) -> Result<Vec<Option<Tree>>, SetupError> {
+    let mut trees = Vec::new();
+    for m in spec.mounts().as_deref().unwrap_or_default() {
+        let options = m.options().as_deref().unwrap_or_default();
+        let is_bind = m.typ().as_deref() == Some("bind")
+            || options.iter().any(|o| o == "bind" || o == "rbind");
+        let user_named = options.iter().any(|o| o == USER_SOURCE_OPTION);
+        trees.push(match (is_bind, m.source()) {
+            (true, Some(src)) => Some(Tree::open(src, options, user_named.then_some(user))?),
+            (false, _) if user_named => {
+                return Err(SetupError::new(format!(
+                    "the mount on {} has a user's source but is not a bind mount",
+                    m.destination().display()
+                )));
+            }
+            _ => None,
+        });
+    }
+    Ok(trees)
+}
+
+/// Opens each image layer (`lowers`, topmost first) and clones its mount (the layer alone, not
+/// the mounts below it), in the host's mount namespace before the container's exists: the overlay
+/// takes only layers mounted in its own namespace, and a layer named `/proc/self/fd/N` (a
+/// directory the user opened) is reachable only from here. With `idmap` (the user namespace of a
+/// remapped container's layers), each clone is an idmapped mount: the image's root-owned files
+/// belong to the mapped user.
+pub fn open_layers(
+    lowers: &[PathBuf],
+    idmap: Option<BorrowedFd<'_>>,
+) -> Result<Vec<Tree>, SetupError> {
+    let mut out = Vec::with_capacity(lowers.len());
+    for lower in lowers {
+        let fd = nix::fcntl::open(
+            lower.as_path(),
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| SetupError::new(format!("opening image layer {}: {e}", lower.display())))?;
+        let tree = Tree::clone_fd(&fd, true, &[], idmap).map_err(|(what, e)| {
+            let hint = if idmap.is_some() {
+                " (--remap-root needs idmapped mounts: Linux 5.12 or later, and a filesystem \
+                 that supports them)"
+            } else {
+                ""
+            };
+            SetupError::new(format!("{what} image layer {}: {e}{hint}", lower.display()))
+        })?;
+        out.push(tree);
+    }
+    Ok(out)
+}
+
 impl Tree {
-    /// Clones the mount tree at `source` (recursively with `recursive`) and applies `options`'
-    /// ro/nosuid/nodev/noexec to every mount in it. `Ok(None)` when the kernel lacks the new mount
-    /// API (before 5.12): the caller falls back to mount(MS_BIND).
-    pub fn clone(source: &Path, options: &[String]) -> Result<Option<Tree>, SetupError> {
+    /// Opens `source` (as `user` when given: the kernel checks the user's permissions on every
+    /// component, whatever the path points to at this instant) and clones the mount tree of what
+    /// was opened (recursively with `rbind`), private, with `options`' ro/nosuid/nodev/noexec.
+    pub fn open(
+        source: &Path,
+        options: &[String],
+        user: Option<&UserIds>,
+    ) -> Result<Tree, SetupError> {
+        let fd: OwnedFd = match user {
+            Some(user) => privfs::open_readable_as_user(source, user)
+                .map_err(|e| {
+                    SetupError::new(format!(
+                        "mount source {}: uid {} cannot read it ({e}); give a file or directory \
+                         the user can read",
+                        source.display(),
+                        user.uid
+                    ))
+                })?
+                .into(),
+            None => nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(|e| SetupError::new(format!("mount source {}: {e}", source.display())))?,
+        };
+        let st = nix::sys::stat::fstat(&fd)
+            .map_err(|e| SetupError::new(format!("mount source {}: {e}", source.display())))?;
+        let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
+        Self::clone_fd(&fd, is_dir, options, None)
+            .map_err(|(what, e)| SetupError::new(format!("{what} {}: {e}", source.display())))
+    }
+
+    /// Clones the mount of `source` (an opened fd) private, with `options`' flags, idmapped
+    /// through the user namespace `idmap` when given.
+    fn clone_fd(
+        source: &OwnedFd,
+        is_dir: bool,
+        options: &[String],
+        idmap: Option<BorrowedFd<'_>>,
+    ) -> Result<Tree, (&'static str, Errno)> {
         let opts = MountOptions::parse(options);
-        let fail =
-            |what: &str, e: Errno| SetupError::new(format!("{what} {}: {e}", source.display()));
-        let path = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
-            .map_err(|_| SetupError::new(format!("{}: path contains NUL", source.display())))?;
         let mut flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
+        flags |= libc::AT_EMPTY_PATH as libc::c_uint;
         let recursive = opts.flags.contains(MsFlags::MS_REC);
         if recursive {
             flags |= libc::AT_RECURSIVE as libc::c_uint;
         }
-        // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd or -1.
+        // SAFETY: open_tree on a valid fd with an empty path and AT_EMPTY_PATH; returns a new
+        // fd or -1.
         let fd =
-            unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
+            unsafe { libc::syscall(libc::SYS_open_tree, source.as_raw_fd(), c"".as_ptr(), flags) };
         if fd < 0 {
-            return match Errno::last() {
-                Errno::ENOSYS => Ok(None),
-                e => Err(fail("cloning the mount of", e)),
-            };
+            return Err((
+                "cloning the mount of (open_tree, Linux 5.2 or later)",
+                Errno::last(),
+            ));
         }
         // SAFETY: the kernel just returned this fd and nothing else owns it.
-        let tree = Tree(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) });
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        let tree = Tree { fd, is_dir };
         let mut attr_set = 0;
         for (flag, attr) in [
             (MsFlags::MS_RDONLY, MOUNT_ATTR_RDONLY),
@@ -186,45 +354,41 @@ impl Tree {
                 attr_set |= attr;
             }
         }
-        if attr_set != 0 {
-            tree.set_attr(attr_set, 0, recursive)
-                .map_err(|e| fail("setting mount flags on", e))?;
-        }
-        Ok(Some(tree))
-    }
-
-    /// A copy of the mount at `source` (not of the mounts below it) whose files' owners are
-    /// translated through the mapping of the user namespace `userns` (an idmapped mount):
-    /// a remapped container's image, whose root-owned files must belong to the mapped user.
-    pub fn idmapped(source: &Path, userns: BorrowedFd<'_>) -> Result<Tree, SetupError> {
-        let fail = |what: &str, e: Errno| {
-            SetupError::new(format!(
-                "{what} {}: {e} (--remap-root needs idmapped mounts: Linux 5.12 or later, and \
-                 a filesystem that supports them)",
-                source.display()
-            ))
+        let userns = match idmap {
+            Some(fd) => {
+                attr_set |= MOUNT_ATTR_IDMAP;
+                fd.as_raw_fd() as u64
+            }
+            None => 0,
         };
-        let path = std::ffi::CString::new(source.as_os_str().as_encoded_bytes())
-            .map_err(|_| SetupError::new(format!("{}: path contains NUL", source.display())))?;
-        let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
-        // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd or -1.
-        let fd =
-            unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
-        if fd < 0 {
-            return Err(fail("cloning the mount of", Errno::last()));
-        }
-        // SAFETY: the kernel just returned this fd and nothing else owns it.
-        let tree = Tree(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) });
-        tree.set_attr(MOUNT_ATTR_IDMAP, userns.as_raw_fd() as u64, false)
-            .map_err(|e| fail("idmapping", e))?;
+        // Private: a clone of a shared host mount would otherwise stay its peer, and what the
+        // container mounts inside it would appear on the host.
+        tree.set_attr(
+            attr_set,
+            MsFlags::MS_PRIVATE.bits() as u64,
+            userns,
+            recursive,
+        )
+        .map_err(|e| {
+            (
+                "setting mount flags (mount_setattr, Linux 5.12 or later) on",
+                e,
+            )
+        })?;
         Ok(tree)
     }
 
-    fn set_attr(&self, attr_set: u64, userns_fd: u64, recursive: bool) -> Result<(), Errno> {
+    fn set_attr(
+        &self,
+        attr_set: u64,
+        propagation: u64,
+        userns_fd: u64,
+        recursive: bool,
+    ) -> Result<(), Errno> {
         let attr = MountAttr {
             attr_set,
             attr_clr: 0,
-            propagation: 0,
+            propagation,
             userns_fd,
         };
         let at = libc::AT_EMPTY_PATH | if recursive { libc::AT_RECURSIVE } else { 0 };
@@ -233,7 +397,7 @@ impl Tree {
         let ret = unsafe {
             libc::syscall(
                 libc::SYS_mount_setattr,
-                self.0.as_raw_fd(),
+                self.fd.as_raw_fd(),
                 c"".as_ptr(),
                 at as libc::c_uint,
                 &attr as *const MountAttr,
@@ -249,7 +413,7 @@ impl Tree {
         let ret = unsafe {
             libc::syscall(
                 libc::SYS_move_mount,
-                self.0.as_raw_fd(),
+                self.fd.as_raw_fd(),
                 c"".as_ptr(),
                 target.as_raw_fd(),
                 c"".as_ptr(),
@@ -260,8 +424,10 @@ impl Tree {
     }
 }
 
-/// Makes one OCI mount at `destination` inside `root`. A bind mount uses `tree` when the
-/// source was cloned beforehand with [`Tree::clone`].
+/// Makes one OCI mount at `destination` inside `root`. A bind mount attaches `tree` (its source
+/// opened by [`open_sources`]); without one, `source` is bound by path, which only berth's own
+/// files in the container's private directory may be. A mount that is not a bind is recorded in
+/// `made`.
 pub fn apply(
     root: &OwnedFd,
     destination: &Path,
@@ -269,11 +435,16 @@ pub fn apply(
     source: &Path,
     options: &[String],
     tree: Option<&Tree>,
+    made: &mut Made,
 ) -> Result<(), SetupError> {
     let opts = MountOptions::parse(options);
     let bind = opts.is_bind() || typ == "bind";
-    let source_is_file = bind && source.metadata().map(|m| !m.is_dir()).unwrap_or(false);
-    let target = ensure_in_root(root, destination, source_is_file)?;
+    let source_is_file = match (bind, tree) {
+        (false, _) => false,
+        (true, Some(t)) => !t.is_dir,
+        (true, None) => source.metadata().map(|m| !m.is_dir()).unwrap_or(false),
+    };
+    let target = ensure_in_root(root, destination, source_is_file, made)?;
     let target_path = fd_path(&target);
     let fail = |e: Errno| {
         SetupError::new(format!(
@@ -298,7 +469,7 @@ pub fn apply(
         if !extra.is_empty() {
             // The bind created a new mount; reopen the target so the remount reaches it, not the
             // mount it covers.
-            let target = ensure_in_root(root, destination, source_is_file)?;
+            let target = ensure_in_root(root, destination, source_is_file, made)?;
             mount(
                 None::<&str>,
                 &fd_path(&target),
@@ -311,6 +482,8 @@ pub fn apply(
     } else {
         let data = (!opts.data.is_empty()).then_some(opts.data.as_str());
         mount(Some(source), &target_path, Some(typ), opts.flags, data).map_err(fail)?;
+        let mounted = ensure_in_root(root, destination, false, made)?;
+        made.add(mounted.as_fd()).map_err(fail)?;
     }
     Ok(())
 }
@@ -359,10 +532,15 @@ mod tests {
             Mode::empty(),
         )
         .unwrap();
-        assert!(ensure_in_root(&root, Path::new("/evil/x"), false).is_err());
-        ensure_in_root(&root, Path::new("/slash/w"), false).unwrap();
-        ensure_in_root(&root, Path::new("/etc/up/y/z"), false).unwrap();
-        ensure_in_root(&root, Path::new("/etc/hosts"), true).unwrap();
+        let mut made = Made::default();
+        made.add(root.as_fd()).unwrap();
+        assert!(ensure_in_root(&root, Path::new("/evil/x"), false, &made).is_err());
+        ensure_in_root(&root, Path::new("/slash/w"), false, &made).unwrap();
+        ensure_in_root(&root, Path::new("/etc/up/y/z"), false, &made).unwrap();
+        ensure_in_root(&root, Path::new("/etc/hosts"), true, &made).unwrap();
+        // Nothing is created on a mount that is not berth's.
+        assert!(ensure_in_root(&root, Path::new("/new"), false, &Made::default()).is_err());
+        assert!(!root_path.join("new").exists());
         assert!(
             !outside.join("x").exists(),
             "escaped through an absolute symlink"

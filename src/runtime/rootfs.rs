@@ -3,7 +3,7 @@
 //! Every mount lives only in the container's namespace, so the kernel drops them all when the
 //! container's last process exits: nothing to unmount on the host, even after a crash.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{OFlag, open};
@@ -14,6 +14,7 @@ use oci_spec::runtime::{LinuxDeviceType, Spec};
 
 use super::SetupError;
 use super::mounts::{self, ensure_in_root, fd_path, overlay_escape};
+use crate::privfs;
 
 /// /proc and /sys paths hidden from containers, as docker and runc hide them.
 pub const MASKED_PATHS: [&str; 10] = [
@@ -42,13 +43,17 @@ fn sys(what: String) -> impl FnOnce(nix::errno::Errno) -> SetupError {
     move |e| SetupError::new(format!("{what}: {e}"))
 }
 
-/// Lays out the root under `work` (a per-container directory) and pivots into it.
-/// With `idmap` (a remapped container), each layer is seen through an idmapped mount of it.
+/// Lays out the root under `work` (a per-container directory) and pivots into it. `layers` are
+/// the image's layers (`lowers`, topmost first), opened and cloned by the parent
+/// ([`mounts::open_layers`]), idmapped when `idmapped` (a remapped container); `trees` the Spec's
+/// bind sources ([`mounts::open_sources`]).
 pub fn setup(
     spec: &Spec,
     lowers: &[PathBuf],
+    layers: &[mounts::Tree],
+    idmapped: bool,
     work: &Path,
-    idmap: Option<BorrowedFd<'_>>,
+    trees: &[Option<mounts::Tree>],
 ) -> Result<(), SetupError> {
     // Nothing mounted from here on may reach the host's mount table.
     mount(
@@ -61,18 +66,6 @@ pub fn setup(
     .map_err(sys(
         "making / private in the container's mount namespace".into()
     ))?;
-    // Host trees to bind are cloned now, before berth's own mounts below exist, so a recursive
-    // bind of a parent of the state directory cannot carry them into the container.
-    let mut trees = Vec::new();
-    for m in spec.mounts().as_deref().unwrap_or_default() {
-        let options = m.options().as_deref().unwrap_or_default();
-        let is_bind = m.typ().as_deref() == Some("bind")
-            || options.iter().any(|o| o == "bind" || o == "rbind");
-        trees.push(match (is_bind, m.source()) {
-            (true, Some(src)) => mounts::Tree::clone(src, options)?,
-            _ => None,
-        });
-    }
     mount(
         Some("tmpfs"),
         work,
@@ -89,20 +82,11 @@ pub fn setup(
         std::fs::create_dir(work.join(dir))
             .map_err(|e| SetupError::new(format!("creating {}: {e}", work.join(dir).display())))?;
     }
-    // The overlay's options must fit in one page: with many layers (NGC images have 40 and more)
-    // under long store paths they do not. Then, and for idmapped layers, each layer is attached at
-    // a short name under `work` and named relative to it, as docker's overlay2 does.
-    let long = lowers
-        .iter()
-        .map(|p| overlay_escape(p).len() + 1)
-        .sum::<usize>()
-        > LOWERDIR_BUDGET;
-    let short = if long || idmap.is_some() {
-        attach_layers(lowers, work, idmap)?
-    } else {
-        Vec::new()
-    };
-    if let (Some(top), Some(_)) = (short.first(), idmap) {
+    // Each layer is attached at a short name under `work` and named relative to it, as docker's
+    // overlay2 does: the overlay's options must fit in one page (NGC images have 40 layers and
+    // more), and the overlay takes only layers mounted in this namespace.
+    let short = attach_layers(layers, work)?;
+    if let (Some(top), true) = (short.first(), idmapped) {
         // The merged root directory is the upper one: it must belong to whoever the image's
         // root directory belongs to through the idmapping (the remapped user), or that user
         // could not create anything at the top level.
@@ -121,22 +105,14 @@ pub fn setup(
             ))
         })?;
     }
-    let lowerdir = if short.is_empty() {
-        lowers
-            .iter()
-            .map(|p| overlay_escape(p))
-            .collect::<Vec<_>>()
-            .join(":")
-    } else {
-        // Relative to the working directory of the mount(2) call.
-        chdir(work).map_err(sys(format!("entering {}", work.display())))?;
-        short
-            .iter()
-            .filter_map(|p| p.file_name())
-            .map(|n| overlay_escape(Path::new(n)))
-            .collect::<Vec<_>>()
-            .join(":")
-    };
+    // Relative to the working directory of the mount(2) call.
+    chdir(work).map_err(sys(format!("entering {}", work.display())))?;
+    let lowerdir = short
+        .iter()
+        .filter_map(|p| p.file_name())
+        .map(|n| overlay_escape(Path::new(n)))
+        .collect::<Vec<_>>()
+        .join(":");
     let data = format!(
         "lowerdir={lowerdir},upperdir={},workdir={}",
         overlay_escape(&work.join("upper")),
@@ -164,13 +140,18 @@ pub fn setup(
         Mode::empty(),
     )
     .map_err(sys(format!("opening {}", merged.display())))?;
+    // Mount points are created only in the overlay and in the mounts berth makes below.
+    let mut made = mounts::Made::default();
+    made.add(root.as_fd()).map_err(sys(
+        "finding the mount id of the container root (Linux 5.8 or later)".into(),
+    ))?;
 
     for (m, tree) in spec
         .mounts()
         .as_deref()
         .unwrap_or_default()
         .iter()
-        .zip(&trees)
+        .zip(trees)
     {
         let typ = m.typ().as_deref().unwrap_or("bind");
         let source = m.source().clone().unwrap_or_else(|| PathBuf::from(typ));
@@ -181,11 +162,13 @@ pub fn setup(
             &source,
             m.options().as_deref().unwrap_or_default(),
             tree.as_ref(),
+            &mut made,
         )?;
     }
     let linux = spec.linux().as_ref();
     create_devices(
         &root,
+        &made,
         linux
             .and_then(|l| l.devices().as_deref())
             .unwrap_or_default(),
@@ -201,6 +184,7 @@ pub fn setup(
             &file,
             &["bind".into(), "ro".into(), "nosuid".into(), "nodev".into()],
             None,
+            &mut made,
         )?;
     }
     mask_paths(&root)?;
@@ -229,43 +213,23 @@ pub fn setup(
     Ok(())
 }
 
-/// Bytes of layer paths beyond which the layers are attached at short names (the overlay's
-/// whole option string must stay under a page, 4096 bytes).
-const LOWERDIR_BUDGET: usize = 3072;
-
-/// Attaches each layer at `work`/lN (in the container's mount namespace only), idmapped through
-/// `idmap` when given, and returns those paths, topmost first like `lowers`.
-fn attach_layers(
-    lowers: &[PathBuf],
-    work: &Path,
-    idmap: Option<BorrowedFd<'_>>,
-) -> Result<Vec<PathBuf>, SetupError> {
-    let mut out = Vec::with_capacity(lowers.len());
-    for (i, lower) in lowers.iter().enumerate() {
+/// Attaches each layer at `work`/lN (in the container's mount namespace only) and returns those
+/// paths, topmost first like the layers.
+fn attach_layers(layers: &[mounts::Tree], work: &Path) -> Result<Vec<PathBuf>, SetupError> {
+    let mut out = Vec::with_capacity(layers.len());
+    for (i, layer) in layers.iter().enumerate() {
         let at = work.join(format!("l{i}"));
         std::fs::create_dir(&at)
             .map_err(|e| SetupError::new(format!("creating {}: {e}", at.display())))?;
-        match idmap {
-            Some(userns) => {
-                let target = open(
-                    &at,
-                    OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-                    Mode::empty(),
-                )
-                .map_err(sys(format!("opening {}", at.display())))?;
-                mounts::Tree::idmapped(lower, userns)?
-                    .attach(&target)
-                    .map_err(sys(format!("attaching the idmapped {}", lower.display())))?;
-            }
-            None => mount(
-                Some(lower.as_path()),
-                &at,
-                None::<&str>,
-                MsFlags::MS_BIND,
-                None::<&str>,
-            )
-            .map_err(sys(format!("binding layer {}", lower.display())))?,
-        }
+        let target = open(
+            &at,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(sys(format!("opening {}", at.display())))?;
+        layer
+            .attach(&target)
+            .map_err(sys(format!("attaching image layer {i}")))?;
         out.push(at);
     }
     Ok(out)
@@ -273,6 +237,7 @@ fn attach_layers(
 
 fn create_devices(
     root: &OwnedFd,
+    made: &mounts::Made,
     devices: &[oci_spec::runtime::LinuxDevice],
 ) -> Result<(), SetupError> {
     for dev in devices {
@@ -280,7 +245,7 @@ fn create_devices(
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             continue;
         };
-        let dir = ensure_in_root(root, parent, false)?;
+        let dir = ensure_in_root(root, parent, false, made)?;
         let dir = open(
             &fd_path(&dir),
             OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
@@ -324,7 +289,7 @@ fn create_devices(
         )
         .map_err(fail)?;
     }
-    let dev = ensure_in_root(root, Path::new("/dev"), false)?;
+    let dev = ensure_in_root(root, Path::new("/dev"), false, made)?;
     let dev = open(
         &fd_path(&dev),
         OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
@@ -347,12 +312,10 @@ fn create_devices(
 }
 
 fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
-    let open_existing = |path: &str| {
-        let how = nix::fcntl::OpenHow::new()
-            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-            .resolve(nix::fcntl::ResolveFlag::RESOLVE_IN_ROOT);
-        nix::fcntl::openat2(root.as_fd(), &path[1..], how).ok()
-    };
+    // Beneath the root, following no symlink: only the kernel's own /proc and /sys entries are
+    // masked, never what a symlink (of the image, or of /proc itself) points to.
+    let open_existing =
+        |path: &str| privfs::open_beneath(root, Path::new(path), OFlag::O_PATH, 0, false).ok();
     for path in MASKED_PATHS {
         let Some(fd) = open_existing(path) else {
             continue;
@@ -413,9 +376,11 @@ fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
 
 /// Makes the container's user known to the image: appends it to /etc/passwd and its primary
 /// group to /etc/group when missing, as Enroot and Pyxis do, so tools that look the user up
-/// (`id`, `whoami`, ssh, MPI launchers) work. Runs after pivot_root, so paths resolve inside the
-/// container; the writes land in the tmpfs upper layer. An image without these files is left
-/// alone.
+/// (`id`, `whoami`, ssh, MPI launchers) work. Runs as root after pivot_root, on files the image
+/// (or a user) made: each is opened beneath the container's `/` without following a symlink or
+/// crossing a mount (a host file or directory bound there is never written), must be a regular
+/// file of bounded size, and is written through the fd that was read; the writes land in the
+/// tmpfs upper layer. A database that is missing or not such a file is left as it is.
 fn add_user_entries(spec: &Spec) -> Result<(), SetupError> {
     let Some(process) = spec.process() else {
         return Ok(());
@@ -436,24 +401,60 @@ fn add_user_entries(spec: &Spec) -> Result<(), SetupError> {
         .get(crate::spec::GROUP_NAME_ANNOTATION)
         .cloned()
         .unwrap_or_else(|| format!("group{gid}"));
+    let root = open(
+        "/",
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys("opening the container root".into()))?;
     append_missing(
-        Path::new("/etc/passwd"),
+        &root,
+        "etc/passwd",
         2,
         uid,
         &format!("{name}:x:{uid}:{gid}::{home}:/bin/sh"),
     )?;
-    append_missing(
-        Path::new("/etc/group"),
-        2,
-        gid,
-        &format!("{group}:x:{gid}:"),
-    )
+    append_missing(&root, "etc/group", 2, gid, &format!("{group}:x:{gid}:"))
 }
 
-/// Appends `line` to a colon-separated database unless an entry has `id` in field `field`.
-fn append_missing(path: &Path, field: usize, id: u32, line: &str) -> Result<(), SetupError> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
+/// The most of a user database berth reads: far above any real one, far below harm.
+const DATABASE_LIMIT: u64 = 16 << 20;
+
+/// Appends `line` to the colon-separated database `rel` (beneath `root`) unless an entry has `id`
+/// in field `field`. Leaves a database alone (logged at debug) that cannot be opened safely, is
+/// not a regular file or is larger than [`DATABASE_LIMIT`].
+fn append_missing(
+    root: &OwnedFd,
+    rel: &str,
+    field: usize,
+    id: u32,
+    line: &str,
+) -> Result<(), SetupError> {
+    let leave = |why: &dyn std::fmt::Display| {
+        tracing::debug!("leaving the image's /{rel} as it is: {why}");
+        Ok(())
+    };
+    // Read-write when the root allows it: one fd, read then appended to.
+    let flags = OFlag::O_NONBLOCK | OFlag::O_NOCTTY;
+    let (mut file, writable) =
+        match privfs::open_beneath(root, Path::new(rel), flags | OFlag::O_RDWR, 0, true) {
+            Ok(fd) => (std::fs::File::from(fd), true),
+            Err(e) if e.raw_os_error() == Some(libc::EROFS) => {
+                match privfs::open_beneath(root, Path::new(rel), flags | OFlag::O_RDONLY, 0, true) {
+                    Ok(fd) => (std::fs::File::from(fd), false),
+                    Err(e) => return leave(&e),
+                }
+            }
+            Err(e) => return leave(&e),
+        };
+    match file.metadata() {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => return leave(&"not a regular file"),
+        Err(e) => return leave(&e),
+    }
+    let text = match privfs::read_bounded(&mut file, DATABASE_LIMIT) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) => return leave(&e),
     };
     let id = id.to_string();
     if text
@@ -462,23 +463,18 @@ fn append_missing(path: &Path, field: usize, id: u32, line: &str) -> Result<(), 
     {
         return Ok(());
     }
+    if !writable {
+        // A read-only image root keeps the image's database as it is.
+        return Ok(());
+    }
     let sep = if text.is_empty() || text.ends_with('\n') {
         ""
     } else {
         "\n"
     };
-    let write = || -> std::io::Result<()> {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().append(true).open(path)?;
-        f.write_all(format!("{sep}{line}\n").as_bytes())
-    };
-    match write() {
-        // A read-only image root (or file) keeps the image's database as it is.
-        Err(e) if e.raw_os_error() == Some(libc::EROFS) => Ok(()),
-        Err(e) => Err(SetupError::new(format!(
-            "adding the user to {}: {e}",
-            path.display()
-        ))),
-        Ok(()) => Ok(()),
-    }
+    // At the end of what was read: the file is ours alone (the tmpfs upper layer), nobody
+    // appends in between.
+    let end = text.len() as u64;
+    std::os::unix::fs::FileExt::write_all_at(&file, format!("{sep}{line}\n").as_bytes(), end)
+        .map_err(|e| SetupError::new(format!("adding the user to /{rel}: {e}")))
 }

@@ -23,6 +23,11 @@ pub use user::UserIds;
 pub const GROUP_NAME_ANNOTATION: &str = "io.berth.user.group-name";
 pub const HOME_ANNOTATION: &str = "io.berth.user.home";
 
+/// Mount option marking a bind mount whose source the user named (`--mount`,
+/// `--container-mounts`, the home, the job's scratch): the runtime opens that source with the
+/// user's credentials and mounts what it opened, never the path as root. Never given to the kernel.
+pub const USER_SOURCE_OPTION: &str = "x-berth.user-source";
+
 /// The CFS period berth uses for `--cpus`, as docker and runc do.
 pub const CPU_PERIOD_US: u64 = 100_000;
 
@@ -410,7 +415,7 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
             &m.destination.display().to_string(),
             "bind",
             &m.source.display().to_string(),
-            &["rbind", mode, "nosuid", "nodev"],
+            &["rbind", mode, "nosuid", "nodev", USER_SOURCE_OPTION],
         )?);
     }
     for dst in &req.tmpfs {
@@ -643,6 +648,16 @@ mod tests {
             .unwrap();
         assert!(data.options().as_ref().unwrap().contains(&"ro".to_string()));
         assert_eq!(data.typ().as_deref(), Some("bind"));
+        // The user named its source: the runtime opens it as the user. berth's own are not.
+        let user_named = |m: &Mount| {
+            m.options()
+                .as_ref()
+                .unwrap()
+                .contains(&USER_SOURCE_OPTION.to_string())
+        };
+        assert!(user_named(data));
+        let mounts = spec.mounts().as_ref().unwrap();
+        assert_eq!(mounts.iter().filter(|m| user_named(m)).count(), 1);
     }
 
     #[test]
