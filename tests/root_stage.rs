@@ -305,10 +305,17 @@ fn scratch_is_the_users_and_is_removed_whatever_the_job_left() {
     );
     let ok = as_test_user().args(["sh", "-c", &script]).status().unwrap();
     assert!(ok.success());
-    // Another user's existing directory is never taken over.
-    assert!(scratch::create(&root, "77", 0, 0, None).is_err());
     scratch::remove(&root, "77").unwrap();
     assert!(!dir.exists());
+    // A directory left there is never handed to another job's user (nor a failure, which
+    // would drain the node): it is removed and made anew, that user's and empty.
+    std::fs::create_dir_all(dir.join("left")).unwrap();
+    std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
+    let again = scratch::create(&root, "77", 0, 0, None).unwrap();
+    let meta = std::fs::metadata(&again).unwrap();
+    assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o700));
+    assert_eq!(std::fs::read_dir(&again).unwrap().count(), 0);
+    scratch::remove(&root, "77").unwrap();
 }
 
 #[test]

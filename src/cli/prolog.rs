@@ -147,7 +147,7 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
         env_id("SLURM_JOB_GID"),
         stage_in_failed,
     ) && let Ok(dir) = crate::stage::scratch::path(root, &job)
-        && dir.is_dir()
+        && std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir())
     {
         let user = crate::spec::user::by_id(uid, gid);
         let result = crate::stage::job::parse_out(&text).and_then(|requests| {
@@ -238,13 +238,8 @@ fn retain(
     let area = scratch.retention_dir();
     let kept = crate::stage::retain::retain(&scratch.root, job, &area, now()).map_err(|e| {
         // Out of the way of reclaim (which takes only job ids), on the scratch's filesystem.
-        let from = scratch.root.join(job);
-        let aside = scratch.root.join(format!("{job}.kept-{}", now()));
-        let left = if std::fs::rename(&from, &aside).is_ok() {
-            aside
-        } else {
-            from
-        };
+        let left = crate::stage::scratch::set_aside(&scratch.root, job, now())
+            .unwrap_or_else(|_| scratch.root.join(job));
         format!(
             "job {job}: {why}; keeping its scratch failed: {e}; it is left in {}",
             left.display()

@@ -37,8 +37,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::OwnedFd;
-use std::os::unix::fs::PermissionsExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,8 +46,8 @@ use std::time::{Instant, SystemTime};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    How, Kind, MARKER, Marker, Options, Report, StageError, as_user, fsops, open_dest, open_source,
-    parallel, walk, with_progress, write_marker,
+    Dest, How, Kind, MARKER, Marker, Options, Report, StageError, as_user, fsops, open_dest,
+    open_source, parallel, tree, walk, with_progress, write_marker,
 };
 use crate::spec::user::UserIds;
 
@@ -220,19 +219,42 @@ fn cache_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> St
 
 struct Cache {
     dir: PathBuf,
+    /// The cache directory, checked root's all the way from `/` (no other user can change
+    /// anything beneath it, so paths under it stay what they name).
+    fd: OwnedFd,
 }
 
 impl Cache {
+    /// Opens the cache directory, made root's 0700 if missing; one that another user owns or
+    /// could change, or a symlink, is refused in one line (it would hand that user every cached
+    /// dataset).
     fn open(dir: &Path) -> Result<Self, StageError> {
-        for sub in ["entries", "locks", "tmp"] {
-            let p = dir.join(sub);
-            std::fs::create_dir_all(&p).map_err(cache_err("create", &p))?;
+        let fd = crate::privfs::root_dir(dir, 0o700).map_err(StageError::CacheDir)?;
+        for sub in [c"entries", c"locks", c"tmp"] {
+            let p = dir.join(sub.to_string_lossy().as_ref());
+            // SAFETY: `fd` is an open directory and `sub` a valid C string of one component.
+            let r = unsafe { libc::mkdirat(fd.as_raw_fd(), sub.as_ptr(), 0o700) };
+            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+                return Err(cache_err("create", &p)(std::io::Error::last_os_error()));
+            }
+            // A directory, not a symlink in its place.
+            tree::open_dir_at(&fd, sub).map_err(cache_err("open", &p))?;
         }
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(cache_err("chmod", dir))?;
         Ok(Self {
             dir: dir.to_path_buf(),
+            fd,
         })
+    }
+
+    /// Removes `name` in the cache's `tmp/` and everything in it, by fd.
+    fn remove_tmp(&self, name: &std::ffi::OsStr) {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(name) = std::ffi::CString::new(name.as_bytes()) else {
+            return;
+        };
+        if let Ok(tmp) = tree::open_dir_at(&self.fd, c"tmp") {
+            let _ = tree::remove_at(&tmp, &name);
+        }
     }
 
     fn entry(&self, key: &str) -> PathBuf {
@@ -278,7 +300,7 @@ impl Cache {
         let prefix = format!("{key}.");
         for e in rd.flatten() {
             if e.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_dir_all(e.path());
+                self.remove_tmp(&e.file_name());
             }
         }
     }
@@ -290,6 +312,7 @@ impl Cache {
         key: &str,
         m: &Manifest,
         old: Option<&Manifest>,
+        user: &UserIds,
         opts: &Options,
     ) -> Result<(u64, u64), StageError> {
         let nanos = SystemTime::now()
@@ -301,9 +324,11 @@ impl Cache {
             .join("tmp")
             .join(format!("{key}.{}.{nanos}", std::process::id()));
         std::fs::create_dir(&tmp).map_err(cache_err("create", &tmp))?;
-        let result = self.fill_in(&tmp, key, m, old, opts);
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&tmp);
+        let result = self.fill_in(&tmp, key, m, old, user, opts);
+        if result.is_err()
+            && let Some(name) = tmp.file_name()
+        {
+            self.remove_tmp(name);
         }
         result
     }
@@ -314,6 +339,7 @@ impl Cache {
         key: &str,
         m: &Manifest,
         old: Option<&Manifest>,
+        user: &UserIds,
         opts: &Options,
     ) -> Result<(u64, u64), StageError> {
         let data_path = tmp.join("data");
@@ -321,7 +347,13 @@ impl Cache {
         let data = open_dir(&data_path).map_err(cache_err("open", &data_path))?;
         // The source root, checked to be the directory the user's walk listed; everything
         // below is opened beneath it without following symlinks.
-        let src_root = open_dir(&m.source).map_err(|source| StageError::Source {
+        // Opened as the user (root never follows the user's path), then used by fd only.
+        let src_root = crate::privfs::open_as_user(
+            &m.source,
+            user,
+            nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY,
+        )
+        .map_err(|source| StageError::Source {
             path: m.source.clone(),
             source,
         })?;
@@ -424,7 +456,9 @@ impl Cache {
         let entry = self.entry(key);
         if entry.exists() {
             rename_exchange(tmp, &entry).map_err(cache_err("replace", &entry))?;
-            let _ = std::fs::remove_dir_all(tmp);
+            if let Some(name) = tmp.file_name() {
+                self.remove_tmp(name);
+            }
         } else {
             std::fs::rename(tmp, &entry).map_err(cache_err("publish", &entry))?;
         }
@@ -469,7 +503,7 @@ impl Cache {
         for v in victims(&infos, max) {
             let gone = self.dir.join("tmp").join(format!("{}.evicted", v.key));
             if std::fs::rename(self.entry(&v.key), &gone).is_ok() {
-                let _ = std::fs::remove_dir_all(&gone);
+                self.remove_tmp(gone.file_name().unwrap_or_default());
                 tracing::info!(key = v.key, bytes = v.bytes, "dataset cache: evicted");
             }
         }
@@ -480,7 +514,7 @@ impl Cache {
                 let name = e.file_name().to_string_lossy().into_owned();
                 let key = name.split('.').next().unwrap_or_default();
                 if let Some(_lock) = self.try_lock(key) {
-                    let _ = std::fs::remove_dir_all(e.path());
+                    self.remove_tmp(&e.file_name());
                 }
             }
         }
@@ -597,7 +631,7 @@ pub(super) fn stage_cached(
         // Another stage may have filled it while this one waited.
         let old = c.manifest(&key);
         if old.as_ref() != Some(&manifest) {
-            match c.fill(&key, &manifest, old.as_ref(), opts) {
+            match c.fill(&key, &manifest, old.as_ref(), user, opts) {
                 Ok(done) => copied = done,
                 // No room in the cache: this job gets a plain copy.
                 Err(StageError::NoSpace {
@@ -656,7 +690,14 @@ fn link_into(
 ) -> Result<Report, StageError> {
     let (uid, gid) = (user.uid, user.gid);
     let dest_path = base.join(rel);
-    let root = open_dest(base, rel, Some((uid, gid)))?;
+    // The destination is the user's: opened (its missing directories made) as the user, then
+    // worked on beneath that fd only.
+    let Dest { fd: root, existed } = crate::privfs::as_user(user, || open_dest(base, rel))
+        .map_err(|e| StageError::Dest {
+            op: "open",
+            path: dest_path.clone(),
+            source: e,
+        })??;
     let dest_err = |op, rel: &Path| {
         let path = dest_path.join(rel);
         move |source| StageError::Dest { op, path, source }
@@ -795,17 +836,23 @@ fn link_into(
     for i in m.items.iter().rev().filter(|i| i.kind == Kind::Dir) {
         let flags = libc::O_RDONLY | libc::O_DIRECTORY;
         let fd = fsops::open_beneath(&root, &i.rel, flags, 0).map_err(dest_err("open", &i.rel))?;
+        // Root changes only the user's directories (those it made were given to the user); a
+        // destination directory that was there keeps its mode and mtime.
+        let st = fsops::fstat(&fd).map_err(dest_err("inspect", &i.rel))?;
+        if st.st_uid != uid {
+            continue;
+        }
         if m.xattrs {
             let cfd = fsops::open_beneath(&data, &i.rel, flags, 0)
                 .map_err(cache_err("open", &data_path.join(&i.rel)))?;
             fsops::copy_xattrs(&cfd, &fd).map_err(dest_err(super::XATTRS_OP, &i.rel))?;
         }
+        let root_dir = i.rel.as_os_str().is_empty();
+        if root_dir && existed {
+            continue;
+        }
         fsops::set_mtime_fd(&fd, i.mtime).map_err(dest_err("set the mtime of", &i.rel))?;
-        let mode = if i.rel.as_os_str().is_empty() {
-            i.mode | 0o700
-        } else {
-            i.mode
-        };
+        let mode = if root_dir { i.mode | 0o700 } else { i.mode };
         fsops::fchmod(&fd, mode).map_err(dest_err("chmod", &i.rel))?;
     }
     let [unchanged, linked, cloned, copied] = puts.map(AtomicU64::into_inner);

@@ -65,6 +65,12 @@ pub fn parse_out(text: &str) -> Result<Vec<StageOut>, String> {
         .collect()
 }
 
+/// Whether `path` is a directory, as `user` sees it.
+pub(crate) fn is_dir_as(user: &UserIds, path: &Path) -> bool {
+    crate::privfs::as_user(user, || std::fs::metadata(path).is_ok_and(|m| m.is_dir()))
+        .unwrap_or(false)
+}
+
 /// Stages every request into `scratch` as `user`, in order, stopping at the first failure.
 /// `cap`: the per-job scratch cap, checked against what the scratch already holds before each
 /// copy (the engine also checks the filesystem's free space).
@@ -81,7 +87,8 @@ pub fn stage_in(
         let rel = match &r.dst {
             Some(d) => d.clone(),
             None => match r.src.file_name() {
-                Some(n) if std::fs::metadata(&r.src).is_ok_and(|m| m.is_dir()) => PathBuf::from(n),
+                // Looked at as the user: root never stats a path the user named.
+                Some(n) if is_dir_as(user, &r.src) => PathBuf::from(n),
                 _ => PathBuf::new(),
             },
         };

@@ -24,6 +24,7 @@ mod fsops;
 pub mod job;
 pub mod retain;
 pub mod scratch;
+pub(crate) mod tree;
 
 use std::ffi::CString;
 use std::io::{IsTerminal, Read, Write};
@@ -77,6 +78,8 @@ pub enum StageError {
     Verify { path: PathBuf },
     #[error("staging: {path}: {message}")]
     Conflict { path: PathBuf, message: String },
+    #[error("dataset cache: {0}")]
+    CacheDir(crate::privfs::PrivfsError),
     #[error("staging as uid {uid}: {message}")]
     Credentials { uid: u32, message: String },
     /// A failure reported by the staging child, already one line.
@@ -687,21 +690,28 @@ fn with_progress<R>(
     })
 }
 
-/// Opens (creating each missing component beneath `base`) the directory `base/rel`. `base` is
-/// trusted (the job's scratch, or a directory the user named); `rel` may not leave it. With
-/// `owner` (root staging for a user), what is created is given to that uid and gid.
-fn open_dest(base: &Path, rel: &Path, owner: Option<(u32, u32)>) -> Result<OwnedFd, StageError> {
+/// The destination of a stage, open: its root directory, and whether it was there before (a
+/// directory the stage did not make keeps its mode and owner: only what a stage makes gets the
+/// source's modes).
+struct Dest {
+    fd: OwnedFd,
+    existed: bool,
+}
+
+/// Opens (creating each missing component beneath `base`) the directory `base/rel`, with the
+/// caller's credentials: `base` is the job's scratch or a directory the user named, and is
+/// opened as whoever stages (the user's child, or the user's thread for the dataset cache); `rel`
+/// may not leave it.
+fn open_dest(base: &Path, rel: &Path) -> Result<Dest, StageError> {
     let dest_err = |op, source| StageError::Dest {
         op,
         path: base.join(rel),
         source,
     };
+    let mut existed = true;
     if !base.is_dir() {
         std::fs::create_dir_all(base).map_err(|e| dest_err("create", e))?;
-        if let Some((uid, gid)) = owner {
-            std::os::unix::fs::chown(base, Some(uid), Some(gid))
-                .map_err(|e| dest_err("chown", e))?;
-        }
+        existed = false;
     }
     let base_fd = fsops::open_beneath(
         &std::fs::File::open(base)
@@ -725,31 +735,21 @@ fn open_dest(base: &Path, rel: &Path, owner: Option<(u32, u32)>) -> Result<Owned
             }
         }
         match fsops::mkdir_beneath(&base_fd, &sofar, 0o700) {
-            Ok(()) => {
-                if let Some((uid, gid)) = owner {
-                    let fd = fsops::open_beneath(
-                        &base_fd,
-                        &sofar,
-                        libc::O_RDONLY | libc::O_DIRECTORY,
-                        0,
-                    )
-                    .map_err(|e| dest_err("open", e))?;
-                    fsops::fchown(&fd, uid, gid).map_err(|e| dest_err("chown", e))?;
-                }
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Ok(()) => existed = false,
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => existed = true,
             Err(e) => return Err(dest_err("create", e)),
         }
     }
-    fsops::open_beneath(&base_fd, &sofar, libc::O_RDONLY | libc::O_DIRECTORY, 0)
-        .map_err(|e| dest_err("open", e))
+    let fd = fsops::open_beneath(&base_fd, &sofar, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        .map_err(|e| dest_err("open", e))?;
+    Ok(Dest { fd, existed })
 }
 
 /// Stages `source` into `base/rel` as the calling process's credentials allow.
 pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<Report, StageError> {
     let start = Instant::now();
     let dest_path = base.join(rel);
-    let root = open_dest(base, rel, None)?;
+    let Dest { fd: root, existed } = open_dest(base, rel)?;
     let dest_err = |op, rel: &Path, source| dest_err(op, &dest_path, rel, source);
     // What an earlier complete stage left: if the source is unchanged since, nothing is written.
     let prior = read_marker(&root);
@@ -780,7 +780,8 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             mtime: (st.st_mtime, st.st_mtime_nsec),
             ..e.clone()
         };
-        dirs_exact &= dir_exact(&root, &st, e.mode | 0o700);
+        // A destination directory that was there keeps its mode: only its contents count.
+        dirs_exact &= existed || dir_exact(&root, &st, e.mode | 0o700);
     }
 
     // Absolute in the report and the marker: `stage status` must name the source whatever the
@@ -853,7 +854,11 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         .filter(|(e, _)| e.kind == Kind::Dir)
     {
         if e.rel.as_os_str().is_empty() {
-            fsops::fchmod(&root, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
+            // Made by this stage: writable by its owner until the end. One that was there
+            // keeps its mode (as root, `stage out /tmp:/` once left `/` at 0700).
+            if !existed {
+                fsops::fchmod(&root, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
+            }
             continue;
         }
         match fsops::mkdir_beneath(&root, &e.rel, 0o700) {
@@ -990,6 +995,9 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             let src = src_path(&e.rel);
             let sfd = open_source(&src)?;
             fsops::copy_xattrs(&sfd, &fd).map_err(|err| dest_err(XATTRS_OP, &e.rel, err))?;
+        }
+        if existed && e.rel.as_os_str().is_empty() {
+            continue;
         }
         fsops::set_mtime_fd(&fd, e.mtime)
             .map_err(|err| dest_err("set the mtime of", &e.rel, err))?;

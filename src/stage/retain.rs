@@ -3,10 +3,12 @@
 //! number of days. Entries are named `<job id>-<unix time of the move>`; the time in the name,
 //! not a timestamp the user could change, decides expiry.
 
-use std::os::unix::fs::PermissionsExt;
+use std::ffi::CString;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use super::scratch::{self, ScratchError};
+use super::{fsops, tree};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RetainError {
@@ -19,6 +21,8 @@ pub enum RetainError {
     },
     #[error(transparent)]
     Scratch(#[from] ScratchError),
+    #[error("retention area: {0}")]
+    Area(#[from] crate::privfs::PrivfsError),
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RetainError + 'a {
@@ -37,16 +41,43 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Re
     }
 }
 
-/// Moves the scratch of `job_id` under `root` into `dir` as `<job id>-<now>` (a rename, so
-/// nothing is copied) and returns its new path. `dir` is made root-owned 0711: a user reaches
-/// the scratch whose path they were told, but cannot list other jobs'.
+/// Moves the scratch of `job_id` under `root` into `dir` as `<job id>-<now>` (a rename by fd
+/// between the two root-owned directories, so nothing is copied and nothing followed) and
+/// returns its new path. `dir` is a directory berth relies on ([`crate::privfs::root_dir`]),
+/// root-owned 0711: a user reaches the scratch whose path they were told, but cannot list other
+/// jobs'; one another user made, or a symlink, is refused in one line.
 pub fn retain(root: &Path, job_id: &str, dir: &Path, now: u64) -> Result<PathBuf, RetainError> {
-    let from = scratch::path(root, job_id)?;
-    scratch::create_dirs(dir, 0o755).map_err(io("create", dir))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
-        .map_err(io("chmod", dir))?;
-    let to = dir.join(format!("{job_id}-{now}"));
-    std::fs::rename(&from, &to).map_err(io("move the job's scratch into", dir))?;
+    scratch::path(root, job_id)?;
+    let area = crate::privfs::root_dir(dir, 0o711)?;
+    let rfd = scratch::open_root(root)?;
+    let name = format!("{job_id}-{now}");
+    let to = dir.join(&name);
+    let cname = |s: &str| CString::new(s).map_err(|_| ScratchError::BadJobId(s.to_string()));
+    let (from_c, to_c) = (cname(job_id)?, cname(&name)?);
+    // Only a directory is retained: a symlink the job left in its place is not moved.
+    match fsops::lstat_at(&rfd, &from_c).map_err(io("inspect", &root.join(job_id)))? {
+        Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {}
+        _ => {
+            return Err(io("move the job's scratch into", dir)(
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            ));
+        }
+    }
+    // SAFETY: both are open directories; both names valid C strings of one component.
+    let r = unsafe {
+        libc::renameat2(
+            rfd.as_raw_fd(),
+            from_c.as_ptr(),
+            area.as_raw_fd(),
+            to_c.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r < 0 {
+        return Err(io("move the job's scratch into", dir)(
+            std::io::Error::last_os_error(),
+        ));
+    }
     Ok(to)
 }
 
@@ -59,26 +90,23 @@ fn retained_at(name: &str) -> Option<u64> {
     at.parse().ok()
 }
 
-/// Removes the entries of `dir` retained `days` days or more before `now`; returns them.
+/// Removes the entries of `dir` retained `days` days or more before `now` (by fd, without
+/// following a symlink); returns them.
 pub fn expire(dir: &Path, days: u64, now: u64) -> Result<Vec<PathBuf>, RetainError> {
     let mut removed = Vec::new();
-    let entries = match std::fs::read_dir(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
-        other => other.map_err(io("list", dir))?,
-    };
-    for item in entries {
-        let item = item.map_err(io("list", dir))?;
-        let name = item.file_name().to_string_lossy().into_owned();
-        let Some(at) = retained_at(&name) else {
+    if matches!(std::fs::symlink_metadata(dir), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Ok(removed);
+    }
+    let area = crate::privfs::root_dir(dir, 0o711)?;
+    for name in tree::list(&area).map_err(io("list", dir))? {
+        let text = name.to_string_lossy().into_owned();
+        let Some(at) = retained_at(&text) else {
             continue;
         };
         if at.saturating_add(days.saturating_mul(86_400)) <= now {
-            let p = item.path();
-            if item.file_type().map_err(io("inspect", &p))?.is_dir() {
-                scratch::remove_tree(&p)?;
-            } else {
-                std::fs::remove_file(&p).map_err(io("remove", &p))?;
-            }
+            let p = dir.join(&text);
+            tree::remove_at(&area, &name).map_err(io("remove", &p))?;
             removed.push(p);
         }
     }
@@ -88,6 +116,7 @@ pub fn expire(dir: &Path, days: u64, now: u64) -> Result<Vec<PathBuf>, RetainErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn retained_scratch_moves_whole_and_expires_by_its_name() {

@@ -3,9 +3,18 @@
 //! left read-only trees behind, or later ([`reclaim`]) when no Epilog ran. Next to a scratch,
 //! root-owned, the Prolog records why the job's stage-in failed, for the plugin to fail its
 //! steps with ([`record_failure`]).
+//!
+//! The scratch root is a directory berth relies on ([`crate::privfs::root_dir`]: root's all the
+//! way from `/`, 0755, refused in one line otherwise), and everything in it is done by fd beneath
+//! the root's fd: a job's directory is made there by root and given to the user; whatever the
+//! user left or swapped in is removed without following a symlink ([`super::tree`]).
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::ffi::CString;
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+
+use super::{fsops, tree};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScratchError {
@@ -17,8 +26,8 @@ pub enum ScratchError {
     },
     #[error("scratch: job id {0:?} is not a plain name")]
     BadJobId(String),
-    #[error("scratch: {path} exists and is not a directory owned by uid {uid}; remove it")]
-    Foreign { path: PathBuf, uid: u32 },
+    #[error("scratch root: {0}")]
+    Root(#[from] crate::privfs::PrivfsError),
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ScratchError + 'a {
@@ -42,10 +51,21 @@ pub fn path(root: &Path, job_id: &str) -> Result<PathBuf, ScratchError> {
     Ok(root.join(job_id))
 }
 
-/// Creates `root/job_id`, mode 0700, owned by `uid:gid` (the root itself is made 0755 and owned
-/// by whoever creates it). An existing directory already owned by the user is kept: a Prolog run
-/// twice for one job does not lose data. `cap` is not enforced by the filesystem; staging checks
-/// it ([`remaining`]).
+fn c_name(name: &str) -> Result<CString, ScratchError> {
+    CString::new(name).map_err(|_| ScratchError::BadJobId(name.to_string()))
+}
+
+/// Opens the scratch root, making it (root's, 0755) if missing; refuses one that another user
+/// owns or could change, or a symlink, in one line.
+pub fn open_root(root: &Path) -> Result<OwnedFd, ScratchError> {
+    Ok(crate::privfs::root_dir(root, 0o755)?)
+}
+
+/// Creates `root/job_id`, mode 0700, owned by `uid:gid`, made by root beneath the root's fd. A
+/// directory already there of this very user and group is kept (a Prolog run twice for one job
+/// does not lose data); anything else left there (another user's directory, a file, a symlink)
+/// is removed without being followed and made anew: never handed over, never a failure. `cap`
+/// is not enforced by the filesystem; staging checks it ([`remaining`]).
 pub fn create(
     root: &Path,
     job_id: &str,
@@ -54,87 +74,85 @@ pub fn create(
     _cap: Option<u64>,
 ) -> Result<PathBuf, ScratchError> {
     let dir = path(root, job_id)?;
-    create_dirs(root, 0o755).map_err(io("create", root))?;
-    match std::fs::create_dir(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            let meta = std::fs::symlink_metadata(&dir).map_err(io("inspect", &dir))?;
-            if !meta.is_dir() || meta.uid() != uid {
-                return Err(ScratchError::Foreign { path: dir, uid });
-            }
+    let name = c_name(job_id)?;
+    let rfd = open_root(root)?;
+    let kept = match fsops::lstat_at(&rfd, &name).map_err(io("inspect", &dir))? {
+        Some(st)
+            if st.st_mode & libc::S_IFMT == libc::S_IFDIR
+                && (st.st_uid, st.st_gid) == (uid, gid) =>
+        {
+            true
         }
-        Err(e) => return Err(io("create", &dir)(e)),
+        Some(_) => {
+            tree::remove_at(&rfd, &name).map_err(io("remove the leftover", &dir))?;
+            false
+        }
+        None => false,
+    };
+    if !kept {
+        // SAFETY: `rfd` is an open directory and `name` a valid C string of one component.
+        let r = unsafe { libc::mkdirat(rfd.as_raw_fd(), name.as_ptr(), 0o700) };
+        if r < 0 {
+            return Err(io("create", &dir)(std::io::Error::last_os_error()));
+        }
     }
-    std::os::unix::fs::lchown(&dir, Some(uid), Some(gid)).map_err(io("chown", &dir))?;
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(io("chmod", &dir))?;
+    let fd = tree::open_dir_at(&rfd, &name).map_err(io("open", &dir))?;
+    if !kept {
+        fsops::fchown(&fd, uid, gid).map_err(io("chown", &dir))?;
+    }
+    fsops::fchmod(&fd, 0o700).map_err(io("chmod", &dir))?;
     Ok(dir)
 }
 
-/// Creates `dir` and its missing parents, each with `mode` whatever the umask: under a
-/// Prolog's umask of 077 they were made 0700, and no user could reach a job's directory below.
-/// Existing directories are left as the admin made them.
-pub(crate) fn create_dirs(dir: &Path, mode: u32) -> std::io::Result<()> {
-    let missing: Vec<&Path> = dir
-        .ancestors()
-        .take_while(|a| !a.as_os_str().is_empty() && !a.is_dir())
-        .collect();
-    for d in missing.into_iter().rev() {
-        match std::fs::create_dir(d) {
-            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))?,
-            // Another Prolog made it meanwhile.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Removes `root/job_id` and everything in it. Directories the job made read-only are made
-/// writable first; symlinks are removed, never followed; a missing directory is not an error.
+/// Removes `root/job_id` and everything in it, by fd beneath the root and without following a
+/// symlink, whatever the job renamed meanwhile; a missing directory is not an error.
 pub fn remove(root: &Path, job_id: &str) -> Result<(), ScratchError> {
     let dir = path(root, job_id)?;
-    match std::fs::symlink_metadata(&dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io("inspect", &dir)(e)),
-        Ok(m) if !m.is_dir() => return std::fs::remove_file(&dir).map_err(io("remove", &dir)),
-        Ok(_) => {}
+    let name = c_name(job_id)?;
+    if matches!(std::fs::symlink_metadata(root), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Ok(());
     }
-    remove_tree(&dir)
+    let rfd = open_root(root)?;
+    tree::remove_at(&rfd, &name).map_err(io("remove", &dir))
 }
 
-pub(crate) fn remove_tree(dir: &Path) -> Result<(), ScratchError> {
-    // u+rwx so that it can be listed and emptied; the tree may have been left 0500 by the job.
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(io("chmod", dir))?;
-    for item in std::fs::read_dir(dir).map_err(io("list", dir))? {
-        let item = item.map_err(io("list", dir))?;
-        let p = item.path();
-        // file_type() does not follow symlinks: a symlink to a directory is unlinked, not walked.
-        if item.file_type().map_err(io("inspect", &p))?.is_dir() {
-            remove_tree(&p)?;
-        } else {
-            std::fs::remove_file(&p).map_err(io("remove", &p))?;
-        }
+/// Moves the scratch of `job_id` aside, within the root, as `<job>.kept-<now>` (out of the way of
+/// [`reclaim`], which takes only job ids); returns where it is.
+pub fn set_aside(root: &Path, job_id: &str, now: u64) -> Result<PathBuf, ScratchError> {
+    let from = c_name(path(root, job_id).map(|_| job_id)?)?;
+    let to_name = format!("{job_id}.kept-{now}");
+    let to = c_name(&to_name)?;
+    let rfd = open_root(root)?;
+    // SAFETY: `rfd` is an open directory; both names are valid C strings of one component.
+    let r = unsafe {
+        libc::renameat2(
+            rfd.as_raw_fd(),
+            from.as_ptr(),
+            rfd.as_raw_fd(),
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r < 0 {
+        return Err(io("move aside", &root.join(job_id))(
+            std::io::Error::last_os_error(),
+        ));
     }
-    std::fs::remove_dir(dir).map_err(io("remove", dir))
+    Ok(root.join(to_name))
 }
 
-/// Bytes used by the files under `dir` (allocated blocks, not following symlinks).
+/// Bytes used by the files under `dir` (allocated blocks), walked by fd without following a
+/// symlink. `dir` is a job's scratch (under the root-owned scratch root) or a directory the
+/// caller named.
 pub fn usage(dir: &Path) -> Result<u64, ScratchError> {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for item in std::fs::read_dir(&d).map_err(io("list", &d))? {
-            let item = item.map_err(io("list", &d))?;
-            let meta = item.metadata().map_err(io("inspect", &item.path()))?;
-            total += meta.blocks() * 512;
-            if meta.is_dir() {
-                stack.push(item.path());
-            }
-        }
-    }
-    Ok(total)
+    let fd = nix::fcntl::open(
+        dir,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| io("list", dir)(e.into()))?;
+    tree::usage_at(&fd).map_err(io("measure", dir))
 }
 
 /// What a scratch directory may still take under a per-job cap: pass it as
@@ -149,27 +167,64 @@ pub fn failure_path(root: &Path, job_id: &str) -> Result<PathBuf, ScratchError> 
     Ok(path(root, job_id)?.with_file_name(format!("{job_id}.stage-in-failed")))
 }
 
-/// Records `line` as the reason the job's stage-in failed; written whole or not at all.
-pub fn record_failure(root: &Path, job_id: &str, line: &str) -> Result<(), ScratchError> {
-    let dest = failure_path(root, job_id)?;
-    let tmp = dest.with_extension("tmp");
-    std::fs::write(&tmp, format!("{line}\n")).map_err(io("write", &tmp))?;
-    std::fs::rename(&tmp, &dest).map_err(io("rename", &dest))
+fn failure_name(job_id: &str) -> Result<CString, ScratchError> {
+    path(Path::new("/"), job_id)?;
+    c_name(&format!("{job_id}.stage-in-failed"))
 }
 
-/// The recorded reason the job's stage-in failed, if it did.
+/// Records `line` as the reason the job's stage-in failed; written whole or not at all, by fd
+/// beneath the scratch root.
+pub fn record_failure(root: &Path, job_id: &str, line: &str) -> Result<(), ScratchError> {
+    let dest = failure_path(root, job_id)?;
+    let name = failure_name(job_id)?;
+    let tmp = c_name(&format!("{job_id}.stage-in-failed.tmp"))?;
+    let rfd = open_root(root)?;
+    let _ = tree::remove_at(&rfd, &tmp);
+    let fd = fsops::open_at(
+        &rfd,
+        &tmp,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+        0o644,
+    )
+    .map_err(io("write", &dest))?;
+    std::fs::File::from(fd)
+        .write_all(format!("{line}\n").as_bytes())
+        .map_err(io("write", &dest))?;
+    // SAFETY: `rfd` is an open directory; both names are valid C strings of one component.
+    let r = unsafe {
+        libc::renameat(
+            rfd.as_raw_fd(),
+            tmp.as_ptr(),
+            rfd.as_raw_fd(),
+            name.as_ptr(),
+        )
+    };
+    if r < 0 {
+        return Err(io("rename", &dest)(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The recorded reason the job's stage-in failed, if it did (one line, read bounded).
 pub fn failure(root: &Path, job_id: &str) -> Option<String> {
-    let text = std::fs::read_to_string(failure_path(root, job_id).ok()?).ok()?;
-    Some(text.trim_end().to_string())
+    let name = failure_name(job_id).ok()?;
+    let rfd = crate::privfs::root_dir(root, 0o755).ok()?;
+    let fd = fsops::open_at(&rfd, &name, libc::O_RDONLY | libc::O_NONBLOCK, 0).ok()?;
+    let mut file = std::fs::File::from(fd);
+    let text = crate::privfs::read_bounded(&mut file, 64 * 1024).ok()?;
+    Some(String::from_utf8_lossy(&text).trim_end().to_string())
 }
 
 /// Removes the job's stage-in failure record; none is no error.
 pub fn clear_failure(root: &Path, job_id: &str) -> Result<(), ScratchError> {
     let p = failure_path(root, job_id)?;
-    match std::fs::remove_file(&p) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io("remove", &p)(e)),
-        _ => Ok(()),
+    let name = failure_name(job_id)?;
+    if matches!(std::fs::symlink_metadata(root), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Ok(());
     }
+    let rfd = open_root(root)?;
+    tree::remove_at(&rfd, &name).map_err(io("remove", &p))
 }
 
 /// Removes the scratch (and failure record) of every job under `root` that `live` says is not
@@ -177,13 +232,13 @@ pub fn clear_failure(root: &Path, job_id: &str) -> Result<(), ScratchError> {
 /// names that are job ids are touched. Returns the job ids reclaimed.
 pub fn reclaim(root: &Path, live: impl Fn(&str) -> bool) -> Result<Vec<String>, ScratchError> {
     let mut reclaimed = Vec::new();
-    let entries = match std::fs::read_dir(root) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(reclaimed),
-        other => other.map_err(io("list", root))?,
-    };
-    for item in entries {
-        let item = item.map_err(io("list", root))?;
-        let name = item.file_name().to_string_lossy().into_owned();
+    if matches!(std::fs::symlink_metadata(root), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Ok(reclaimed);
+    }
+    let rfd = open_root(root)?;
+    for name in tree::list(&rfd).map_err(io("list", root))? {
+        let name = name.to_string_lossy().into_owned();
         let job = name.strip_suffix(".stage-in-failed").unwrap_or(&name);
         if job.is_empty() || !job.bytes().all(|b| b.is_ascii_digit()) || live(job) {
             continue;
@@ -201,6 +256,7 @@ pub fn reclaim(root: &Path, live: impl Fn(&str) -> bool) -> Result<Vec<String>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     #[test]
     fn job_ids_cannot_leave_the_root() {
