@@ -228,9 +228,17 @@ pub struct Marker {
 /// Reads the completion marker of a staged tree: `None` when the tree is not (or not yet)
 /// completely staged.
 pub fn status(dest: &Path) -> Option<Marker> {
-    let text = std::fs::read(dest.join(MARKER)).ok()?;
-    serde_json::from_slice(&text).ok()
+    let fd = nix::fcntl::open(
+        dest,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ok()?;
+    read_marker(&fd)
 }
+
+/// The most a completion marker may hold: a path and a few numbers.
+const MARKER_MAX: u64 = 64 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Kind {
@@ -547,10 +555,20 @@ fn dir_exact(entry: &Entry, st: &libc::stat, mode: u32) -> bool {
 }
 
 /// The completion marker in the open destination root, if a valid one is there.
+/// A regular file only (never a symlink, never blocking on a FIFO), read bounded.
 fn read_marker(root: &OwnedFd) -> Option<Marker> {
-    let fd = fsops::open_beneath(root, Path::new(MARKER), libc::O_RDONLY, 0).ok()?;
-    let mut text = Vec::new();
-    std::fs::File::from(fd).read_to_end(&mut text).ok()?;
+    let fd = fsops::open_beneath(
+        root,
+        Path::new(MARKER),
+        libc::O_RDONLY | libc::O_NONBLOCK,
+        0,
+    )
+    .ok()?;
+    let mut file = std::fs::File::from(fd);
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let text = crate::privfs::read_bounded(&mut file, MARKER_MAX).ok()?;
     serde_json::from_slice(&text).ok()
 }
 
@@ -1174,8 +1192,12 @@ pub fn stage_as(
     if !nix::unistd::Uid::current().is_root() {
         return stage(source, base, rel, opts);
     }
+    // Whether the cache covers the source is looked at as the user: root resolves no path the
+    // user named.
     if let Some(cache) = &opts.cache
-        && let Some(canon) = cache.covers(source)
+        && let Some(canon) = crate::privfs::as_user(user, || cache.covers(source))
+            .ok()
+            .flatten()
     {
         return cache::stage_cached(user, &canon, base, rel, opts, cache);
     }

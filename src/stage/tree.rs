@@ -4,7 +4,9 @@
 //! to somewhere else: every directory here is opened with `O_NOFOLLOW | O_DIRECTORY` from the fd
 //! of its parent, and every removal is an `unlinkat` of one name in a directory opened that way.
 //! A name that turned into a symlink is unlinked as a symlink, never followed; no mode is ever
-//! changed by path; a mount point inside the tree is refused, never walked into.
+//! changed by path; a mount point inside the tree is refused, never walked into. Each directory
+//! is taken from the user (root's, 0700, by its fd) before it is listed, so a user's live process
+//! cannot keep a removal going by adding entries.
 
 use std::ffi::{CStr, CString};
 use std::io;
@@ -87,9 +89,15 @@ fn enter(dir: &OwnedFd, name: &CStr, dev: u64) -> io::Result<Option<OwnedFd>> {
                         "a mount point is inside it: unmount it and try again",
                     ));
                 }
-                // Root needs no permission to empty it; another caller (a test as itself)
-                // makes its own read-only directory writable, on the fd it opened.
-                if st.st_mode & 0o700 != 0o700 && st.st_uid == nix::unistd::geteuid().as_raw() {
+                let me = nix::unistd::geteuid().as_raw();
+                if me == 0 {
+                    // Taken from the user before it is listed: no process of theirs (another
+                    // job, a cwd inside) can add entries to it any more, so the removal ends.
+                    fsops::fchown(&fd, 0, 0)?;
+                    fsops::fchmod(&fd, 0o700)?;
+                } else if st.st_mode & 0o700 != 0o700 && st.st_uid == me {
+                    // Another caller (a test as itself) makes its own read-only directory
+                    // writable, on the fd it opened.
                     fsops::fchmod(&fd, (st.st_mode & 0o7777) | 0o700)?;
                 }
                 return Ok(Some(fd));
