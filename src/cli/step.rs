@@ -235,13 +235,8 @@ fn step_entrypoint(image: &[String], lowers: &[std::path::PathBuf]) -> Vec<Strin
     let is_file = |layer: &std::path::PathBuf| {
         std::fs::File::open(layer)
             .and_then(|dir| {
-                crate::privfs::open_beneath(
-                    &dir,
-                    std::path::Path::new(rc),
-                    nix::fcntl::OFlag::O_PATH,
-                    0,
-                    false,
-                )
+                crate::runtime::mounts::path_beneath(&dir, std::path::Path::new(rc))
+                    .map_err(std::io::Error::from)
             })
             .and_then(|fd| std::fs::File::from(fd).metadata())
             .is_ok_and(|m| m.is_file())

@@ -75,6 +75,17 @@ pub fn fd_path(fd: &impl AsRawFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
+/// An O_PATH fd of `rel` beneath `dir` that follows no symlink (nor magic link) and never leaves
+/// `dir`: [`privfs::open_beneath`] for O_PATH, which openat2 takes only without the O_NOCTTY that
+/// privfs adds.
+pub fn path_beneath(dir: impl AsFd, rel: &Path) -> Result<OwnedFd, Errno> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+    let rel = rel.strip_prefix("/").unwrap_or(rel);
+    openat2(dir, rel, how)
+}
+
 fn in_root(path: &Path) -> PathBuf {
     path.components()
         .filter(|c| matches!(c, Component::Normal(_)))

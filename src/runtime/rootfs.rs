@@ -314,8 +314,7 @@ fn create_devices(
 fn mask_paths(root: &OwnedFd) -> Result<(), SetupError> {
     // Beneath the root, following no symlink: only the kernel's own /proc and /sys entries are
     // masked, never what a symlink (of the image, or of /proc itself) points to.
-    let open_existing =
-        |path: &str| privfs::open_beneath(root, Path::new(path), OFlag::O_PATH, 0, false).ok();
+    let open_existing = |path: &str| mounts::path_beneath(root, Path::new(path)).ok();
     for path in MASKED_PATHS {
         let Some(fd) = open_existing(path) else {
             continue;
