@@ -411,7 +411,7 @@ pub fn host_files() -> Vec<PathBuf> {
 /// A device node the user asked for, opened as the user (the kernel resolves the path with the
 /// user's permissions) and described from what was opened; the user must be allowed to read or
 /// write it on the host, or the container would give the user a device the host does not.
-fn host_device(path: &PathBuf, user: &spec::UserIds) -> Result<HostDevice, Failure> {
+fn host_device(path: &std::path::Path, user: &spec::UserIds) -> Result<HostDevice, Failure> {
     use nix::fcntl::OFlag;
     let bad = |why: String| Failure::input(format!("--device {}: {why}", path.display()));
     if !path.starts_with("/dev/") {
@@ -449,7 +449,7 @@ fn host_device(path: &PathBuf, user: &spec::UserIds) -> Result<HostDevice, Failu
     }
     let rdev = meta.rdev();
     Ok(HostDevice {
-        path: path.clone(),
+        path: path.to_path_buf(),
         block: ft.is_block_device(),
         major: libc::major(rdev) as i64,
         minor: libc::minor(rdev) as i64,

@@ -374,18 +374,13 @@ impl Tree {
         };
         // Private: a clone of a shared host mount would otherwise stay its peer, and what the
         // container mounts inside it would appear on the host.
-        tree.set_attr(
-            attr_set,
-            MsFlags::MS_PRIVATE.bits() as u64,
-            userns,
-            recursive,
-        )
-        .map_err(|e| {
-            (
-                "setting mount flags (mount_setattr, Linux 5.12 or later) on",
-                e,
-            )
-        })?;
+        tree.set_attr(attr_set, MsFlags::MS_PRIVATE.bits(), userns, recursive)
+            .map_err(|e| {
+                (
+                    "setting mount flags (mount_setattr, Linux 5.12 or later) on",
+                    e,
+                )
+            })?;
         Ok(tree)
     }
 
