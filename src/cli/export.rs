@@ -170,7 +170,16 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, Failure> {
         arch: None,
     };
     let progress = |line: &str| eprintln!("berth: {line}");
-    let image = get_or_import(&store, &reference, config, &who, &progress)
+    // A local file or layout is opened as the caller, and read only through that fd.
+    let opened = if crate::image::store::is_local_path(&reference) {
+        Some(
+            crate::image::import::Opened::open(&reference, Some(&user))
+                .map_err(super::import::failure)?,
+        )
+    } else {
+        None
+    };
+    let image = get_or_import(&store, &reference, opened.as_ref(), config, &who, &progress)
         .map_err(super::import::failure)?;
     Ok(match image.rootfs {
         Rootfs::Layers(layers) => Source::Layers(layers),

@@ -132,25 +132,73 @@ trait Blobs: Sync {
     fn size(&self, name: &str) -> Option<u64>;
 }
 
-/// An OCI layout directory.
+/// An OCI layout directory, opened as the user who named it. Each blob is opened beneath it with
+/// that user's credentials and without following any symlink (a blob linked to a file of
+/// someone else's is refused), never blocking on a FIFO.
 struct DirBlobs {
-    dir: PathBuf,
+    dir: File,
+    /// Who opens the blobs: the user who named the layout (root when root named it).
+    user: Option<crate::spec::UserIds>,
     what: String,
+}
+
+impl DirBlobs {
+    fn open_file(&self, name: &str) -> io::Result<File> {
+        let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK;
+        let open = || crate::privfs::open_beneath(&self.dir, Path::new(name), flags, 0, true);
+        let fd = match &self.user {
+            Some(user) => crate::privfs::as_user(user, open)??,
+            None => open()?,
+        };
+        let file = File::from(fd);
+        if !file.metadata()?.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        nix::fcntl::fcntl(
+            &file,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+        )?;
+        Ok(file)
+    }
 }
 
 impl Blobs for DirBlobs {
     fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
-        let path = self.dir.join(name);
-        let f = File::open(&path).map_err(|source| ArchiveError::Io {
+        let f = self.open_file(name).map_err(|source| ArchiveError::Io {
             what: self.what.clone(),
-            path,
+            path: PathBuf::from(name),
             source,
         })?;
         Ok(Box::new(BufReader::with_capacity(256 * 1024, f)))
     }
 
     fn size(&self, name: &str) -> Option<u64> {
-        std::fs::metadata(self.dir.join(name)).ok().map(|m| m.len())
+        self.open_file(name).ok()?.metadata().ok().map(|m| m.len())
+    }
+}
+
+/// Reads `len` bytes of a shared file from `offset` with `pread`, so several threads read one
+/// open file at once without sharing a file position.
+struct RangeReader<'a> {
+    file: &'a File,
+    pos: u64,
+    end: u64,
+}
+
+impl Read for RangeReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let left = self.end.saturating_sub(self.pos);
+        let n = (buf.len() as u64).min(left) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        let got = self.file.read_at(&mut buf[..n], self.pos)?;
+        self.pos += got as u64;
+        Ok(got)
     }
 }
 
@@ -162,22 +210,35 @@ struct Member {
     link: String,
 }
 
-/// A tar file read in place: an index of its members, and a fresh file handle per blob read
-/// (so layers can be read by several threads at once).
+impl Seek for RangeReader<'_> {
+    fn seek(&mut self, to: SeekFrom) -> io::Result<u64> {
+        let base = match to {
+            SeekFrom::Start(n) => Some(n),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+            SeekFrom::End(d) => self.end.checked_add_signed(d),
+        };
+        self.pos = base.ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        Ok(self.pos)
+    }
+}
+
+/// A tar file read in place, through the one fd opened for it (as the user who named it): an
+/// index of its members, and a positioned reader per blob (so layers can be read by several
+/// threads at once).
 struct TarBlobs {
-    file: PathBuf,
+    file: File,
     what: String,
     members: HashMap<String, Member>,
 }
 
 /// A seekable file as tar input: skipping data is a seek.
-struct FileInput {
-    r: BufReader<File>,
+struct FileInput<'a> {
+    r: BufReader<RangeReader<'a>>,
     pos: u64,
     len: u64,
 }
 
-impl TarInput for FileInput {
+impl TarInput for FileInput<'_> {
     fn fill(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let mut done = 0;
         while done < buf.len() {
@@ -221,12 +282,22 @@ fn member_name(raw: &str) -> Option<String> {
 }
 
 impl TarBlobs {
-    fn index(file: &Path, what: &str) -> Result<Self, ArchiveError> {
+    fn index(file: File, what: &str) -> Result<Self, ArchiveError> {
         let io_err = |e: io::Error| invalid(what, format!("cannot read the archive: {e}"));
-        let f = File::open(file).map_err(io_err)?;
-        let len = f.metadata().map_err(io_err)?.len();
+        let meta = file.metadata().map_err(io_err)?;
+        if !meta.is_file() {
+            return Err(invalid(what, "the archive is not a regular file"));
+        }
+        let len = meta.len();
         let mut reader = TarReader::new(FileInput {
-            r: BufReader::with_capacity(64 * 1024, f),
+            r: BufReader::with_capacity(
+                64 * 1024,
+                RangeReader {
+                    file: &file,
+                    pos: 0,
+                    end: len,
+                },
+            ),
             pos: 0,
             len,
         });
@@ -256,8 +327,9 @@ impl TarBlobs {
                 );
             }
         }
+        drop(reader);
         Ok(Self {
-            file: file.to_path_buf(),
+            file,
             what: what.to_string(),
             members,
         })
@@ -291,16 +363,13 @@ impl Blobs for TarBlobs {
         let m = self
             .resolve(name)
             .ok_or_else(|| invalid(&self.what, format!("'{name}' is missing from the archive")))?;
-        let io_err = |source| ArchiveError::Io {
-            what: self.what.clone(),
-            path: self.file.clone(),
-            source,
-        };
-        let mut f = File::open(&self.file).map_err(io_err)?;
-        f.seek(SeekFrom::Start(m.offset)).map_err(io_err)?;
         Ok(Box::new(BufReader::with_capacity(
             256 * 1024,
-            f.take(m.size),
+            RangeReader {
+                file: &self.file,
+                pos: m.offset,
+                end: m.offset.saturating_add(m.size),
+            },
         )))
     }
 
@@ -792,9 +861,8 @@ fn import_layer(
     what: &str,
     cancel: &AtomicBool,
 ) -> Result<(PathBuf, Option<(u64, u64)>), ImageError> {
-    if let Some(dir) = store.existing_layer(&job.diff_id) {
-        return Ok((dir, None));
-    }
+    // A layer the store already has is still read (and only hashed, see Store::stage): a digest
+    // is no proof that whoever names this file could read the layer.
     let mut hashed = Hashed {
         inner: blobs.open(&job.blob)?,
         hasher: Sha256::new(),
@@ -952,6 +1020,7 @@ fn run_plan(
     blobs: &dyn Blobs,
     plan: Plan,
     reference: &Reference,
+    stamp: Option<&store::FileStamp>,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
     let what = reference_key(reference);
@@ -960,7 +1029,7 @@ fn run_plan(
         config,
         layers,
     } = plan;
-    store.import_with(&digest, reference, progress, |store| {
+    store.import_stamped(&digest, reference, stamp, progress, |store| {
         let missing: Vec<&LayerJob> = layers
             .iter()
             .filter(|j| store.existing_layer(&j.diff_id).is_none())
@@ -1021,41 +1090,70 @@ fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), A
     })
 }
 
-/// Imports an archive, layout, Podman or Docker image (see the module's header).
+/// Imports an archive, layout, Podman or Docker image (see the module's header). A file or
+/// layout is opened with this process's own credentials; see [`import_opened`] for one a user
+/// named.
 pub fn import(
     store: &Store,
     reference: &Reference,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
+    if store::is_local_path(reference) {
+        let opened = super::import::Opened::open(reference, None)?;
+        return import_opened(store, reference, Some(&opened), progress);
+    }
+    import_opened(store, reference, None, progress)
+}
+
+/// [`import`] of a file or layout already opened (as the user who named it): root reads only
+/// through that fd, and a layout's blobs are opened beneath it as that user.
+pub fn import_opened(
+    store: &Store,
+    reference: &Reference,
+    opened: Option<&super::import::Opened>,
+    progress: Progress<'_>,
+) -> Result<Image, ImageError> {
     let what = reference_key(reference);
+    let opened_file = || -> Result<&super::import::Opened, ImageError> {
+        opened.ok_or_else(|| {
+            ImageError::Store(format!(
+                "internal error: {what} was not opened before import"
+            ))
+        })
+    };
     match reference {
-        Reference::OciLayout { dir, name } => {
-            if !dir.join("index.json").is_file() {
-                return Err(invalid(
-                    &what,
-                    format!(
-                        "{} is not an OCI image layout (no index.json)",
-                        dir.display()
-                    ),
-                )
-                .into());
-            }
+        Reference::OciLayout { name, .. } => {
+            let o = opened_file()?;
             let blobs = DirBlobs {
-                dir: dir.clone(),
+                dir: o
+                    .file
+                    .try_clone()
+                    .map_err(|e| invalid(&what, e.to_string()))?,
+                user: o.user.clone(),
                 what: what.clone(),
             };
             let plan = oci_plan(&blobs, name.as_deref(), &what)?;
-            run_plan(store, &blobs, plan, reference, progress)
+            run_plan(store, &blobs, plan, reference, Some(&o.stamp), progress)
         }
-        Reference::OciArchive { file, name } => {
+        Reference::OciArchive { name, .. } => {
+            let o = opened_file()?;
+            let file = o
+                .file
+                .try_clone()
+                .map_err(|e| invalid(&what, e.to_string()))?;
             let blobs = TarBlobs::index(file, &what)?;
             let plan = oci_plan(&blobs, name.as_deref(), &what)?;
-            run_plan(store, &blobs, plan, reference, progress)
+            run_plan(store, &blobs, plan, reference, Some(&o.stamp), progress)
         }
-        Reference::DockerArchive { file, name } => {
+        Reference::DockerArchive { name, .. } => {
+            let o = opened_file()?;
+            let file = o
+                .file
+                .try_clone()
+                .map_err(|e| invalid(&what, e.to_string()))?;
             let blobs = TarBlobs::index(file, &what)?;
             let plan = docker_plan(&blobs, name.as_deref(), &what)?;
-            run_plan(store, &blobs, plan, reference, progress)
+            run_plan(store, &blobs, plan, reference, Some(&o.stamp), progress)
         }
         Reference::Podman(image) | Reference::Dockerd(image) => {
             let podman = matches!(reference, Reference::Podman(_));
@@ -1087,13 +1185,14 @@ pub fn import(
                 )
             };
             let result = saved.map_err(ImageError::from).and_then(|()| {
-                let blobs = TarBlobs::index(&tmp, &what)?;
+                let file = File::open(&tmp).map_err(|e| invalid(&what, e.to_string()))?;
+                let blobs = TarBlobs::index(file, &what)?;
                 let plan = if podman {
                     oci_plan(&blobs, None, &what)?
                 } else {
                     docker_plan(&blobs, None, &what)?
                 };
-                run_plan(store, &blobs, plan, reference, progress)
+                run_plan(store, &blobs, plan, reference, None, progress)
             });
             let _ = std::fs::remove_file(&tmp);
             result

@@ -165,12 +165,6 @@ impl LoopDevice {
         size: u64,
         method: Method,
     ) -> Result<LoopDevice, LoopError> {
-        let control = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open("/dev/loop-control")
-            .map_err(LoopError::Control)?;
         let backing = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC)
@@ -179,6 +173,25 @@ impl LoopDevice {
                 path: file.to_path_buf(),
                 source,
             })?;
+        Self::attach_fd(&backing, file, offset, size, method)
+    }
+
+    /// Attaches `size` bytes from `offset` of the open `backing` file (opened by the user who
+    /// named it: the device reads that very file, whatever is renamed at its path later),
+    /// read-only, with autoclear. `file` is only the name shown in sysfs and errors.
+    pub fn attach_fd(
+        backing: &File,
+        file: &Path,
+        offset: u64,
+        size: u64,
+        method: Method,
+    ) -> Result<LoopDevice, LoopError> {
+        let control = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open("/dev/loop-control")
+            .map_err(LoopError::Control)?;
         let flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
         for _ in 0..ATTACH_ATTEMPTS {
             let n = ioctl_ptr::<u8>(&control, LOOP_CTL_GET_FREE, std::ptr::null())
@@ -233,8 +246,9 @@ impl LoopDevice {
                 number: n,
                 device,
             };
-            // The read-only flag comes from the O_RDONLY backing file with LOOP_SET_FD.
-            let status = info(file, offset, size, LO_FLAGS_AUTOCLEAR);
+            // The read-only flag comes from the O_RDONLY backing file with LOOP_SET_FD; it is
+            // asked for again so that a writable fd still gives a read-only device.
+            let status = info(file, offset, size, LO_FLAGS_AUTOCLEAR | LO_FLAGS_READ_ONLY);
             if let Err(e) = ioctl_ptr(&dev.device, LOOP_SET_STATUS64, &status) {
                 dev.detach();
                 return Err(configure_err(e));

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags};
 
-use super::loopdev::{LoopDevice, LoopError};
+use super::loopdev::{LoopDevice, LoopError, Method};
 use super::squashfs::{SquashfsError, probe_squashfs_magic};
 use super::{ImageError, Rootfs};
 
@@ -171,17 +171,28 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, MountError> {
     }
 }
 
-/// The mount directory itself, created if needed and resolved (mountinfo shows real paths).
+/// The mount directory itself, created if needed and resolved (mountinfo shows real paths). Run
+/// as root, it must be root's all the way from `/` and is kept 0700: the mounts under it hold
+/// private images, which other users must not read on the host (containers reach them through
+/// overlays root mounts, which this does not hinder).
 fn root_dir(mount_root: &Path) -> Result<PathBuf, MountError> {
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(mount_root)
-        .map_err(|source| MountError::Io {
-            what: "creating",
+    if nix::unistd::geteuid().is_root() {
+        crate::privfs::root_dir(mount_root, 0o700).map_err(|e| MountError::Io {
+            what: "checking",
             path: mount_root.to_path_buf(),
-            source,
+            source: std::io::Error::other(e.to_string()),
         })?;
+    } else {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(mount_root)
+            .map_err(|source| MountError::Io {
+                what: "creating",
+                path: mount_root.to_path_buf(),
+                source,
+            })?;
+    }
     std::fs::canonicalize(mount_root).map_err(|source| MountError::Io {
         what: "resolving",
         path: mount_root.to_path_buf(),
@@ -189,9 +200,97 @@ fn root_dir(mount_root: &Path) -> Result<PathBuf, MountError> {
     })
 }
 
+/// The directory of one user's own mounts, `<mount_dir>/u<uid>`, root's and 0700 like its parent.
+fn user_dir(root: &Path, uid: u32) -> Result<PathBuf, MountError> {
+    let dir = root.join(format!("u{uid}"));
+    if nix::unistd::geteuid().is_root() {
+        crate::privfs::root_dir(&dir, 0o700).map_err(|e| MountError::Io {
+            what: "checking",
+            path: dir.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    } else {
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(source) => {
+                return Err(MountError::Io {
+                    what: "creating",
+                    path: dir,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(dir)
+}
+
+/// Whether the opened `file` may back a mount shared by every user: no user but root can change
+/// it (root owns it, it is not group- or other-writable) nor what its path leads to (every
+/// directory above it is root's and not writable by others but with the sticky bit). Checked on
+/// the fd, and its path's directories, which must still lead to that very file.
+pub fn shareable(file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    if meta.uid() != 0 || meta.mode() & 0o022 != 0 || !meta.is_file() {
+        return false;
+    }
+    let Ok(path) = std::fs::read_link(crate::privfs::fd_path(file)) else {
+        return false;
+    };
+    let same = std::fs::symlink_metadata(&path)
+        .is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino());
+    if !same || !path.is_absolute() {
+        return false;
+    }
+    path.ancestors().skip(1).all(|dir| {
+        std::fs::symlink_metadata(dir).is_ok_and(|m| {
+            m.is_dir()
+                && m.uid() == 0
+                && (m.mode() & 0o022 == 0 || m.mode() & u32::from(libc::S_ISVTX) != 0)
+        })
+    })
+}
+
+/// Mounts the squashfs at `offset` (`size` bytes) of the opened `file` (opened as the user who
+/// named it; `shown` is its name for messages) and returns the mount point, the overlay lower
+/// layer of its containers. A file no user but root can change ([`shareable`]) is mounted once
+/// per node at `<mount_dir>/<digest hex>` and shared (every user who names it could read a file
+/// of that content); any other is the user's own mount at `<mount_dir>/u<uid>/<digest hex>`,
+/// never used for another user. The loop device reads the fd, never the path. `digest` must be
+/// the digest of the bytes read through `file`.
+pub fn mount_opened(
+    digest: &str,
+    file: &File,
+    shown: &Path,
+    offset: u64,
+    size: u64,
+    uid: u32,
+    mount_root: &Path,
+) -> Result<PathBuf, MountError> {
+    let hex = digest_hex(digest)?;
+    let root = root_dir(mount_root)?;
+    let shared = shareable(file);
+    let dir = if shared {
+        root.clone()
+    } else {
+        user_dir(&root, uid)?
+    };
+    let lock_name = if shared {
+        hex.to_string()
+    } else {
+        format!("u{uid}-{hex}")
+    };
+    let _lock = lock(&root, &lock_name)?;
+    mount_at(file, shown, offset, size, &dir.join(hex))
+}
+
 /// Mounts a squashfs image once per node (see the module doc); returns its mount point, the
 /// overlay lower layer for its containers. `digest` names the mount: callers guarantee it is
-/// the digest of this file's content (the store's entries are immutable).
+/// the digest of this file's content (the store's entries are immutable). For files berth
+/// itself keeps; a file a user names goes through [`mount_opened`].
 pub fn mount_shared(
     digest: &str,
     rootfs: &Rootfs,
@@ -205,7 +304,7 @@ pub fn mount_shared(
     }
 }
 
-/// [`mount_shared`] for the squashfs at `offset` (`size` bytes) in `file`.
+/// [`mount_shared`] for the squashfs at `offset` (`size` bytes) in `file`, opened by root.
 pub fn mount_shared_at(
     digest: &str,
     file: &Path,
@@ -216,7 +315,23 @@ pub fn mount_shared_at(
     let hex = digest_hex(digest)?;
     let root = root_dir(mount_root)?;
     let _lock = lock(&root, hex)?;
-    let target = root.join(hex);
+    let opened = File::open(file).map_err(|source| MountError::Io {
+        what: "opening",
+        path: file.to_path_buf(),
+        source,
+    })?;
+    mount_at(&opened, file, offset, size, &root.join(hex))
+}
+
+/// Mounts at `target` unless a squashfs is already mounted there (callers hold its lock).
+fn mount_at(
+    opened: &File,
+    file: &Path,
+    offset: u64,
+    size: u64,
+    target: &Path,
+) -> Result<PathBuf, MountError> {
+    let target = target.to_path_buf();
     if let Some(m) = mounted_at(&target)? {
         if m.fstype == "squashfs" {
             tracing::debug!("{} already mounted from {}", target.display(), m.source);
@@ -227,7 +342,7 @@ pub fn mount_shared_at(
             fstype: m.fstype,
         });
     }
-    match std::fs::DirBuilder::new().mode(0o755).create(&target) {
+    match std::fs::DirBuilder::new().mode(0o700).create(&target) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(source) => {
@@ -238,11 +353,14 @@ pub fn mount_shared_at(
             });
         }
     }
-    probe_squashfs_magic(file, offset)?;
-    let device = LoopDevice::attach(file, offset, size).map_err(|source| MountError::Loop {
-        file: file.to_path_buf(),
-        source,
-    })?;
+    probe_squashfs_magic(&crate::privfs::fd_path(opened), offset)?;
+    let device =
+        LoopDevice::attach_fd(opened, file, offset, size, Method::Configure).map_err(|source| {
+            MountError::Loop {
+                file: file.to_path_buf(),
+                source,
+            }
+        })?;
     let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     if let Err(errno) = nix::mount::mount(
         Some(&device.path),
@@ -278,6 +396,103 @@ pub fn mount_shared_at(
     Ok(target)
 }
 
+/// A directory image's detached mount tree (`tree`, from `open_tree` on the directory the user
+/// opened) attached at `<mount_dir>/dirs/<pid>-<n>`, root's and 0700 like its parent: a path in
+/// the host's mount table the container's new mount namespace copies, naming exactly the
+/// directory the user opened. Unmounted when the returned guard drops (the container has its
+/// own copy by then), or by gc once this process is gone.
+pub fn attach_directory(
+    tree: &impl AsRawFd,
+    shown: &Path,
+    mount_root: &Path,
+) -> Result<DirectoryMount, MountError> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let root = root_dir(mount_root)?;
+    let dirs = root.join("dirs");
+    if nix::unistd::geteuid().is_root() {
+        crate::privfs::root_dir(&dirs, 0o700).map_err(|e| MountError::Io {
+            what: "checking",
+            path: dirs.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    }
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let target = dirs.join(format!("{}-{n}", std::process::id()));
+    let io = |what, source| MountError::Io {
+        what,
+        path: target.clone(),
+        source,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&target) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io("creating", e)),
+    }
+    let c_target = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
+        .map_err(|e| io("naming", std::io::Error::other(e)))?;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    // SAFETY: move_mount from an fd (empty NUL-terminated path) onto a NUL-terminated path.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_FDCWD,
+            c_target.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        let _ = std::fs::remove_dir(&target);
+        return Err(MountError::Io {
+            what: "attaching the directory image",
+            path: shown.to_path_buf(),
+            source: e,
+        });
+    }
+    Ok(DirectoryMount(target))
+}
+
+/// A directory image attached by [`attach_directory`]; detached and removed on drop.
+#[derive(Debug)]
+pub struct DirectoryMount(PathBuf);
+
+impl DirectoryMount {
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for DirectoryMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Detaches the directory images of berth processes that are gone (`dirs/<pid>-<n>`).
+fn detach_orphan_directories(root: &Path) {
+    let dirs = root.join("dirs");
+    let Ok(entries) = std::fs::read_dir(&dirs) else {
+        return;
+    };
+    for name in entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+    {
+        let alive = name
+            .split_once('-')
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+            .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if !alive {
+            let path = dirs.join(&name);
+            let _ = nix::mount::umount2(&path, MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(&path);
+        }
+    }
+}
+
 /// Unmounts every image under `mount_root` for which `in_use(digest)` is false (`digest` as
 /// `sha256:<hex>`), and removes its directory; returns the digests unmounted. An image still
 /// busy on the host (a shell inside it) is left mounted and logged.
@@ -296,25 +511,46 @@ pub fn unmount_unused(
             });
         }
     };
+    detach_orphan_directories(&root);
     let entries = std::fs::read_dir(&root).map_err(|source| MountError::Io {
         what: "listing",
         path: root.clone(),
         source,
     })?;
-    let mut names: Vec<String> = entries
+    // (directory, digest hex, lock name): the shared mounts and each user's own (`u<uid>/`).
+    let mut names: Vec<(PathBuf, String, String)> = Vec::new();
+    for name in entries
         .flatten()
         .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| digest_hex(n).is_ok())
-        .collect();
+    {
+        if digest_hex(&name).is_ok() {
+            names.push((root.clone(), name.clone(), name));
+        } else if let Some(uid) = name.strip_prefix('u')
+            && !uid.is_empty()
+            && uid.bytes().all(|b| b.is_ascii_digit())
+        {
+            let dir = root.join(&name);
+            let Ok(inner) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for hex in inner
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| digest_hex(n).is_ok())
+            {
+                names.push((dir.clone(), hex.clone(), format!("{name}-{hex}")));
+            }
+        }
+    }
     names.sort();
     let mut unmounted = Vec::new();
-    for hex in names {
+    for (dir, hex, lock_name) in names {
         let digest = format!("sha256:{hex}");
         if in_use(&digest) {
             continue;
         }
-        let _lock = lock(&root, &hex)?;
-        let target = root.join(&hex);
+        let _lock = lock(&root, &lock_name)?;
+        let target = dir.join(&hex);
         let mut was_mounted = false;
         while let Some(m) = mounted_at(&target)? {
             if m.fstype != "squashfs" {
@@ -340,7 +576,7 @@ pub fn unmount_unused(
         if mounted_at(&target)?.is_none() {
             let _ = std::fs::remove_dir(&target);
         }
-        if was_mounted {
+        if was_mounted && !unmounted.contains(&digest) {
             unmounted.push(digest);
         }
     }

@@ -283,21 +283,31 @@ pub fn inspect_squashfs(path: &Path) -> Result<Image, ImageError> {
 
 pub fn inspect_squashfs_with(path: &Path, opts: &InspectOptions) -> Result<Image, ImageError> {
     let file = absolute_file(path)?;
-    probe_squashfs_magic(&file, 0)?;
-    let size = std::fs::metadata(&file)
+    inspect_squashfs_at(&file, &file, opts)
+}
+
+/// [`inspect_squashfs_with`] reading `read` (an opened file's `/proc/self/fd/N`) for the image
+/// the user named `shown`: every byte, the digest's included, comes from that one file.
+pub fn inspect_squashfs_at(
+    read: &Path,
+    shown: &Path,
+    opts: &InspectOptions,
+) -> Result<Image, ImageError> {
+    probe_squashfs_magic(read, 0)?;
+    let size = std::fs::metadata(read)
         .map_err(|source| ImageError::Io {
-            path: file.clone(),
+            path: shown.to_path_buf(),
             source,
         })?
         .len();
-    let files = SquashfsFiles::open(&file, 0)?;
+    let files = SquashfsFiles::open(read, 0)?;
     let config = image_config(synth::enroot(&files, opts.enroot_entrypoint));
-    let digest = sha256_file(&file)?;
+    let digest = sha256_file(read)?;
     Ok(Image {
         digest,
-        source: Reference::Squashfs(file.clone()),
+        source: Reference::Squashfs(shown.to_path_buf()),
         rootfs: Rootfs::Squashfs {
-            file,
+            file: shown.to_path_buf(),
             offset: 0,
             size,
         },
@@ -310,6 +320,13 @@ pub fn inspect_squashfs_with(path: &Path, opts: &InspectOptions) -> Result<Image
 /// The digest is the sha256 of the whole SIF file.
 pub fn inspect_sif(path: &Path) -> Result<Image, ImageError> {
     let file = absolute_file(path)?;
+    inspect_sif_at(&file, &file)
+}
+
+/// [`inspect_sif`] reading `read` (an opened file's `/proc/self/fd/N`) for the image the user
+/// named `shown`.
+pub fn inspect_sif_at(read: &Path, shown: &Path) -> Result<Image, ImageError> {
+    let file = read.to_path_buf();
     let sif = Sif::open(&file)?;
     let part = sif
         .primary_partition()
@@ -335,9 +352,9 @@ pub fn inspect_sif(path: &Path) -> Result<Image, ImageError> {
     let digest = sha256_file(&file)?;
     Ok(Image {
         digest,
-        source: Reference::Sif(file.clone()),
+        source: Reference::Sif(shown.to_path_buf()),
         rootfs: Rootfs::Squashfs {
-            file,
+            file: shown.to_path_buf(),
             offset: part.offset,
             size: part.size,
         },

@@ -169,35 +169,42 @@ pub fn reference_key(r: &Reference) -> String {
     }
 }
 
-/// The file a file-based reference names (its identity is recorded, so a changed file is not
-/// taken from the cache).
-fn reference_file(r: &Reference) -> Option<PathBuf> {
-    match r {
-        Reference::Squashfs(p) | Reference::Sif(p) => Some(p.clone()),
-        Reference::OciArchive { file, .. } | Reference::DockerArchive { file, .. } => {
-            Some(file.clone())
-        }
-        Reference::OciLayout { dir, .. } => Some(dir.join("index.json")),
-        _ => None,
-    }
+/// Whether a reference names a file or directory on the node (opened as the user who names it,
+/// see [`Opened`]).
+pub fn is_local_path(r: &Reference) -> bool {
+    matches!(
+        r,
+        Reference::Squashfs(_)
+            | Reference::Sif(_)
+            | Reference::OciArchive { .. }
+            | Reference::DockerArchive { .. }
+            | Reference::OciLayout { .. }
+    )
 }
 
+/// What identifies the file a local reference was read from: the file the user opened (its
+/// `index.json` for an OCI layout), by `fstat` of that fd. `ctime` changes on every write and no
+/// user can set it, so a file patched in place (even with its mtime put back) is a miss.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct FileStamp {
+pub struct FileStamp {
     dev: u64,
     ino: u64,
     size: u64,
     mtime_ns: i128,
+    #[serde(default)]
+    ctime_ns: i128,
 }
 
 impl FileStamp {
-    fn of(path: &Path) -> Option<Self> {
-        let m = std::fs::metadata(path).ok()?;
-        Some(Self {
+    /// The stamp of an open file.
+    pub fn of_file(f: &File) -> std::io::Result<Self> {
+        let m = f.metadata()?;
+        Ok(Self {
             dev: m.dev(),
             ino: m.ino(),
             size: m.size(),
             mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            ctime_ns: m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128,
         })
     }
 }
@@ -254,7 +261,13 @@ impl Store {
         };
         // Root only: layers hold images' setuid binaries on a file system that is not
         // necessarily nosuid, and private images' files. Containers reach them through overlay
-        // mounts made by root, which this does not hinder.
+        // mounts made by root, which this does not hinder. Run as root, berth takes the root
+        // only if root owns it and every directory above it (privfs::root_dir); a berth run by
+        // another user keeps its own store, where it can harm only that user.
+        if nix::unistd::geteuid().is_root() {
+            crate::privfs::root_dir(root, 0o700)
+                .map_err(|e| store.io("checking the store directory", std::io::Error::other(e)))?;
+        }
         let mut builder = std::fs::DirBuilder::new();
         builder.recursive(true).mode(0o700);
         builder
@@ -262,6 +275,15 @@ impl Store {
             .map_err(|e| store.io("creating the store directory", e))?;
         for dir in ["layers", "images", "refs", "use", "locks", "files", "tmp"] {
             let path = root.join(dir);
+            match std::fs::symlink_metadata(&path) {
+                Ok(m) if !m.is_dir() => {
+                    return Err(store.io(
+                        format!("checking {dir}/"),
+                        std::io::Error::other("not a directory (a symlink?): remove it"),
+                    ));
+                }
+                _ => {}
+            }
             builder
                 .create(&path)
                 .map_err(|e| store.io(format!("creating {dir}/"), e))?;
@@ -391,22 +413,27 @@ impl Store {
         serde_json::from_slice(&bytes).ok()
     }
 
-    /// The stored image for `reference`: by digest when the reference pins one, else through
-    /// the reference's record. A file-based reference whose file changed since the import is a
-    /// miss, so the new content gets imported.
+    /// The stored image for `reference`: by digest when a registry reference pins one (only an
+    /// image pulled from a registry: a digest names no file a user could read), else through the
+    /// reference's record. A local reference is found only with the stamp of the file the user
+    /// opened for it, equal to the recorded one: a changed or other file is a miss, so its
+    /// content gets imported.
     pub fn get(&self, reference: &Reference) -> Option<Image> {
+        self.get_stamped(reference, None)
+    }
+
+    /// [`Store::get`] with the stamp of the file the user opened for a local reference.
+    pub fn get_stamped(&self, reference: &Reference, stamp: Option<&FileStamp>) -> Option<Image> {
         if let Reference::Registry(r) = reference
             && let Some(d) = &r.digest
             && let Some(image) = self.image(d)
+            && matches!(image.source, Reference::Registry(_))
         {
             return Some(image);
         }
         let rec = self.read_ref(&reference_key(reference))?;
-        if let Some(stamp) = &rec.file {
-            let now = reference_file(reference).and_then(|p| FileStamp::of(&p));
-            if now.as_ref() != Some(stamp) {
-                return None;
-            }
+        if is_local_path(reference) && (rec.file.is_none() || rec.file.as_ref() != stamp) {
+            return None;
         }
         self.image(&rec.digest)
     }
@@ -421,7 +448,18 @@ impl Store {
         uid: u32,
         confirm: impl FnOnce(&Image) -> Result<bool, ImageError>,
     ) -> Result<Option<Image>, ImageError> {
-        let Some(image) = self.get(reference) else {
+        self.get_for_stamped(reference, None, uid, confirm)
+    }
+
+    /// [`Store::get_for`] with the stamp of the file the user opened for a local reference.
+    pub fn get_for_stamped(
+        &self,
+        reference: &Reference,
+        stamp: Option<&FileStamp>,
+        uid: u32,
+        confirm: impl FnOnce(&Image) -> Result<bool, ImageError>,
+    ) -> Result<Option<Image>, ImageError> {
+        let Some(image) = self.get_stamped(reference, stamp) else {
             return Ok(None);
         };
         if image.anonymous || uid == 0 || confirm(&image)? {
@@ -484,13 +522,14 @@ impl Store {
         ws: &Workspace,
         reference: &Reference,
         digest: &str,
+        stamp: Option<&FileStamp>,
     ) -> Result<(), StoreError> {
         let key = reference_key(reference);
         let rec = RefRecord {
             reference: key.clone(),
             source: reference.clone(),
             digest: digest.to_string(),
-            file: reference_file(reference).and_then(|p| FileStamp::of(&p)),
+            file: stamp.cloned(),
         };
         let bytes = serde_json::to_vec_pretty(&rec)
             .map_err(|e| self.io("encoding a reference", e.into()))?;
@@ -522,6 +561,19 @@ impl Store {
         progress: Progress<'_>,
         build: impl FnOnce(&Store) -> Result<Image, ImageError>,
     ) -> Result<Image, ImageError> {
+        self.import_stamped(digest, reference, None, progress, build)
+    }
+
+    /// [`Store::import_with`] recording `stamp`, the file the user opened for a local reference
+    /// (a local reference recorded without one is never found again by [`Store::get_stamped`]).
+    pub fn import_stamped(
+        &self,
+        digest: &str,
+        reference: &Reference,
+        stamp: Option<&FileStamp>,
+        progress: Progress<'_>,
+        build: impl FnOnce(&Store) -> Result<Image, ImageError>,
+    ) -> Result<Image, ImageError> {
         let hex = digest_hex(digest)?.to_string();
         let _store = self.lock("store", LockMode::Shared)?;
         let cleaned = fs::clean_tmp(&self.dir("tmp"));
@@ -530,11 +582,15 @@ impl Store {
         }
         let ws = self.workspace()?;
         let done = |image: Image| -> Result<Image, ImageError> {
-            self.write_ref(&ws, reference, &image.digest)?;
+            self.write_ref(&ws, reference, &image.digest, stamp)?;
             self.touch_used(&image.digest);
             Ok(image)
         };
-        if let Some(image) = self.image(digest) {
+        // A local file the user opened (`stamp`) is always read: the store holding its digest
+        // is no proof that this user could read the layers (the build hashes what it has).
+        if stamp.is_none()
+            && let Some(image) = self.image(digest)
+        {
             progress(&format!("{digest}: already in the store"));
             return done(image);
         }
@@ -550,7 +606,9 @@ impl Store {
                 self.lock(&format!("image-{hex}"), LockMode::Exclusive)?
             }
         };
-        if let Some(image) = self.image(digest) {
+        if stamp.is_none()
+            && let Some(image) = self.image(digest)
+        {
             progress(&format!(
                 "{digest}: imported by another process; reusing it"
             ));
@@ -575,7 +633,7 @@ impl Store {
         let _lock = self.lock(&format!("image-{hex}"), LockMode::Exclusive)?;
         let ws = self.workspace()?;
         self.write_image(&ws, image)?;
-        self.write_ref(&ws, &image.source, &image.digest)?;
+        self.write_ref(&ws, &image.source, &image.digest, None)?;
         self.touch_used(&image.digest);
         Ok(())
     }
