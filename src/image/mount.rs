@@ -247,9 +247,7 @@ pub fn shareable(file: &File) -> bool {
     }
     path.ancestors().skip(1).all(|dir| {
         std::fs::symlink_metadata(dir).is_ok_and(|m| {
-            m.is_dir()
-                && m.uid() == 0
-                && (m.mode() & 0o022 == 0 || m.mode() & u32::from(libc::S_ISVTX) != 0)
+            m.is_dir() && m.uid() == 0 && (m.mode() & 0o022 == 0 || m.mode() & libc::S_ISVTX != 0)
         })
     })
 }

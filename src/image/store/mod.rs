@@ -422,6 +422,13 @@ impl Store {
         self.get_stamped(reference, None)
     }
 
+    /// [`Store::get_stamped`] for a local reference opened by this process (tests).
+    #[cfg(test)]
+    pub(crate) fn get_local(&self, reference: &Reference) -> Option<Image> {
+        let opened = super::import::Opened::open(reference, None).ok()?;
+        self.get_stamped(reference, Some(&opened.stamp))
+    }
+
     /// [`Store::get`] with the stamp of the file the user opened for a local reference.
     pub fn get_stamped(&self, reference: &Reference, stamp: Option<&FileStamp>) -> Option<Image> {
         if let Reference::Registry(r) = reference
@@ -632,8 +639,13 @@ impl Store {
         let _store = self.lock("store", LockMode::Shared)?;
         let _lock = self.lock(&format!("image-{hex}"), LockMode::Exclusive)?;
         let ws = self.workspace()?;
+        // A local source is stamped as this process opens it (see Store::get_stamped).
+        let stamp = is_local_path(&image.source)
+            .then(|| super::import::Opened::open(&image.source, None).ok())
+            .flatten()
+            .map(|o| o.stamp);
         self.write_image(&ws, image)?;
-        self.write_ref(&ws, &image.source, &image.digest, None)?;
+        self.write_ref(&ws, &image.source, &image.digest, stamp.as_ref())?;
         self.touch_used(&image.digest);
         Ok(())
     }
