@@ -252,6 +252,18 @@ pub fn shareable(file: &File) -> bool {
     })
 }
 
+/// Whether the loop device `source` (`/dev/loopN`) reads a file no user but root can change.
+fn trusted_backing(source: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some((file, _)) =
+        super::loopdev::number(Path::new(source)).and_then(super::loopdev::backing)
+    else {
+        return false;
+    };
+    std::fs::symlink_metadata(&file)
+        .is_ok_and(|m| m.is_file() && m.uid() == 0 && m.mode() & 0o022 == 0)
+}
+
 /// Mounts the squashfs at `offset` (`size` bytes) of the opened `file` (opened as the user who
 /// named it; `shown` is its name for messages) and returns the mount point, the overlay lower
 /// layer of its containers. A file no user but root can change ([`shareable`]) is mounted once
@@ -270,7 +282,13 @@ pub fn mount_opened(
 ) -> Result<PathBuf, MountError> {
     let hex = digest_hex(digest)?;
     let root = root_dir(mount_root)?;
-    let shared = shareable(file);
+    // A shared mount found in place is reused only if it too is backed by a file root alone can
+    // change (one left by an older berth may not be): else this user gets a mount of their own.
+    let shared = shareable(file)
+        && match mounted_at(&root.join(hex))? {
+            Some(m) if m.fstype == "squashfs" => trusted_backing(&m.source),
+            _ => true,
+        };
     let dir = if shared {
         root.clone()
     } else {
