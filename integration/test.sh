@@ -162,6 +162,46 @@ step_vm() {
   cargo_test vm --no-fail-fast --test vm -- --ignored --test-threads=1
 }
 
+# Processes, other than this script and its ancestors, that hold a pipe this script writes its
+# output to. CI reads the output until every writer has closed it, so a process that a test left
+# behind holding it (a container init, a daemon started with inherited stdio) hangs CI after
+# every step passed. Each is reported, ended by PID, and fails the step that left it.
+stray_writers() {
+  local fd link pipes=() ancestors=" " pid=$$ ppid flags holders=() p
+  for fd in 1 2; do
+    link=$(readlink "/proc/$$/fd/$fd") || continue
+    # -lname takes a glob: the brackets of "pipe:[123]" must be literal.
+    link=${link//\[/\\[}
+    link=${link//\]/\\]}
+    case $link in pipe:* | socket:*) pipes+=(-lname "$link" -o) ;; esac
+  done
+  [ "${#pipes[@]}" -gt 0 ] || return 0
+  while [ "$pid" -gt 1 ]; do
+    ancestors+="$pid "
+    pid=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || break
+    [ -n "$pid" ] || break
+  done
+  while IFS= read -r p; do
+    pid=${p#/proc/}; pid=${pid%%/*}
+    # The reading end (the CI runner, a pipeline's reader) is no harm: only writers keep it open.
+    flags=$(awk '/^flags:/ { print $2 }' "/proc/$pid/fdinfo/${p##*/}" 2>/dev/null) || continue
+    [ -n "$flags" ] && [ $((8#$flags & 3)) -ne 0 ] || continue
+    ppid=$(awk '/^PPid:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || continue
+    # This script's own helpers right now (find, awk) are its children.
+    [ "$ppid" = "$$" ] && continue
+    case $ancestors in *" $pid "*) continue ;; esac
+    case " ${holders[*]} " in *" $pid "*) continue ;; esac
+    holders+=("$pid")
+  done < <(find /proc/[0-9]*/fd -maxdepth 1 \( "${pipes[@]:0:${#pipes[@]}-1}" \) 2>/dev/null)
+  [ "${#holders[@]}" -gt 0 ] || return 0
+  echo "$1: these processes were left running holding test.sh's output (CI would wait for them forever); ending them:" >&2
+  ps -o pid=,user=,args= -p "$(IFS=,; echo "${holders[*]}")" >&2 || true
+  kill -TERM "${holders[@]}" 2>/dev/null || true
+  sleep 1
+  kill -KILL "${holders[@]}" 2>/dev/null || true
+  return 1
+}
+
 for s in "${steps[@]}"; do
   current=$s
   echo
@@ -169,6 +209,7 @@ for s in "${steps[@]}"; do
   start=$EPOCHREALTIME
   rc=0
   "step_$s" || rc=$?
+  stray_writers "$s step" || rc=1
   end=$EPOCHREALTIME
   # EPOCHREALTIME is "seconds.microseconds"; print seconds with one decimal.
   us=$((${end/[.,]/} - ${start/[.,]/}))

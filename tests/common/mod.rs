@@ -9,6 +9,12 @@ use std::sync::OnceLock;
 
 pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
+/// The binary under test: this build's, or `$BERTH_TEST_BIN` (an older build, to show that a
+/// test fails without the fix it covers).
+pub fn berth_bin() -> String {
+    std::env::var("BERTH_TEST_BIN").unwrap_or_else(|_| BERTH.to_string())
+}
+
 /// The host's cgroup2 mount here is /sys/fs/cgroup/unified (hybrid layout); tests use a subtree
 /// of their own per checkout, so that two checkouts testing at once don't see each other's
 /// containers.
@@ -77,7 +83,7 @@ pub fn config() -> &'static Path {
 
 /// `berth --config <test config> ARGS...`
 pub fn berth(args: &[&str]) -> Command {
-    let mut cmd = Command::new(BERTH);
+    let mut cmd = Command::new(berth_bin());
     cmd.arg("--config").arg(config()).args(args);
     cmd
 }
