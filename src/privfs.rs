@@ -67,7 +67,11 @@ pub fn as_user<T: Send>(user: &UserIds, f: impl FnOnce() -> T + Send) -> std::io
             r.map(|()| f())
         })
         .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("a thread acting as the user panicked")))
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::other(
+                "a thread acting as the user panicked",
+            ))
+        })
     })
 }
 
@@ -178,7 +182,11 @@ pub fn root_dir(path: &Path, mode: u32) -> Result<OwnedFd, PrivfsError> {
         }
     }
     let canonical = std::fs::canonicalize(&existing).map_err(io("resolving", &existing))?;
-    for c in parent.strip_prefix(&existing).unwrap_or(Path::new("")).components() {
+    for c in parent
+        .strip_prefix(&existing)
+        .unwrap_or(Path::new(""))
+        .components()
+    {
         if let Component::Normal(n) = c {
             missing.push(n);
         }

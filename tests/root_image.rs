@@ -320,7 +320,10 @@ fn enroot_squashfs_images_run_with_their_environment() {
     let mnt = dir.path().join("mnt");
     // The runtime attaches each layer (opened before the container's namespace exists) at a short
     // name next to the upper layer: the squashfs mount below is the only lower.
-    assert!(out.contains("lowerdir=l0,"), "the squashfs is the lower: {out}");
+    assert!(
+        out.contains("lowerdir=l0,"),
+        "the squashfs is the lower: {out}"
+    );
     // Mounted once per node, read-only, nosuid, nodev; a second container reuses the mount.
     ok(berth_with(
         &config,

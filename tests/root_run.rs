@@ -952,13 +952,7 @@ fn remap_root_makes_the_user_root_of_the_image_and_nothing_more() {
     let mount = format!("{}:/shared", shared.display());
     let secret_mount = format!("{}:/secret:ro", secret.display());
     let out = ok(run_sh(
-        &[
-            "--user",
-            "berthtest",
-            "--remap-root",
-            "--mount",
-            &mount,
-        ],
+        &["--user", "berthtest", "--remap-root", "--mount", &mount],
         // Root inside, owner of the image's files: writes where only root may; its files on the
         // host belong to the user; root's host files stay out of reach; no capability at all.
         "id -u; id -g; id -G; stat -c '%u %g' /etc /bin/busybox; \
@@ -996,7 +990,13 @@ fn remap_root_makes_the_user_root_of_the_image_and_nothing_more() {
     // Root's host files stay out of reach: a source the user cannot read is never mounted (it
     // used to be mounted, left to its mode inside; now the runtime opens sources as the user).
     let o = run_sh(
-        &["--user", "berthtest", "--remap-root", "--mount", &secret_mount],
+        &[
+            "--user",
+            "berthtest",
+            "--remap-root",
+            "--mount",
+            &secret_mount,
+        ],
         "cat /secret",
     );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));

@@ -43,7 +43,10 @@ pub fn victim() -> (u32, u32) {
             assert!(o.status.success(), "useradd berthvictim: {}", stderr(&o));
         }
         let id = |flag: &str| -> u32 {
-            let o = Command::new("id").args([flag, "berthvictim"]).output().unwrap();
+            let o = Command::new("id")
+                .args([flag, "berthvictim"])
+                .output()
+                .unwrap();
             String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
         };
         (id("-u"), id("-g"))
@@ -75,7 +78,12 @@ pub fn give(path: &Path, (uid, gid): (u32, u32)) {
         .arg(path)
         .output()
         .unwrap();
-    assert!(o.status.success(), "chown {}: {}", path.display(), stderr(&o));
+    assert!(
+        o.status.success(),
+        "chown {}: {}",
+        path.display(),
+        stderr(&o)
+    );
 }
 
 /// `cmd` made to run as uid:gid; std drops the supplementary groups when root sets a uid.
