@@ -202,6 +202,19 @@ stray_writers() {
   return 1
 }
 
+# Mounts a step left inside the checkout: a checkout that cannot be removed afterwards (EBUSY)
+# breaks whoever cleans up after the run. Each is reported, unmounted, and fails the step.
+stray_mounts() {
+  local m mounts=()
+  while IFS= read -r m; do mounts+=("$m"); done < <(awk -v r="$root/" \
+    'index($5, r) == 1 { print $5 }' /proc/self/mountinfo | sort -ru)
+  [ "${#mounts[@]}" -gt 0 ] || return 0
+  echo "$1: left mounted inside the checkout (a test did not clean up); unmounting:" >&2
+  printf '  %s\n' "${mounts[@]}" >&2
+  for m in "${mounts[@]}"; do umount -l "$m" 2>/dev/null || true; done
+  return 1
+}
+
 for s in "${steps[@]}"; do
   current=$s
   echo
@@ -210,6 +223,7 @@ for s in "${steps[@]}"; do
   rc=0
   "step_$s" || rc=$?
   stray_writers "$s step" || rc=1
+  stray_mounts "$s step" || rc=1
   end=$EPOCHREALTIME
   # EPOCHREALTIME is "seconds.microseconds"; print seconds with one decimal.
   us=$((${end/[.,]/} - ${start/[.,]/}))
