@@ -1,7 +1,7 @@
 //! Builds fixture host trees (sysfs, procfs, /dev stand-ins, loader cache) in a tempdir, the way
 //! the kernel lays them out: PCI devices nested under their bridges with `/sys/bus/pci/devices`
 //! symlinks, RDMA class devices linking back to their PCI function, CPU and NUMA directories,
-//! and the NVIDIA driver's procfs. Three GPU layouts and a CPU node are defined here so tests
+//! and the NVIDIA driver's procfs. Four GPU layouts and a CPU node are defined here so tests
 //! show nothing is hard-coded to one machine.
 
 use std::collections::BTreeMap;
@@ -601,6 +601,41 @@ pub fn pcie_box() -> Fixture {
     f.rdma("mlx5_1", ib1, &[HDR], "ibp66s0", 1);
     let mgmt = f.pci("pci0000:00/0000:00:03.0/0000:03:00.0", CX6);
     f.rdma("mlx5_2", mgmt, &[ETH25], "eno1np0", 2);
+    f.nvidia_driver(&gpus, "NVIDIA A100 80GB PCIe");
+    f.rdma_cm();
+    f
+}
+
+/// A node where only some GPUs share a switch with a NIC: two sockets of 16 cores × 2 threads
+/// (NUMA 0: 0-15,32-47; NUMA 1: 16-31,48-63). Socket 0 has one PCIe switch holding GPUs 0 and
+/// 1 and an InfiniBand ConnectX-7 (`mlx5_0`, PIX with both), plus a RoCE storage NIC
+/// (`mlx5_1`, `ens3np0`) on a root port of its own; socket 1 has GPUs 2 and 3 and a second
+/// InfiniBand ConnectX-7 (`mlx5_2`) each on a root port of the same host bridge (PHB). No NVML.
+pub fn mixed_box() -> Fixture {
+    let mut f = Fixture::new();
+    f.cpus(
+        &["0-15,32-47", "16-31,48-63"],
+        &|c| format!("{},{}", c % 32, c % 32 + 32),
+        &|c| u32::from((c % 32) >= 16),
+    );
+    f.root_complex("pci0000:00", 0);
+    let sw = "pci0000:00/0000:00:01.0/0000:01:00.0";
+    let g0 = f.pci(&format!("{sw}/0000:02:00.0/0000:03:00.0"), A100);
+    let g1 = f.pci(&format!("{sw}/0000:02:01.0/0000:04:00.0"), A100);
+    let ib0 = f.pci(&format!("{sw}/0000:02:02.0/0000:05:00.0"), CX7);
+    f.rdma("mlx5_0", ib0, &[NDR], "ibp5s0", 0);
+    let storage = f.pci("pci0000:00/0000:00:03.0/0000:06:00.0", CX6);
+    f.rdma("mlx5_1", storage, &[ETH200], "ens3np0", 1);
+    f.root_complex("pci0000:80", 1);
+    let g2 = f.pci("pci0000:80/0000:80:01.0/0000:81:00.0", A100);
+    let g3 = f.pci("pci0000:80/0000:80:02.0/0000:82:00.0", A100);
+    let ib1 = f.pci("pci0000:80/0000:80:03.0/0000:83:00.0", CX7);
+    f.rdma("mlx5_2", ib1, &[NDR], "ibp131s0", 2);
+    let gpus: Vec<(Bdf, u32, String)> = [g0, g1, g2, g3]
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| (b, i as u32, uuid(i as u32)))
+        .collect();
     f.nvidia_driver(&gpus, "NVIDIA A100 80GB PCIe");
     f.rdma_cm();
     f

@@ -318,9 +318,18 @@ pub fn discover(
 }
 
 /// Gives each NIC its role: configuration first, then detection. Detected compute NICs are
-/// those below the CPU (PIX/PXB) from some GPU, where GPUDirect RDMA works; when no NIC is, every
-/// NIC is a compute NIC (a PCIe box whose NICs hang off a socket).
+/// those below the CPU (PIX/PXB) from some GPU, where GPUDirect RDMA works. A NIC that is not is
+/// storage only when every GPU already has a NIC on its own switch (a DGX: the root-port NICs
+/// carry storage); while some GPU has none, such a NIC is the best that GPU can get and stays a
+/// compute NIC (a PCIe box whose NICs hang off a socket, or one where only some GPUs share a
+/// switch with a NIC). NICs the configuration excludes count for nothing here.
 fn classify_nics(node: &mut Node, policy: &NicPolicy) {
+    let excluded: Vec<Option<&String>> = node
+        .nics
+        .iter()
+        .map(|n| policy.exclude.iter().find(|p| n.matches(p)))
+        .collect();
+    let candidate = |i: usize| excluded[i].is_none() && node.nics[i].pci.is_some();
     let near_gpu: Vec<Option<(u32, Link)>> = node
         .nics
         .iter()
@@ -331,12 +340,19 @@ fn classify_nics(node: &mut Node, policy: &NicPolicy) {
                 .min_by_key(|(_, l)| *l)
         })
         .collect();
-    let any_near = near_gpu
-        .iter()
-        .enumerate()
-        .any(|(i, c)| c.is_some_and(|(_, l)| l.below_cpu()) && node.nics[i].pci.is_some());
-    for (nic, closest) in node.nics.iter_mut().zip(near_gpu) {
-        let (role, reason) = if let Some(p) = policy.exclude.iter().find(|p| nic.matches(p)) {
+    // The first GPU without a candidate NIC below the CPU, if any.
+    let lacking = node.gpus.iter().find(|g| {
+        !node
+            .nics
+            .iter()
+            .enumerate()
+            .any(|(i, n)| candidate(i) && node.gpu_nic(g, n).is_some_and(|l| l.below_cpu()))
+    });
+    let any_near = (0..node.nics.len())
+        .any(|i| candidate(i) && near_gpu[i].is_some_and(|(_, l)| l.below_cpu()));
+    let lacking = lacking.map(|g| g.index);
+    for (i, (nic, closest)) in node.nics.iter_mut().zip(near_gpu).enumerate() {
+        let (role, reason) = if let Some(p) = excluded[i] {
             (NicRole::Excluded, format!("matches exclude_nics '{p}'"))
         } else if nic.pci.is_none() {
             (NicRole::Excluded, "not a PCI device".to_string())
@@ -345,16 +361,22 @@ fn classify_nics(node: &mut Node, policy: &NicPolicy) {
                 Some(p) => (NicRole::Compute, format!("matches compute_nics '{p}'")),
                 None => (NicRole::Storage, "not in compute_nics".to_string()),
             }
-        } else if any_near {
-            match closest {
-                Some((g, l)) if l.below_cpu() => (NicRole::Compute, format!("{l} to GPU {g}")),
-                _ => (NicRole::Storage, "not on a GPU's PCIe switch".to_string()),
-            }
         } else {
-            (
-                NicRole::Compute,
-                "no NIC shares a PCIe switch with a GPU".to_string(),
-            )
+            match (closest, lacking) {
+                (Some((g, l)), _) if l.below_cpu() => (NicRole::Compute, format!("{l} to GPU {g}")),
+                _ if !any_near => (
+                    NicRole::Compute,
+                    "no NIC shares a PCIe switch with a GPU".to_string(),
+                ),
+                (_, Some(g)) => (
+                    NicRole::Compute,
+                    format!("GPU {g} has no NIC on its PCIe switch"),
+                ),
+                (_, None) => (
+                    NicRole::Storage,
+                    "not on a GPU's PCIe switch, and every GPU has a NIC on its own".to_string(),
+                ),
+            }
         };
         nic.role = role;
         nic.role_reason = reason;

@@ -503,6 +503,118 @@ fn pcie_box_with_nics_on_one_socket() {
     assert_eq!(compute, ["mlx5_1"]);
 }
 
+/// Only GPUs 0 and 1 share a switch with a NIC; GPUs 2 and 3 and mlx5_2 hang off root ports of
+/// socket 1. mlx5_2 is those GPUs' NIC, not storage: with `compute_nics` empty it must be paired
+/// with them and be in NCCL_IB_HCA, whether or not the admin excluded the real storage NIC.
+#[test]
+fn mixed_box_gives_switchless_gpus_their_socket_nic() {
+    let f = fixture::mixed_box();
+    let four = [
+        ("SLURM_JOB_ID", "11"),
+        ("SLURM_JOB_GPUS", "0,1,2,3"),
+        ("SLURM_NTASKS_PER_NODE", "4"),
+    ];
+    let want = [
+        "rank 0: gpu 0 nic mlx5_0(PIX) cpus 0-7,32-39 mem 0 | CUDA_VISIBLE_DEVICES=0 UCX_NET_DEVICES=mlx5_0:1",
+        "rank 1: gpu 1 nic mlx5_0(PIX) cpus 8-15,40-47 mem 0 | CUDA_VISIBLE_DEVICES=1 UCX_NET_DEVICES=mlx5_0:1",
+        "rank 2: gpu 2 nic mlx5_2(PHB) cpus 16-23,48-55 mem 1 | CUDA_VISIBLE_DEVICES=2 UCX_NET_DEVICES=mlx5_2:1",
+        "rank 3: gpu 3 nic mlx5_2(PHB) cpus 24-31,56-63 mem 1 | CUDA_VISIBLE_DEVICES=3 UCX_NET_DEVICES=mlx5_2:1",
+    ];
+    let roles = |n: &Node| -> Vec<String> {
+        n.nics
+            .iter()
+            .map(|x| format!("{}={:?}: {}", x.name, x.role, x.role_reason))
+            .collect()
+    };
+    let pairs = |n: &Node| -> Vec<String> {
+        plan::pairing(n)
+            .iter()
+            .map(|p| format!("{}:{}({})", p.gpu, p.nic.clone().unwrap(), p.link.unwrap()))
+            .collect()
+    };
+
+    // The admin named the storage NIC (by its netdev).
+    let excluded = NicPolicy {
+        compute: vec![],
+        exclude: vec!["ens3*".into()],
+    };
+    let n = discover(&f, Recorded::no_driver(), &excluded);
+    assert_eq!(
+        roles(&n),
+        [
+            "mlx5_0=Compute: PIX to GPU 0",
+            "mlx5_1=Excluded: matches exclude_nics 'ens3*'",
+            "mlx5_2=Compute: GPU 2 has no NIC on its PCIe switch",
+        ]
+    );
+    assert_eq!(
+        pairs(&n),
+        [
+            "0:mlx5_0(PIX)",
+            "1:mlx5_0(PIX)",
+            "2:mlx5_2(PHB)",
+            "3:mlx5_2(PHB)"
+        ]
+    );
+    let p = plan_for(&n, &four, &PlanOptions::default());
+    assert_eq!(summary(&p), want);
+    assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    assert_eq!(p.hcas, ["mlx5_0", "mlx5_2"]);
+    assert_eq!(
+        same_for_all(&p, "NCCL_IB_HCA").as_deref(),
+        Some("=mlx5_0,mlx5_2")
+    );
+    // A step on GPU 3 alone uses socket 1's NIC only.
+    let p = plan_for(
+        &n,
+        &[
+            ("SLURM_JOB_ID", "12"),
+            ("SLURM_JOB_GPUS", "3"),
+            ("SLURM_NTASKS_PER_NODE", "1"),
+        ],
+        &PlanOptions::default(),
+    );
+    assert_eq!(same_for_all(&p, "NCCL_IB_HCA").as_deref(), Some("=mlx5_2"));
+    assert_eq!(p.ranks[0].nics[0].link, Some(Link::Phb));
+
+    // Nothing configured: the storage NIC is not excluded, so it is a candidate too (GPUs 2 and
+    // 3 lack a switch NIC), but every GPU has a closer one: it is in no rank and not in NCCL_IB_HCA.
+    let n = discover(&f, Recorded::no_driver(), &NicPolicy::default());
+    assert_eq!(
+        roles(&n),
+        [
+            "mlx5_0=Compute: PIX to GPU 0",
+            "mlx5_1=Compute: GPU 2 has no NIC on its PCIe switch",
+            "mlx5_2=Compute: GPU 2 has no NIC on its PCIe switch",
+        ]
+    );
+    assert_eq!(
+        pairs(&n),
+        [
+            "0:mlx5_0(PIX)",
+            "1:mlx5_0(PIX)",
+            "2:mlx5_2(PHB)",
+            "3:mlx5_2(PHB)"
+        ]
+    );
+    let p = plan_for(&n, &four, &PlanOptions::default());
+    assert_eq!(summary(&p), want);
+    assert_eq!(
+        same_for_all(&p, "NCCL_IB_HCA").as_deref(),
+        Some("=mlx5_0,mlx5_2")
+    );
+
+    // Once every GPU has a NIC on its switch, root-port NICs are storage again (the DGX rule).
+    let (_f, dgx) = dgx();
+    let storage: Vec<&str> = dgx
+        .nics
+        .iter()
+        .filter(|x| x.role == NicRole::Storage)
+        .map(|x| x.name.as_str())
+        .collect();
+    assert_eq!(storage, ["mlx5_1", "mlx5_2", "mlx5_7", "mlx5_8"]);
+}
+
 #[test]
 fn cpu_node_without_gpus() {
     let f = fixture::cpu_node();
