@@ -1,0 +1,144 @@
+//! The requests and responses that berth's node agent (`berth agent`), admin CLI (`berth
+//! cluster`) and cluster controller (`berth-controller`) exchange as JSON over HTTP. Both sides
+//! build against this crate so that a field renamed on one side fails to compile on the other.
+//!
+//! Every request carries the cluster's shared key (the content of the key file, like
+//! munge.key) in [`KEY_HEADER`]; the controller answers 401 without it.
+
+use serde::{Deserialize, Serialize};
+
+/// The header that carries the shared key: `Authorization: Bearer <key>`.
+pub const KEY_HEADER: &str = "authorization";
+
+/// The header a follower sets on its 421 answer: the leader's API address, when it knows it.
+pub const LEADER_HEADER: &str = "x-berth-leader";
+
+/// The HTTP status a follower answers a leader-only request with (421 Misdirected Request),
+/// its body a [`NotLeader`].
+pub const NOT_LEADER_STATUS: u16 = 421;
+
+/// The most bytes a key file may hold.
+pub const KEY_MAX: usize = 4096;
+
+/// Turns a key file's content into the header value: surrounding whitespace is not part of the
+/// key (a trailing newline from `echo` must not make two nodes disagree).
+pub fn bearer(key: &str) -> String {
+    format!("Bearer {}", key.trim())
+}
+
+/// What one health check found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Fail,
+    /// The check could not say (it timed out, its source was unreadable): never drains.
+    Unknown,
+}
+
+/// How a failing check is acted on: hard drains on its first failure, soft after two in a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Hard,
+    Soft,
+}
+
+/// One check's result in a heartbeat.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckResult {
+    pub name: String,
+    pub status: Status,
+    pub severity: Severity,
+    /// Whether a drain for this check may be lifted after passes (a missing GPU that came
+    /// back may; an XID or an uncorrectable ECC error needs an admin).
+    pub recoverable: bool,
+    /// One line: what was seen.
+    pub message: String,
+}
+
+/// What an agent posts to `POST /v1/heartbeat`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Slurm's name of the node.
+    pub node: String,
+    pub boot_id: String,
+    pub version: String,
+    pub checks: Vec<CheckResult>,
+}
+
+/// The controller's answer to a heartbeat.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    /// The leader's Raft term.
+    pub term: u64,
+    /// The node's desired state after this heartbeat: `up` or `drained`.
+    pub desired: String,
+}
+
+/// A follower's answer to a request only the leader serves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NotLeader {
+    /// The leader's API address (`host:port`), when the follower knows one.
+    pub leader: Option<String>,
+}
+
+/// `POST /v1/drain`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    pub node: String,
+    pub reason: String,
+}
+
+/// `POST /v1/resume`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeRequest {
+    pub node: String,
+}
+
+/// One node as the controller sees it (`GET /v1/nodes`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeView {
+    pub node: String,
+    /// `up` or `drained`.
+    pub desired: String,
+    /// The drain reason, when drained.
+    pub reason: Option<String>,
+    /// Who drained it: `berth` or `admin`.
+    pub drained_by: Option<String>,
+    pub boot_id: String,
+    pub version: String,
+    /// Failing checks, `name: message`.
+    pub failing: Vec<String>,
+    /// Seconds since the leader last heard from the node; `None` when it has not since it
+    /// became leader.
+    pub heartbeat_age_s: Option<f64>,
+    /// A drain the circuit breaker held back.
+    pub suppressed: Option<String>,
+}
+
+/// `GET /v1/status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The controller that answered.
+    pub id: u64,
+    pub leader: Option<u64>,
+    pub leader_addr: Option<String>,
+    pub term: u64,
+    /// Raft index of the last applied entry.
+    pub applied: u64,
+    pub voters: Vec<u64>,
+    pub nodes: usize,
+    pub drained: usize,
+    pub breaker_tripped: bool,
+    /// Drains held back by the breaker since its last reset.
+    pub suppressed: u64,
+    /// A hash of the replicated state, equal on replicas that applied the same entries.
+    pub state_hash: String,
+}
+
+/// An error answer: one line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub error: String,
+}

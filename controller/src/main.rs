@@ -1,0 +1,339 @@
+//! `berth-controller`: berth's cluster controller. One instance (a single Raft voter) or three
+//! (two head nodes and a login node) keep a replicated record of the nodes, their health
+//! verdicts and the drain/resume decisions those lead to; the leader applies the decisions to
+//! Slurm with `scontrol`. Raft is openraft (0.9), its log and state machine in one redb file
+//! under the data directory. See README.md, "Cluster controller".
+
+mod network;
+mod server;
+mod state;
+mod store;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use openraft::{BasicNode, Raft};
+use serde::Deserialize;
+
+openraft::declare_raft_types!(
+    /// The controller's Raft types: commands in, replies out, nodes addressed by host:port.
+    pub TypeConfig:
+        D = state::Command,
+        R = state::Reply,
+        SnapshotData = std::io::Cursor<Vec<u8>>,
+);
+
+/// The `[controller]` section of berth.toml. Every field has a default; flags override.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// This controller's Raft id, one of `peers`.
+    pub id: u64,
+    /// Address the HTTP API (agents, CLI, peers) listens on.
+    pub listen: String,
+    /// The Raft voters, `ID=HOST:PORT` each; empty: this controller alone (id at `listen`).
+    pub peers: Vec<String>,
+    /// Where the redb file lives (`raft.redb`).
+    pub data_dir: PathBuf,
+    /// The shared key file; its content is every request's bearer key.
+    pub key_file: PathBuf,
+    pub sinfo: PathBuf,
+    pub scontrol: PathBuf,
+    /// How often the leader reconciles Slurm with the decisions.
+    pub reconcile_interval_ms: u64,
+    /// At most this many `scontrol update` calls per reconcile round.
+    pub max_updates_per_round: usize,
+    /// The agents' heartbeat interval; a node is lost after 3 without a heartbeat.
+    pub heartbeat_interval_s: u64,
+    pub raft_heartbeat_ms: u64,
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+    pub soft_fails: u32,
+    pub resume_passes: u32,
+    pub flap_drains: u32,
+    pub breaker_min: u32,
+    pub breaker_percent: u32,
+    pub breaker_window_s: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            id: 1,
+            listen: "0.0.0.0:6820".into(),
+            peers: Vec::new(),
+            data_dir: "/var/lib/berth-controller".into(),
+            key_file: "/etc/berth/cluster.key".into(),
+            sinfo: "sinfo".into(),
+            scontrol: "scontrol".into(),
+            reconcile_interval_ms: 1000,
+            max_updates_per_round: 50,
+            heartbeat_interval_s: 5,
+            raft_heartbeat_ms: 100,
+            election_timeout_min_ms: 400,
+            election_timeout_max_ms: 800,
+            soft_fails: 2,
+            resume_passes: 3,
+            flap_drains: 3,
+            breaker_min: 2,
+            breaker_percent: 10,
+            breaker_window_s: 600,
+        }
+    }
+}
+
+impl Settings {
+    pub fn rules(&self) -> state::Rules {
+        state::Rules {
+            soft_fails: self.soft_fails.max(1),
+            resume_passes: self.resume_passes.max(1),
+            flap_drains: self.flap_drains,
+            flap_window_ms: 3_600_000,
+            breaker_min: self.breaker_min,
+            breaker_percent: self.breaker_percent,
+            breaker_window_ms: self.breaker_window_s * 1000,
+        }
+    }
+
+    /// The voters: id → API address.
+    pub fn voters(&self) -> anyhow::Result<BTreeMap<u64, BasicNode>> {
+        let mut out = BTreeMap::new();
+        for p in &self.peers {
+            let (id, addr) = p
+                .split_once('=')
+                .with_context(|| format!("controller peer {p:?}: write it as ID=HOST:PORT"))?;
+            let id: u64 = id
+                .trim()
+                .parse()
+                .with_context(|| format!("controller peer {p:?}: the id is not a number"))?;
+            out.insert(id, BasicNode::new(addr.trim()));
+        }
+        if out.is_empty() {
+            out.insert(self.id, BasicNode::new(self.listen.clone()));
+        }
+        if !out.contains_key(&self.id) {
+            bail!(
+                "controller id {} is not among the peers ({}): set controller.id to one of them",
+                self.id,
+                self.peers.join(", ")
+            );
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "berth-controller",
+    version,
+    about = "berth's cluster controller"
+)]
+struct Cli {
+    /// berth's configuration file; its [controller] section [default: /etc/berth/berth.toml
+    /// when it exists]
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a controller
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Raft id [default: controller.id]
+    #[arg(long)]
+    id: Option<u64>,
+    /// API address [default: controller.listen]
+    #[arg(long)]
+    listen: Option<String>,
+    /// A voter, ID=HOST:PORT; repeat for each [default: controller.peers]
+    #[arg(long = "peer")]
+    peers: Vec<String>,
+    /// [default: controller.data_dir]
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// [default: controller.key_file]
+    #[arg(long)]
+    key_file: Option<PathBuf>,
+    /// [default: controller.sinfo]
+    #[arg(long)]
+    sinfo: Option<PathBuf>,
+    /// [default: controller.scontrol]
+    #[arg(long)]
+    scontrol: Option<PathBuf>,
+    /// [default: controller.reconcile_interval_ms]
+    #[arg(long)]
+    reconcile_interval_ms: Option<u64>,
+    /// [default: controller.heartbeat_interval_s]
+    #[arg(long)]
+    heartbeat_interval_s: Option<u64>,
+}
+
+fn load_settings(path: Option<&Path>) -> anyhow::Result<Settings> {
+    let (path, explicit) = match path {
+        Some(p) => (p.to_path_buf(), true),
+        None => (PathBuf::from("/etc/berth/berth.toml"), false),
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if !explicit && e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(Settings::default());
+        }
+        Err(e) => bail!("reading {}: {e}", path.display()),
+    };
+    #[derive(Deserialize, Default)]
+    struct File {
+        #[serde(default)]
+        controller: Option<toml::Value>,
+    }
+    let file: File = toml::from_str::<toml::Table>(&text)
+        .and_then(|t| toml::Value::Table(t).try_into())
+        .with_context(|| format!("{}: not valid TOML", path.display()))?;
+    match file.controller {
+        None => Ok(Settings::default()),
+        Some(v) => v
+            .try_into()
+            .with_context(|| format!("{}: [controller]", path.display())),
+    }
+}
+
+/// Reads the shared key: bounded, not empty.
+pub fn read_key(path: &Path) -> anyhow::Result<String> {
+    let f = std::fs::File::open(path).with_context(|| {
+        format!(
+            "reading the key file {}: create it (the same on every controller and node), \
+             e.g. `head -c 32 /dev/urandom | base64 > {0}; chmod 600 {0}`",
+            path.display()
+        )
+    })?;
+    let mut key = String::new();
+    f.take(berth_api::KEY_MAX as u64 + 1)
+        .read_to_string(&mut key)
+        .with_context(|| format!("reading the key file {}", path.display()))?;
+    if key.len() > berth_api::KEY_MAX || key.trim().is_empty() {
+        bail!(
+            "the key file {} is empty or longer than {} bytes",
+            path.display(),
+            berth_api::KEY_MAX
+        );
+    }
+    Ok(key.trim().to_string())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BERTH_CONTROLLER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Serve(args) => serve(cli.config.as_deref(), args),
+    };
+    if let Err(e) = result {
+        eprintln!("berth-controller: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn serve(config: Option<&Path>, args: ServeArgs) -> anyhow::Result<()> {
+    let mut s = load_settings(config)?;
+    if let Some(v) = args.id {
+        s.id = v;
+    }
+    if let Some(v) = args.listen {
+        s.listen = v;
+    }
+    if !args.peers.is_empty() {
+        s.peers = args.peers;
+    }
+    if let Some(v) = args.data_dir {
+        s.data_dir = v;
+    }
+    if let Some(v) = args.key_file {
+        s.key_file = v;
+    }
+    if let Some(v) = args.sinfo {
+        s.sinfo = v;
+    }
+    if let Some(v) = args.scontrol {
+        s.scontrol = v;
+    }
+    if let Some(v) = args.reconcile_interval_ms {
+        s.reconcile_interval_ms = v;
+    }
+    if let Some(v) = args.heartbeat_interval_s {
+        s.heartbeat_interval_s = v;
+    }
+    let key = read_key(&s.key_file)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(run(s, key))
+}
+
+async fn run(s: Settings, key: String) -> anyhow::Result<()> {
+    let voters = s.voters()?;
+    std::fs::create_dir_all(&s.data_dir)
+        .with_context(|| format!("creating the data directory {}", s.data_dir.display()))?;
+    let store = store::Store::open(&s.data_dir.join("raft.redb"))?;
+    let config = openraft::Config {
+        cluster_name: "berth".into(),
+        heartbeat_interval: s.raft_heartbeat_ms,
+        election_timeout_min: s.election_timeout_min_ms,
+        election_timeout_max: s.election_timeout_max_ms,
+        ..Default::default()
+    };
+    let config = Arc::new(config.validate().context("the Raft settings")?);
+    let (log, sm) = openraft::storage::Adaptor::new(store.clone());
+    let net = network::Network {
+        bearer: berth_api::bearer(&key),
+    };
+    let raft = Raft::new(s.id, config, net, log, sm)
+        .await
+        .context("starting Raft")?;
+    // Every voter may initialize with the same membership; a store that already has one
+    // refuses, which is the normal restart.
+    if let Err(e) = raft.initialize(voters.clone()).await {
+        tracing::debug!("initialize: {e}");
+    }
+    let listener = tokio::net::TcpListener::bind(&s.listen)
+        .await
+        .with_context(|| format!("listening on {}", s.listen))?;
+    server::serve(s, key, raft, store, voters, listener).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_parse_and_a_lone_controller_is_its_own_voter() {
+        let s = Settings::default();
+        let v = s.voters().unwrap();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[&1].addr, "0.0.0.0:6820");
+        let s = Settings {
+            id: 2,
+            peers: vec!["1=a:1".into(), "2=b:2".into(), "3=c:3".into()],
+            ..Default::default()
+        };
+        assert_eq!(s.voters().unwrap()[&3].addr, "c:3");
+        let s = Settings { id: 4, ..s };
+        assert!(s.voters().unwrap_err().to_string().contains("not among"));
+    }
+}

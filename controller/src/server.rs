@@ -1,0 +1,701 @@
+//! The controller's HTTP API (agents, the admin CLI, peers' Raft RPCs), its metrics, and the
+//! leader's reconciler that applies committed decisions to Slurm.
+//!
+//! Every request must carry the shared key (401 otherwise). Leader-only requests (heartbeats,
+//! admin commands) get 421 with the leader's address from a follower. Heartbeats stay in the
+//! leader's memory; a heartbeat that changes a node's verdict or counters becomes a Raft entry
+//! before anything acts on it. The reconciler confirms leadership with a quorum
+//! (`ensure_linearizable`) before every `scontrol` call, so a deposed leader calls nothing.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Request, State as AxState};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use berth_api::{
+    ClusterStatus, DrainRequest, ErrorReply, Heartbeat, HeartbeatReply, NodeView, NotLeader,
+    ResumeRequest,
+};
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
+use openraft::{BasicNode, Raft, ServerState};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use sha2::{Digest, Sha256};
+
+use crate::state::{Command, Desired, DrainedBy, PREFIX, State};
+use crate::store::Store;
+use crate::{Settings, TypeConfig};
+
+pub struct App {
+    pub s: Settings,
+    bearer: String,
+    raft: Raft<TypeConfig>,
+    store: Store,
+    voters: BTreeMap<u64, BasicNode>,
+    /// Last heartbeat per node: the leader's memory only.
+    beats: Mutex<HashMap<String, Instant>>,
+    /// When this controller last became leader.
+    leader_since: Mutex<Option<Instant>>,
+    leader_changes: AtomicU64,
+    scontrol_calls: AtomicU64,
+    scontrol_failures: AtomicU64,
+}
+
+type Shared = Arc<App>;
+
+pub async fn serve(
+    s: Settings,
+    key: String,
+    raft: Raft<TypeConfig>,
+    store: Store,
+    voters: BTreeMap<u64, BasicNode>,
+    listener: tokio::net::TcpListener,
+) -> anyhow::Result<()> {
+    let app = Arc::new(App {
+        bearer: berth_api::bearer(&key),
+        s,
+        raft,
+        store,
+        voters,
+        beats: Mutex::default(),
+        leader_since: Mutex::default(),
+        leader_changes: AtomicU64::new(0),
+        scontrol_calls: AtomicU64::new(0),
+        scontrol_failures: AtomicU64::new(0),
+    });
+    tokio::spawn(watch_leader(app.clone()));
+    tokio::spawn(reconcile_loop(app.clone()));
+    let router = Router::new()
+        .route("/raft/append", post(raft_append))
+        .route("/raft/vote", post(raft_vote))
+        .route("/raft/snapshot", post(raft_snapshot))
+        .route("/v1/heartbeat", post(heartbeat))
+        .route("/v1/status", get(status))
+        .route("/v1/nodes", get(nodes))
+        .route("/v1/drain", post(drain))
+        .route("/v1/resume", post(resume))
+        .route("/v1/breaker/reset", post(breaker_reset))
+        .route("/metrics", get(metrics))
+        .layer(middleware::from_fn_with_state(app.clone(), auth))
+        .with_state(app);
+    axum::serve(listener, router)
+        .await
+        .map_err(|e| anyhow::anyhow!("serving HTTP: {e}"))
+}
+
+/// Constant-time equality: the time taken does not say how much of a guess was right.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn auth(AxState(app): AxState<Shared>, req: Request, next: Next) -> Response {
+    let given = req
+        .headers()
+        .get(berth_api::KEY_HEADER)
+        .map(|v| v.as_bytes())
+        .unwrap_or_default();
+    if !same(given, app.bearer.as_bytes()) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "no or wrong cluster key: send the content of the controller's key file as \
+             `Authorization: Bearer KEY`",
+        );
+    }
+    next.run(req).await
+}
+
+fn error(code: StatusCode, msg: impl Into<String>) -> Response {
+    (code, Json(ErrorReply { error: msg.into() })).into_response()
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl App {
+    fn leader(&self) -> (Option<u64>, Option<String>) {
+        let m = self.raft.metrics().borrow().clone();
+        let addr = m.current_leader.and_then(|l| {
+            m.membership_config
+                .membership()
+                .get_node(&l)
+                .map(|n| n.addr.clone())
+                .or_else(|| self.voters.get(&l).map(|n| n.addr.clone()))
+        });
+        (m.current_leader, addr)
+    }
+
+    fn not_leader(&self) -> Response {
+        let (_, addr) = self.leader();
+        let mut r = (
+            StatusCode::from_u16(berth_api::NOT_LEADER_STATUS).expect("421 is a status"),
+            Json(NotLeader {
+                leader: addr.clone(),
+            }),
+        )
+            .into_response();
+        if let Some(a) = addr.and_then(|a| a.parse().ok()) {
+            r.headers_mut().insert(berth_api::LEADER_HEADER, a);
+        }
+        r
+    }
+
+    fn is_leader_now(&self) -> bool {
+        self.raft.metrics().borrow().state == ServerState::Leader
+    }
+
+    /// Commits a command; a follower's or deposed leader's answer is 421.
+    async fn write(&self, cmd: Command) -> Result<crate::state::Reply, Response> {
+        match self.raft.client_write(cmd).await {
+            Ok(r) => Ok(r.data),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
+                Err(self.not_leader())
+            }
+            Err(e) => Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("committing to the Raft log failed: {e}; retry"),
+            )),
+        }
+    }
+}
+
+fn json_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
+}
+
+async fn raft_append(AxState(app): AxState<Shared>, body: Bytes) -> Response {
+    let req: AppendEntriesRequest<TypeConfig> = match json_body(&body) {
+        Ok(r) => r,
+        Err(e) => return e,
+    };
+    Json(app.raft.append_entries(req).await).into_response()
+}
+
+async fn raft_vote(AxState(app): AxState<Shared>, body: Bytes) -> Response {
+    let req: VoteRequest<u64> = match json_body(&body) {
+        Ok(r) => r,
+        Err(e) => return e,
+    };
+    Json(app.raft.vote(req).await).into_response()
+}
+
+async fn raft_snapshot(AxState(app): AxState<Shared>, body: Bytes) -> Response {
+    let req: InstallSnapshotRequest<TypeConfig> = match json_body(&body) {
+        Ok(r) => r,
+        Err(e) => return e,
+    };
+    Json(app.raft.install_snapshot(req).await).into_response()
+}
+
+async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> Response {
+    if !app.is_leader_now() {
+        return app.not_leader();
+    }
+    if hb.node.is_empty() || hb.node.len() > 256 || hb.node.contains(char::is_whitespace) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "node: a Slurm node name, no spaces",
+        );
+    }
+    app.beats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(hb.node.clone(), Instant::now());
+    let known = app
+        .store
+        .lock()
+        .state
+        .nodes
+        .get(&hb.node)
+        .map(|n| (n.boot_id.clone(), n.version.clone()));
+    if known.as_ref() != Some(&(hb.boot_id.clone(), hb.version.clone())) {
+        let cmd = Command::Register {
+            node: hb.node.clone(),
+            boot_id: hb.boot_id.clone(),
+            version: hb.version.clone(),
+        };
+        if let Err(r) = app.write(cmd).await {
+            return r;
+        }
+    }
+    let cmd = Command::Verdict {
+        node: hb.node.clone(),
+        checks: hb.checks,
+        now_ms: now_ms(),
+        rules: app.s.rules(),
+    };
+    let changes = app.store.lock().state.changes(&cmd);
+    let desired = if changes {
+        match app.write(cmd).await {
+            Ok(r) => r.desired,
+            Err(r) => return r,
+        }
+    } else {
+        app.store
+            .lock()
+            .state
+            .nodes
+            .get(&hb.node)
+            .map_or("up", |n| n.desired.word())
+            .to_string()
+    };
+    Json(HeartbeatReply {
+        term: app.raft.metrics().borrow().current_term,
+        desired,
+    })
+    .into_response()
+}
+
+fn state_hash(state: &State) -> String {
+    let bytes = serde_json::to_vec(state).expect("the state serializes");
+    let d = Sha256::digest(&bytes);
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn status(AxState(app): AxState<Shared>) -> Response {
+    let m = app.raft.metrics().borrow().clone();
+    let (leader, leader_addr) = app.leader();
+    let machine = app.store.lock().clone();
+    let st = &machine.state;
+    Json(ClusterStatus {
+        id: app.s.id,
+        leader,
+        leader_addr,
+        term: m.current_term,
+        applied: m.last_applied.map_or(0, |l| l.index),
+        voters: m.membership_config.membership().voter_ids().collect(),
+        nodes: st.nodes.len(),
+        drained: st
+            .nodes
+            .values()
+            .filter(|n| matches!(n.desired, Desired::Drained { .. }))
+            .count(),
+        breaker_tripped: st.breaker.tripped,
+        suppressed: st.breaker.suppressed,
+        state_hash: state_hash(st),
+    })
+    .into_response()
+}
+
+async fn nodes(AxState(app): AxState<Shared>) -> Response {
+    let state = app.store.lock().state.clone();
+    let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let leader = app.is_leader_now();
+    let out: Vec<NodeView> = state
+        .nodes
+        .iter()
+        .map(|(name, n)| {
+            let (reason, by) = match &n.desired {
+                Desired::Up => (None, None),
+                Desired::Drained { reason, by } => (
+                    Some(reason.clone()),
+                    Some(match by {
+                        DrainedBy::Berth => "berth".to_string(),
+                        DrainedBy::Admin => "admin".to_string(),
+                    }),
+                ),
+            };
+            NodeView {
+                node: name.clone(),
+                desired: n.desired.word().into(),
+                reason,
+                drained_by: by,
+                boot_id: n.boot_id.clone(),
+                version: n.version.clone(),
+                failing: n
+                    .checks
+                    .iter()
+                    .filter(|(_, c)| c.status == berth_api::Status::Fail)
+                    .map(|(k, c)| format!("{k}: {}", c.message))
+                    .collect(),
+                heartbeat_age_s: if leader {
+                    beats.get(name).map(|t| t.elapsed().as_secs_f64())
+                } else {
+                    None
+                },
+                suppressed: n.suppressed.clone(),
+            }
+        })
+        .collect();
+    Json(out).into_response()
+}
+
+fn admin_reply(r: Result<crate::state::Reply, Response>) -> Response {
+    match r {
+        Ok(r) => Json(r).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn drain(AxState(app): AxState<Shared>, Json(req): Json<DrainRequest>) -> Response {
+    if req.reason.trim().is_empty() || req.reason.contains('\n') {
+        return error(StatusCode::BAD_REQUEST, "reason: one line, not empty");
+    }
+    admin_reply(
+        app.write(Command::AdminDrain {
+            node: req.node,
+            reason: req.reason,
+        })
+        .await,
+    )
+}
+
+async fn resume(AxState(app): AxState<Shared>, Json(req): Json<ResumeRequest>) -> Response {
+    if !app.store.lock().state.nodes.contains_key(&req.node) {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("node {}: unknown to the controller", req.node),
+        );
+    }
+    admin_reply(app.write(Command::AdminResume { node: req.node }).await)
+}
+
+async fn breaker_reset(AxState(app): AxState<Shared>) -> Response {
+    admin_reply(app.write(Command::BreakerReset).await)
+}
+
+async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
+    let m = app.raft.metrics().borrow().clone();
+    let state = app.store.lock().state.clone();
+    let mut reg = Registry::with_prefix("berth_controller");
+    let leader: Gauge = Gauge::default();
+    leader.set(i64::from(m.state == ServerState::Leader));
+    reg.register("is_leader", "1 on the Raft leader", leader);
+    let term: Gauge = Gauge::default();
+    term.set(m.current_term as i64);
+    reg.register("term", "The Raft term", term);
+    let changes: Counter = Counter::default();
+    changes.inc_by(app.leader_changes.load(Ordering::Relaxed));
+    reg.register("leader_changes", "Leader changes seen", changes);
+    let calls: Counter = Counter::default();
+    calls.inc_by(app.scontrol_calls.load(Ordering::Relaxed));
+    reg.register("scontrol_calls", "scontrol update calls made", calls);
+    let fails: Counter = Counter::default();
+    fails.inc_by(app.scontrol_failures.load(Ordering::Relaxed));
+    reg.register(
+        "scontrol_failures",
+        "scontrol update calls that failed",
+        fails,
+    );
+    let nodes = Family::<Vec<(String, String)>, Gauge>::default();
+    for desired in ["up", "drained"] {
+        nodes
+            .get_or_create(&vec![("desired".into(), desired.into())])
+            .set(
+                state
+                    .nodes
+                    .values()
+                    .filter(|n| n.desired.word() == desired)
+                    .count() as i64,
+            );
+    }
+    reg.register("nodes", "Nodes by desired state", nodes);
+    for (name, help, map) in [
+        ("drains", "Automatic drains by check", &state.totals.drains),
+        (
+            "resumes",
+            "Automatic resumes by check",
+            &state.totals.resumes,
+        ),
+        (
+            "suppressed_drains",
+            "Drains the circuit breaker held back, by check",
+            &state.totals.suppressed,
+        ),
+    ] {
+        let fam = Family::<Vec<(String, String)>, Counter>::default();
+        for (check, n) in map {
+            fam.get_or_create(&vec![("check".into(), check.clone())])
+                .inc_by(*n);
+        }
+        reg.register(name, help, fam);
+    }
+    let tripped: Gauge = Gauge::default();
+    tripped.set(i64::from(state.breaker.tripped));
+    reg.register(
+        "breaker_tripped",
+        "1 while the circuit breaker holds drains back",
+        tripped,
+    );
+    if m.state == ServerState::Leader {
+        let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let age = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
+        for (node, t) in &beats {
+            age.get_or_create(&vec![("node".into(), node.clone())])
+                .set(t.elapsed().as_secs_f64());
+        }
+        reg.register(
+            "heartbeat_age_seconds",
+            "Seconds since each node's last heartbeat",
+            age,
+        );
+        let lost: Gauge = Gauge::default();
+        lost.set(lost_nodes(&app, &state, &beats) as i64);
+        reg.register(
+            "nodes_lost",
+            "Nodes without a heartbeat for 3 intervals (an alert, never a drain)",
+            lost,
+        );
+    }
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &reg) {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, format!("metrics: {e}"));
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// Nodes silent for 3 heartbeat intervals; a new leader judges none until it has led that long.
+fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Instant>) -> usize {
+    let grace = Duration::from_secs(app.s.heartbeat_interval_s.max(1) * 3);
+    let since = *app.leader_since.lock().unwrap_or_else(|p| p.into_inner());
+    if since.is_none_or(|t| t.elapsed() < grace) {
+        return 0;
+    }
+    state
+        .nodes
+        .keys()
+        .filter(|n| beats.get(*n).is_none_or(|t| t.elapsed() >= grace))
+        .count()
+}
+
+async fn watch_leader(app: Shared) {
+    let mut rx = app.raft.metrics();
+    let mut last = None;
+    loop {
+        let m = rx.borrow_and_update().clone();
+        if m.current_leader != last {
+            if last.is_some() || m.current_leader.is_some() {
+                app.leader_changes.fetch_add(1, Ordering::Relaxed);
+            }
+            last = m.current_leader;
+            let mut since = app.leader_since.lock().unwrap_or_else(|p| p.into_inner());
+            *since = (m.current_leader == Some(app.s.id)).then(Instant::now);
+            if m.current_leader != Some(app.s.id) {
+                app.beats.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            }
+        }
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One node as Slurm has it.
+#[derive(Debug, PartialEq, Eq)]
+struct SlurmNode {
+    drained: bool,
+    reason: String,
+}
+
+/// Parses `sinfo -h -N -o %N|%T|%E`.
+fn parse_sinfo(text: &str) -> BTreeMap<String, SlurmNode> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let mut f = line.splitn(3, '|');
+        let (Some(name), Some(st), reason) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let reason = reason.unwrap_or("").trim();
+        out.insert(
+            name.trim().to_string(),
+            SlurmNode {
+                drained: st.to_ascii_lowercase().contains("drain"),
+                reason: if reason == "none" { "" } else { reason }.to_string(),
+            },
+        );
+    }
+    out
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Drain(String, String),
+    Resume(String),
+}
+
+/// What to change in Slurm: berth's drains not yet there, and berth's (or an admin's lifted
+/// through berth) drains to lift. A drain berth did not make is never touched.
+fn plan(state: &State, slurm: &BTreeMap<String, SlurmNode>) -> Vec<Action> {
+    let mut out = Vec::new();
+    for (name, n) in &state.nodes {
+        let Some(sn) = slurm.get(name) else { continue };
+        match &n.desired {
+            Desired::Drained { reason, .. } => {
+                let ours = sn.reason.starts_with(PREFIX);
+                if !sn.drained || (ours && &sn.reason != reason) {
+                    out.push(Action::Drain(name.clone(), reason.clone()));
+                }
+            }
+            Desired::Up => {
+                if sn.drained
+                    && (sn.reason.starts_with(PREFIX)
+                        || n.resume_reason.as_deref() == Some(sn.reason.as_str()))
+                {
+                    out.push(Action::Resume(name.clone()));
+                }
+            }
+        }
+    }
+    out
+}
+
+async fn run_tool(
+    path: &std::path::Path,
+    args: &[String],
+    term: u64,
+    id: u64,
+) -> Result<String, String> {
+    let mut cmd = tokio::process::Command::new(path);
+    cmd.args(args)
+        .env("BERTH_CONTROLLER_TERM", term.to_string())
+        .env("BERTH_CONTROLLER_ID", id.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())
+        .await
+        .map_err(|_| format!("{} did not finish in 30 s", path.display()))?
+        .map_err(|e| format!("running {}: {e}", path.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {}: {}: {}",
+            path.display(),
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+async fn reconcile_loop(app: Shared) {
+    let every = Duration::from_millis(app.s.reconcile_interval_ms.max(50));
+    loop {
+        tokio::time::sleep(every).await;
+        if !app.is_leader_now() {
+            continue;
+        }
+        if let Err(e) = reconcile(&app).await {
+            tracing::warn!("reconcile: {e}");
+        }
+    }
+}
+
+/// Confirms with a quorum that this controller still leads, and returns its term.
+async fn confirm_leader(app: &App) -> Option<u64> {
+    let term = app.raft.metrics().borrow().current_term;
+    let confirmed = tokio::time::timeout(Duration::from_secs(2), app.raft.ensure_linearizable())
+        .await
+        .is_ok_and(|r| r.is_ok());
+    let now = app.raft.metrics().borrow().clone();
+    (confirmed && now.state == ServerState::Leader && now.current_term == term).then_some(term)
+}
+
+async fn reconcile(app: &App) -> Result<(), String> {
+    let Some(term) = confirm_leader(app).await else {
+        return Ok(());
+    };
+    let args: Vec<String> = ["-h", "-N", "-o", "%N|%T|%E"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let text = run_tool(&app.s.sinfo, &args, term, app.s.id).await?;
+    let slurm = parse_sinfo(&text);
+    let state = app.store.lock().state.clone();
+    for action in plan(&state, &slurm)
+        .into_iter()
+        .take(app.s.max_updates_per_round.max(1))
+    {
+        // Leadership again right before the call: a deposed leader must call nothing.
+        if confirm_leader(app).await != Some(term) {
+            return Ok(());
+        }
+        let args = match &action {
+            Action::Drain(node, reason) => vec![
+                "update".to_string(),
+                format!("NodeName={node}"),
+                "State=DRAIN".to_string(),
+                format!("Reason={reason}"),
+            ],
+            Action::Resume(node) => vec![
+                "update".to_string(),
+                format!("NodeName={node}"),
+                "State=RESUME".to_string(),
+            ],
+        };
+        app.scontrol_calls.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = run_tool(&app.s.scontrol, &args, term, app.s.id).await {
+            app.scontrol_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("{e}");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Command;
+
+    #[test]
+    fn sinfo_parses_and_plan_leaves_admin_drains() {
+        let slurm = parse_sinfo(
+            "n0|idle|none\nn1|drained|berth: gpu-count: 7 of 8\nn2|drained|rma ticket\nn3|mixed|none\n",
+        );
+        assert!(slurm["n1"].drained && !slurm["n0"].drained);
+        assert_eq!(slurm["n0"].reason, "");
+        let mut s = State::default();
+        for n in ["n0", "n1", "n2", "n3"] {
+            s.apply(&Command::Register {
+                node: n.into(),
+                boot_id: "b".into(),
+                version: "v".into(),
+            });
+        }
+        s.apply(&Command::AdminDrain {
+            node: "n3".into(),
+            reason: "maintenance".into(),
+        });
+        let p = plan(&s, &slurm);
+        // n1 is up in berth's state: its berth drain is lifted; n2's admin drain stays;
+        // n3 is drained as the admin asked through berth.
+        assert_eq!(
+            p,
+            vec![
+                Action::Resume("n1".into()),
+                Action::Drain("n3".into(), "maintenance".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(same(b"Bearer abc", b"Bearer abc"));
+        assert!(!same(b"Bearer abd", b"Bearer abc"));
+        assert!(!same(b"Bearer ab", b"Bearer abc"));
+    }
+}
