@@ -10,40 +10,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// The attacker's renameat2(RENAME_EXCHANGE) loop on `a` and `b`, as main.rs's `swapper` (whose
-/// pre_exec setgroups runs after the uid change and fails): `Command::uid` drops root's groups
-/// itself. Killed and reaped with its process group on drop.
-struct Swap(Child);
-
-fn swap(a: &Path, b: &Path) -> Swap {
-    let script = "import ctypes,os,sys\n\
-        libc=ctypes.CDLL(None,use_errno=True)\n\
-        a=os.fsencode(sys.argv[1]); b=os.fsencode(sys.argv[2])\n\
-        while True: libc.renameat2(-100,a,-100,b,2)\n";
-    let (uid, gid) = attacker();
-    let child = Command::new("/usr/bin/python3")
-        .args(["-c", script])
-        .arg(a)
-        .arg(b)
-        .uid(uid)
-        .gid(gid)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("starting the swapper");
-    Swap(child)
-}
-
-impl Drop for Swap {
-    fn drop(&mut self) {
-        // SAFETY: signalling the swapper's own process group, which it leads.
-        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
-        let _ = self.0.wait();
-    }
-}
-
 /// A file's bytes as text, for failure messages.
 fn text_of(path: &Path) -> String {
     String::from_utf8_lossy(&std::fs::read(path).unwrap()).into_owned()
@@ -237,7 +203,7 @@ fn an_endless_image_passwd_is_read_boundedly_and_left_alone() {
 /// Runs `cmd` TRIES times against a swapper of `a` and `b`; returns the outputs that contain
 /// `secret`.
 fn race(a: &Path, b: &Path, secret: &str, mut one: impl FnMut(usize) -> String) -> Vec<String> {
-    let _swap = swap(a, b);
+    let _swap = swapper(a, b);
     let mut wins = Vec::new();
     for i in 0..TRIES {
         let out = one(i);

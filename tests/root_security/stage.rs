@@ -49,38 +49,6 @@ fn hook(cfg: &Path, verb: &str, job: &str, user: (u32, u32), env: &[(&str, &str)
     cmd.output().unwrap()
 }
 
-/// `cmd` made to run as `ids` (std drops root's supplementary groups before the uid change; the
-/// shared `as_uid`'s setgroups in `pre_exec` runs after it and fails with EPERM).
-fn run_as(cmd: &mut Command, (uid, gid): (u32, u32)) -> &mut Command {
-    cmd.uid(uid).gid(gid).stdin(Stdio::null())
-}
-
-/// The attacker's renameat2(RENAME_EXCHANGE) loop on `a` and `b`, as the shared `swapper` (which
-/// cannot start: see [`run_as`]); killed with its process group and reaped on drop.
-struct Swap(std::process::Child);
-
-fn swap(a: &Path, b: &Path) -> Swap {
-    let script = "import ctypes,os,sys\n\
-        libc=ctypes.CDLL(None,use_errno=True)\n\
-        a=os.fsencode(sys.argv[1]); b=os.fsencode(sys.argv[2])\n\
-        while True: libc.renameat2(-100,a,-100,b,2)\n";
-    let mut cmd = Command::new("/usr/bin/python3");
-    cmd.args(["-c", script]).arg(a).arg(b);
-    run_as(&mut cmd, attacker())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0);
-    Swap(cmd.spawn().expect("starting the swapper"))
-}
-
-impl Drop for Swap {
-    fn drop(&mut self) {
-        // SAFETY: signalling the swapper's own process group, which it leads.
-        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
-        let _ = self.0.wait();
-    }
-}
-
 fn mode(p: &Path) -> u32 {
     std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
 }
@@ -155,7 +123,7 @@ fn the_epilog_never_removes_through_a_directory_swapped_for_a_symlink() {
     assert!(o.status.success(), "{}", stderr(&o));
     let dir = scratch.join(job);
     // The user's live process (another job) swaps d and l all along.
-    let _swap = swap(&dir.join("d"), &dir.join("l"));
+    let _swap = swapper(&dir.join("d"), &dir.join("l"));
     let start = std::time::Instant::now();
     for i in 0..TRIES {
         if !dir.exists() {
@@ -342,7 +310,7 @@ fn staging_into_an_existing_directory_keeps_its_mode() {
         .args(["stage", "out"])
         .arg(format!("{}:{}", src.display(), out.display()))
         .env_remove("BERTH_SCRATCH");
-    let o = run_as(&mut cmd, attacker()).output().unwrap();
+    let o = as_uid(&mut cmd, attacker()).output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out.join("f")).unwrap(), "result");
     assert_eq!(
@@ -395,7 +363,7 @@ fn a_non_root_caller_cannot_stage_as_another_user() {
         .arg(&to)
         .args(["--user", "berthvictim"]);
     victim();
-    let o = run_as(&mut cmd, attacker()).output().unwrap();
+    let o = as_uid(&mut cmd, attacker()).output().unwrap();
     let err = stderr(&o);
     assert!(!o.status.success(), "staged as the caller: {err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");

@@ -49,24 +49,9 @@ impl Drop for Held {
     }
 }
 
-/// `cmd` made to run as uid:gid with no other group. Everything happens in the child, in the
-/// order that works (std runs pre_exec closures after its own uid/gid changes, when setgroups is
-/// no longer allowed).
-fn run_as(cmd: &mut Command, (uid, gid): (u32, u32)) -> Output {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: setgroups, setresgid and setresuid are async-signal-safe raw syscalls.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setgroups(1, &gid) != 0
-                || libc::setresgid(gid, gid, gid) != 0
-                || libc::setresuid(uid, uid, uid) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.stdin(Stdio::null()).output().unwrap()
+/// `cmd` run as uid:gid with no other group, waited for.
+fn run_as(cmd: &mut Command, who: (u32, u32)) -> Output {
+    as_uid(cmd, who).output().unwrap()
 }
 
 /// berth (test config) as `who`.
