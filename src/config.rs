@@ -121,6 +121,10 @@ pub struct StoreConfig {
     pub root: PathBuf,
     /// Layers an archive or layout import decompresses and extracts at once.
     pub parallel_layers: usize,
+    /// Most `Env` entries an image config, a command line or a step may give a container.
+    pub max_env_entries: usize,
+    /// Most bytes (`KEY=VALUE`, all entries together) of such an environment.
+    pub max_env_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -128,6 +132,8 @@ impl Default for StoreConfig {
         Self {
             root: PathBuf::from("/var/lib/berth"),
             parallel_layers: 4,
+            max_env_entries: 65536,
+            max_env_bytes: 1 << 20,
         }
     }
 }

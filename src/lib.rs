@@ -10,4 +10,5 @@ pub mod runtime;
 pub mod slurm;
 pub mod spec;
 pub mod stage;
+pub mod time;
 pub mod topology;

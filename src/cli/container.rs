@@ -126,8 +126,9 @@ fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
         return Ok(());
     }
     Err(Failure::input(format!(
-        "{verb} {key}: only root can join or remove a container (you are uid {me}); \
-         run it through Slurm (srun --container-name) or as root"
+        "{verb} {}: only root can join or remove a container (you are uid {me}); \
+         run it through Slurm (srun --container-name) or as root",
+        super::elide(key)
     )))
 }
 
@@ -140,7 +141,8 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     if let Some(name) = &args.name {
         if name_taken(config, name, uid) {
             return Err(Failure::input(format!(
-                "--name {name}: a container of that name exists (berth rm {name})"
+                "--name {0}: a container of that name exists (berth rm {0})",
+                super::elide(name)
             )));
         }
         labels.insert("name".to_string(), name.clone());
@@ -164,7 +166,10 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
 
 pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
     let id = resolve(config, &args.container).ok_or_else(|| {
-        Failure::input(format!("no container '{}' (see berth ps)", args.container))
+        Failure::input(format!(
+            "no container '{}' (see berth ps)",
+            super::elide(&args.container)
+        ))
     })?;
     needs_root("exec", &args.container)?;
     let env = args
@@ -188,7 +193,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
                 outln!("{id}");
             }
             None => {
-                eprintln!("berth: no container '{key}' (see berth ps)");
+                eprintln!("berth: no container '{}' (see berth ps)", super::elide(key));
                 code = 1;
             }
         }

@@ -133,6 +133,32 @@ impl Cli {
     }
 }
 
+/// Longest user-given value an error line quotes whole: a longer one is cut in the middle.
+const ELIDE_AT: usize = 120;
+
+/// A value the user gave, as an error line quotes it: whole when short, else its start and end
+/// around the number of bytes left out, so a 100 KB argument gives one readable line.
+pub fn elide(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= ELIDE_AT {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let cut = |at: usize, forward: bool| {
+        let mut i = at;
+        while !text.is_char_boundary(i) {
+            if forward { i += 1 } else { i -= 1 }
+        }
+        i
+    };
+    let head = cut(ELIDE_AT / 2, false);
+    let tail = cut(text.len() - ELIDE_AT / 4, true);
+    std::borrow::Cow::Owned(format!(
+        "{}…[{} bytes]…{}",
+        &text[..head],
+        tail - head,
+        &text[tail..]
+    ))
+}
+
 /// Writes a verb's output to stdout. A reader that went away (`berth images | head -1`) ends
 /// berth quietly with 141, as SIGPIPE ends other tools; `println!` would panic. berth keeps
 /// SIGPIPE ignored (Rust's runtime does) so that a child or a socket closing on it is an error
@@ -146,5 +172,21 @@ pub fn write_stdout(args: std::fmt::Arguments) {
         }
         eprintln!("berth: cannot write to stdout: {e}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elide_keeps_short_values_and_cuts_long_ones() {
+        assert_eq!(elide("/tmp:/"), "/tmp:/");
+        let long = "é".repeat(50_000);
+        let e = elide(&long);
+        assert!(e.len() < 250, "{e}");
+        assert!(e.contains("bytes]"));
+        let ascii = "a".repeat(1000) + "END";
+        assert!(elide(&ascii).ends_with("END"));
     }
 }

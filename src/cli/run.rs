@@ -239,7 +239,8 @@ pub fn request(
                 Ok(v) => cli_env.push((text.clone(), v)),
                 Err(_) => {
                     return Err(Failure::input(format!(
-                        "--env {text}: not set in the caller's environment (use KEY=VALUE)"
+                        "--env {}: not set in the caller's environment (use KEY=VALUE)",
+                        super::elide(text)
                     )));
                 }
             }
@@ -252,16 +253,23 @@ pub fn request(
     {
         return Err(Failure::input(format!(
             "--workdir {}: must be an absolute path",
-            dir.display()
+            super::elide(&dir.to_string_lossy())
         )));
     }
     let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
     let image = match (&args.rootfs, &args.image) {
         (Some(dir), _) => {
-            runtime::check_rootfs(dir).map_err(Failure::input)?;
+            runtime::check_rootfs(dir).map_err(|e| {
+                let text = dir.to_string_lossy();
+                Failure::input(e.replace(&*text, &super::elide(&text)))
+            })?;
             // Absolute, so the overlay's lowerdir does not depend on the working directory.
-            let dir = std::fs::canonicalize(dir)
-                .map_err(|e| Failure::input(format!("root filesystem {}: {e}", dir.display())))?;
+            let dir = std::fs::canonicalize(dir).map_err(|e| {
+                Failure::input(format!(
+                    "root filesystem {}: {e}",
+                    super::elide(&dir.to_string_lossy())
+                ))
+            })?;
             super::image::Resolved {
                 lowers: vec![dir],
                 defaults: Default::default(),
@@ -300,15 +308,24 @@ pub fn request(
             |(text, m)| match privfs::open_readable_as_user(&m.source, &user) {
                 Ok(_) => Ok(m),
                 Err(e) => Err(Failure::input(format!(
-                    "--mount {text}: uid {} cannot read the source {}: {e}",
+                    "--mount {}: uid {} cannot read the source {}: {e}",
+                    super::elide(text),
                     user.uid,
-                    m.source.display()
+                    super::elide(&m.source.to_string_lossy())
                 ))),
             },
         )
         .collect::<Result<Vec<_>, _>>()?;
+    let limits = spec::env::EnvLimits::from_config(&config.store);
+    limits.check("--env", &cli_env).map_err(Failure::input)?;
     let mut env = image.defaults.env.clone();
     env.extend(cli_env);
+    limits
+        .check(
+            "the container's environment (the image's Env and --env)",
+            &env,
+        )
+        .map_err(Failure::input)?;
     let args_line = if args.image.is_some() {
         image.defaults.command_line(command, args.entrypoint)
     } else {
@@ -333,7 +350,7 @@ pub fn request(
         .map_err(|_| {
             Failure::input(format!(
                 "--pids {}: use a positive number of tasks",
-                args.pids.as_deref().unwrap_or_default()
+                super::elide(args.pids.as_deref().unwrap_or_default())
             ))
         })?,
     };
@@ -389,14 +406,19 @@ fn image_user(text: &str) -> Result<spec::UserIds, Failure> {
             Err(_) if g.is_empty() => known.home.as_ref().map(|_| known.gid).unwrap_or(uid),
             Err(_) => {
                 return Err(Failure::input(format!(
-                    "the image's User '{text}': use numbers, or names that exist on this host"
+                    "the image's User '{}': use numbers, or names that exist on this host",
+                    super::elide(text)
                 )));
             }
         };
         return Ok(spec::user::by_id(uid, gid));
     }
-    spec::user::resolve(text)
-        .map_err(|e| Failure::input(format!("the image's User '{text}': {e} (or use --user)")))
+    spec::user::resolve(text).map_err(|e| {
+        Failure::input(format!(
+            "the image's User '{}': {e} (or use --user)",
+            super::elide(text)
+        ))
+    })
 }
 
 /// The host files every container gets read-only, those that exist here.
@@ -413,7 +435,12 @@ pub fn host_files() -> Vec<PathBuf> {
 /// write it on the host, or the container would give the user a device the host does not.
 fn host_device(path: &std::path::Path, user: &spec::UserIds) -> Result<HostDevice, Failure> {
     use nix::fcntl::OFlag;
-    let bad = |why: String| Failure::input(format!("--device {}: {why}", path.display()));
+    let bad = |why: String| {
+        Failure::input(format!(
+            "--device {}: {why}",
+            super::elide(&path.to_string_lossy())
+        ))
+    };
     if !path.starts_with("/dev/") {
         return Err(bad("must be a device node under /dev".into()));
     }
@@ -459,15 +486,20 @@ fn host_device(path: &std::path::Path, user: &spec::UserIds) -> Result<HostDevic
     })
 }
 
+/// `--timeout SECONDS`: a positive number; one too large for the clock is the farthest deadline
+/// it can hold (no deadline in practice), never a panic.
 fn parse_timeout(text: &Option<String>) -> Result<Option<Duration>, Failure> {
     text.as_deref()
         .map(|t| {
-            t.parse::<f64>()
+            t.trim()
+                .parse::<f64>()
                 .ok()
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .map(Duration::from_secs_f64)
+                .and_then(crate::time::duration_from_secs)
                 .ok_or_else(|| {
-                    Failure::input(format!("--timeout {t}: use a positive number of seconds"))
+                    Failure::input(format!(
+                        "--timeout {}: use a positive number of seconds",
+                        super::elide(t)
+                    ))
                 })
         })
         .transpose()
@@ -514,7 +546,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
         ),
         Exit::TimedOut => eprintln!(
             "berth: timed out after {} s: the container was killed (--timeout)",
-            args.timeout.as_deref().unwrap_or("?")
+            super::elide(args.timeout.as_deref().unwrap_or("?"))
         ),
         _ => {}
     }
@@ -562,5 +594,21 @@ mod tests {
         );
         assert!(parse_timeout(&Some("0".into())).is_err());
         assert!(parse_timeout(&Some("x".into())).is_err());
+        for huge in [
+            "99999999999999999999999999",
+            "18446744073709551616",
+            "9223372036854775807",
+            "1e308",
+        ] {
+            assert!(parse_timeout(&Some(huge.into())).unwrap().is_some());
+        }
+        for bad in ["inf", "NaN", "-1", "1e-300", ""] {
+            assert!(parse_timeout(&Some(bad.into())).is_err(), "{bad}");
+        }
+        let long = "9".repeat(100_000) + "x";
+        let Err(e) = parse_timeout(&Some(long)) else {
+            panic!("a bad timeout was accepted")
+        };
+        assert!(e.message.len() < 300, "{}", e.message);
     }
 }

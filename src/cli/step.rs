@@ -143,6 +143,9 @@ fn create(config: &Config) -> Result<i32, Failure> {
         host_files(),
     )
     .map_err(Failure::input)?;
+    crate::spec::env::EnvLimits::from_config(&config.store)
+        .check("the step's environment (the job's and the image's)", &req.env)
+        .map_err(Failure::input)?;
     // The job's scratch (made by the Prolog) appears at scratch.container_path.
     if let Ok(dir) = crate::stage::scratch::path(&config.scratch.root, &step.job_id.to_string())
         && dir.is_dir()

@@ -166,12 +166,58 @@ pub fn import_opened(
     who: &Requester<'_>,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
+    import_unchecked(store, reference, opened, config, who, progress)
+        .and_then(|image| check_usable(image, config, who))
+}
+
+/// Refuses an image a container cannot use, whenever its config is read for one (imported or
+/// found stored): an `Env` past `store.max_env_entries`/`max_env_bytes` (a hostile image costs
+/// one line, not minutes of CPU merging its environment), or layers built for another
+/// architecture than the host's or `--arch`'s (archives and layouts as registries; a squashfs
+/// says nothing of its architecture).
+pub fn check_usable(
+    image: Image,
+    config: &Config,
+    who: &Requester<'_>,
+) -> Result<Image, ImageError> {
+    if let Some(env) = image
+        .config
+        .config()
+        .as_ref()
+        .and_then(|c| c.env().as_ref())
+    {
+        crate::spec::env::EnvLimits::from_config(&config.store)
+            .check(&format!("image {}: its config", image.digest), env)
+            .map_err(ImageError::Format)?;
+    }
+    if matches!(image.rootfs, Rootfs::Layers(_)) {
+        let want = match &who.arch {
+            Some(a) => registry::manifest::Wanted::parse(a)
+                .map_err(|e| ImageError::Format(format!("--arch: {}", crate::cli::elide(&e))))?,
+            None => registry::manifest::Wanted::host(),
+        };
+        registry::check_architecture(&image.config, &want, who.arch.is_some()).map_err(|e| {
+            ImageError::Format(format!("image {}: {e}", reference_key(&image.source)))
+        })?;
+    }
+    Ok(image)
+}
+
+fn import_unchecked(
+    store: &Store,
+    reference: &Reference,
+    opened: Option<&Opened>,
+    config: &Config,
+    who: &Requester<'_>,
+    progress: Progress<'_>,
+) -> Result<Image, ImageError> {
     match reference {
         Reference::Registry(r) => {
             let client = client(config, who)?;
             let options = PullOptions {
                 arch: who.arch.clone(),
                 progress: ProgressMode::Auto,
+                env_limits: crate::spec::env::EnvLimits::from_config(&config.store),
             };
             let resolved = client.resolve(r, &options)?;
             let digest = resolved.manifest_digest.clone();
@@ -251,7 +297,7 @@ pub fn get_or_import(
         _ => Ok(true),
     })?;
     match cached {
-        Some(image) => Ok(image),
+        Some(image) => check_usable(image, config, who),
         None => import_opened(store, reference, opened, config, who, progress),
     }
 }

@@ -228,7 +228,7 @@ pub fn run_entrypoint(
         text
     });
     let pid = spawned.pid;
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::time::deadline_after(timeout);
     let outcome = loop {
         match waitpid(pid, Some(WaitPidFlag::WUNTRACED | WaitPidFlag::WNOHANG)) {
             Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {

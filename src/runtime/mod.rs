@@ -290,7 +290,7 @@ fn start(
 pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, RuntimeError> {
     let begun = Instant::now();
     let c = start(spec, lowers, opts, Mode::Run, &BTreeMap::new())?;
-    let deadline = opts.timeout.map(|t| Instant::now() + t);
+    let deadline = opts.timeout.map(crate::time::deadline_after);
     let status = wait(c.pid, &c.pidfd, &c.sfd, deadline)?;
     std::mem::forget(c.child);
     drop(c.lifeline);
@@ -400,7 +400,7 @@ fn wait(
                 if left.is_zero() {
                     return Ok(None);
                 }
-                PollTimeout::try_from(left.as_millis().min(i32::MAX as u128) as i32 + 1)
+                PollTimeout::try_from(left.as_millis().min(i32::MAX as u128 - 1) as i32 + 1)
                     .unwrap_or(PollTimeout::MAX)
             }
         };

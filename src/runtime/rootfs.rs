@@ -155,6 +155,7 @@ pub fn setup(
     {
         let typ = m.typ().as_deref().unwrap_or("bind");
         let source = m.source().clone().unwrap_or_else(|| PathBuf::from(typ));
+        check_mount_point(&root, m.destination(), typ)?;
         mounts::apply(
             &root,
             m.destination(),
@@ -209,6 +210,85 @@ pub fn setup(
             None::<&str>,
         )
         .map_err(sys("making the root read-only".into()))?;
+    }
+    Ok(())
+}
+
+/// Refuses a mount point that would hide the container's root, or a kernel filesystem's place
+/// (`/proc`, `/sys`, `/dev`, ...) that the image made a symlink or a file: an image whose `sys`
+/// is a symlink to `/` got sysfs over its root, and then "command not found" (127) said nothing
+/// of why. A bind may follow the image's symlinks (within the root: `/home` -> `/var/home`), but
+/// never onto the root itself.
+fn check_mount_point(root: &OwnedFd, dst: &Path, typ: &str) -> Result<(), SetupError> {
+    use std::os::unix::fs::MetadataExt;
+    let stat = |fd: &OwnedFd| std::fs::File::from(fd.try_clone()?).metadata();
+    let root_meta =
+        stat(root).map_err(|e| SetupError::new(format!("reading the container root: {e}")))?;
+    if crate::spec::parse::is_root(dst) {
+        return Err(SetupError::new(format!(
+            "refusing to mount {typ} on {}: it would hide the container's root filesystem",
+            dst.display()
+        )));
+    }
+    let kernel_fs = typ != "bind";
+    if kernel_fs {
+        // No symlink anywhere on the way, the last component included (O_PATH|O_NOFOLLOW opens
+        // a final symlink itself: its type says so).
+        // (privfs::open_beneath adds O_NOCTTY, which openat2 refuses with O_PATH.)
+        let how = nix::fcntl::OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+            .resolve(
+                nix::fcntl::ResolveFlag::RESOLVE_BENEATH
+                    | nix::fcntl::ResolveFlag::RESOLVE_NO_SYMLINKS,
+            );
+        let rel = dst.strip_prefix("/").unwrap_or(dst);
+        match nix::fcntl::openat2(root.as_fd(), rel, how).map_err(std::io::Error::from) {
+            Ok(fd) => {
+                let meta = stat(&fd).map_err(|e| {
+                    SetupError::new(format!("reading the mount point {}: {e}", dst.display()))
+                })?;
+                if !meta.is_dir() {
+                    return Err(SetupError::new(format!(
+                        "the image's {} is a {}, not a directory: berth mounts {typ} there; \
+                         fix the image (remove it or make it a directory)",
+                        dst.display(),
+                        if meta.file_type().is_symlink() {
+                            "symlink"
+                        } else {
+                            "file"
+                        }
+                    )));
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(SetupError::new(format!(
+                    "a directory above {} in the image is a symlink: berth mounts {typ} there \
+                     only on real directories; fix the image",
+                    dst.display()
+                )));
+            }
+            // Anything else is for the mount itself to report.
+            Err(_) => {}
+        }
+    }
+    let how = nix::fcntl::OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+        .resolve(
+            nix::fcntl::ResolveFlag::RESOLVE_IN_ROOT
+                | nix::fcntl::ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        );
+    let rel = dst.strip_prefix("/").unwrap_or(dst);
+    if let Ok(fd) = nix::fcntl::openat2(root.as_fd(), rel, how)
+        && let Ok(meta) = stat(&fd)
+        && meta.dev() == root_meta.dev()
+        && meta.ino() == root_meta.ino()
+    {
+        return Err(SetupError::new(format!(
+            "refusing to mount {typ} on {}: in the image it leads to / (a symlink), and the \
+             mount would hide the container's root filesystem; fix the image or mount elsewhere",
+            dst.display()
+        )));
     }
     Ok(())
 }
@@ -416,6 +496,13 @@ fn add_user_entries(spec: &Spec) -> Result<(), SetupError> {
     append_missing(&root, "etc/group", 2, gid, &format!("{group}:x:{gid}:"))
 }
 
+/// Whether a line of the database `text` has `id` in field `field` (0-based, `:`-separated).
+fn has_id(text: &[u8], field: usize, id: u32) -> bool {
+    let id = id.to_string();
+    text.split(|&b| b == b'\n')
+        .any(|l| l.split(|&b| b == b':').nth(field) == Some(id.as_bytes()))
+}
+
 /// The most of a user database berth reads: far above any real one, far below harm.
 const DATABASE_LIMIT: u64 = 16 << 20;
 
@@ -451,22 +538,20 @@ fn append_missing(
         Ok(_) => return leave(&"not a regular file"),
         Err(e) => return leave(&e),
     }
+    // Bytes, not text: a database with a name in Latin-1 (not UTF-8) still gets the user, and
+    // the append lands exactly at the end of what was read.
     let text = match privfs::read_bounded(&mut file, DATABASE_LIMIT) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Ok(bytes) => bytes,
         Err(e) => return leave(&e),
     };
-    let id = id.to_string();
-    if text
-        .lines()
-        .any(|l| l.split(':').nth(field) == Some(id.as_str()))
-    {
+    if has_id(&text, field, id) {
         return Ok(());
     }
     if !writable {
         // A read-only image root keeps the image's database as it is.
         return Ok(());
     }
-    let sep = if text.is_empty() || text.ends_with('\n') {
+    let sep = if text.is_empty() || text.ends_with(b"\n") {
         ""
     } else {
         "\n"
@@ -476,4 +561,18 @@ fn append_missing(
     let end = text.len() as u64;
     std::os::unix::fs::FileExt::write_all_at(&file, format!("{sep}{line}\n").as_bytes(), end)
         .map_err(|e| SetupError::new(format!("adding the user to /{rel}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_found_in_databases_that_are_not_utf8() {
+        let db = b"root:x:0:0::/root:/bin/sh\njos\xe9:x:1000:1000::/home/jos\xe9:/bin/sh\n";
+        assert!(has_id(db, 2, 0));
+        assert!(has_id(db, 2, 1000));
+        assert!(!has_id(db, 2, 1001));
+        assert!(!has_id(b"", 2, 0));
+    }
 }

@@ -1,6 +1,7 @@
 //! Builds the OCI runtime `Spec` that describes a container, from what the job asked for.
 //! Pure: nothing here touches the host, so every decision is unit-tested. `runtime/` executes it.
 
+pub mod env;
 pub mod image;
 pub mod parse;
 pub mod user;
@@ -37,23 +38,24 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("invalid size '{0}': use bytes or a number with k, M, G or T (e.g. 512M)")]
+    #[error("invalid size '{}': use bytes or a number with k, M, G or T (e.g. 512M)", crate::cli::elide(.0))]
     Size(String),
-    #[error("invalid CPU count '{0}': use a positive number such as 0.5 or 2")]
+    #[error("invalid CPU count '{}': use a positive number such as 0.5 or 2", crate::cli::elide(.0))]
     Cpus(String),
-    #[error("invalid CPU list '{0}': use numbers and ranges such as 0-3,8")]
+    #[error("invalid CPU list '{}': use numbers and ranges such as 0-3,8", crate::cli::elide(.0))]
     CpuList(String),
-    #[error("invalid mount '{0}': {1}")]
+    #[error("invalid mount '{}': {}", crate::cli::elide(.0), crate::cli::elide(.1))]
     Mount(String, String),
-    #[error("invalid environment variable '{0}': use KEY=VALUE")]
+    #[error("invalid environment variable '{}': use KEY=VALUE", crate::cli::elide(.0))]
     Env(String),
-    #[error("invalid hostname '{0}': use up to 64 letters, digits, '-' and '.'")]
+    #[error("invalid hostname '{}': use up to 64 letters, digits, '-' and '.'", crate::cli::elide(.0))]
     Hostname(String),
     #[error(
-        "unknown user '{0}': no such user on this host (use a name or uid from the host's passwd database)"
+        "unknown user '{}': no such user on this host (use a name or uid from the host's passwd database)",
+        crate::cli::elide(.0)
     )]
     UnknownUser(String),
-    #[error("unknown group '{0}': no such group on this host")]
+    #[error("unknown group '{}': no such group on this host", crate::cli::elide(.0))]
     UnknownGroup(String),
     #[error("--memory-swap needs --memory: swap is granted on top of the memory limit")]
     SwapWithoutMemory,
@@ -306,35 +308,32 @@ fn remap_mappings(user: &UserIds) -> Result<(Vec<LinuxIdMapping>, Vec<LinuxIdMap
 }
 
 /// The command's environment: berth's defaults, then the request's pairs; the last value of a key
-/// wins and keeps the key's first position.
+/// wins and keeps the key's first position. Linear in the number of pairs (see [`env`]).
 fn environment(req: &Request) -> Vec<String> {
-    let mut pairs: Vec<(String, String)> = vec![
-        ("PATH".into(), DEFAULT_PATH.into()),
-        (
-            "HOME".into(),
-            req.user
-                .home
-                .as_ref()
-                .map(|h| h.display().to_string())
-                .unwrap_or_else(|| "/".into()),
-        ),
-    ];
+    let mut pairs = env::EnvBuilder::with_capacity(req.env.len() + 4);
+    pairs.set("PATH", DEFAULT_PATH);
+    pairs.set(
+        "HOME",
+        &req.user
+            .home
+            .as_ref()
+            .map(|h| h.display().to_string())
+            .unwrap_or_else(|| "/".into()),
+    );
     if let Some(name) = &req.hostname {
-        pairs.push(("HOSTNAME".into(), name.clone()));
+        pairs.set("HOSTNAME", name);
     }
     if req.terminal {
-        pairs.push((
-            "TERM".into(),
-            req.term.clone().unwrap_or_else(|| "xterm".into()),
-        ));
+        pairs.set("TERM", req.term.as_deref().unwrap_or("xterm"));
     }
     for (k, v) in &req.env {
-        match pairs.iter_mut().find(|(key, _)| key == k) {
-            Some(slot) => slot.1 = v.clone(),
-            None => pairs.push((k.clone(), v.clone())),
-        }
+        pairs.set(k, v);
     }
-    pairs.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+    pairs
+        .into_pairs()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect()
 }
 
 fn mount(dst: &str, typ: &str, src: &str, options: &[&str]) -> Result<Mount, SpecError> {
@@ -410,6 +409,14 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
         )?);
     }
     for m in &req.mounts {
+        // Over the root the container's own /proc, /dev, /sys and its command would all be
+        // hidden: the command then "is not found" (127), which says nothing of why.
+        if parse::is_root(&m.destination) {
+            return Err(SpecError::Mount(
+                format!("{}:{}", m.source.display(), m.destination.display()),
+                parse::ONTO_ROOT.to_string(),
+            ));
+        }
         let mode = if m.readonly { "ro" } else { "rw" };
         list.push(mount(
             &m.destination.display().to_string(),
@@ -419,6 +426,12 @@ fn mounts(req: &Request) -> Result<Vec<Mount>, SpecError> {
         )?);
     }
     for dst in &req.tmpfs {
+        if parse::is_root(dst) {
+            return Err(SpecError::Mount(
+                format!("tmpfs:{}", dst.display()),
+                parse::ONTO_ROOT.to_string(),
+            ));
+        }
         list.push(mount(
             &dst.display().to_string(),
             "tmpfs",

@@ -94,6 +94,9 @@ pub fn bind_mount(text: &str) -> Result<BindMount, SpecError> {
         return Err(bad("SRC and DST must be absolute paths"));
     }
     let destination = PathBuf::from(dst);
+    if is_root(&destination) {
+        return Err(bad(ONTO_ROOT));
+    }
     if destination
         .components()
         .any(|c| matches!(c, std::path::Component::ParentDir))
@@ -104,6 +107,20 @@ pub fn bind_mount(text: &str) -> Result<BindMount, SpecError> {
         source: PathBuf::from(src),
         destination,
         readonly,
+    })
+}
+
+/// Why a mount onto the container's `/` is refused.
+pub const ONTO_ROOT: &str =
+    "DST must not be / (it would hide the container's root filesystem); mount under a directory";
+
+/// Whether `path` names the root (`/`, `//`, `/.`, ...).
+pub fn is_root(path: &std::path::Path) -> bool {
+    path.components().all(|c| {
+        matches!(
+            c,
+            std::path::Component::RootDir | std::path::Component::CurDir
+        )
     })
 }
 

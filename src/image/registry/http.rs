@@ -145,7 +145,9 @@ impl Transport {
             if let Some(from) = range_from.filter(|f| *f > 0) {
                 req = req.header("Range", format!("bytes={from}-"));
             }
-            let failure = match req.call() {
+            // With `answered`, the error status the registry gave: a registry that answers is
+            // not "unreachable", and its own words say more than the status.
+            let (failure, answered) = match req.call() {
                 Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED => {
                     if answered_challenge {
                         return Err(self.rejected(t));
@@ -162,14 +164,36 @@ impl Transport {
                     if resp.status().is_server_error()
                         || resp.status() == StatusCode::TOO_MANY_REQUESTS =>
                 {
-                    format!("{} answered {}", t.registry, resp.status())
+                    let (status, code, message) = error_body(resp);
+                    let said = [code, message]
+                        .into_iter()
+                        .filter(|s| !s.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(": ");
+                    (
+                        format!("{} answered {status}", t.registry),
+                        Some((status, said)),
+                    )
                 }
                 Ok(resp) => return Ok(resp),
-                Err(e) if retryable(&e) => describe(&e),
+                Err(e) if retryable(&e) => (describe(&e), None),
                 Err(e) => return Err(self.transport_error(t, e)),
             };
             attempt += 1;
             if attempt >= self.retries {
+                if let Some((status, said)) = answered {
+                    return Err(RegistryError::ServerError {
+                        registry: t.registry.clone(),
+                        image: t.image.clone(),
+                        attempts: attempt,
+                        status: status.to_string(),
+                        said: if said.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({})", crate::cli::elide(&said))
+                        },
+                    });
+                }
                 return Err(RegistryError::Unreachable {
                     registry: t.registry.clone(),
                     image: t.image.clone(),
@@ -182,17 +206,29 @@ impl Transport {
         }
     }
 
-    /// Reads a small response body (manifest, config, token, error).
+    /// Reads a small response body (manifest, config, token, error). A connection dropped
+    /// midway is `Unreachable` (callers retry it); a body past [`DOCUMENT_LIMIT`] is the
+    /// registry's fault, said so, not retried.
     pub fn read_document(&self, t: &Target, resp: Resp) -> Result<Vec<u8>, RegistryError> {
         resp.into_body()
             .into_with_config()
             .limit(DOCUMENT_LIMIT)
             .read_to_vec()
-            .map_err(|e| RegistryError::Unreachable {
-                registry: t.registry.clone(),
-                image: t.image.clone(),
-                attempts: 1,
-                detail: describe(&e),
+            .map_err(|e| match e {
+                ureq::Error::BodyExceedsLimit(_) => RegistryError::Protocol {
+                    image: t.image.clone(),
+                    registry: t.registry.clone(),
+                    detail: format!(
+                        "a document (manifest, config or token) larger than {} MiB",
+                        DOCUMENT_LIMIT >> 20
+                    ),
+                },
+                e => RegistryError::Unreachable {
+                    registry: t.registry.clone(),
+                    image: t.image.clone(),
+                    attempts: 1,
+                    detail: describe(&e),
+                },
             })
     }
 
@@ -292,15 +328,25 @@ impl Transport {
             if let Some(l) = login {
                 req = req.header("Authorization", l.basic_header());
             }
-            let failure = match req.call() {
-                Ok(r) if r.status().is_server_error() => {
-                    format!("token server {realm} answered {}", r.status())
-                }
+            let (failure, answered) = match req.call() {
+                Ok(r) if r.status().is_server_error() => (
+                    format!("token server {realm} answered {}", r.status()),
+                    Some(r.status()),
+                ),
                 Ok(r) => break r,
-                Err(e) if retryable(&e) => describe(&e),
+                Err(e) if retryable(&e) => (describe(&e), None),
                 Err(e) => return Err(self.transport_error(t, e)),
             };
             attempt += 1;
+            if let (true, Some(status)) = (attempt >= self.retries, answered) {
+                return Err(RegistryError::ServerError {
+                    registry: format!("its token server {realm_host}"),
+                    image: t.image.clone(),
+                    attempts: attempt,
+                    status: status.to_string(),
+                    said: String::new(),
+                });
+            }
             if attempt >= self.retries {
                 return Err(RegistryError::Unreachable {
                     registry: realm_host.to_string(),

@@ -7,7 +7,7 @@
 //! Blocking I/O on std threads (ureq with rustls): a pull is a handful of long transfers, and
 //! keeping an async runtime out of berth keeps it out of code that later forks into namespaces.
 
-mod auth;
+pub mod auth;
 mod blob;
 mod http;
 pub mod manifest;
@@ -86,6 +86,18 @@ pub enum RegistryError {
         attempts: u32,
         detail: String,
     },
+    /// The registry answered, with a server error (5xx) or 429, every time it was asked.
+    #[error(
+        "pulling {image}: {registry} answered {status}{said} to each of {attempts} attempt(s): \
+         the registry failed, not the network; retry later or ask its administrators"
+    )]
+    ServerError {
+        image: String,
+        registry: String,
+        attempts: u32,
+        status: String,
+        said: String,
+    },
     #[error(
         "pulling {image}: {what} {expected} from {registry} has sha256 {actual} ({size} bytes): \
          the registry served corrupt data; nothing was stored"
@@ -137,6 +149,8 @@ pub struct PullOptions {
     /// `--arch`: the platform to pick from a multi-platform image; the host's when `None`.
     pub arch: Option<String>,
     pub progress: ProgressMode,
+    /// Bounds on the image config's `Env`, checked before any layer is fetched.
+    pub env_limits: crate::spec::env::EnvLimits,
 }
 
 /// A pulled image: every layer is in the store.
@@ -308,6 +322,14 @@ impl Client {
                 format!("image config {} is invalid: {e}", config_desc.digest),
             )
         })?;
+        check_architecture(&config, &want, options.arch.is_some())
+            .map_err(|detail| self.image_error(&t, detail))?;
+        if let Some(env) = config.config().as_ref().and_then(|c| c.env().as_ref()) {
+            options
+                .env_limits
+                .check(&format!("image config {}", config_desc.digest), env)
+                .map_err(|detail| self.image_error(&t, detail))?;
+        }
         let diff_ids = config.rootfs().diff_ids().clone();
         if diff_ids.len() != layers.len() {
             return Err(self.image_error(
@@ -378,18 +400,7 @@ impl Client {
         url: &str,
         pinned: Option<&str>,
     ) -> Result<(Vec<u8>, String, Option<String>), RegistryError> {
-        let resp = self
-            .transport
-            .send(t, Method::Get, url, Some(manifest::ACCEPT), None, None)?;
-        if !resp.status().is_success() {
-            return Err(self.not_ok(t, resp, "manifest"));
-        }
-        let content_type = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        let body = self.transport.read_document(t, resp)?;
+        let (body, content_type) = self.get_document(t, url, Some(manifest::ACCEPT), "manifest")?;
         let digest = blob::sha256_of(&body);
         if let Some(p) = pinned
             && p != digest
@@ -406,22 +417,59 @@ impl Client {
         Ok((body, digest, content_type))
     }
 
+    /// GETs a small document (manifest, config) and reads its body, retrying as layers are
+    /// retried when the connection drops while the body is read (`send` retries only until the
+    /// headers came). Returns the body and its Content-Type.
+    fn get_document(
+        &self,
+        t: &Target,
+        url: &str,
+        accept: Option<&str>,
+        what: &str,
+    ) -> Result<(Vec<u8>, Option<String>), RegistryError> {
+        let mut attempt = 0u32;
+        loop {
+            let resp = self
+                .transport
+                .send(t, Method::Get, url, accept, None, None)?;
+            if what == "config" && resp.status() == StatusCode::NOT_FOUND {
+                return Err(RegistryError::BlobMissing {
+                    image: t.image.clone(),
+                    registry: t.registry.clone(),
+                    digest: url.rsplit('/').next().unwrap_or_default().to_string(),
+                });
+            }
+            if !resp.status().is_success() {
+                return Err(self.not_ok(t, resp, what));
+            }
+            let content_type = resp
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            match self.transport.read_document(t, resp) {
+                Ok(body) => return Ok((body, content_type)),
+                Err(RegistryError::Unreachable { detail, .. }) => {
+                    attempt += 1;
+                    if attempt >= self.transport.retries {
+                        return Err(RegistryError::Unreachable {
+                            image: t.image.clone(),
+                            registry: t.registry.clone(),
+                            attempts: attempt,
+                            detail: format!("reading the {what}: {detail}"),
+                        });
+                    }
+                    tracing::debug!(%url, attempt, %detail, "retrying a dropped {what}");
+                    std::thread::sleep(self.transport.backoff(attempt));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     fn fetch_config(&self, t: &Target, d: &Descriptor) -> Result<Vec<u8>, RegistryError> {
         let url = format!("{}blobs/{}", self.transport.repo_url(t), d.digest);
-        let resp = self
-            .transport
-            .send(t, Method::Get, &url, None, None, None)?;
-        if resp.status() == StatusCode::NOT_FOUND {
-            return Err(RegistryError::BlobMissing {
-                image: t.image.clone(),
-                registry: t.registry.clone(),
-                digest: d.digest.clone(),
-            });
-        }
-        if !resp.status().is_success() {
-            return Err(self.not_ok(t, resp, "config"));
-        }
-        let body = self.transport.read_document(t, resp)?;
+        let (body, _) = self.get_document(t, &url, None, "config")?;
         let actual = blob::sha256_of(&body);
         if actual != d.digest {
             return Err(RegistryError::DigestMismatch {
@@ -655,6 +703,36 @@ impl Read for FailingReader {
             .take()
             .unwrap_or_else(|| std::io::Error::other("decompressor failed")))
     }
+}
+
+/// Refuses an image whose config says it is built for another architecture than `want` (the
+/// host's, or `--arch`'s when `asked`): a single-platform image of another machine would only
+/// fail later with "exec format error". One line naming both architectures.
+pub fn check_architecture(
+    config: &ImageConfiguration,
+    want: &manifest::Wanted,
+    asked: bool,
+) -> Result<(), String> {
+    let have = config.architecture().to_string();
+    let normal = manifest::Wanted::parse(&have)
+        .map(|w| w.architecture)
+        .unwrap_or_else(|_| have.clone());
+    if have.is_empty() || normal == want.architecture {
+        return Ok(());
+    }
+    let have = crate::cli::elide(&have);
+    Err(if asked {
+        format!(
+            "the image is built for {have}, not for {} as --arch asks",
+            want.architecture
+        )
+    } else {
+        format!(
+            "the image is built for {have} and this host is {}; give --arch {have} to use it \
+             anyway",
+            want.architecture
+        )
+    })
 }
 
 fn target(r: &RegistryRef) -> Target {
