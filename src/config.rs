@@ -30,6 +30,9 @@ pub struct Config {
     pub topology: TopologyConfig,
     pub stage: StageConfig,
     pub scratch: ScratchConfig,
+    /// `[controller]`: read by `berth-controller` (its own crate checks the fields).
+    pub controller: toml::Table,
+    pub agent: AgentConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -269,6 +272,38 @@ impl Default for TopologyConfig {
             check_gpu_link_speed: false,
             epilog_health: true,
             cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
+        }
+    }
+}
+
+/// `[agent]`: `berth agent` on every node, and the controllers `berth cluster` asks.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The cluster controllers' API addresses (`host:port`); any of them, a follower names the
+    /// leader. Empty: `berth agent` and `berth cluster` refuse to start.
+    pub controllers: Vec<String>,
+    /// The shared key file (the same content on every node and controller).
+    pub key_file: PathBuf,
+    /// Milliseconds between two rounds of checks and heartbeats.
+    pub interval_ms: u64,
+    /// Each wait is the interval plus or minus half this percentage of it, at random.
+    pub jitter_percent: u32,
+    /// Where the agent serves `/metrics`; empty: nowhere.
+    pub metrics_listen: String,
+    /// This node's Slurm name; unset: the short host name.
+    pub node_name: Option<String>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            controllers: Vec::new(),
+            key_file: PathBuf::from("/etc/berth/cluster.key"),
+            interval_ms: 5000,
+            jitter_percent: 20,
+            metrics_listen: "0.0.0.0:6821".into(),
+            node_name: None,
         }
     }
 }

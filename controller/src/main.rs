@@ -238,6 +238,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve(cli.config.as_deref(), args),

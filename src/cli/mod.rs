@@ -11,7 +11,9 @@ macro_rules! outln {
     ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
+pub mod agent;
 pub mod cdi;
+pub mod cluster;
 pub mod container;
 pub mod export;
 pub mod gc;
@@ -74,6 +76,8 @@ pub enum Command {
     Health(health::HealthArgs),
     Cdi(cdi::CdiArgs),
     Stage(stage::StageArgs),
+    Agent(agent::AgentArgs),
+    Cluster(cluster::ClusterArgs),
 }
 
 /// A failure before or around the container, printed as one line `berth: …`.
@@ -129,6 +133,10 @@ impl Cli {
             Command::Health(args) => health::execute(args, &config),
             Command::Cdi(args) => cdi::execute(args, &config),
             Command::Stage(args) => stage::execute(args, &config),
+            Command::Agent(args) => {
+                agent::execute(args, &config, &agent::config_path(self.config.as_deref()))
+            }
+            Command::Cluster(args) => cluster::execute(args, &config),
         }
     }
 }

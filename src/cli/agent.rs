@@ -1,0 +1,451 @@
+//! `berth agent`: the node agent. Runs berth's health checks (what `berth health` runs, under
+//! `topology.host_root`) every `agent.interval_ms` (jittered), posts each round as a heartbeat
+//! to the cluster controller, and serves its own `/metrics`. Synchronous (`ureq`, threads): no
+//! async runtime on nodes. The controller is never in the job path: with it down, the agent
+//! keeps checking and retrying, and Slurm, the Prolog/Epilog and `berth gc` work as before.
+//!
+//! The configuration file is read again every round, so a changed threshold or expected GPU
+//! count takes effect without a restart (a file that no longer parses keeps the last one).
+//!
+//! Also home of [`Client`], the controller client `berth cluster` shares: it sends the shared
+//! key, tries each configured controller, and follows a follower's answer to the leader.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use berth_api::{CheckResult, Heartbeat, HeartbeatReply, NotLeader, Severity, Status};
+use clap::Args;
+
+use super::Failure;
+use super::health::{XidWindow, report};
+use super::topo::Source;
+use crate::config::Config;
+use crate::topology::kmsg;
+
+/// Run the node agent: health checks on an interval, heartbeats to the cluster controller
+///
+/// Checks are those of `berth health`; XIDs count once, in the round that first sees them.
+/// Heartbeats go to agent.controllers (any of them: a follower names the leader). Serves
+/// Prometheus metrics on agent.metrics_listen.
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// Run one round (check, heartbeat) and exit: 0 when the controller took it
+    #[arg(long)]
+    pub once: bool,
+
+    /// This node's Slurm name [default: agent.node_name, or the short host name]
+    #[arg(long, value_name = "NAME")]
+    pub node: Option<String>,
+}
+
+/// How long one request to a controller may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most bytes a controller's answer may hold.
+const REPLY_MAX: u64 = 16 << 20;
+/// Hops from follower to leader before giving up on one attempt.
+const MAX_HOPS: usize = 3;
+
+/// A client of the cluster controllers.
+pub struct Client {
+    agent: ureq::Agent,
+    controllers: Vec<String>,
+    bearer: String,
+    /// The leader's address, learnt from a follower's 421 or the last success.
+    leader: Option<String>,
+}
+
+/// Reads the shared key file: at most [`berth_api::KEY_MAX`] bytes, not empty.
+pub fn read_key(path: &Path) -> Result<String, Failure> {
+    let hint = || {
+        format!(
+            "reading the cluster key file {}: it must hold the controllers' key (agent.key_file)",
+            path.display()
+        )
+    };
+    let f = std::fs::File::open(path).map_err(|e| Failure::input(format!("{}: {e}", hint())))?;
+    let mut key = String::new();
+    f.take(berth_api::KEY_MAX as u64 + 1)
+        .read_to_string(&mut key)
+        .map_err(|e| Failure::input(format!("{}: {e}", hint())))?;
+    if key.trim().is_empty() || key.len() > berth_api::KEY_MAX {
+        return Err(Failure::input(format!(
+            "{}: it is empty or longer than {} bytes",
+            hint(),
+            berth_api::KEY_MAX
+        )));
+    }
+    Ok(key)
+}
+
+impl Client {
+    pub fn new(config: &Config) -> Result<Self, Failure> {
+        if config.agent.controllers.is_empty() {
+            return Err(Failure::input(
+                "no cluster controller configured: set agent.controllers in berth.toml",
+            ));
+        }
+        let key = read_key(&config.agent.key_file)?;
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(REQUEST_TIMEOUT))
+            .user_agent(concat!("berth/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .into();
+        Ok(Self {
+            agent,
+            controllers: config.agent.controllers.clone(),
+            bearer: berth_api::bearer(&key),
+            leader: None,
+        })
+    }
+
+    fn once(&self, addr: &str, path: &str, body: Option<&[u8]>) -> Result<(u16, Vec<u8>), String> {
+        let url = format!("http://{addr}{path}");
+        let resp = match body {
+            Some(b) => self
+                .agent
+                .post(&url)
+                .header(berth_api::KEY_HEADER, &self.bearer)
+                .content_type("application/json")
+                .send(b),
+            None => self
+                .agent
+                .get(&url)
+                .header(berth_api::KEY_HEADER, &self.bearer)
+                .call(),
+        };
+        let mut resp = resp.map_err(|e| format!("{url}: {e}"))?;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .body_mut()
+            .with_config()
+            .limit(REPLY_MAX)
+            .read_to_vec()
+            .map_err(|e| format!("{url}: {e}"))?;
+        Ok((status, bytes))
+    }
+
+    /// Sends a request to the leader (found through any controller) when `leader_only`, else
+    /// to the first controller that answers. Returns the answering address, status and body.
+    pub fn request(
+        &mut self,
+        path: &str,
+        body: Option<&[u8]>,
+        leader_only: bool,
+    ) -> Result<(String, u16, Vec<u8>), String> {
+        let mut order: Vec<String> = self.leader.iter().cloned().collect();
+        order.extend(
+            self.controllers
+                .iter()
+                .filter(|c| Some(*c) != self.leader.as_ref())
+                .cloned(),
+        );
+        let mut errors = Vec::new();
+        for start in order {
+            let mut addr = start;
+            for _ in 0..MAX_HOPS {
+                match self.once(&addr, path, body) {
+                    Ok((status, bytes)) if status == berth_api::NOT_LEADER_STATUS => {
+                        let next = serde_json::from_slice::<NotLeader>(&bytes)
+                            .ok()
+                            .and_then(|n| n.leader)
+                            .filter(|l| *l != addr);
+                        match next {
+                            Some(l) => addr = l,
+                            None => {
+                                errors.push(format!("{addr}: not the leader, knows none yet"));
+                                break;
+                            }
+                        }
+                    }
+                    Ok((status, bytes)) => {
+                        if leader_only || status == 200 {
+                            self.leader = leader_only.then(|| addr.clone());
+                        }
+                        return Ok((addr, status, bytes));
+                    }
+                    Err(e) => {
+                        if self.leader.as_deref() == Some(addr.as_str()) {
+                            self.leader = None;
+                        }
+                        errors.push(e);
+                        break;
+                    }
+                }
+            }
+        }
+        Err(format!(
+            "no cluster controller answered ({}): check agent.controllers and that a \
+             controller runs",
+            errors.join("; ")
+        ))
+    }
+}
+
+/// Severity and whether the check's drain may lift by itself, by berth health's check names.
+fn classify(name: &str) -> (Severity, bool) {
+    match name {
+        // A GPU that fell off the bus may come back (a reset, a reseat): recoverable.
+        "gpu-count" => (Severity::Hard, true),
+        // Hardware faults an admin must look at.
+        "ecc" | "retired-pages" | "xid" => (Severity::Hard, false),
+        // Links and ports flap; two in a row drain, passes resume.
+        _ => (Severity::Soft, true),
+    }
+}
+
+/// One round of checks as heartbeat results.
+fn checks(config: &Config, xid_after: Option<u64>) -> Vec<CheckResult> {
+    let window = xid_after.map_or(XidWindow::None, XidWindow::After);
+    match report(config, &Source::default(), None, None, window, false) {
+        Ok(r) => r
+            .checks
+            .iter()
+            .map(|c| {
+                let (severity, recoverable) = classify(c.name);
+                CheckResult {
+                    name: c.name.to_string(),
+                    status: if c.ok { Status::Ok } else { Status::Fail },
+                    severity,
+                    recoverable,
+                    message: c.detail.clone(),
+                }
+            })
+            .collect(),
+        // The node could not be read at all: say so, without draining for it.
+        Err(e) => vec![CheckResult {
+            name: "health".into(),
+            status: Status::Unknown,
+            severity: Severity::Soft,
+            recoverable: true,
+            message: e.message,
+        }],
+    }
+}
+
+fn kmsg_seq(config: &Config) -> Option<u64> {
+    let host = super::topo::host(&Source::default(), config);
+    kmsg::read(&host.path("/dev/kmsg"))
+        .ok()
+        .and_then(|r| kmsg::last_seq(&r))
+}
+
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+fn node_name(args: &AgentArgs, config: &Config) -> Result<String, Failure> {
+    if let Some(n) = args.node.clone().or_else(|| config.agent.node_name.clone()) {
+        return Ok(n);
+    }
+    let h = nix::unistd::gethostname()
+        .map_err(|e| Failure::system(format!("reading the host name: {e}; set agent.node_name")))?;
+    let h = h.to_string_lossy();
+    Ok(h.split('.').next().unwrap_or(&h).to_string())
+}
+
+/// What `/metrics` shows, updated by the check loop.
+#[derive(Default)]
+struct Metrics {
+    checks: Mutex<Vec<CheckResult>>,
+    sent: AtomicU64,
+    failed: AtomicU64,
+    last_ok_unix: AtomicU64,
+    term: AtomicU64,
+}
+
+impl Metrics {
+    fn render(&self) -> String {
+        let mut t = String::new();
+        t.push_str("# HELP berth_agent_check_ok 1 when the check passed in the last round.\n");
+        t.push_str("# TYPE berth_agent_check_ok gauge\n");
+        for c in self.checks.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let v = i32::from(c.status == Status::Ok);
+            t.push_str(&format!(
+                "berth_agent_check_ok{{check=\"{}\"}} {v}\n",
+                c.name
+            ));
+        }
+        let counters = [
+            ("heartbeats", "Heartbeats the controller took.", &self.sent),
+            (
+                "heartbeat_failures",
+                "Heartbeats no controller took.",
+                &self.failed,
+            ),
+        ];
+        for (name, help, v) in counters {
+            t.push_str(&format!(
+                "# HELP berth_agent_{name} {help}\n# TYPE berth_agent_{name} counter\n\
+                 berth_agent_{name}_total {}\n",
+                v.load(Ordering::Relaxed)
+            ));
+        }
+        t.push_str(&format!(
+            "# HELP berth_agent_last_heartbeat_timestamp_seconds When the controller last took a heartbeat.\n\
+             # TYPE berth_agent_last_heartbeat_timestamp_seconds gauge\n\
+             berth_agent_last_heartbeat_timestamp_seconds {}\n\
+             # HELP berth_agent_controller_term The leader's term in its last answer.\n\
+             # TYPE berth_agent_controller_term gauge\n\
+             berth_agent_controller_term {}\n",
+            self.last_ok_unix.load(Ordering::Relaxed),
+            self.term.load(Ordering::Relaxed)
+        ));
+        t
+    }
+}
+
+/// Serves `GET /metrics` (Prometheus text) on `addr`, one short request per connection.
+fn serve_metrics(addr: &str, metrics: Arc<Metrics>) -> Result<(), Failure> {
+    let listener = TcpListener::bind(addr).map_err(|e| {
+        Failure::system(format!(
+            "listening on {addr} for metrics: {e}; set agent.metrics_listen (empty: no metrics)"
+        ))
+    })?;
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let _ = answer(conn, &metrics);
+        }
+    });
+    Ok(())
+}
+
+fn answer(mut conn: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    conn.set_write_timeout(Some(Duration::from_secs(2)))?;
+    let mut buf = [0u8; 2048];
+    let n = conn.read(&mut buf)?;
+    let head = String::from_utf8_lossy(&buf[..n]);
+    let (status, body) = if head.starts_with("GET /metrics ") {
+        ("200 OK", metrics.render())
+    } else {
+        ("404 Not Found", "GET /metrics\n".to_string())
+    };
+    write!(
+        conn,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// A pseudo-random fraction in [0, 1) for jitter (no RNG dependency: time and pid mixed).
+fn jitter_fraction(round: u64) -> f64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos() as u64);
+    let mut x =
+        nanos ^ (u64::from(std::process::id()) << 32) ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    (x % 10_000) as f64 / 10_000.0
+}
+
+pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<i32, Failure> {
+    let mut config = config.clone();
+    let node = node_name(args, &config)?;
+    let mut client = Client::new(&config)?;
+    let metrics = Arc::new(Metrics::default());
+    if !args.once && !config.agent.metrics_listen.is_empty() {
+        serve_metrics(&config.agent.metrics_listen, metrics.clone())?;
+    }
+    let boot = boot_id();
+    let mut xid_after = kmsg_seq(&config);
+    let mut round = 0u64;
+    loop {
+        let started = Instant::now();
+        let results = checks(&config, xid_after);
+        // XIDs count once: the next round judges only those logged after this one's.
+        if let Some(seq) = kmsg_seq(&config) {
+            xid_after = Some(seq);
+        }
+        *metrics.checks.lock().unwrap_or_else(|p| p.into_inner()) = results.clone();
+        let hb = Heartbeat {
+            node: node.clone(),
+            boot_id: boot.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            checks: results,
+        };
+        let body = serde_json::to_vec(&hb).expect("a heartbeat serializes");
+        let sent = match client.request("/v1/heartbeat", Some(&body), true) {
+            Ok((_, 200, bytes)) => {
+                if let Ok(r) = serde_json::from_slice::<HeartbeatReply>(&bytes) {
+                    metrics.term.store(r.term, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            Ok((addr, status, bytes)) => Err(format!(
+                "{addr}: HTTP {status}: {}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
+            )),
+            Err(e) => Err(e),
+        };
+        match &sent {
+            Ok(()) => {
+                metrics.sent.fetch_add(1, Ordering::Relaxed);
+                let now = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                metrics.last_ok_unix.store(now, Ordering::Relaxed);
+            }
+            Err(e) => {
+                metrics.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("heartbeat of {node}: {e}");
+            }
+        }
+        if args.once {
+            return match sent {
+                Ok(()) => Ok(0),
+                Err(e) => Err(Failure::system(format!("berth agent: heartbeat: {e}"))),
+            };
+        }
+        round += 1;
+        let interval = config.agent.interval_ms.max(100) as f64;
+        let spread = interval * f64::from(config.agent.jitter_percent.min(100)) / 100.0;
+        let wait = Duration::from_millis(
+            (interval - spread / 2.0 + spread * jitter_fraction(round)) as u64,
+        );
+        std::thread::sleep(wait.saturating_sub(started.elapsed()));
+        match Config::load(config_path, config_path.exists()) {
+            Ok(c) => config = c,
+            Err(e) => tracing::warn!("keeping the previous configuration: {e}"),
+        }
+    }
+}
+
+/// The configuration file the agent reads again each round.
+pub fn config_path(explicit: Option<&Path>) -> PathBuf {
+    explicit
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("BERTH_CONFIG").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(crate::config::DEFAULT_PATH))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hard_checks_are_the_gpu_ones_and_hardware_faults_do_not_recover() {
+        assert_eq!(classify("gpu-count"), (Severity::Hard, true));
+        assert_eq!(classify("xid"), (Severity::Hard, false));
+        assert_eq!(classify("ecc"), (Severity::Hard, false));
+        assert_eq!(classify("nic-ports"), (Severity::Soft, true));
+        assert_eq!(classify("pcie-links"), (Severity::Soft, true));
+    }
+
+    #[test]
+    fn jitter_stays_in_range() {
+        for r in 0..100 {
+            let f = jitter_fraction(r);
+            assert!((0.0..1.0).contains(&f));
+        }
+    }
+}

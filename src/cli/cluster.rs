@@ -1,0 +1,178 @@
+//! `berth cluster`: the admin's view of and hand on the cluster controller. Asks whichever
+//! configured controller answers (agent.controllers); commands that change state go to the
+//! leader, found through a follower's answer.
+
+use berth_api::{ClusterStatus, DrainRequest, ErrorReply, NodeView, ResumeRequest};
+use clap::{Args, Subcommand};
+
+use super::Failure;
+use super::agent::Client;
+use crate::config::Config;
+
+/// Ask the cluster controller: status, nodes, drain, resume, breaker reset
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    /// Print the controller's answer as JSON
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    #[command(subcommand)]
+    pub command: ClusterCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// The controllers' Raft state and a summary of the nodes
+    Status,
+    /// Every node the controller knows, its desired state and why
+    Nodes,
+    /// Drain a node as an admin (berth never resumes or overwrites it)
+    Drain {
+        node: String,
+        /// Slurm's drain reason
+        #[arg(long)]
+        reason: String,
+    },
+    /// Lift a node's drain (berth's or an admin's made through berth)
+    Resume { node: String },
+    /// The circuit breaker
+    Breaker {
+        #[command(subcommand)]
+        command: BreakerCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BreakerCommand {
+    /// Let held-back drains through again and start a new window
+    Reset,
+}
+
+fn fail_answer(addr: &str, status: u16, body: &[u8]) -> Failure {
+    let msg = serde_json::from_slice::<ErrorReply>(body)
+        .map(|e| e.error)
+        .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned());
+    Failure::system(format!("controller {addr}: HTTP {status}: {msg}"))
+}
+
+fn ask(
+    client: &mut Client,
+    path: &str,
+    body: Option<Vec<u8>>,
+    leader_only: bool,
+) -> Result<Vec<u8>, Failure> {
+    let (addr, status, bytes) = client
+        .request(path, body.as_deref(), leader_only)
+        .map_err(Failure::system)?;
+    if status != 200 {
+        return Err(fail_answer(&addr, status, &bytes));
+    }
+    Ok(bytes)
+}
+
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Failure> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| Failure::system(format!("the controller's answer does not parse: {e}")))
+}
+
+pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
+    let mut client = Client::new(config)?;
+    let json_of =
+        |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("JSON values serialize");
+    match &args.command {
+        ClusterCommand::Status => {
+            let bytes = ask(&mut client, "/v1/status", None, false)?;
+            let s: ClusterStatus = parse(&bytes)?;
+            if args.json {
+                outln!(
+                    "{}",
+                    json_of(&serde_json::to_value(&s).expect("serializes"))
+                );
+            } else {
+                let leader = match (&s.leader, &s.leader_addr) {
+                    (Some(l), Some(a)) => format!("{l} ({a})"),
+                    (Some(l), None) => l.to_string(),
+                    _ => "none".into(),
+                };
+                outln!("controller: {} (answering)", s.id);
+                outln!("leader:     {leader}, term {}", s.term);
+                outln!(
+                    "voters:     {}",
+                    s.voters
+                        .iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                outln!("nodes:      {} ({} drained)", s.nodes, s.drained);
+                outln!(
+                    "breaker:    {}{}",
+                    if s.breaker_tripped {
+                        "tripped"
+                    } else {
+                        "closed"
+                    },
+                    if s.suppressed > 0 {
+                        format!(", {} drains held back", s.suppressed)
+                    } else {
+                        String::new()
+                    }
+                );
+                outln!("applied:    {} (state {})", s.applied, &s.state_hash[..12]);
+            }
+        }
+        ClusterCommand::Nodes => {
+            let bytes = ask(&mut client, "/v1/nodes", None, true)?;
+            let nodes: Vec<NodeView> = parse(&bytes)?;
+            if args.json {
+                outln!(
+                    "{}",
+                    json_of(&serde_json::to_value(&nodes).expect("serializes"))
+                );
+            } else {
+                outln!("{:<20} {:<8} {:>8}  REASON", "NODE", "STATE", "HB AGE");
+                for n in nodes {
+                    let age = n
+                        .heartbeat_age_s
+                        .map_or_else(|| "-".to_string(), |a| format!("{a:.1}s"));
+                    let why = n
+                        .reason
+                        .clone()
+                        .or_else(|| n.suppressed.as_ref().map(|s| format!("(held back) {s}")))
+                        .unwrap_or_default();
+                    outln!("{:<20} {:<8} {:>8}  {why}", n.node, n.desired, age);
+                }
+            }
+        }
+        ClusterCommand::Drain { node, reason } => {
+            let body = serde_json::to_vec(&DrainRequest {
+                node: node.clone(),
+                reason: reason.clone(),
+            })
+            .expect("serializes");
+            let bytes = ask(&mut client, "/v1/drain", Some(body), true)?;
+            done(args.json, &bytes, &format!("{node}: drained ({reason})"));
+        }
+        ClusterCommand::Resume { node } => {
+            let body =
+                serde_json::to_vec(&ResumeRequest { node: node.clone() }).expect("serializes");
+            let bytes = ask(&mut client, "/v1/resume", Some(body), true)?;
+            done(args.json, &bytes, &format!("{node}: resumed"));
+        }
+        ClusterCommand::Breaker {
+            command: BreakerCommand::Reset,
+        } => {
+            let bytes = ask(&mut client, "/v1/breaker/reset", Some(b"{}".to_vec()), true)?;
+            done(args.json, &bytes, "breaker reset");
+        }
+    }
+    Ok(0)
+}
+
+fn done(json: bool, bytes: &[u8], text: &str) {
+    if json {
+        outln!("{}", String::from_utf8_lossy(bytes).trim());
+    } else {
+        outln!("{text}");
+    }
+}
