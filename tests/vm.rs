@@ -17,6 +17,12 @@ const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 const WORK: &str = env!("CARGO_TARGET_TMPDIR");
 
+/// The binary under test: this build's, or `$BERTH_TEST_BIN` (an older build, to show that a
+/// test fails without the fix it covers).
+fn berth_bin() -> String {
+    std::env::var("BERTH_TEST_BIN").unwrap_or_else(|_| BERTH.to_string())
+}
+
 /// A busybox rootfs built on the host once (the VM has no bash to run the builder).
 fn rootfs() -> &'static Path {
     static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
@@ -51,7 +57,7 @@ fn vm_with(harness_args: &[&str], script: &str) -> (String, i32) {
     std::fs::write(&file, script).unwrap();
     let out = Command::new(Path::new(REPO).join("integration/vm/run.sh"))
         .arg("--file")
-        .arg(format!("{BERTH}:/usr/bin/berth"))
+        .arg(format!("{}:/usr/bin/berth", berth_bin()))
         .arg("--file")
         .arg(format!("{}:/rootfs", rootfs().display()))
         .args(["--smp", "2", "--mem", "1024", "--timeout", "180"])
@@ -500,4 +506,121 @@ echo "berth=$?"
         "the GPU not given is refused by the device filter:\n{out}"
     );
     assert_eq!(field(&out, "berth"), "0", "{out}");
+}
+
+/// A diskless node whose root is the initramfs itself (rootfs, which pivot_root(2) refuses with
+/// EINVAL): containers run there (berth moves the root onto `/` and chroots, as runc and crun
+/// do), see the image's root and none of the host's files or mounts, keep the /proc masks, and
+/// have no way back: no chroot (no capability) and no user namespace of their own in which to
+/// get one (the kernel counts them as chrooted). A process joining with `berth exec` lands in
+/// the container's root too, and nothing is left on the host afterwards.
+#[test]
+#[ignore = "vm tier: run by integration/test.sh"]
+fn containers_run_on_an_initramfs_root_without_pivot_root() {
+    // A host mount that only the host uses: a squashfs on a loop device that frees itself when
+    // its last mount goes. It must go with the host's unmount even while a container runs: the
+    // container's namespace holds no copy of it.
+    let probe = Path::new(WORK).join(format!("vm-probe-{}.sqsh", std::process::id()));
+    let src = Path::new(WORK).join(format!("vm-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("probe"), "probe\n").unwrap();
+    let _ = std::fs::remove_file(&probe);
+    let made = Command::new("mksquashfs")
+        .arg(&src)
+        .arg(&probe)
+        .args(["-quiet", "-no-progress"])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("running mksquashfs");
+    assert!(made.success(), "mksquashfs failed");
+    let file = format!("{}:/probe.sqsh", probe.display());
+    let (out, status) = vm_with(
+        &["--initramfs-root", "--file", &file],
+        r#"
+echo "host_root_fs=$(awk '$2 == "/" {print $3; exit}' /proc/mounts)"
+mkdir -p /probe && mount -o loop,ro /probe.sqsh /probe && echo "probe=$(cat /probe/probe)"
+unshare -m sh -c 'mount --make-rprivate / && mkdir -p /tmp/nr && mount -t tmpfs t /tmp/nr &&
+  mkdir /tmp/nr/old && cd /tmp/nr && pivot_root . old' 2>/dev/null
+echo "host_pivot_root=$?"
+unshare -U true 2>/dev/null; echo "host_userns=$?"
+echo host > /host-only-file
+cat /proc/mounts > /tmp/mounts.before
+berth run --rootfs /rootfs -- sh -c '
+  echo "image=$(. /etc/os-release; echo $ID)"
+  test -e /host-only-file && echo host_file=visible || echo host_file=hidden
+  test -e /berth/script && echo host_dir=visible || echo host_dir=hidden
+  echo "kcore_bytes=$(head -c 1 /proc/kcore 2>/dev/null | wc -c)"
+  chroot /bin true 2>/dev/null; echo "chroot=$?"
+  unshare -U true 2>/dev/null; echo "userns=$?"
+  echo BEGIN mountinfo; cut -d" " -f5 /proc/self/mountinfo; echo END mountinfo
+'
+echo "run=$?"
+berth create --rootfs /rootfs --name held >/dev/null; echo "create=$?"
+umount /probe; echo "BEGIN loops_held"; cat /sys/block/loop*/loop/backing_file 2>/dev/null; echo "END loops_held"
+berth exec held -- sh -c 'echo "exec_image=$(. /etc/os-release; echo $ID)"; echo "exec_cwd=$(pwd)";
+  test -e /host-only-file && echo exec_host_file=visible || echo exec_host_file=hidden'
+echo "exec=$?"
+berth rm held >/dev/null; echo "rm=$?"
+echo "BEGIN mounts_left"; grep -vxF -f /tmp/mounts.before /proc/mounts; echo "END mounts_left"
+echo "BEGIN state_left"; ls -A /run/berth 2>/dev/null; echo "END state_left"
+"#,
+    );
+    let _ = std::fs::remove_file(&probe);
+    let _ = std::fs::remove_dir_all(&src);
+    assert_eq!(status, 0, "{out}");
+    // The premise: the VM's root is rootfs, where pivot_root fails, and the kernel allows user
+    // namespaces (so the container's refusal below is berth's doing).
+    assert_eq!(field(&out, "host_root_fs"), "rootfs", "{out}");
+    assert_ne!(field(&out, "host_pivot_root"), "0", "{out}");
+    assert_eq!(field(&out, "host_userns"), "0", "{out}");
+
+    assert_eq!(
+        field(&out, "run"),
+        "0",
+        "berth run failed on the initramfs root:\n{out}"
+    );
+    assert_eq!(field(&out, "image"), "berth-busybox", "{out}");
+    assert_eq!(field(&out, "host_file"), "hidden", "{out}");
+    assert_eq!(field(&out, "host_dir"), "hidden", "{out}");
+    assert_eq!(
+        field(&out, "kcore_bytes"),
+        "0",
+        "/proc/kcore is not masked:\n{out}"
+    );
+    assert_ne!(
+        field(&out, "chroot"),
+        "0",
+        "the container could chroot:\n{out}"
+    );
+    assert_ne!(
+        field(&out, "userns"),
+        "0",
+        "the container could make a user namespace (and chroot in it):\n{out}"
+    );
+    assert_eq!(field(&out, "probe"), "probe", "{out}");
+    // Only the container's own mounts (the host's /run, /probe, the image's directory are not),
+    // and none of the host's left in its namespace: the probe's loop device went with the
+    // host's unmount while the held container was up.
+    let mounts: Vec<&str> = section(&out, "mountinfo").lines().collect();
+    assert_eq!(mounts.first(), Some(&"/"), "{out}");
+    assert_eq!(
+        section(&out, "loops_held"),
+        "",
+        "the container's namespace still holds the host's probe mount"
+    );
+    for host in ["/run", "/probe", "/rootfs", "/berth"] {
+        assert!(
+            !mounts.iter().any(|m| m == &host),
+            "the container's mount table shows the host's {host}:\n{out}"
+        );
+    }
+
+    assert_eq!(field(&out, "create"), "0", "{out}");
+    assert_eq!(field(&out, "exec"), "0", "{out}");
+    assert_eq!(field(&out, "exec_image"), "berth-busybox", "{out}");
+    assert_eq!(field(&out, "exec_cwd"), "/", "{out}");
+    assert_eq!(field(&out, "exec_host_file"), "hidden", "{out}");
+    assert_eq!(field(&out, "rm"), "0", "{out}");
+    assert_eq!(section(&out, "mounts_left"), "", "mounts left on the host");
+    assert_eq!(section(&out, "state_left"), "", "state left in /run/berth");
 }

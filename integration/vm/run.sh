@@ -2,7 +2,7 @@
 # Runs a shell script as root inside a throwaway VM with real cgroup v2 (the VM test tier).
 #
 # Usage: integration/vm/run.sh [--file HOSTPATH[:VMPATH]]... [--mem MB] [--smp N] [--timeout S]
-#                              SCRIPT_FILE
+#                              [--initramfs-root] SCRIPT_FILE
 #
 #   --file HOSTPATH[:VMPATH]  copy a file or a directory into the VM (default VMPATH: HOSTPATH made
 #                             absolute). Directories are copied recursively, symlinks kept. A
@@ -12,6 +12,8 @@
 #   --mem MB                  guest memory (default 1024)
 #   --smp N                   guest CPUs (default 2)
 #   --timeout S               wall-clock limit for the whole VM (default 300)
+#   --initramfs-root          run on the initramfs (rootfs) itself, as a diskless node booted
+#                             without a tmpfs root does: pivot_root(2) fails there with EINVAL
 #
 # SCRIPT_FILE runs with busybox /bin/sh as root, stdin /dev/null, cwd /, after /init has set up:
 # /proc, /sys, /dev (devtmpfs, plus /dev/pts and /dev/shm), /tmp and /run (tmpfs), cgroup2 at
@@ -19,7 +21,7 @@
 # modules in the kernel cache loaded (overlay, squashfs, loop, erofs, fuse, veth), lo up, hostname
 # berth-vm, /etc/{passwd,group,hosts,hostname,resolv.conf} (root and nobody; no DNS). No network
 # device, no disk. The root is a bind mount of the initramfs moved onto /, not rootfs itself, so
-# pivot_root(2) works in the VM.
+# pivot_root(2) works in the VM (unless --initramfs-root).
 #
 # The script's stdout and stderr come out on this script's stdout, without CR characters, and this
 # script exits with the script's exit status. When the VM does not report one (kernel panic,
@@ -43,7 +45,7 @@ debug=${BERTH_VM_DEBUG:-0}
 
 die() { echo "vm: $*" >&2; exit 125; }
 usage() {
-  echo "usage: integration/vm/run.sh [--file HOSTPATH[:VMPATH]]... [--mem MB] [--smp N] [--timeout S] SCRIPT_FILE" >&2
+  echo "usage: integration/vm/run.sh [--file HOSTPATH[:VMPATH]]... [--mem MB] [--smp N] [--timeout S] [--initramfs-root] SCRIPT_FILE" >&2
   exit 125
 }
 
@@ -51,6 +53,7 @@ files=()
 mem=1024
 smp=2
 timeout=300
+initramfs_root=0
 script=
 while [ $# -gt 0 ]; do
   case $1 in
@@ -59,7 +62,8 @@ while [ $# -gt 0 ]; do
     --mem) [ $# -ge 2 ] || usage; mem=$2; shift 2 ;;
     --smp) [ $# -ge 2 ] || usage; smp=$2; shift 2 ;;
     --timeout) [ $# -ge 2 ] || usage; timeout=$2; shift 2 ;;
-    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --initramfs-root) initramfs_root=1; shift ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     -*) echo "vm: unknown option: $1" >&2; usage ;;
     *) break ;;
@@ -172,6 +176,7 @@ if [ "\$1" != stage2 ]; then
   # Stage 1, on rootfs. pivot_root(2) refuses rootfs as the current root, so make the root a
   # bind mount of it moved onto /: the same files, no copy, and pivot_root works in the VM.
   /bin/busybox --install -s || fail "busybox --install failed"
+  [ $initramfs_root = 1 ] && exec /init stage2
   mount --bind / /newroot || fail "bind mount of / failed"
   cd /newroot
   mount --move . / || fail "mount --move failed"

@@ -113,6 +113,14 @@ fn spawn(
         .map_err(sys("opening the container's namespaces"))?;
         fds.push((fd, flag));
     }
+    // Where a joining process must stand after setns: the container's root, which is not the
+    // namespace's top mount when the container was moved onto an initramfs root.
+    let root = open(
+        Path::new(&format!("/proc/{}/root", record.init_pid)),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys("opening the container's root"))?;
     // The pid was checked alive above; re-check now that the namespace fds pin the process, so
     // a pid reused in between cannot be joined.
     if !state::owner_alive(&record) {
@@ -142,7 +150,7 @@ fn spawn(
                     unsafe { libc::dup2(out.as_raw_fd(), target) };
                 }
             }
-            let err = enter(rest, process, &argv, &envp);
+            let err = enter(rest, &root, process, &argv, &envp);
             report::send(&report_w, &report::Message::Error(err.code, err.message));
             // SAFETY: _exit skips the parent's atexit handlers and stdio buffers.
             unsafe { libc::_exit(err.code) }
@@ -308,6 +316,7 @@ pub fn run_entrypoint(
 /// In the forked child: enter the remaining namespaces, drop privileges, exec.
 fn enter(
     namespaces: &[(OwnedFd, CloneFlags)],
+    root: &OwnedFd,
     process: &oci_spec::runtime::Process,
     argv: &[std::ffi::CString],
     envp: &[std::ffi::CString],
@@ -316,6 +325,9 @@ fn enter(
         if let Err(e) = setns(fd.as_fd(), *flag) {
             return SetupError::new(format!("joining the container's namespace ({flag:?}): {e}"));
         }
+    }
+    if let Err(e) = init::enter_root(root) {
+        return e;
     }
     if let Err(e) = init::drop_privileges(process) {
         return e;

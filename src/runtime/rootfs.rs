@@ -193,9 +193,16 @@ pub fn setup(
     chdir(&merged).map_err(sys(format!("entering {}", merged.display())))?;
     // pivot_root(".", ".") stacks the old root on the new one; detaching it leaves only the
     // container's tree, without needing a directory for the old root inside the image.
-    pivot_root(".", ".").map_err(sys("pivot_root into the container root".into()))?;
-    umount2(".", MntFlags::MNT_DETACH).map_err(sys("detaching the host root".into()))?;
-    chdir("/").map_err(sys("entering /".into()))?;
+    match pivot_root(".", ".") {
+        Ok(()) => {
+            umount2(".", MntFlags::MNT_DETACH).map_err(sys("detaching the host root".into()))?;
+            chdir("/").map_err(sys("entering /".into()))?;
+        }
+        // The host root is the initramfs (rootfs), which pivot_root cannot move: move the
+        // container root onto it instead, as runc and crun do.
+        Err(nix::errno::Errno::EINVAL) => super::init::move_root(&merged, work)?,
+        Err(e) => return Err(sys("pivot_root into the container root".into())(e)),
+    }
     add_user_entries(spec)?;
     if spec.root().as_ref().and_then(|r| r.readonly()) == Some(true) {
         mount(
