@@ -30,6 +30,7 @@ pub struct Config {
     pub topology: TopologyConfig,
     pub stage: StageConfig,
     pub scratch: ScratchConfig,
+    pub log: LogConfig,
     /// `[controller]`: read by `berth-controller` (its own crate checks the fields).
     pub controller: toml::Table,
     pub agent: AgentConfig,
@@ -324,6 +325,60 @@ impl Config {
         }
     }
 
+/// `[log]`: where the Slurm paths (`berth prolog`, `epilog`, `step`) write their log lines
+/// (`crate::log`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// stderr (Slurm's logs and the user's srun), syslog/journald, or both.
+    pub target: LogTarget,
+    /// The least severe level written; `-v`/`-vv` and `$BERTH_LOG` raise it.
+    pub level: LogLevel,
+    /// The syslog socket (a unix datagram socket: journald and rsyslog listen on /dev/log).
+    pub syslog_socket: PathBuf,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            target: LogTarget::Both,
+            level: LogLevel::Warn,
+            syslog_socket: PathBuf::from("/dev/log"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogTarget {
+    Stderr,
+    Syslog,
+    Both,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    /// The name `tracing_subscriber::EnvFilter` knows it by.
+    pub fn name(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+}
+
     pub fn parse(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| e.message().to_string())
     }
@@ -393,6 +448,20 @@ mod tests {
     #[test]
     fn squashfs_section() {
         let c = Config::parse(
+    #[test]
+    fn log_section_parses() {
+        let c = Config::parse(
+            "[log]\ntarget = \"syslog\"\nlevel = \"info\"\nsyslog_socket = \"/run/x.sock\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.log.target, LogTarget::Syslog);
+        assert_eq!(c.log.level, LogLevel::Info);
+        assert_eq!(c.log.syslog_socket, PathBuf::from("/run/x.sock"));
+        assert_eq!(Config::default().log.target, LogTarget::Both);
+        assert!(Config::parse("[log]\ntarget = \"file\"\n").is_err());
+        assert!(Config::parse("[log]\nlevel = \"loud\"\n").is_err());
+    }
+
             "[squashfs]\nmount_dir = \"/var/lib/berth/mnt\"\ncompression = \"gzip\"\ncompression_level = 9\n",
         )
         .unwrap();

@@ -5,6 +5,7 @@ pub mod cgroup;
 pub mod cli;
 pub mod config;
 pub mod image;
+pub mod log;
 pub mod privfs;
 pub mod runtime;
 pub mod slurm;

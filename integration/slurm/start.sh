@@ -11,6 +11,8 @@
 #   --berth-config FILE berth's configuration [default: a test one written to DIR/etc/berth.toml]
 #   --plugstack-arg A   extra plugin argument in plugstack.conf (repeatable), e.g. sbatch_support=0
 #   --no-prolog         configure no Prolog/Epilog (berth without the prolog/epilog verbs)
+#   --wrappers DIR      the Prolog/Epilog wrappers DIR/prolog.sh, DIR/epilog.sh (e.g. a package's,
+#                       /usr/libexec/berth) [default: the repository's configs/slurm]
 #
 # <target> is $CARGO_TARGET_DIR, else the repository's target/. Then, for clients:
 #   export SLURM_CONF=DIR/etc/slurm.conf; srun --container-image=… cmd
@@ -18,7 +20,7 @@
 # is stopped first. Logs: DIR/log/. Needs: slurmctld slurmd slurm-client munge (setup.sh).
 set -euo pipefail
 
-usage() { sed -n '5,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '5,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "slurm/start.sh: $*" >&2; exit 1; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,6 +34,7 @@ berth=$target/debug/berth
 berth_config=
 plugstack_args=()
 prolog=1
+wrappers=$repo/configs/slurm
 while [ $# -gt 0 ]; do
   case $1 in
     --state) state=${2:?--state needs a directory}; shift 2 ;;
@@ -41,6 +44,7 @@ while [ $# -gt 0 ]; do
     --berth-config) berth_config=${2:?--berth-config needs a file}; shift 2 ;;
     --plugstack-arg) plugstack_args+=("${2:?--plugstack-arg needs KEY=VALUE}"); shift 2 ;;
     --no-prolog) prolog=0; shift ;;
+    --wrappers) wrappers=${2:?--wrappers needs a directory}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
   esac
@@ -109,7 +113,7 @@ fi
 # Prolog/Epilog: the wrappers from configs/slurm/, pointed at this berth and configuration.
 for v in prolog epilog; do
   sed -e "s|^BERTH=.*|BERTH=$berth|" -e "s|^BERTH_ARGS=.*|BERTH_ARGS=\"--config $berth_config\"|" \
-    "$repo/configs/slurm/$v.sh" >"$state/etc/$v.sh"
+    "$wrappers/$v.sh" >"$state/etc/$v.sh"
   chmod 755 "$state/etc/$v.sh"
 done
 

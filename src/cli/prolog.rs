@@ -15,6 +15,8 @@ use clap::Args;
 use super::Failure;
 use super::run::{options, runtime_failure};
 use crate::config::Config;
+// Every line the Prolog/Epilog print for Slurm also goes to syslog (`[log] target`).
+use crate::log::eprintln;
 use crate::runtime::{self, state};
 
 /// Prepare the node for a job (Slurm Prolog): fetch the job's image ahead of its first step

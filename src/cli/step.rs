@@ -61,6 +61,7 @@ fn create(config: &Config) -> Result<i32, Failure> {
         .map_err(|e| Failure::system(format!("reading the step request on stdin: {e}")))?;
     let step: StepRequest = serde_json::from_str(&text)
         .map_err(|e| Failure::input(format!("invalid step request from the SPANK plugin: {e}")))?;
+    crate::log::set_job(&step.job_id.to_string(), Some(step.step_id));
     let bind = step
         .bind_mode(config.topology.bind)
         .map_err(Failure::input)?;
