@@ -4,6 +4,7 @@
 #
 # - Runs `apt-get update` only when this script has not done so in the last 6 hours (or when apt
 #   has no package lists at all), then installs whatever in PACKAGES is missing.
+# - Then installs cargo-afl from crates.io (the fuzz step) unless the pinned version is present.
 # - Then runs integration/vm/prepare.sh (the VM tier's kernel), if that file exists, unless
 #   BERTH_SETUP_NO_VM is set (integration/demo.sh needs no VM).
 # To add a package, add it to PACKAGES below with a comment saying what needs it.
@@ -101,6 +102,35 @@ else
       die "apt-get install failed: ${missing[*]}"
   fi
 fi
+
+# cargo-afl (test.sh's fuzz step, bench/fuzz/run.sh): AFL++ for Rust on the stable toolchain,
+# from crates.io; installing it builds the AFL++ it ships (for the rustc it was built with, so a
+# new rustc needs `cargo afl config --build --force`, done here). The version matches the `afl`
+# crate of fuzz/Cargo.toml.
+CARGO_AFL_VERSION=0.18.2
+if ! command -v cargo >/dev/null; then
+  for d in "${CARGO_HOME:-}/bin" "$HOME/.cargo/bin" /root/.cargo/bin; do
+    if [ -x "$d/cargo" ]; then PATH="$d:$PATH"; break; fi
+  done
+fi
+cargo_bin=$(command -v cargo) || die "cargo not found (install Rust with rustup first): cargo-afl needs it"
+afl_version=$("$cargo_bin" afl --version 2>/dev/null || true)
+case $afl_version in
+  "cargo-afl $CARGO_AFL_VERSION (AFL++ version"*) say "cargo-afl $CARGO_AFL_VERSION present" ;;
+  "cargo-afl $CARGO_AFL_VERSION"*)
+    say "cargo afl config --build --force (AFL++ for this rustc)"
+    "$cargo_bin" afl config --build --force >/dev/null || die "cargo afl config --build failed"
+    ;;
+  *)
+    say "cargo install cargo-afl $CARGO_AFL_VERSION"
+    "$cargo_bin" install --locked --force cargo-afl --version "$CARGO_AFL_VERSION" ||
+      die "cargo install cargo-afl failed (is crates.io reachable?)"
+    case $("$cargo_bin" afl --version 2>/dev/null || true) in
+      *"AFL++ version"*) ;;
+      *) "$cargo_bin" afl config --build --force >/dev/null || die "cargo afl config --build failed" ;;
+    esac
+    ;;
+esac
 
 if [ -n "${BERTH_SETUP_NO_VM:-}" ]; then
   say "BERTH_SETUP_NO_VM set: no VM kernel fetched"

@@ -2,7 +2,7 @@
 # berth's test command: installs what the tests need, checks formatting and lints, builds, and runs
 # the test tiers (see shared/DESIGN.md, "Tests, in tiers").
 #
-# Usage: sudo integration/test.sh [--tier unit|root|vm]...
+# Usage: sudo integration/test.sh [--tier unit|fuzz|root|vm]...
 #
 #   --tier T   run only tier T (repeatable); default: every tier
 #
@@ -12,6 +12,7 @@
 #   clippy  cargo clippy --workspace --all-targets -- -D warnings
 #   build   cargo build --workspace --all-targets
 #   unit    cargo test --workspace --lib --bins
+#   fuzz    bench/fuzz/run.sh 8: AFL++ on each fuzz target for 8 s (fails on a crash or hang)
 #   root    cargo test --test root_* -- --ignored --test-threads=1   (every tests/root*.rs)
 #   vm      cargo test --test vm -- --ignored --test-threads=1        (tests/vm.rs)
 # setup, fmt, clippy and build always run. A tier whose test file is missing, or that runs no
@@ -21,15 +22,15 @@ set -euo pipefail
 
 usage() { sed -n '5,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
-all_tiers=(unit root vm)
+all_tiers=(unit fuzz root vm)
 tiers=()
 while [ $# -gt 0 ]; do
   case $1 in
     --tier)
-      [ $# -ge 2 ] || { echo "test.sh: --tier needs a value: unit, root or vm" >&2; exit 2; }
+      [ $# -ge 2 ] || { echo "test.sh: --tier needs a value: unit, fuzz, root or vm" >&2; exit 2; }
       case $2 in
-        unit | root | vm) tiers+=("$2") ;;
-        *) echo "test.sh: unknown tier '$2' (expected unit, root or vm)" >&2; exit 2 ;;
+        unit | fuzz | root | vm) tiers+=("$2") ;;
+        *) echo "test.sh: unknown tier '$2' (expected unit, fuzz, root or vm)" >&2; exit 2 ;;
       esac
       shift 2 ;;
     --tier=*)
@@ -143,6 +144,10 @@ step_fmt() { cargo fmt --all -- --check; }
 step_clippy() { cargo clippy --workspace --all-targets -- -D warnings; }
 step_build() { cargo build --workspace --all-targets; }
 step_unit() { cargo_test unit --workspace --lib --bins; }
+
+# Every fuzz target under AFL++ for a bounded time (17 targets x 8 s, about 2.5 minutes after
+# the instrumented build); the unit tier already replayed each corpus file. A crash fails it.
+step_fuzz() { bash bench/fuzz/run.sh "${BERTH_FUZZ_SECONDS:-8}"; }
 
 step_root() {
   local t args=()
