@@ -129,6 +129,14 @@ pub struct StoreConfig {
     pub max_env_entries: usize,
     /// Most bytes (`KEY=VALUE`, all entries together) of such an environment.
     pub max_env_bytes: u64,
+    /// Most layers an image may have (overlayfs stacks about 500 lower layers at most).
+    pub max_layers: usize,
+    /// Most uncompressed bytes of one layer (a small gzip layer can expand a thousandfold).
+    pub max_layer_bytes: u64,
+    /// Most uncompressed bytes of all layers of one image together.
+    pub max_image_bytes: u64,
+    /// Free bytes an import leaves on the store's file system: extraction stops before.
+    pub reserve_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -138,6 +146,10 @@ impl Default for StoreConfig {
             parallel_layers: 4,
             max_env_entries: 65536,
             max_env_bytes: 1 << 20,
+            max_layers: 500,
+            max_layer_bytes: 64 << 30,
+            max_image_bytes: 128 << 30,
+            reserve_bytes: 1 << 30,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! `berth images ls|inspect|rm|gc`: what the node's image store holds, and keeping it bounded.
+//! `berth images ls|inspect|rm|gc|verify`: what the node's image store holds, and keeping it bounded.
 
 use std::time::SystemTime;
 
@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use super::Failure;
 use super::import::{failure, open_store, parse_reference};
 use crate::config::Config;
-use crate::image::store::{self, Entry, GcPolicy, Removed, Store};
+use crate::image::store::{self, Entry, GcPolicy, LayerCheck, Removed, Store, VerifyReport};
 use crate::spec::parse;
 
 /// List, inspect and remove the images in the node's store, or collect garbage
@@ -32,6 +32,13 @@ pub enum ImagesCommand {
     Rm {
         #[arg(value_name = "REF|DIGEST")]
         target: String,
+    },
+    /// Check every stored file against what was recorded when its layer was extracted (path,
+    /// type, size, mode, owner, content digest); exit 1 when any differ
+    Verify {
+        /// Images to check (references as `ls` shows them, or digests); none: every image
+        #[arg(value_name = "REF|DIGEST")]
+        targets: Vec<String>,
     },
     /// Remove leftovers of killed imports, layers no image uses, and (with options) the least
     /// recently used images; never an image in use
@@ -130,6 +137,67 @@ fn inspect_json(e: &Entry) -> serde_json::Value {
     v
 }
 
+/// The name an image goes by in `verify`'s lines: its first reference, else its digest.
+fn image_name(e: &Entry) -> String {
+    e.references
+        .first()
+        .cloned()
+        .unwrap_or_else(|| e.image.digest.clone())
+}
+
+/// `verify`'s output: one line per image that is whole, one per difference otherwise, and the
+/// exit code (1 when a layer differs).
+fn verify_lines(report: &VerifyReport) -> (Vec<String>, Vec<String>, i32) {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut bad = 0;
+    for (entry, layers) in &report.images {
+        let name = image_name(entry);
+        if layers.is_empty() {
+            out.push(format!(
+                "{name}: not verifiable: a squashfs/SIF image (its file is checked by digest when imported)"
+            ));
+            continue;
+        }
+        let mut files = 0;
+        let mut ok = true;
+        for (dir, check) in layers {
+            let layer = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let layer = &layer[..layer.len().min(12)];
+            match check {
+                LayerCheck::Ok(n) => files += n,
+                LayerCheck::Unrecorded => {
+                    ok = false;
+                    err.push(format!(
+                        "{name}: layer {layer}: not verifiable: imported by an older berth; re-import to record (berth images rm {name}, then import it again)"
+                    ));
+                }
+                LayerCheck::Differs(lines) => {
+                    ok = false;
+                    bad += 1;
+                    for l in lines {
+                        err.push(format!("{name}: layer {layer}: {l}"));
+                    }
+                }
+            }
+        }
+        if ok {
+            out.push(format!(
+                "{name}: ok ({} layers, {files} paths)",
+                layers.len()
+            ));
+        }
+    }
+    if bad > 0 {
+        err.push(format!(
+            "{bad} layer(s) differ from what was recorded when they were extracted and are marked damaged: re-import the images (berth import REF replaces the damaged layers) or run berth images gc (removes the images that have them, so their next use imports them again)"
+        ));
+    }
+    (out, err, if bad > 0 { 1 } else { 0 })
+}
+
 pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
     let store = open_store(config)?;
     match &args.command {
@@ -148,6 +216,25 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
                     outln!("removed {digest} {}", references.join(" "));
                 }
             }
+        }
+        ImagesCommand::Verify { targets } => {
+            let entries = if targets.is_empty() {
+                store.list()
+            } else {
+                targets
+                    .iter()
+                    .map(|t| store.inspect(&select(&store, t)?).map_err(failure))
+                    .collect::<Result<Vec<_>, Failure>>()?
+            };
+            let report = store.verify(entries).map_err(failure)?;
+            let (out, err, code) = verify_lines(&report);
+            for l in out {
+                outln!("{l}");
+            }
+            for l in err {
+                eprintln!("berth: {l}");
+            }
+            return Ok(code);
         }
         ImagesCommand::Gc {
             max_size,

@@ -1029,6 +1029,9 @@ fn run_plan(
         config,
         layers,
     } = plan;
+    // Before anything is extracted: an image with more layers than overlayfs stacks can never
+    // run.
+    store.check_layers(&what, layers.len())?;
     store.import_stamped(&digest, reference, stamp, progress, |store| {
         let missing: Vec<&LayerJob> = layers
             .iter()
@@ -1777,7 +1780,11 @@ mod tests {
         assert_eq!(std::fs::read(dirs[1].join("app")).unwrap(), b"app");
         let img0 = import(&s, &what(Some("@0")), &quiet).unwrap();
         assert_eq!(img0.digest, cfgs[0]);
-        assert_eq!(layers_in(&s).len(), 4, "two layers and their size records");
+        assert_eq!(
+            layers_in(&s).len(),
+            6,
+            "two layers and their size and file records"
+        );
     }
 
     #[test]

@@ -221,6 +221,7 @@ fn import_unchecked(
             };
             let resolved = client.resolve(r, &options)?;
             let digest = resolved.manifest_digest.clone();
+            store.check_layers(&r.to_string(), resolved.layer_count())?;
             store.import_with(&digest, reference, progress, |s| {
                 s.check_space(
                     &r.to_string(),

@@ -17,7 +17,10 @@
 //!   and what Docker does), so `a -> /` then `a/etc/x` writes `<layer>/etc/x`;
 //! - the last component is never followed: an existing entry is removed first (a directory only
 //!   when the new entry is not one) and files are created with `O_CREAT|O_EXCL|O_NOFOLLOW`;
-//! - hardlink targets are resolved the same way, so they can only name files in the layer;
+//! - hardlink targets are resolved the same way, so they can only name files in the layer; a
+//!   hardlink whose target is not in this layer is not created here but listed in
+//!   [`Extracted::external_links`]: the store copies the file up from the image's lower layers
+//!   (as overlayfs does, and containerd and umoci when they apply such a layer);
 //! - device nodes and fifos (other than whiteouts) are skipped with a note: images are mounted
 //!   nodev, and the runtime builds the container's /dev itself;
 //! - `trusted.overlay.*` attributes from the image are dropped, so a layer cannot steer
@@ -34,6 +37,8 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat, openat2};
@@ -61,6 +66,9 @@ pub enum LayerError {
     /// An entry was refused because it would reach outside the layer or is malformed.
     #[error("refused tar entry '{path}': {why}")]
     Refused { path: String, why: String },
+    /// A bound of the store was reached; the store names the key.
+    #[error("{0}")]
+    Bound(Bound),
     /// Writing the entry into the layer directory failed.
     #[error("writing '{path}' ({op}): {source}")]
     Write {
@@ -78,6 +86,59 @@ impl LayerError {
     }
 }
 
+/// Which bound an extraction reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bound {
+    /// The layer's uncompressed stream passed [`Limits::max_bytes`].
+    Layer,
+    /// The image's layers together passed [`Limits::max_image_bytes`].
+    Image,
+    /// The file system's free space would drop below [`Limits::reserve_bytes`]; the bytes free.
+    Reserve(u64),
+}
+
+impl std::fmt::Display for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bound::Layer => write!(f, "the layer expands past its size bound"),
+            Bound::Image => write!(f, "the image's layers expand past its size bound"),
+            Bound::Reserve(free) => write!(
+                f,
+                "the file system's free space ({free} bytes) reached the reserve"
+            ),
+        }
+    }
+}
+
+/// Bounds on one extraction (a hostile layer may expand a thousandfold).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Most bytes of the uncompressed layer stream.
+    pub max_bytes: u64,
+    /// Bytes extracted so far by the whole image import (shared by its layers), and the most
+    /// it may reach.
+    pub image_bytes: Option<Arc<AtomicU64>>,
+    pub max_image_bytes: u64,
+    /// Free bytes the destination's file system keeps: extraction stops before going below.
+    pub reserve_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_bytes: u64::MAX,
+            image_bytes: None,
+            max_image_bytes: u64::MAX,
+            reserve_bytes: 0,
+        }
+    }
+}
+
+/// Free space is checked after this many bytes written (and every [`RESERVE_CHECK_ENTRIES`]
+/// entries): a statvfs costs about a microsecond.
+const RESERVE_CHECK_BYTES: u64 = 8 << 20;
+const RESERVE_CHECK_ENTRIES: u64 = 1024;
+
 /// What one extraction produced.
 #[derive(Clone, Debug, Default)]
 pub struct Extracted {
@@ -89,11 +150,26 @@ pub struct Extracted {
     pub disk_bytes: u64,
     /// Entries or attributes not extracted, each with the reason.
     pub skipped: Vec<String>,
+    /// Every path of the extracted directory, as written (see `store::record`).
+    pub files: std::collections::BTreeMap<Vec<u8>, crate::image::store::record::FileRecord>,
+    /// Hardlinks (link path, target path) whose target is not in this layer: to be copied up
+    /// from the image's lower layers.
+    pub external_links: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 /// Extracts the tar stream `tar` into `dest` (an existing, empty directory) and returns its
 /// diff_id. The whole stream is read, trailing blocks included, so the hash covers all of it.
 pub fn extract(tar: &mut dyn Read, dest: &Path) -> Result<Extracted, LayerError> {
+    extract_bounded(tar, dest, &Limits::default())
+}
+
+/// [`extract`] within `limits`: on reaching one, [`LayerError::Bound`] (the caller removes the
+/// partial directory).
+pub fn extract_bounded(
+    tar: &mut dyn Read,
+    dest: &Path,
+    limits: &Limits,
+) -> Result<Extracted, LayerError> {
     let root = nix::fcntl::open(
         dest,
         OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
@@ -104,7 +180,13 @@ pub fn extract(tar: &mut dyn Read, dest: &Path) -> Result<Extracted, LayerError>
         op: "open",
         source: e.into(),
     })?;
-    let mut reader = TarReader::new(HashingInput::new(tar));
+    let mut input = HashingInput::new(tar);
+    input.max = limits.max_bytes;
+    input.image = limits
+        .image_bytes
+        .clone()
+        .map(|c| (c, limits.max_image_bytes));
+    let mut reader = TarReader::new(input);
     let mut x = Extractor {
         root,
         is_root: Uid::effective().is_root(),
@@ -112,15 +194,37 @@ pub fn extract(tar: &mut dyn Read, dest: &Path) -> Result<Extracted, LayerError>
         out: Extracted::default(),
         buf: vec![0; 256 * 1024],
         cached: None,
+        reserve: limits.reserve_bytes,
+        unchecked_bytes: RESERVE_CHECK_BYTES,
+        unchecked_entries: 0,
+        digests: std::collections::HashMap::new(),
+        pending: std::collections::BTreeMap::new(),
     };
-    while let Some(entry) = reader.next_entry().map_err(LayerError::from)? {
-        x.entry(&entry, &mut reader)?;
+    let result = (|| {
+        while let Some(entry) = reader.next_entry().map_err(LayerError::from)? {
+            x.entry(&entry, &mut reader)?;
+        }
+        x.finish_dirs()
+    })();
+    let result = result.and_then(|()| reader.input.drain().map_err(LayerError::Read));
+    if let Err(e) = result {
+        // A bound reached while reading shows up as a read error: name the bound instead.
+        return Err(match reader.input.hit {
+            Some(b) => LayerError::Bound(b),
+            None => e,
+        });
     }
-    x.finish_dirs()?;
-    let mut input = reader.into_input();
-    input.drain().map_err(LayerError::Read)?;
+    let input = reader.into_input();
     x.out.tar_bytes = input.pos;
     x.out.diff_id = format!("sha256:{:x}", input.hasher.finalize());
+    let digests = std::mem::take(&mut x.digests);
+    x.out.files = crate::image::store::record::walk(dest, &|ino| digests.get(&ino).cloned())
+        .map_err(|e| LayerError::Write {
+            path: dest.display().to_string(),
+            op: "record",
+            source: e,
+        })?;
+    x.out.external_links = std::mem::take(&mut x.pending).into_iter().collect();
     Ok(x.out)
 }
 
@@ -152,6 +256,12 @@ struct HashingInput<'a> {
     hasher: Sha256,
     pos: u64,
     scratch: Vec<u8>,
+    /// Most bytes this stream may have.
+    max: u64,
+    /// The image's running total and its bound.
+    image: Option<(Arc<AtomicU64>, u64)>,
+    /// The bound reached, if any (reads fail from then on).
+    hit: Option<Bound>,
 }
 
 impl<'a> HashingInput<'a> {
@@ -161,6 +271,9 @@ impl<'a> HashingInput<'a> {
             hasher: Sha256::new(),
             pos: 0,
             scratch: Vec::new(),
+            max: u64::MAX,
+            image: None,
+            hit: None,
         }
     }
 
@@ -170,6 +283,17 @@ impl<'a> HashingInput<'a> {
                 Ok(n) => {
                     self.hasher.update(&buf[..n]);
                     self.pos += n as u64;
+                    if self.pos > self.max {
+                        self.hit = Some(Bound::Layer);
+                    }
+                    if let Some((total, max)) = &self.image
+                        && total.fetch_add(n as u64, Ordering::Relaxed) + n as u64 > *max
+                    {
+                        self.hit = Some(Bound::Image);
+                    }
+                    if self.hit.is_some() {
+                        return Err(io::Error::other("a bound of the image store was reached"));
+                    }
                     return Ok(n);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -727,9 +851,44 @@ struct Extractor {
     buf: Vec<u8>,
     /// The last parent directory opened, by relative path.
     cached: Option<(Vec<u8>, OwnedFd)>,
+    /// Free bytes the file system keeps, and the bytes and entries written since it was last
+    /// checked.
+    reserve: u64,
+    unchecked_bytes: u64,
+    unchecked_entries: u64,
+    /// sha256 hex of each regular file written, by inode (hardlinks share it).
+    digests: std::collections::HashMap<u64, String>,
+    /// Hardlinks to targets outside this layer: link path → target path.
+    pending: std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
 }
 
 impl Extractor {
+    /// Fails when the file system's free space is below the reserve (checked every few MiB
+    /// written and every few entries, so a bomb stops near the reserve, not at ENOSPC).
+    fn check_reserve(&mut self, written: u64) -> Result<(), LayerError> {
+        if self.reserve == 0 {
+            return Ok(());
+        }
+        self.unchecked_bytes += written;
+        if written == 0 {
+            self.unchecked_entries += 1;
+        }
+        if self.unchecked_bytes < RESERVE_CHECK_BYTES
+            && self.unchecked_entries < RESERVE_CHECK_ENTRIES
+        {
+            return Ok(());
+        }
+        self.unchecked_bytes = 0;
+        self.unchecked_entries = 0;
+        let st = nix::sys::statvfs::fstatvfs(&self.root)
+            .map_err(|e| Self::write_err(b".", "statvfs", io_err(e)))?;
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        if free < self.reserve {
+            return Err(LayerError::Bound(Bound::Reserve(free)));
+        }
+        Ok(())
+    }
+
     fn refuse(entry: &TarEntry, why: impl Into<String>) -> LayerError {
         LayerError::Refused {
             path: entry.path_lossy(),
@@ -893,8 +1052,13 @@ impl Extractor {
         e: &TarEntry,
         reader: &mut TarReader<I>,
     ) -> Result<(), LayerError> {
+        self.check_reserve(0)?;
         let comps = components(&e.path).map_err(|why| Self::refuse(e, why))?;
         let rel = join(&comps);
+        // A later entry of the same name replaces a pending copied-up hardlink.
+        if e.kind != Kind::Hardlink {
+            self.pending.remove(&rel);
+        }
         let Some((name, parent_comps)) = comps.split_last() else {
             if e.kind == Kind::Dir {
                 let root = self.dir(&[], false)?;
@@ -990,15 +1154,22 @@ impl Extractor {
                 .map_err(|err| Self::write_err(&rel, "create", io_err(err)))?;
                 let mut file = File::from(fd);
                 let mut left = e.size;
+                let mut hasher = Sha256::new();
                 while left > 0 {
                     let want = left.min(self.buf.len() as u64) as usize;
                     let n = reader
                         .read_data(&mut self.buf[..want])
                         .map_err(LayerError::from)?;
+                    hasher.update(&self.buf[..n]);
                     file.write_all(&self.buf[..n])
                         .map_err(|err| Self::write_err(&rel, "write", err))?;
                     left -= n as u64;
+                    self.check_reserve(n as u64)?;
                 }
+                let ino = nix::sys::stat::fstat(&file)
+                    .map_err(|err| Self::write_err(&rel, "stat", io_err(err)))?
+                    .st_ino;
+                self.digests.insert(ino, format!("{:x}", hasher.finalize()));
                 self.chown(file.as_fd(), None, e, &rel)?;
                 // After chown, which clears setuid/setgid bits and file capabilities.
                 fchmod(file.as_fd(), Mode::from_bits_truncate(e.mode & 0o7777))
@@ -1045,38 +1216,52 @@ impl Extractor {
                 let Some((tname, tparent)) = target.split_last() else {
                     return Err(Self::refuse(e, "hardlink without a target"));
                 };
-                let tparent_fd = match self.dir(tparent, false) {
-                    Ok(fd) => fd,
-                    Err(_) => {
-                        return Err(Self::refuse(
-                            e,
-                            format!(
-                                "hardlink target '{}' is not in this layer",
-                                String::from_utf8_lossy(&e.link)
-                            ),
-                        ));
-                    }
-                };
+                let tjoined = join(&target);
+                if tjoined == rel {
+                    return Err(Self::refuse(e, "a hardlink to itself"));
+                }
+                // A link to a name that is itself a link to a lower layer's file.
+                if let Some(lower) = self.pending.get(&tjoined).cloned() {
+                    let parent = self.dir(parent_comps, true)?;
+                    self.clear(&parent, name, &rel, false)?;
+                    self.pending.insert(rel, lower);
+                    return Ok(());
+                }
+                let tparent_fd = self.dir(tparent, false).ok();
                 let parent = self.dir(parent_comps, true)?;
-                self.clear(&parent, name, &rel, false)?;
-                match linkat(
-                    tparent_fd.as_fd(),
-                    &cstr(tname)[..],
-                    parent.as_fd(),
-                    &cstr(name)[..],
-                    AtFlags::empty(),
-                ) {
-                    Ok(()) => {}
-                    Err(Errno::ENOENT) => {
-                        return Err(Self::refuse(
-                            e,
-                            format!(
-                                "hardlink target '{}' is not in this layer",
-                                String::from_utf8_lossy(&e.link)
-                            ),
-                        ));
+                let linked = match &tparent_fd {
+                    // Cleared only once the target is known to exist in this layer (below).
+                    Some(tfd) => {
+                        match fstatat(tfd.as_fd(), &cstr(tname)[..], AtFlags::AT_SYMLINK_NOFOLLOW) {
+                            Ok(_) => {
+                                self.clear(&parent, name, &rel, false)?;
+                                let tfd = self
+                                    .dir(tparent, false)
+                                    .map_err(|_| Self::refuse(e, "hardlink target vanished"))?;
+                                match linkat(
+                                    tfd.as_fd(),
+                                    &cstr(tname)[..],
+                                    parent.as_fd(),
+                                    &cstr(name)[..],
+                                    AtFlags::empty(),
+                                ) {
+                                    Ok(()) => true,
+                                    Err(Errno::ENOENT) => false,
+                                    Err(err) => {
+                                        return Err(Self::write_err(&rel, "hardlink", io_err(err)));
+                                    }
+                                }
+                            }
+                            Err(Errno::ENOENT) => false,
+                            Err(err) => return Err(Self::write_err(&rel, "stat", io_err(err))),
+                        }
                     }
-                    Err(err) => return Err(Self::write_err(&rel, "hardlink", io_err(err))),
+                    None => false,
+                };
+                if !linked {
+                    // Not in this layer: the store copies it up from the lower layers.
+                    self.clear(&parent, name, &rel, false)?;
+                    self.pending.insert(rel, tjoined);
                 }
             }
             Kind::Char | Kind::Block => self.out.skipped.push(format!(
@@ -1372,14 +1557,21 @@ mod tests {
     }
 
     #[test]
-    fn hardlinks_through_symlinks_or_out_of_the_layer_are_refused() {
+    fn hardlinks_out_of_the_layer_are_listed_for_copy_up_and_never_reach_the_host() {
+        // A target outside this layer (through a symlink, or absolute) is not linked here but
+        // listed: the store copies it up from the image's lower layers, read without following
+        // symlinks, so /etc/passwd of the host is never linked.
         let before = std::fs::metadata("/etc/passwd").unwrap().nlink();
         let bytes = Tar::new()
             .symlink("s", "/etc")
             .hardlink("h", "s/passwd")
             .end();
         let (_t, layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Refused { .. })), "{r:?}");
+        let x = r.unwrap();
+        assert_eq!(
+            x.external_links,
+            vec![(b"h".to_vec(), b"s/passwd".to_vec())]
+        );
         assert!(!layer.join("h").exists());
         assert_eq!(std::fs::metadata("/etc/passwd").unwrap().nlink(), before);
 
@@ -1390,9 +1582,96 @@ mod tests {
 
         let bytes = Tar::new().hardlink("h", "/etc/passwd").end();
         let (_t, layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Refused { .. })), "{r:?}");
+        let x = r.unwrap();
+        assert_eq!(
+            x.external_links,
+            vec![(b"h".to_vec(), b"etc/passwd".to_vec())]
+        );
         assert!(!layer.join("h").exists());
         assert_eq!(std::fs::metadata("/etc/passwd").unwrap().nlink(), before);
+
+        // A link to such a link follows it to the lower file; a later file of the same name
+        // replaces a pending link.
+        let bytes = Tar::new()
+            .hardlink("a", "usr/bin/x")
+            .hardlink("b", "a")
+            .hardlink("c", "usr/bin/y")
+            .file("c", b"own")
+            .end();
+        let (_t, layer, r) = run(&bytes);
+        let x = r.unwrap();
+        assert_eq!(
+            x.external_links,
+            vec![
+                (b"a".to_vec(), b"usr/bin/x".to_vec()),
+                (b"b".to_vec(), b"usr/bin/x".to_vec())
+            ]
+        );
+        assert_eq!(std::fs::read(layer.join("c")).unwrap(), b"own");
+    }
+
+    #[test]
+    fn extraction_records_every_path_with_its_digest() {
+        let bytes = Tar::new()
+            .dir("d")
+            .file_mode("d/f", b"hello", 0o4755)
+            .hardlink("d/g", "d/f")
+            .symlink("l", "d/f")
+            .end();
+        let (_t, layer, r) = run(&bytes);
+        let x = r.unwrap();
+        let f = &x.files[&b"d/f".to_vec()];
+        assert_eq!((f.kind, f.size, f.mode), ('f', 5, 0o4755));
+        assert_eq!(f.digest.as_deref(), Some(&sha(b"hello")["sha256:".len()..]));
+        assert_eq!(x.files[&b"d/g".to_vec()].digest, f.digest);
+        assert_eq!(x.files[&b"l".to_vec()].kind, 'l');
+        assert_eq!(x.files[&b"d".to_vec()].kind, 'd');
+        // What verification computes by reading the files agrees.
+        let read = crate::image::store::record::walk(&layer, &|_| None).unwrap();
+        assert_eq!(read, x.files);
+    }
+
+    #[test]
+    fn bounds_stop_extraction() {
+        let big = vec![7u8; 100_000];
+        let bytes = Tar::new().file("a", &big).file("b", &big).end();
+        let (_t, layer, r) = {
+            let t = tempfile::tempdir().unwrap();
+            let layer = t.path().join("layer");
+            std::fs::create_dir(&layer).unwrap();
+            let limits = Limits {
+                max_bytes: 150_000,
+                ..Limits::default()
+            };
+            let r = extract_bounded(&mut &bytes[..], &layer, &limits);
+            (t, layer, r)
+        };
+        assert!(matches!(r, Err(LayerError::Bound(Bound::Layer))), "{r:?}");
+        drop(layer);
+        let total = Arc::new(AtomicU64::new(0));
+        let limits = Limits {
+            image_bytes: Some(total.clone()),
+            max_image_bytes: 300_000,
+            ..Limits::default()
+        };
+        let t = tempfile::tempdir().unwrap();
+        let (l1, l2) = (t.path().join("1"), t.path().join("2"));
+        std::fs::create_dir(&l1).unwrap();
+        std::fs::create_dir(&l2).unwrap();
+        extract_bounded(&mut &bytes[..], &l1, &limits).unwrap();
+        let r = extract_bounded(&mut &bytes[..], &l2, &limits);
+        assert!(matches!(r, Err(LayerError::Bound(Bound::Image))), "{r:?}");
+        let limits = Limits {
+            reserve_bytes: u64::MAX,
+            ..Limits::default()
+        };
+        let l3 = t.path().join("3");
+        std::fs::create_dir(&l3).unwrap();
+        let r = extract_bounded(&mut &bytes[..], &l3, &limits);
+        assert!(
+            matches!(r, Err(LayerError::Bound(Bound::Reserve(_)))),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -185,6 +185,11 @@ impl Resolved {
     pub fn download_size(&self) -> u64 {
         self.layers.iter().map(|l| l.size).sum()
     }
+
+    /// Layers the manifest lists (checked against `store.max_layers` before any is fetched).
+    pub fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
 }
 
 /// A registry client for one user (whose credentials it reads) and one pull or check.

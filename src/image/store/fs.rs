@@ -194,6 +194,28 @@ pub(crate) fn syncfs(path: &Path) -> io::Result<()> {
     nix::unistd::syncfs(&f).map_err(io::Error::from)
 }
 
+/// Swaps `a` and `b` atomically (renameat2 RENAME_EXCHANGE): a reader sees one or the other.
+pub(crate) fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let ca = std::ffi::CString::new(a.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    let cb = std::ffi::CString::new(b.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // SAFETY: both are valid NUL-terminated strings; renameat2 only reads them.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Disk use of a tree (allocated blocks), not following symlinks.
 pub(crate) fn disk_usage(path: &Path) -> u64 {
     let mut total = 0;

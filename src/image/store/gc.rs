@@ -455,11 +455,14 @@ impl Store {
         let layers = self.dir("layers");
         for e in std::fs::read_dir(&layers).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let base = name.strip_suffix(".size").unwrap_or(&name).to_string();
+            let side = [".size", ".files", ".damaged"]
+                .iter()
+                .find_map(|x| name.strip_suffix(x));
+            let base = side.unwrap_or(&name).to_string();
             if used.contains(&base) {
                 continue;
             }
-            if name.ends_with(".size") {
+            if side.is_some() {
                 if !layers.join(&base).exists() {
                     let _ = std::fs::remove_file(e.path());
                 }
@@ -481,7 +484,9 @@ impl Store {
             if std::fs::remove_dir_all(&doomed).is_ok() {
                 removed += 1;
                 freed += size;
-                let _ = std::fs::remove_file(layers.join(format!("{name}.size")));
+                for x in ["size", "files", "damaged"] {
+                    let _ = std::fs::remove_file(layers.join(format!("{name}.{x}")));
+                }
                 let _ = std::fs::remove_file(self.dir("locks").join(format!("layer-{name}")));
             }
         }
@@ -571,6 +576,27 @@ impl Store {
                 .unwrap_or(0);
             let references = self.remove_image(&digest, &refs)?;
             report.removed.push((digest, references, size));
+        }
+        // Images with a layer `berth images verify` found damaged: removed, so the next use
+        // imports them again (a layer re-extracted replaces the damaged one).
+        for image in &images {
+            let Rootfs::Layers(dirs) = &image.rootfs else {
+                continue;
+            };
+            if !dirs.iter().any(|d| d.with_extension("damaged").exists())
+                || !self.image_path(&image.digest).is_ok_and(|p| p.exists())
+            {
+                continue;
+            }
+            let Some(_unused) = self.claim_unused(&image.digest)? else {
+                report.kept_in_use.push(image.digest.clone());
+                continue;
+            };
+            let size = self.image_size(image);
+            let references = self.remove_image(&image.digest, &refs)?;
+            report
+                .removed
+                .push((image.digest.clone(), references, size));
         }
         // References whose image record is gone.
         for (path, r) in &refs {

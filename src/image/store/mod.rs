@@ -5,6 +5,9 @@
 //! ```text
 //! layers/<hex>/        one extracted layer in overlayfs form, named by its diff_id
 //! layers/<hex>.size    its disk use in bytes
+//! layers/<hex>.files   what extraction wrote there (record.rs): `berth images verify` checks it
+//! layers/<hex>.damaged a mark left by `verify`: the layer is re-extracted by the next import
+//!                      (or removed with its images by `gc`)
 //! images/<hex>.json    an image record (crate::image::Image as JSON), named by its digest
 //! refs/<hex>.json      reference → digest, named by the sha256 of the canonical reference
 //! use/<hex>            "in use" lock of an image (shared flock per running container); its
@@ -23,16 +26,21 @@
 //! - Imports hold the store lock shared and gc/rm hold it exclusive, so gc never removes a layer
 //!   an import is about to reference; an image whose `use/` lock is held is never removed.
 
+mod copyup;
 mod fs;
 mod gc;
+pub mod record;
+mod verify;
 
 pub use gc::{Entry, GcPolicy, GcReport, Removed, Selector, parse_duration};
+pub use verify::{LayerCheck, VerifyReport};
 
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -100,6 +108,33 @@ pub enum StoreError {
     },
     #[error("invalid digest '{0}': expected sha256:<64 hex digits>")]
     BadDigest(String),
+    #[error(
+        "image {what}: it has {count} layers, more than store.max_layers ({max}) allows (overlayfs stacks about 500): nothing was fetched; flatten the image, or raise store.max_layers in berth.toml"
+    )]
+    TooManyLayers {
+        what: String,
+        count: usize,
+        max: usize,
+    },
+    #[error(
+        "layer {layer}: it expands to more than store.max_layer_bytes ({max}); nothing partial was kept: raise store.max_layer_bytes in berth.toml if the image is trusted"
+    )]
+    LayerTooLarge { layer: String, max: String },
+    #[error(
+        "layer {layer}: the image's layers expand to more than store.max_image_bytes ({max}); nothing partial was kept: raise store.max_image_bytes in berth.toml if the image is trusted"
+    )]
+    ImageTooLarge { layer: String, max: String },
+    #[error(
+        "the image store {root}: {what} would leave less than store.reserve_bytes ({reserve}) free on its file system ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE), give the store more space, or lower store.reserve_bytes"
+    )]
+    Reserve {
+        root: PathBuf,
+        what: String,
+        reserve: String,
+        free: String,
+    },
+    #[error("{0}: the target is in neither this layer nor a lower one; the image is broken")]
+    HardlinkMissing(String),
 }
 
 impl From<StoreError> for ImageError {
@@ -239,18 +274,51 @@ impl Drop for InUse {
     }
 }
 
+/// Bounds on what imports write (`[store]` keys of the same names).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_layers: usize,
+    pub max_layer_bytes: u64,
+    pub max_image_bytes: u64,
+    pub reserve_bytes: u64,
+}
+
+impl Limits {
+    pub fn of(config: &StoreConfig) -> Self {
+        Self {
+            max_layers: config.max_layers,
+            max_layer_bytes: config.max_layer_bytes,
+            max_image_bytes: config.max_image_bytes,
+            reserve_bytes: config.reserve_bytes,
+        }
+    }
+}
+
 /// The image store.
 #[derive(Debug)]
 pub struct Store {
     root: PathBuf,
     parallel_layers: usize,
     workspace: Mutex<Option<Arc<Workspace>>>,
+    limits: Limits,
+    /// Bytes extracted by the image import in progress (for `store.max_image_bytes`).
+    image_bytes: Mutex<Option<Arc<AtomicU64>>>,
 }
 
 impl Store {
     /// Opens the store at `config.root`, creating its directories.
     pub fn open(config: &StoreConfig) -> Result<Self, ImageError> {
-        Self::open_at(&config.root, config.parallel_layers).map_err(Into::into)
+        Ok(Self::open_at(&config.root, config.parallel_layers)?.with_limits(Limits::of(config)))
+    }
+
+    /// Replaces the bounds (`open_at` takes the defaults of `[store]`).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     pub fn open_at(root: &Path, parallel_layers: usize) -> Result<Self, StoreError> {
@@ -258,6 +326,8 @@ impl Store {
             root: root.to_path_buf(),
             parallel_layers: parallel_layers.max(1),
             workspace: Mutex::new(None),
+            limits: Limits::of(&StoreConfig::default()),
+            image_bytes: Mutex::new(None),
         };
         // Root only: layers hold images' setuid binaries on a file system that is not
         // necessarily nosuid, and private images' files. Containers reach them through overlay
@@ -367,9 +437,31 @@ impl Store {
             })
     }
 
-    /// Fails with one line when fewer than `needed` bytes are free in the store.
+    /// Fails with one line (naming `store.max_layers`) when an image of `count` layers could
+    /// never run; call it on the manifest, before fetching anything.
+    pub fn check_layers(&self, what: &str, count: usize) -> Result<(), StoreError> {
+        if count > self.limits.max_layers {
+            return Err(StoreError::TooManyLayers {
+                what: what.to_string(),
+                count,
+                max: self.limits.max_layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// Fails with one line when fewer than `needed` bytes (plus `store.reserve_bytes`) are free
+    /// in the store.
     pub fn check_space(&self, what: &str, needed: u64) -> Result<(), StoreError> {
         let free = fs::free_bytes(&self.root).map_err(|e| self.io("statvfs", e))?;
+        if needed <= free && needed.saturating_add(self.limits.reserve_bytes) > free {
+            return Err(StoreError::Reserve {
+                root: self.root.clone(),
+                what: format!("importing {what} (about {})", human_size(needed)),
+                reserve: human_size(self.limits.reserve_bytes),
+                free: human_size(free),
+            });
+        }
         if needed > free {
             return Err(StoreError::NoSpace {
                 root: self.root.clone(),
@@ -402,7 +494,9 @@ impl Store {
             }
         };
         let complete = match &image.rootfs {
-            Rootfs::Layers(dirs) => dirs.iter().all(|d| d.is_dir()),
+            Rootfs::Layers(dirs) => dirs
+                .iter()
+                .all(|d| d.is_dir() && !d.with_extension("damaged").exists()),
             Rootfs::Squashfs { file, .. } => file.is_file(),
         };
         complete.then_some(image)
@@ -621,7 +715,15 @@ impl Store {
             ));
             return done(image);
         }
-        let image = build(self)?;
+        let counter = Arc::new(AtomicU64::new(0));
+        *self.image_bytes.lock().unwrap_or_else(|p| p.into_inner()) = Some(counter);
+        let built = build(self);
+        *self.image_bytes.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let mut image = built?;
+        if let Rootfs::Layers(dirs) = &image.rootfs {
+            self.check_image_bytes(dirs)?;
+            image.rootfs = Rootfs::Layers(self.copy_up(dirs.clone())?);
+        }
         if image.digest != digest {
             return Err(ImageError::Store(format!(
                 "internal error: importing {digest} produced an image with digest {}",
@@ -661,7 +763,9 @@ impl Store {
             layer: diff_id.to_string(),
             actual,
         };
-        if dest.is_dir() {
+        // A layer marked damaged by `verify`, or extracted by an older berth (no record), is
+        // extracted again and replaces the one in place.
+        if self.layer_usable(&dest) {
             let (actual, _) = layer::hash_only(tar).map_err(|source| StoreError::Layer {
                 layer: diff_id.to_string(),
                 source,
@@ -676,6 +780,7 @@ impl Store {
                 size: 0,
                 tar_bytes: 0,
                 skipped: Vec::new(),
+                record: None,
                 _lock: lock,
                 _workspace: None,
             });
@@ -684,7 +789,17 @@ impl Store {
         let staging = ws.path(&format!("layer-{}", &hex[..12]));
         std::fs::create_dir(&staging)
             .map_err(|e| self.write_error("creating a staging directory", e))?;
-        let result = layer::extract(tar, &staging);
+        let limits = layer::Limits {
+            max_bytes: self.limits.max_layer_bytes,
+            image_bytes: self
+                .image_bytes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            max_image_bytes: self.limits.max_image_bytes,
+            reserve_bytes: self.limits.reserve_bytes,
+        };
+        let result = layer::extract_bounded(tar, &staging, &limits);
         let x = match result {
             Ok(x) if x.diff_id == diff_id => x,
             Ok(x) => {
@@ -693,7 +808,9 @@ impl Store {
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&staging);
-                return Err(if e.is_no_space() {
+                return Err(if let LayerError::Bound(b) = e {
+                    self.bound_error(diff_id, b)
+                } else if e.is_no_space() {
                     StoreError::FullDuringExtract {
                         root: self.root.clone(),
                         layer: diff_id.to_string(),
@@ -720,6 +837,11 @@ impl Store {
                 }
             );
         }
+        let record = record::LayerRecord {
+            tar_bytes: x.tar_bytes,
+            files: x.files,
+            external_links: x.external_links,
+        };
         Ok(Staged {
             root: self.root.clone(),
             dest,
@@ -727,15 +849,120 @@ impl Store {
             size: x.disk_bytes,
             tar_bytes: x.tar_bytes,
             skipped: x.skipped,
+            record: Some(record),
             _lock: lock,
             _workspace: Some(ws),
         })
     }
 }
 
+impl Store {
+    /// Whether the layer directory `dir` can be used as it is: present, recorded, not marked
+    /// damaged.
+    pub(crate) fn layer_usable(&self, dir: &Path) -> bool {
+        dir.is_dir()
+            && dir.with_extension("files").is_file()
+            && !dir.with_extension("damaged").exists()
+    }
+
+    fn bound_error(&self, layer: &str, b: layer::Bound) -> StoreError {
+        match b {
+            layer::Bound::Layer => StoreError::LayerTooLarge {
+                layer: layer.to_string(),
+                max: human_size(self.limits.max_layer_bytes),
+            },
+            layer::Bound::Image => StoreError::ImageTooLarge {
+                layer: layer.to_string(),
+                max: human_size(self.limits.max_image_bytes),
+            },
+            layer::Bound::Reserve(free) => StoreError::Reserve {
+                root: self.root.clone(),
+                what: format!("extracting layer {layer}"),
+                reserve: human_size(self.limits.reserve_bytes),
+                free: human_size(free),
+            },
+        }
+    }
+
+    /// `store.max_image_bytes` on the whole image, layers already in the store included (the
+    /// extraction itself stopped at the bound counting only the layers it extracted).
+    fn check_image_bytes(&self, dirs: &[PathBuf]) -> Result<(), StoreError> {
+        let mut total: u64 = 0;
+        for d in dedup_layers(dirs.to_vec()) {
+            if let Ok(Some(r)) = record::read(&d.with_extension("files")) {
+                total = total.saturating_add(r.tar_bytes);
+            }
+        }
+        if total > self.limits.max_image_bytes {
+            return Err(StoreError::ImageTooLarge {
+                layer: dirs
+                    .last()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default(),
+                max: human_size(self.limits.max_image_bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Publishes the directory `staging` as `dest` in the store at `root`: its size and record
+/// first, then the flushed directory, by rename, or by an atomic exchange with a damaged or
+/// unrecorded layer in place (removed after).
+pub(crate) fn publish_dir(
+    root: &Path,
+    ws: &Workspace,
+    staging: &Path,
+    dest: &Path,
+    size: u64,
+    rec: &record::LayerRecord,
+) -> Result<(), StoreError> {
+    {
+        let io = |op: &str, e: std::io::Error| {
+            if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
+                StoreError::FullDuringExtract {
+                    root: root.to_path_buf(),
+                    layer: dest.display().to_string(),
+                    free: fs::free_bytes(root).map(human_size).unwrap_or_default(),
+                }
+            } else {
+                StoreError::Io {
+                    root: root.to_path_buf(),
+                    op: format!("{op} {}", dest.display()),
+                    source: e,
+                }
+            }
+        };
+        fs::write_atomic(
+            ws,
+            &dest.with_extension("size"),
+            size.to_string().as_bytes(),
+        )
+        .map_err(|e| io("writing the size of", e))?;
+        fs::write_atomic(ws, &dest.with_extension("files"), &rec.encode())
+            .map_err(|e| io("writing the record of", e))?;
+        fs::syncfs(staging).map_err(|e| io("flushing", e))?;
+        if dest.exists() {
+            fs::exchange(staging, dest).map_err(|e| io("replacing", e))?;
+            // `staging` now holds the old layer.
+            let _ = std::fs::remove_dir_all(staging);
+        } else {
+            std::fs::rename(staging, dest).map_err(|e| io("publishing", e))?;
+        }
+        match std::fs::remove_file(dest.with_extension("damaged")) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("clearing the damage mark of", e)),
+        }
+        fs::sync_dir(dest.parent().unwrap_or(Path::new("/"))).map_err(|e| io("flushing", e))
+    }
+}
+
 impl LayerSink for Store {
     fn existing_layer(&self, diff_id: &str) -> Option<PathBuf> {
-        self.layer_dir(diff_id).ok().filter(|d| d.is_dir())
+        self.layer_dir(diff_id)
+            .ok()
+            .filter(|d| self.layer_usable(d))
     }
 
     fn stage_layer(
@@ -757,6 +984,8 @@ pub struct Staged {
     size: u64,
     tar_bytes: u64,
     skipped: Vec<String>,
+    /// What extraction wrote (written next to the layer when it is published).
+    record: Option<record::LayerRecord>,
     _lock: File,
     _workspace: Option<Arc<Workspace>>,
 }
@@ -782,40 +1011,20 @@ impl Staged {
         &self.skipped
     }
 
-    /// Makes the layer visible: its size record first, then the flushed directory by rename.
+    /// Makes the layer visible: its size and record first, then the flushed directory by
+    /// rename (see [`Store::publish_dir`]).
     pub fn publish_layer(mut self) -> Result<PathBuf, StoreError> {
         let Some(staging) = self.staging.take() else {
             return Ok(self.dest.clone());
         };
-        let io = |op: &str, e: std::io::Error| {
-            if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
-                StoreError::FullDuringExtract {
-                    root: self.root.clone(),
-                    layer: self.dest.display().to_string(),
-                    free: fs::free_bytes(&self.root)
-                        .map(human_size)
-                        .unwrap_or_default(),
-                }
-            } else {
-                StoreError::Io {
-                    root: self.root.clone(),
-                    op: format!("{op} {}", self.dest.display()),
-                    source: e,
-                }
-            }
-        };
         let result = (|| {
-            let ws = self
-                ._workspace
-                .as_ref()
-                .ok_or_else(|| io("publishing", std::io::Error::other("no workspace")))?;
-            let size_path = self.dest.with_extension("size");
-            fs::write_atomic(ws, &size_path, self.size.to_string().as_bytes())
-                .map_err(|e| io("writing the size of", e))?;
-            fs::syncfs(&staging).map_err(|e| io("flushing", e))?;
-            std::fs::rename(&staging, &self.dest).map_err(|e| io("publishing", e))?;
-            fs::sync_dir(self.dest.parent().unwrap_or(Path::new("/")))
-                .map_err(|e| io("flushing", e))
+            let ws = self._workspace.as_ref().ok_or_else(|| StoreError::Io {
+                root: self.root.clone(),
+                op: format!("publishing {}", self.dest.display()),
+                source: std::io::Error::other("no workspace"),
+            })?;
+            let rec = self.record.take().unwrap_or_default();
+            publish_dir(&self.root, ws, &staging, &self.dest, self.size, &rec)
         })();
         if let Err(e) = result {
             let _ = std::fs::remove_dir_all(&staging);

@@ -475,3 +475,207 @@ fn the_store_is_private_to_root() {
         .mode();
     assert_eq!(mode & 0o777, 0o700);
 }
+
+/// A layer tar whose entries are given as (path, hardlink target or content).
+fn layer_with_links(entries: &[(&str, Result<&str, &[u8]>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, what) in entries {
+        let mut h = tar::Header::new_ustar();
+        h.set_mode(0o751);
+        h.set_mtime(1000);
+        match what {
+            Ok(target) => {
+                h.set_entry_type(tar::EntryType::Link);
+                h.set_size(0);
+                b.append_link(&mut h, path, target).unwrap();
+            }
+            Err(data) => {
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_size(data.len() as u64);
+                b.append_data(&mut h, path, *data).unwrap();
+            }
+        }
+    }
+    b.into_inner().unwrap()
+}
+
+fn layout_of(dir: &Path, name: &str, layers: Vec<Vec<u8>>) -> Reference {
+    let layout = dir.join(name);
+    let layers: Vec<(Vec<u8>, Comp)> = layers.into_iter().map(|l| (l, Comp::Gzip)).collect();
+    add_to_layout(&layout, None, &layers);
+    Reference::OciLayout {
+        dir: layout,
+        name: None,
+    }
+}
+
+fn limits(s: &Store) -> Limits {
+    s.limits().clone()
+}
+
+#[test]
+fn too_many_layers_are_refused_before_anything_is_extracted() {
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    let s = {
+        let l = Limits {
+            max_layers: 2,
+            ..limits(&s)
+        };
+        s.with_limits(l)
+    };
+    let layers = (0..3).map(|i| layer(&[(&format!("f{i}"), b"x")])).collect();
+    let r = layout_of(t.path(), "three", layers);
+    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    assert!(
+        e.contains("store.max_layers (2)") && e.contains("3 layers"),
+        "{e}"
+    );
+    assert!(!e.contains('\n'));
+    assert!(entries(&s.root().join("layers")).is_empty());
+}
+
+#[test]
+fn a_layer_expanding_past_its_bound_is_refused_and_nothing_is_kept() {
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    // 4 MiB of zeros: a few KiB gzipped.
+    let zeros = vec![0u8; 4 << 20];
+    let r = layout_of(t.path(), "bomb", vec![layer(&[("zeros", &zeros)])]);
+    let small = Limits {
+        max_layer_bytes: 1 << 20,
+        ..limits(&s)
+    };
+    let s = s.with_limits(small);
+    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    assert!(e.contains("store.max_layer_bytes (1.0 MiB)"), "{e}");
+    assert!(entries(&s.root().join("layers")).is_empty());
+    assert!(tmp_files(&s).is_empty(), "{:?}", tmp_files(&s));
+
+    let l = Limits {
+        max_image_bytes: 6 << 20,
+        max_layer_bytes: 64 << 20,
+        ..limits(&s)
+    };
+    let s = s.with_limits(l);
+    let two = layout_of(
+        t.path(),
+        "two",
+        vec![layer(&[("a", &zeros)]), layer(&[("b", &zeros)])],
+    );
+    let e = s.import(&two, &quiet).unwrap_err().to_string();
+    assert!(e.contains("store.max_image_bytes (6.0 MiB)"), "{e}");
+    assert!(s.get_local(&two).is_none());
+
+    let l = Limits {
+        max_image_bytes: 1 << 40,
+        reserve_bytes: u64::MAX / 4,
+        ..limits(&s)
+    };
+    let s = s.with_limits(l);
+    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    assert!(e.contains("store.reserve_bytes"), "{e}");
+}
+
+#[test]
+fn verify_finds_a_truncated_file_and_a_reimport_replaces_the_layer() {
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    let (r, _) = layout_image(t.path(), &[("bin/tool", b"0123456789")]);
+    let image = s.import(&r, &quiet).unwrap();
+    let Rootfs::Layers(dirs) = &image.rootfs else {
+        panic!()
+    };
+    let report = s.verify(s.list()).unwrap();
+    assert!(!report.damaged());
+    // Truncated in place, as a disk or a careless admin might.
+    std::fs::write(dirs[0].join("bin/tool"), b"0123").unwrap();
+    let report = s.verify(s.list()).unwrap();
+    assert!(report.damaged());
+    let (_, checks) = &report.images[0];
+    assert_eq!(
+        checks[0].1,
+        LayerCheck::Differs(vec!["/bin/tool: size 4 (recorded 10)".into()])
+    );
+    // The image is no longer whole: the next import extracts the layer again, in place.
+    assert!(s.get_local(&r).is_none());
+    let again = s.import(&r, &quiet).unwrap();
+    assert_eq!(again.rootfs, image.rootfs);
+    assert_eq!(
+        std::fs::read(dirs[0].join("bin/tool")).unwrap(),
+        b"0123456789"
+    );
+    assert!(!s.verify(s.list()).unwrap().damaged());
+    assert!(tmp_files(&s).is_empty(), "{:?}", tmp_files(&s));
+}
+
+#[test]
+fn gc_removes_images_with_damaged_layers_and_unrecorded_layers_are_reported() {
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    let (r, _) = layout_image(t.path(), &[("etc/x", b"abc")]);
+    let image = s.import(&r, &quiet).unwrap();
+    let Rootfs::Layers(dirs) = &image.rootfs else {
+        panic!()
+    };
+    std::fs::write(dirs[0].join("etc/extra"), b"!").unwrap();
+    assert!(s.verify(s.list()).unwrap().damaged());
+    let report = s.gc(&GcPolicy::default()).unwrap();
+    assert_eq!(report.removed.len(), 1);
+    assert!(!dirs[0].exists());
+    // As imported by an older berth: no record.
+    let image = s.import(&r, &quiet).unwrap();
+    let Rootfs::Layers(dirs) = &image.rootfs else {
+        panic!()
+    };
+    std::fs::remove_file(dirs[0].with_extension("files")).unwrap();
+    let report = s.verify(s.list()).unwrap();
+    assert_eq!(report.images[0].1[0].1, LayerCheck::Unrecorded);
+    assert!(!report.damaged());
+}
+
+#[test]
+fn a_hardlink_to_a_lower_layer_is_copied_up_above_the_layer() {
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    let lower = layer_with_links(&[("usr/bin/x", Err(b"lower content"))]);
+    let upper = layer_with_links(&[
+        ("usr/bin/y", Ok("usr/bin/x")),
+        ("usr/bin/z", Ok("usr/bin/y")),
+        ("own", Err(b"own")),
+    ]);
+    let r = layout_of(t.path(), "links", vec![lower.clone(), upper.clone()]);
+    let image = s.import(&r, &quiet).unwrap();
+    let Rootfs::Layers(dirs) = &image.rootfs else {
+        panic!()
+    };
+    assert_eq!(dirs.len(), 3, "{dirs:?}");
+    let copies = &dirs[2];
+    let y = copies.join("usr/bin/y");
+    assert_eq!(std::fs::read(&y).unwrap(), b"lower content");
+    assert_eq!(
+        std::fs::read(copies.join("usr/bin/z")).unwrap(),
+        b"lower content"
+    );
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(&y).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o751);
+    assert_eq!(m.nlink(), 2, "the two links share the copy");
+    assert_eq!(m.mtime(), 1000);
+    assert!(!dirs[1].join("usr/bin/y").exists());
+    // The copies' layer is recorded too, and verifies.
+    assert!(!s.verify(s.list()).unwrap().damaged());
+    // The same chain again reuses them.
+    let again = s.import(&r, &quiet).unwrap();
+    assert_eq!(again.rootfs, image.rootfs);
+
+    // A target in no lower layer is refused in one line.
+    let r = layout_of(t.path(), "dangling", vec![upper]);
+    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    assert!(
+        e.contains("hardlink '/usr/bin/y' to '/usr/bin/x'")
+            && e.contains("neither this layer nor a lower one"),
+        "{e}"
+    );
+    assert!(!e.contains('\n'));
+}
