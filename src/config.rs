@@ -62,6 +62,9 @@ pub struct RuntimeConfig {
     /// Seconds the image's entrypoint may take before it runs its arguments (Slurm steps with
     /// `--container-entrypoint`).
     pub entrypoint_timeout_s: u64,
+    /// Namespaces (`ipc`, `uts`) every Slurm step's container has of its own, on top of
+    /// those its `--container-unshare` names. Empty (Pyxis's behaviour): the host's.
+    pub step_unshare: Vec<String>,
 }
 
 impl Default for RuntimeConfig {
@@ -70,6 +73,7 @@ impl Default for RuntimeConfig {
             state_dir: PathBuf::from("/run/berth"),
             kill_timeout_s: 10,
             entrypoint_timeout_s: 60,
+            step_unshare: Vec::new(),
         }
     }
 }

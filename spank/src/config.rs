@@ -1,7 +1,7 @@
 //! The plugin's arguments from its plugstack.conf line, e.g.
 //! `required /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_berth.so berth=/usr/local/bin/berth sbatch_support=1`.
 //! The keys are Pyxis's (`runtime_path`, `execute_entrypoint`, `container_scope`,
-//! `sbatch_support`) plus berth's own (`berth`, `config`, `debug_request_dir`).
+//! `sbatch_support`) plus berth's own (`berth`, `config`, `debug_request_dir`, `pyxis_messages`).
 
 use std::path::PathBuf;
 
@@ -38,6 +38,9 @@ pub struct PluginConfig {
     pub sbatch_support: bool,
     /// Test hook for the admin: slurmstepd writes each request to `DIR/JOB.STEP.json`.
     pub debug_request_dir: Option<PathBuf>,
+    /// Also print Pyxis's lines (`pyxis: importing docker image: …`, `pyxis: failed to import
+    /// docker image`) where a Pyxis user's scripts look for them; berth's own lines stay.
+    pub pyxis_messages: bool,
 }
 
 pub const DEFAULT_BERTH: &str = "/usr/local/bin/berth";
@@ -92,6 +95,7 @@ impl Default for PluginConfig {
             container_scope: Scope::Job,
             sbatch_support: true,
             debug_request_dir: None,
+            pyxis_messages: false,
         }
     }
 }
@@ -131,6 +135,7 @@ impl PluginConfig {
                 "debug_request_dir" => config.debug_request_dir = Some(path_value()?),
                 "execute_entrypoint" => config.execute_entrypoint = bool_value()?,
                 "sbatch_support" => config.sbatch_support = bool_value()?,
+                "pyxis_messages" => config.pyxis_messages = bool_value()?,
                 "container_scope" => {
                     config.container_scope = match value {
                         "job" => Scope::Job,
@@ -141,7 +146,7 @@ impl PluginConfig {
                 _ => {
                     return Err(err(
                         "unknown key: expected berth=, config=, runtime_path=, execute_entrypoint=, \
-                         container_scope=, sbatch_support= or debug_request_dir=",
+                         container_scope=, sbatch_support=, debug_request_dir= or pyxis_messages=",
                     ));
                 }
             }
@@ -174,6 +179,7 @@ mod tests {
             "container_scope=global",
             "sbatch_support=0",
             "debug_request_dir=/tmp/req",
+            "pyxis_messages=1",
         ])
         .unwrap();
         assert_eq!(c.berth, PathBuf::from("/opt/berth/bin/berth"));
@@ -183,6 +189,7 @@ mod tests {
         assert_eq!(c.container_scope, Scope::Global);
         assert!(!c.sbatch_support);
         assert_eq!(c.debug_request_dir, Some(PathBuf::from("/tmp/req")));
+        assert!(c.pyxis_messages);
     }
 
     #[test]

@@ -447,13 +447,9 @@ impl Options {
         let invalid = |hint: &'static str| invalid_because(hint.into());
         match key {
             Key::Image => set_once(&mut self.image, flag, value),
-            Key::Workdir => {
-                // As the node checks it (slurm/step.rs), but before the job is queued.
-                if !value.starts_with('/') {
-                    return Err(invalid("use an absolute path"));
-                }
-                set_once(&mut self.workdir, flag, value)
-            }
+            // A relative one is taken against the container's default working directory on
+            // the node (slurm/step.rs), as Pyxis hands it to the container as is.
+            Key::Workdir => set_once(&mut self.workdir, flag, value),
             Key::Name => {
                 check_name(value).map_err(invalid)?;
                 set_once(&mut self.name, flag, value)
@@ -861,10 +857,11 @@ mod tests {
             ("container-mounts", "/a:/b:ro:x", "SRC[:DST[:FLAGS]]"),
             ("container-mounts", "/a,,/b", "non-empty SRC and DST"),
             // Checked as the node checks them, before the job is queued.
+            ("container-mounts", "data:rel", "must be an absolute path"),
             (
                 "container-mounts",
-                "data:/data",
-                "the source must be an absolute path or 'tmpfs'",
+                "tmpfs:/t:size=x",
+                "invalid tmpfs option",
             ),
             ("container-mounts", "/a:/b:ro+bogus", "unknown flag 'bogus'"),
             (
@@ -873,7 +870,6 @@ mod tests {
                 "the destination must be an absolute path",
             ),
             ("container-mounts", "/a:/b/../..", "must not contain '..'"),
-            ("container-workdir", "work", "use an absolute path"),
             (
                 "container-name",
                 "x:sometimes",
@@ -894,6 +890,21 @@ mod tests {
             assert!(e.contains(hint), "{e}");
         }
         assert_eq!(o, Options::default(), "a rejected value changes nothing");
+        // Pyxis's relative forms and Enroot's flags pass the check.
+        flag(
+            &mut o,
+            "container-mounts",
+            Some("./data:/data,out,tmpfs:/t:huge=within_size"),
+        )
+        .unwrap();
+        flag(
+            &mut o,
+            "container-mounts",
+            Some("/a:/a:ro+unbindable+x-create=dir"),
+        )
+        .unwrap();
+        flag(&mut o, "container-workdir", Some("sub/dir")).unwrap();
+        flag(&mut o, "container-save", Some("./out.sqsh")).unwrap();
         for ok in ["n", "n:auto", "n:create", "n:exec", "n:no_exec", "a.b-c_1"] {
             let mut o = Options::default();
             flag(&mut o, "container-name", Some(ok)).unwrap();

@@ -69,6 +69,8 @@ struct Container {
     entrypoint_log: Option<String>,
     /// `--container-bind=closest`: each local task's CPUs, memory and variables.
     bind: Option<request::Binding>,
+    /// The step joined an existing container.
+    attached: bool,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -229,6 +231,13 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
                 for line in st.options.ignored() {
                     ffi::log_user(&berth_line(line));
                 }
+                if let Some(image) = &st.options.image
+                    && st.config.pyxis_messages
+                    && ctx == Context::Local
+                    && request::is_registry_image(image)
+                {
+                    ffi::log_user(&format!("pyxis: importing docker image: {image}"));
+                }
                 if let Some(image) = &st.options.image {
                     // The Prolog (`berth prolog`) imports it before the step starts. Inside an
                     // existing allocation the Prolog has already run and this is refused.
@@ -320,6 +329,13 @@ pub unsafe extern "C" fn slurm_spank_user_init(
         }
         match create(sp, st) {
             Ok(container) => {
+                if container.attached && !st.options.mounts.is_empty() {
+                    // As Pyxis warns: the mounts of a container are those it was made with.
+                    ffi::log_error(&berth_line(
+                        "warning: ignoring --container-mounts: the step joins an existing \
+                         container, whose mounts were set when it was made",
+                    ));
+                }
                 st.container = Some(container);
                 Ok(())
             }
@@ -362,15 +378,20 @@ fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs berth; a failure to start it or a non-zero exit becomes the one line the user sees.
-fn run_berth(inv: &Invocation, what: &str) -> Result<runner::Outcome, String> {
-    let outcome = runner::run(inv).map_err(|e| {
+/// Runs berth; a failure to start it becomes the one line the user sees.
+fn start_berth(inv: &Invocation) -> Result<runner::Outcome, String> {
+    runner::run(inv).map_err(|e| {
         berth_line(format!(
             "cannot run {}: {}: check berth= in plugstack.conf",
             inv.program.display(),
             io_text(&e)
         ))
-    })?;
+    })
+}
+
+/// Runs berth; a failure to start it or a non-zero exit becomes the one line the user sees.
+fn run_berth(inv: &Invocation, what: &str) -> Result<runner::Outcome, String> {
+    let outcome = start_berth(inv)?;
     if !outcome.status.success() {
         return Err(request::failure_line(
             &outcome.stderr,
@@ -436,7 +457,17 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
     }
     let inv = berth_invocation(&st.config, &["step", "create"], request.into_bytes());
     st.create_ran = true;
-    let outcome = run_berth(&inv, "step create")?;
+    let outcome = start_berth(&inv)?;
+    if !outcome.status.success() {
+        if st.config.pyxis_messages && request::import_failed(&outcome.stderr) {
+            ffi::log_error("pyxis: failed to import docker image");
+        }
+        return Err(request::failure_line(
+            &outcome.stderr,
+            "step create",
+            &outcome.describe(),
+        ));
+    }
     let created = Created::parse(&outcome.stdout).map_err(berth_line)?;
     let mut namespaces = Vec::new();
     for (ns, path) in created.join_order().map_err(berth_line)? {
@@ -459,6 +490,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         cwd: created.cwd,
         entrypoint_log: created.entrypoint_log,
         bind: created.bind,
+        attached: created.attached,
     })
 }
 
@@ -531,6 +563,12 @@ pub unsafe extern "C" fn slurm_spank_task_init(
             let _ = std::io::stderr().write_all(log.as_bytes());
         }
         pin_task(sp, c)?;
+        // As Enroot's Slurm hook: PMIx clients in the image read their MCA variables, which
+        // Slurm's PMIx server sets under other names.
+        for (name, value) in request::pmix_mca(|k| ffi::getenv(sp, k)) {
+            ffi::setenv(sp, name, &value)
+                .map_err(|e| berth_line(format!("cannot set {name} for the task: {e}")))?;
+        }
         join::enter(&c.namespaces).map_err(berth_line)?;
         // As the job's user, without capabilities: the directory is checked with its rights.
         std::env::set_current_dir(&c.cwd).map_err(|e| {

@@ -122,6 +122,54 @@ pub struct Created {
     /// older berth's answer.
     #[serde(default)]
     pub bind: Option<Binding>,
+    /// The step joined an existing container (a named one, or another step's by
+    /// `JOBID.STEPID`), whose mounts were set when it was made.
+    #[serde(default)]
+    pub attached: bool,
+}
+
+/// What `berth step create` prints on stderr before its error when the image could not be
+/// imported (src/cli/step.rs `IMPORT_FAILED_MARKER`).
+pub const IMPORT_FAILED_MARKER: &str = "berth-step: image import failed";
+
+/// Whether berth's stderr says the image import failed.
+pub fn import_failed(stderr: &[u8]) -> bool {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .any(|l| l.trim() == IMPORT_FAILED_MARKER)
+}
+
+/// Whether `--container-image` names a registry image (Pyxis's "docker image"), not a file.
+pub fn is_registry_image(image: &str) -> bool {
+    !image.starts_with('/')
+        && !image.starts_with('.')
+        && ![
+            "oci:",
+            "oci-archive:",
+            "docker-archive:",
+            "podman://",
+            "dockerd://",
+        ]
+        .iter()
+        .any(|p| image.starts_with(p))
+}
+
+/// PMIx's MCA variables that Enroot's Slurm hook derives from what Slurm's PMIx server sets,
+/// for clients built against another PMIx: (from, to).
+pub const PMIX_MCA_VARS: [(&str, &str); 3] = [
+    ("PMIX_SECURITY_MODE", "PMIX_MCA_psec"),
+    ("PMIX_GDS_MODULE", "PMIX_MCA_gds"),
+    ("PMIX_PTL_MODULE", "PMIX_MCA_ptl"),
+];
+
+/// The `(name, value)` pairs to set for PMIx clients: each MCA variable of [`PMIX_MCA_VARS`]
+/// the task does not have, from its source when that is set.
+pub fn pmix_mca(getenv: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, String)> {
+    PMIX_MCA_VARS
+        .iter()
+        .filter(|(_, to)| getenv(to).is_none())
+        .filter_map(|(from, to)| getenv(from).filter(|v| !v.is_empty()).map(|v| (*to, v)))
+        .collect()
 }
 
 /// How a pinned task's memory follows its NUMA nodes (berth's `topology.memory_policy`).
@@ -420,6 +468,49 @@ mod tests {
                 ("PATH".to_string(), "/usr/bin".to_string()),
             ]
         );
+    }
+
+    #[test]
+    fn pmix_mca_variables_come_from_slurms_and_never_override() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(
+            pmix_mca(env(&[
+                ("PMIX_SECURITY_MODE", "native"),
+                ("PMIX_GDS_MODULE", "ds21,ds12,hash")
+            ])),
+            [
+                ("PMIX_MCA_psec", "native".to_string()),
+                ("PMIX_MCA_gds", "ds21,ds12,hash".to_string())
+            ]
+        );
+        assert!(
+            pmix_mca(env(&[
+                ("PMIX_SECURITY_MODE", "native"),
+                ("PMIX_MCA_psec", "none")
+            ]))
+            .is_empty()
+        );
+        assert!(pmix_mca(env(&[])).is_empty());
+    }
+
+    #[test]
+    fn import_failures_and_registry_images_are_told_apart() {
+        assert!(import_failed(
+            b"berth-step: image import failed\nberth: x\n"
+        ));
+        assert!(!import_failed(b"berth: x\n"));
+        assert!(is_registry_image("nvcr.io#nvidia/pytorch:24.01-py3"));
+        assert!(is_registry_image("ubuntu"));
+        assert!(!is_registry_image("/images/x.sqsh"));
+        assert!(!is_registry_image("./x.sqsh"));
+        assert!(!is_registry_image("oci-archive:/x.tar"));
     }
 
     #[test]

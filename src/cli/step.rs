@@ -74,14 +74,28 @@ fn create(config: &Config) -> Result<i32, Failure> {
     if let Some(name_opt) = &step.options.container_name {
         let (name, mode) = parse_name(name_opt).map_err(Failure::input)?;
         let scope = step.plugin.container_scope;
-        let existing = state::list(&config.runtime.state_dir)
-            .into_iter()
+        let records = state::list(&config.runtime.state_dir);
+        let mine = |r: &state::Record| {
+            state::owner_alive(r) && label(&r.labels, "uid") == step.uid.to_string()
+        };
+        let existing = records
+            .iter()
             .find(|r| {
-                state::owner_alive(r)
+                mine(r)
                     && label(&r.labels, "name") == name
-                    && label(&r.labels, "uid") == step.uid.to_string()
                     && (scope == Scope::Global
                         || label(&r.labels, "job") == step.job_id.to_string())
+            })
+            // Pyxis's `JOBID.STEPID`: the unnamed container of a running step of this job.
+            .or_else(|| {
+                let (job, stepid) = step_ids(&name)?;
+                (job == step.job_id).then_some(())?;
+                records.iter().find(|r| {
+                    mine(r)
+                        && !r.labels.contains_key("name")
+                        && label(&r.labels, "job") == job.to_string()
+                        && label(&r.labels, "step") == stepid.to_string()
+                })
             });
         match (existing, mode) {
             (Some(_), NameMode::Create) => {
@@ -96,9 +110,22 @@ fn create(config: &Config) -> Result<i32, Failure> {
                     pid: record.init_pid,
                     timings: Vec::new(),
                 };
+                let description = Description::new(&created, &spec);
+                // Asking for a namespace of its own cannot be granted by joining a container
+                // that shares the host's (Pyxis fails too).
+                let asked = slurm_step::unshare(&step.options, &[]).map_err(Failure::input)?;
+                for (wanted, ns) in [(asked.net, "net"), (asked.ipc, "ipc"), (asked.uts, "uts")] {
+                    if wanted && !description.namespaces.contains_key(ns) {
+                        return Err(Failure::input(format!(
+                            "--container-unshare={ns}: container '{name}' shares the host's {ns} \
+                             namespace (it was made without --container-unshare={ns}): give a \
+                             new --container-name or drop --container-unshare={ns}"
+                        )));
+                    }
+                }
                 let topo = StepTopology::discover(&step, config)?;
                 let binding = topo.binding(bind, config)?;
-                return print(&Description::new(&created, &spec), binding);
+                return print_answer(&description, binding, true);
             }
             (None, NameMode::Exec) => {
                 return Err(Failure::input(format!(
@@ -116,26 +143,29 @@ fn create(config: &Config) -> Result<i32, Failure> {
             },
         );
     }
-    if let Some(save) = &step.options.container_save {
-        if !save.starts_with('/') {
-            return Err(Failure::input(format!(
-                "--container-save={save}: use an absolute path"
-            )));
-        }
-        check_save_target(std::path::Path::new(save), step.uid, step.gid).map_err(|e| {
+    if let Some(save_text) = &step.options.container_save {
+        // A relative path is the step's working directory's, as in Pyxis.
+        let save = step
+            .host_path(save_text)
+            .map_err(|e| Failure::input(format!("--container-save={save_text}: {e}")))?;
+        check_save_target(&save, step.uid, step.gid).map_err(|e| {
             Failure::input(format!(
-                "--container-save={save}: uid {} cannot write it: {e}; give a path the job's user can write",
-                step.uid
+                "--container-save={save_text}: uid {} cannot write {}: {e}; give a path the job's user can write",
+                step.uid,
+                save.display()
             ))
         })?;
-        labels.insert("save".into(), save.clone());
+        labels.insert("save".into(), save.display().to_string());
         labels.insert("gid".into(), step.gid.to_string());
     }
     let image_text = step.options.container_image.as_deref().ok_or_else(|| {
         Failure::input("no --container-image given (and no existing --container-name to use)")
     })?;
     let user = spec::user::by_id(step.uid, step.gid);
-    let image = super::image::resolve(image_text, config, &user, None)?;
+    let image = super::image::resolve(image_text, config, &user, None).inspect_err(|_| {
+        // For the plugin's Pyxis-shaped messages (pyxis_messages=1); the error line follows.
+        eprintln!("{IMPORT_FAILED_MARKER}");
+    })?;
     let mut req = to_request(
         &step,
         user.clone(),
@@ -145,7 +175,10 @@ fn create(config: &Config) -> Result<i32, Failure> {
     )
     .map_err(Failure::input)?;
     crate::spec::env::EnvLimits::from_config(&config.store)
-        .check("the step's environment (the job's and the image's)", &req.env)
+        .check(
+            "the step's environment (the job's and the image's)",
+            &req.env,
+        )
         .map_err(Failure::input)?;
     // The job's scratch (made by the Prolog) appears at scratch.container_path.
     if let Ok(dir) = crate::stage::scratch::path(&config.scratch.root, &step.job_id.to_string())
@@ -181,6 +214,8 @@ fn create(config: &Config) -> Result<i32, Failure> {
         }
     }
     let mut spec = spec::build(&req).map_err(|e| Failure::input(e.to_string()))?;
+    slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)
+        .map_err(Failure::input)?;
     let topo = StepTopology::discover(&step, config)?;
     let binding = topo.binding(bind, config)?;
     // Kept until the container exists: its /etc/ld.so.cache is a bind of this file.
@@ -251,18 +286,49 @@ fn step_entrypoint(image: &[String], lowers: &[std::path::PathBuf]) -> Vec<Strin
     Vec::new()
 }
 
+/// The line `berth step create` prints on stderr before its error when the image could not be
+/// imported: the SPANK plugin then prints Pyxis's "failed to import docker image" line.
+pub const IMPORT_FAILED_MARKER: &str = "berth-step: image import failed";
+
+/// `JOBID.STEPID` (Pyxis's name for a running step's unnamed container).
+fn step_ids(name: &str) -> Option<(u64, u64)> {
+    let (job, step) = name.split_once('.')?;
+    let num = |s: &str| {
+        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse::<u64>().ok())
+            .flatten()
+    };
+    Some((num(job)?, num(step)?))
+}
+
 /// `berth step create`'s answer: the container, and with `--container-bind=closest` what each
-/// local task is pinned to (an optional field: a plugin that does not know it ignores it).
+/// local task is pinned to (optional fields: a plugin that does not know them ignores them).
 #[derive(serde::Serialize)]
 struct Answer<'a> {
     #[serde(flatten)]
     description: &'a Description,
     #[serde(skip_serializing_if = "Option::is_none")]
     bind: Option<TaskBinding>,
+    /// The step joined an existing container (named, or another step's by `JOBID.STEPID`): its
+    /// mounts are that container's, whatever `--container-mounts` says.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    attached: bool,
 }
 
 fn print(description: &Description, bind: Option<TaskBinding>) -> Result<i32, Failure> {
-    let answer = Answer { description, bind };
+    print_answer(description, bind, false)
+}
+
+fn print_answer(
+    description: &Description,
+    bind: Option<TaskBinding>,
+    attached: bool,
+) -> Result<i32, Failure> {
+    let answer = Answer {
+        description,
+        bind,
+        attached,
+    };
     let text = serde_json::to_string(&answer).map_err(|e| Failure::system(e.to_string()))?;
     outln!("{text}");
     Ok(0)
@@ -479,4 +545,16 @@ fn as_user(
     crate::stage::as_user(&spec::user::by_id(uid, gid), || {
         f().map_err(|e| e.to_string())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn step_ids_are_pyxis_job_dot_step() {
+        assert_eq!(super::step_ids("12.0"), Some((12, 0)));
+        assert_eq!(super::step_ids("12.x"), None);
+        assert_eq!(super::step_ids("dev"), None);
+        assert_eq!(super::step_ids("1.2.3"), None);
+        assert_eq!(super::step_ids(".1"), None);
+    }
 }

@@ -201,18 +201,27 @@ fn parse_enroot(text: &str) -> Result<RegistryRef, String> {
             (registry.to_string(), image)
         }
         None => {
-            let first = rest.split('/').next().unwrap_or_default();
-            if rest.contains('/') && looks_like_registry(first) {
-                return Err(format!(
-                    "'{first}' looks like a registry: write {first}#{} (Enroot syntax) or \
-                     docker://{rest}",
-                    &rest[first.len() + 1..]
-                ));
+            // Docker's `REGISTRY/IMAGE` (nvcr.io/nvidia/pytorch:TAG), which Pyxis accepts too:
+            // the first component is a registry when Docker would take it for one.
+            match rest.split_once('/') {
+                Some((first, image)) if looks_like_registry(first) => {
+                    check_registry(first)?;
+                    (first.to_string(), image)
+                }
+                _ => (DOCKER_HUB.to_string(), rest),
             }
-            (DOCKER_HUB.to_string(), rest)
         }
     };
     registry_ref(user, registry, image)
+}
+
+/// Docker Hub's names as users write them (`docker.io#ubuntu`, `docker.io/ubuntu`): the same
+/// registry as no registry at all, so `ubuntu` is `library/ubuntu` there too.
+fn canonical_registry(registry: String) -> String {
+    match registry.as_str() {
+        "docker.io" | "index.docker.io" | "registry.hub.docker.com" => DOCKER_HUB.to_string(),
+        _ => registry,
+    }
 }
 
 /// `[USER@][REGISTRY/]IMAGE[:TAG][@DIGEST]` after `docker://`.
@@ -264,6 +273,7 @@ fn registry_ref(
         check_tag(tag)?;
     }
     check_repository(name)?;
+    let registry = canonical_registry(registry);
     let mut repository = name.to_string();
     if registry == DOCKER_HUB && !repository.contains('/') {
         repository = format!("library/{repository}");
@@ -516,6 +526,37 @@ mod tests {
     }
 
     #[test]
+    fn pyxis_024_forms_name_the_same_images() {
+        let show = |t: &str| p(t).unwrap().to_string();
+        assert_eq!(
+            show("docker.io/ubuntu:24.04"),
+            "registry-1.docker.io#library/ubuntu:24.04"
+        );
+        assert_eq!(
+            show("docker.io#ubuntu:24.04"),
+            "registry-1.docker.io#library/ubuntu:24.04"
+        );
+        assert_eq!(
+            show("index.docker.io#nvidia/cuda"),
+            "registry-1.docker.io#nvidia/cuda:latest"
+        );
+        assert_eq!(
+            show("nvcr.io/nvidia/pytorch:24.01-py3"),
+            show("nvcr.io#nvidia/pytorch:24.01-py3")
+        );
+        assert_eq!(show("localhost:5000/a"), "localhost:5000#a:latest");
+        assert_eq!(
+            show("bob@127.0.0.1:5000/test/busybox:1"),
+            show("bob@127.0.0.1:5000#test/busybox:1")
+        );
+        // A first component that is no registry is a Docker Hub user, as before.
+        assert_eq!(
+            show("nvidia/cuda:12"),
+            "registry-1.docker.io#nvidia/cuda:12"
+        );
+    }
+
+    #[test]
     fn registry_forms() {
         let hub = DOCKER_HUB;
         let with_digest = format!("ubuntu@{D}");
@@ -731,8 +772,7 @@ mod tests {
             ),
             ("a-/b", "not a valid image name component"),
             ("a...b", "not a valid image name component"),
-            ("nvcr.io/nvidia/pytorch", "nvcr.io#nvidia/pytorch"),
-            ("localhost:5000/a", "looks like a registry"),
+            ("bad_host.io/a", "not a valid registry"),
             ("bad_host#a", "not a valid registry"),
             ("host:99x#a", "not a valid registry"),
             ("docker://", "no image"),

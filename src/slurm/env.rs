@@ -23,6 +23,19 @@ pub fn merge(
     out.into_pairs()
 }
 
+/// The locale variables of the submitting shell, which Pyxis leaves out of the container unless
+/// `--container-env` names them: the image rarely has that locale, and perl, python and others
+/// then warn "Setting locale failed" on every start.
+pub const LOCALE_VARS: [&str; 3] = ["LANG", "LANGUAGE", "LC_ALL"];
+
+/// The job's `KEY=VALUE` pairs the container gets: all but [`LOCALE_VARS`] not in `keep`.
+pub fn job_pairs(list: &[String], keep: &[String]) -> Vec<(String, String)> {
+    pairs(list)
+        .into_iter()
+        .filter(|(k, _)| !LOCALE_VARS.contains(&k.as_str()) || keep.iter().any(|n| n == k))
+        .collect()
+}
+
 /// Splits `KEY=VALUE` strings, dropping malformed ones.
 pub fn pairs(list: &[String]) -> Vec<(String, String)> {
     list.iter()
@@ -66,6 +79,28 @@ mod tests {
     fn a_named_variable_missing_from_the_job_comes_from_the_image() {
         let merged = merge(&[], &p(&["A=1"]), &["A".to_string()]);
         assert_eq!(merged, p(&["A=1"]));
+    }
+
+    #[test]
+    fn the_submitting_shells_locale_stays_out_unless_named() {
+        let job: Vec<String> = [
+            "LANG=de_DE.UTF-8",
+            "LC_ALL=de_DE.UTF-8",
+            "LANGUAGE=de",
+            "LC_TIME=C",
+            "A=1",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(job_pairs(&job, &[]), p(&["LC_TIME=C", "A=1"]));
+        assert_eq!(
+            job_pairs(&job, &["LANG".to_string()]),
+            p(&["LANG=de_DE.UTF-8", "LC_TIME=C", "A=1"])
+        );
+        // The image's own value stays.
+        let merged = merge(&job_pairs(&job, &[]), &p(&["LANG=C.UTF-8"]), &[]);
+        assert!(merged.contains(&("LANG".into(), "C.UTF-8".into())));
+        assert!(!merged.iter().any(|(k, _)| k == "LC_ALL"));
     }
 
     #[test]

@@ -1,7 +1,17 @@
 //! Pyxis's `--container-mounts=SRC[:DST[:FLAGS]][,…]` syntax: flags `+`-separated, `tmpfs` as a
 //! source for an empty tmpfs.
+//!
+//! FLAGS are those of Enroot's mount syntax (fstab options, which Pyxis hands to Enroot): every
+//! one Enroot accepts is accepted here. Those that change what the container sees are applied
+//! (`ro`, `noexec`, the atime flags, a tmpfs's `size=`, `mode=`, `huge=`, …); the others are
+//! accepted and change nothing because berth's mounts already behave so or, for `suid` and
+//! `dev`, must never behave otherwise: every bind mount is recursive, private, nosuid and nodev.
+//!
+//! A relative SRC (`./data`) is relative to the step's working directory, as in Pyxis; the path
+//! is kept as written under that directory (the kernel resolves it when the runtime opens it with
+//! the user's credentials, never root's).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// One entry of `--container-mounts`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -10,40 +20,113 @@ pub enum Mount {
         source: PathBuf,
         destination: PathBuf,
         readonly: bool,
+        /// Mount flags to apply on top of berth's (`noexec`, `noatime`, …), kernel names.
+        flags: Vec<String>,
     },
     Tmpfs {
         destination: PathBuf,
+        /// `ro`, `noexec`, atime flags and tmpfs options (`size=…`, `mode=…`, …), kernel names.
+        flags: Vec<String>,
     },
 }
 
 /// Flags accepted for compatibility that change nothing here: berth's bind mounts are always
-/// recursive, private, nosuid and nodev.
-const NEUTRAL_FLAGS: [&str; 8] = [
-    "rbind", "bind", "rprivate", "private", "rslave", "slave", "nosuid", "nodev",
+/// recursive, private, nosuid and nodev, and it creates every destination itself. `suid`, `dev`
+/// and `exec` are Enroot's defaults spelled out; `suid` and `dev` are never granted.
+const NEUTRAL_FLAGS: [&str; 25] = [
+    "rbind",
+    "bind",
+    "rprivate",
+    "private",
+    "rslave",
+    "slave",
+    "rshared",
+    "shared",
+    "runbindable",
+    "unbindable",
+    "nosuid",
+    "nodev",
+    "suid",
+    "dev",
+    "exec",
+    "defaults",
+    "auto",
+    "noauto",
+    "nofail",
+    "async",
+    "norelatime",
+    "nostrictatime",
+    "diratime",
+    "lazytime",
+    "nolazytime",
 ];
 
-/// Parses `--container-mounts`; an error names the entry and what is wrong with it.
-pub fn parse(text: &str) -> Result<Vec<Mount>, String> {
+/// Flags applied to the mount as the kernel names them.
+const APPLIED_FLAGS: [&str; 5] = ["noexec", "noatime", "relatime", "strictatime", "nodiratime"];
+
+/// Enroot's own `x-` options: berth creates destinations (files or directories, as the source
+/// is) and never moves or detaches a mount.
+const X_OPTIONS: [&str; 6] = [
+    "x-create=dir",
+    "x-create=file",
+    "x-create=auto",
+    "x-move",
+    "x-detach",
+    "x-create",
+];
+
+/// Parses `--container-mounts` for a step whose working directory is `cwd` (relative sources
+/// are joined to it; without one they are refused). An error names the entry and what is wrong.
+pub fn parse_in(text: &str, cwd: Option<&Path>) -> Result<Vec<Mount>, String> {
     text.split(',')
         .map(str::trim)
         .filter(|e| !e.is_empty())
         .map(|entry| {
-            parse_entry(entry)
+            parse_entry_in(entry, cwd)
                 .map_err(|why| format!("invalid --container-mounts entry '{entry}': {why}"))
         })
         .collect()
 }
 
-/// One `SRC[:DST[:FLAGS]]` entry; the error says what is wrong with it. The SPANK plugin
-/// shares this file, so that `srun` refuses a bad entry before the job is even queued.
+/// [`parse_in`] without a working directory: relative sources are refused.
+pub fn parse(text: &str) -> Result<Vec<Mount>, String> {
+    parse_in(text, None)
+}
+
+/// One `SRC[:DST[:FLAGS]]` entry, as written (a relative source stays relative): what the SPANK
+/// plugin checks before the job is queued. The error says what is wrong with it.
 pub fn parse_entry(entry: &str) -> Result<Mount, String> {
+    parse_entry_in(entry, Some(Path::new("")))
+}
+
+/// `SRC[:DST[:FLAGS]]` with a relative SRC joined to `cwd`.
+fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, String> {
     let parts: Vec<&str> = entry.split(':').collect();
     if parts.len() > 3 {
         return Err("expected SRC[:DST[:FLAGS]]".into());
     }
-    let source = parts[0];
-    let destination = parts.get(1).copied().unwrap_or(source);
+    let source_text = parts[0];
+    let tmpfs = source_text == "tmpfs";
+    let source: PathBuf = if tmpfs || source_text.starts_with('/') {
+        PathBuf::from(source_text)
+    } else if source_text.is_empty() {
+        return Err("the source must be a path or 'tmpfs'".into());
+    } else {
+        let Some(cwd) = cwd else {
+            return Err(
+                "a relative source needs the step's working directory, which is unknown: \
+                 give an absolute path"
+                    .into(),
+            );
+        };
+        relative_to(cwd, source_text)
+    };
+    let destination = match parts.get(1) {
+        Some(d) => PathBuf::from(d),
+        None => source.clone(),
+    };
     let mut readonly = false;
+    let mut flags = Vec::new();
     for flag in parts
         .get(2)
         .copied()
@@ -54,28 +137,118 @@ pub fn parse_entry(entry: &str) -> Result<Mount, String> {
         match flag {
             "ro" => readonly = true,
             "rw" => readonly = false,
-            f if NEUTRAL_FLAGS.contains(&f) => {}
-            f => return Err(format!("unknown flag '{f}' (use ro, rw, rprivate, ...)")),
+            f if NEUTRAL_FLAGS.contains(&f) || X_OPTIONS.contains(&f) => {}
+            f if APPLIED_FLAGS.contains(&f) => push_flag(&mut flags, f),
+            f if tmpfs_option(f).is_some() => {
+                if !tmpfs {
+                    return Err(format!("'{f}' is an option of tmpfs mounts only"));
+                }
+                tmpfs_option(f)
+                    .unwrap_or(Ok(()))
+                    .map_err(|why| format!("invalid tmpfs option '{f}': {why}"))?;
+                push_flag(&mut flags, f);
+            }
+            f => {
+                return Err(format!(
+                    "unknown flag '{f}' (use ro, rw, noexec, rprivate, unbindable, x-create=dir, \
+                     or for tmpfs size=, mode=, huge=, …)"
+                ));
+            }
         }
     }
-    if !destination.starts_with('/') {
+    // Relative destinations come only from a relative source checked without a directory.
+    let relative_ok = cwd.is_some_and(|c| c.as_os_str().is_empty()) && parts.get(1).is_none();
+    if !destination.is_absolute() && !relative_ok {
         return Err("the destination must be an absolute path".into());
     }
-    if destination.split('/').any(|c| c == "..") {
+    if destination
+        .components()
+        .any(|c| c == std::path::Component::ParentDir)
+    {
         return Err("the destination must not contain '..'".into());
     }
-    if source == "tmpfs" {
-        return Ok(Mount::Tmpfs {
-            destination: destination.into(),
-        });
-    }
-    if !source.starts_with('/') {
-        return Err("the source must be an absolute path or 'tmpfs'".into());
+    if tmpfs {
+        if readonly {
+            flags.insert(0, "ro".into());
+        }
+        return Ok(Mount::Tmpfs { destination, flags });
     }
     Ok(Mount::Bind {
-        source: source.into(),
-        destination: destination.into(),
+        source,
+        destination,
         readonly,
+        flags,
+    })
+}
+
+/// `cwd` joined with `rel`, `.` components dropped (`..` is kept for the kernel to resolve as
+/// the user: lexical removal could name another file than the one the user meant).
+fn relative_to(cwd: &Path, rel: &str) -> PathBuf {
+    let mut out = cwd.to_path_buf();
+    for c in rel.split('/').filter(|c| !c.is_empty() && *c != ".") {
+        out.push(c);
+    }
+    out
+}
+
+fn push_flag(flags: &mut Vec<String>, flag: &str) {
+    // A later option of the same key replaces the earlier (size=1g+size=2g: 2g), as mount does.
+    let key = flag.split('=').next().unwrap_or(flag);
+    flags.retain(|f| f.split('=').next() != Some(key));
+    flags.push(flag.to_string());
+}
+
+/// Whether `flag` is a tmpfs option (`Some`), and whether its value is valid.
+fn tmpfs_option(flag: &str) -> Option<Result<(), &'static str>> {
+    let (key, value) = match flag.split_once('=') {
+        Some((k, v)) => (k, Some(v)),
+        None => (flag, None),
+    };
+    let size = |v: Option<&str>| {
+        let v = v.unwrap_or("");
+        let digits = v.trim_end_matches([
+            'k', 'K', 'm', 'M', 'g', 'G', 't', 'T', 'p', 'P', 'e', 'E', '%',
+        ]);
+        let ok = !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit())
+            && v.len() - digits.len() <= 1;
+        if ok {
+            Ok(())
+        } else {
+            Err("expected a number with an optional k, m, g or % suffix")
+        }
+    };
+    Some(match key {
+        "size" | "nr_blocks" | "nr_inodes" => size(value),
+        "mode" => match value {
+            // Permission bits and the sticky bit; set-id bits on a directory grant nothing
+            // and are refused rather than silently dropped.
+            Some(v)
+                if !v.is_empty()
+                    && v.len() <= 5
+                    && u32::from_str_radix(v, 8).is_ok_and(|m| m & !0o1777 == 0) =>
+            {
+                Ok(())
+            }
+            _ => Err("expected octal permission bits, e.g. 1777 or 700"),
+        },
+        "uid" | "gid" => match value {
+            Some(v) if !v.is_empty() && v.len() <= 10 && v.bytes().all(|b| b.is_ascii_digit()) => {
+                Ok(())
+            }
+            _ => Err("expected a number"),
+        },
+        "huge" => match value {
+            Some("never" | "always" | "within_size" | "advise" | "deny" | "force") => Ok(()),
+            _ => Err("expected never, always, within_size, advise, deny or force"),
+        },
+        // A node list would need ':' and ',', which separate entries here: the policy only.
+        "mpol" => match value {
+            Some("default" | "prefer" | "bind" | "interleave" | "local") => Ok(()),
+            _ => Err("expected default, prefer, bind, interleave or local"),
+        },
+        "noswap" | "inode32" | "inode64" if value.is_none() => Ok(()),
+        _ => return None,
     })
 }
 
@@ -83,46 +256,117 @@ pub fn parse_entry(entry: &str) -> Result<Mount, String> {
 mod tests {
     use super::*;
 
+    fn bind(source: &str, destination: &str, readonly: bool) -> Mount {
+        Mount::Bind {
+            source: source.into(),
+            destination: destination.into(),
+            readonly,
+            flags: Vec::new(),
+        }
+    }
+
     #[test]
     fn pyxis_forms() {
         let m = parse("/data:/data:ro,/home/a,/scratch:/mnt/s:rw+rprivate, tmpfs:/tmp/x").unwrap();
         assert_eq!(
             m,
             vec![
-                Mount::Bind {
-                    source: "/data".into(),
-                    destination: "/data".into(),
-                    readonly: true
-                },
-                Mount::Bind {
-                    source: "/home/a".into(),
-                    destination: "/home/a".into(),
-                    readonly: false
-                },
-                Mount::Bind {
-                    source: "/scratch".into(),
-                    destination: "/mnt/s".into(),
-                    readonly: false
-                },
+                bind("/data", "/data", true),
+                bind("/home/a", "/home/a", false),
+                bind("/scratch", "/mnt/s", false),
                 Mount::Tmpfs {
-                    destination: "/tmp/x".into()
+                    destination: "/tmp/x".into(),
+                    flags: Vec::new(),
                 },
             ]
         );
     }
 
     #[test]
+    fn every_enroot_flag_is_accepted_and_the_effective_ones_applied() {
+        let m = parse(
+            "/d:/d:ro+rbind+unbindable+runbindable+rshared+x-create=dir+nosuid+suid+dev+exec,\
+             /e:/e:noexec+noatime+rprivate,\
+             tmpfs:/t:size=1g+huge=within_size+mode=700+nr_inodes=10k+noexec+uid=1000,\
+             tmpfs:/r:ro+size=50%+size=2g",
+        )
+        .unwrap();
+        assert_eq!(m[0], bind("/d", "/d", true));
+        assert_eq!(
+            m[1],
+            Mount::Bind {
+                source: "/e".into(),
+                destination: "/e".into(),
+                readonly: false,
+                flags: vec!["noexec".into(), "noatime".into()],
+            }
+        );
+        assert_eq!(
+            m[2],
+            Mount::Tmpfs {
+                destination: "/t".into(),
+                flags: [
+                    "size=1g",
+                    "huge=within_size",
+                    "mode=700",
+                    "nr_inodes=10k",
+                    "noexec",
+                    "uid=1000"
+                ]
+                .map(String::from)
+                .to_vec(),
+            }
+        );
+        assert_eq!(
+            m[3],
+            Mount::Tmpfs {
+                destination: "/r".into(),
+                flags: vec!["ro".into(), "size=2g".into()],
+            }
+        );
+    }
+
+    #[test]
+    fn relative_sources_are_the_steps_working_directorys() {
+        let cwd = Path::new("/home/a/run");
+        assert_eq!(
+            parse_in("./data:/data,out,../x:/x:ro", Some(cwd)).unwrap(),
+            vec![
+                bind("/home/a/run/data", "/data", false),
+                bind("/home/a/run/out", "/home/a/run/out", false),
+                bind("/home/a/run/../x", "/x", true),
+            ]
+        );
+        // The plugin's check, before the working directory is known.
+        assert!(parse_entry("./data:/data").is_ok());
+        assert!(parse_entry("data").is_ok());
+        assert!(parse_entry("data:rel").is_err());
+        // A destination taken from a relative source may not climb out.
+        let e = parse_in("../x", Some(cwd)).unwrap_err();
+        assert!(e.contains("'..'"), "{e}");
+        let e = parse("./data:/data").unwrap_err();
+        assert!(e.contains("working directory"), "{e}");
+    }
+
+    #[test]
     fn bad_entries_name_themselves() {
-        for bad in [
-            "rel:/x",
-            "/a:b",
-            "/a:/b:rx",
-            "/a:/../b",
-            "/a:/b:ro:x",
-            "tmpfs",
+        for (bad, why) in [
+            ("/a:b", "absolute"),
+            ("/a:/b:rx", "unknown flag 'rx'"),
+            ("/a:/../b", "'..'"),
+            ("/a:/b:ro:x", "SRC[:DST[:FLAGS]]"),
+            ("tmpfs", "absolute"),
+            ("/a:/b:size=1g", "tmpfs mounts only"),
+            ("tmpfs:/b:size=lots", "number"),
+            ("tmpfs:/b:mode=4777", "octal"),
+            ("tmpfs:/b:mode=abc", "octal"),
+            ("tmpfs:/b:huge=sometimes", "within_size"),
+            ("tmpfs:/b:uid=-1", "number"),
+            (":/b", "source"),
         ] {
             let err = parse(bad).unwrap_err();
             assert!(err.contains(bad), "{bad}: {err}");
+            assert!(err.contains(why), "{bad}: {err}");
         }
     }
 }

@@ -44,6 +44,36 @@ impl StepRequest {
         }
     }
 
+    /// The step's working directory on the host, against which relative `--container-mounts`
+    /// sources and `--container-save` paths are taken (Pyxis's rule): `PWD` of the job's
+    /// environment (slurmstepd's, the step's directory), else `SLURM_SUBMIT_DIR`.
+    pub fn cwd(&self) -> Option<PathBuf> {
+        let pairs = env::pairs(&self.job_env);
+        ["PWD", "SLURM_SUBMIT_DIR"].iter().find_map(|key| {
+            pairs
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| PathBuf::from(v))
+                .filter(|p| p.is_absolute())
+        })
+    }
+
+    /// `path` (`--container-save`) made absolute against [`StepRequest::cwd`].
+    pub fn host_path(&self, path: &str) -> Result<PathBuf, String> {
+        if path.starts_with('/') {
+            return Ok(PathBuf::from(path));
+        }
+        let cwd = self.cwd().ok_or_else(|| {
+            format!("'{path}' is relative and the step's working directory is unknown: give an absolute path")
+        })?;
+        let mut out = cwd;
+        for c in path.split('/').filter(|c| !c.is_empty() && *c != ".") {
+            out.push(c);
+        }
+        Ok(out)
+    }
+
     /// The step's GPUs and tasks on this node as topology plans them: the GPUs from the job's
     /// environment (SLURM_STEP_GPUS, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES), the task count
     /// from slurmstepd (the environment's per-node lists describe the job, not always the step).
@@ -184,6 +214,99 @@ pub fn parse_name(text: &str) -> Result<(String, NameMode), String> {
     Ok((name.to_string(), mode))
 }
 
+/// The namespaces a step's container has of its own besides the mount and cgroup ones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Unshare {
+    pub net: bool,
+    pub ipc: bool,
+    pub uts: bool,
+}
+
+/// `--container-unshare` on top of the site's default (`runtime.step_unshare`: ipc, uts). As in Pyxis, a
+/// step shares the host's network, IPC and UTS namespaces unless one of them names it.
+pub fn unshare(o: &Options, site_default: &[String]) -> Result<Unshare, String> {
+    let mut out = Unshare::default();
+    let given = o.container_unshare.as_deref().unwrap_or("");
+    let from_site = site_default.iter().map(|s| (s.as_str(), true));
+    let from_user = given.split(',').map(|s| (s.trim(), false));
+    for (what, site) in from_site.chain(from_user).filter(|(s, _)| !s.is_empty()) {
+        match what {
+            "net" if !site => out.net = true,
+            "ipc" => out.ipc = true,
+            "uts" => out.uts = true,
+            other if site => {
+                return Err(format!(
+                    "invalid runtime.step_unshare entry '{other}' in berth.toml: use ipc or uts"
+                ));
+            }
+            other => {
+                return Err(format!(
+                    "invalid --container-unshare '{other}': use net, ipc or uts"
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What the spec built from [`to_request`] still needs for a step: the host's IPC and UTS
+/// namespaces unless unshared (with the host's IPC, the container's own mqueue mount would show
+/// the host's queues from a namespace it may not mount in: it is left out), and the mount flags
+/// of `--container-mounts` beyond read-only (`noexec`, atime flags, tmpfs options).
+pub fn adjust_spec(
+    step: &StepRequest,
+    spec: &mut oci_spec::runtime::Spec,
+    site_unshare: &[String],
+) -> Result<(), String> {
+    use oci_spec::runtime::LinuxNamespaceType;
+    let u = unshare(&step.options, site_unshare)?;
+    if let Some(linux) = spec.linux_mut() {
+        if let Some(list) = linux.namespaces_mut() {
+            list.retain(|ns| match ns.typ() {
+                LinuxNamespaceType::Ipc => u.ipc,
+                LinuxNamespaceType::Uts => u.uts,
+                _ => true,
+            });
+        }
+    }
+    let cwd = step.cwd();
+    let user_mounts = mounts::parse_in(
+        step.options.container_mounts.as_deref().unwrap_or(""),
+        cwd.as_deref(),
+    )?;
+    let Some(list) = spec.mounts_mut() else {
+        return Ok(());
+    };
+    if !u.ipc {
+        list.retain(|m| m.destination() != std::path::Path::new("/dev/mqueue"));
+    }
+    for m in user_mounts {
+        let (destination, flags, tmpfs) = match m {
+            mounts::Mount::Bind {
+                destination, flags, ..
+            } => (destination, flags, false),
+            mounts::Mount::Tmpfs { destination, flags } => (destination, flags, true),
+        };
+        if flags.is_empty() {
+            continue;
+        }
+        // The last mount on this destination is this entry's (later entries win, as in order).
+        let Some(target) = list.iter_mut().rev().find(|s| {
+            s.destination() == &destination && (s.typ().as_deref() == Some("tmpfs")) == tmpfs
+        }) else {
+            continue;
+        };
+        let mut options = target.options().clone().unwrap_or_default();
+        for flag in flags {
+            let key = flag.split('=').next().unwrap_or(&flag).to_string();
+            options.retain(|o| o.split('=').next() != Some(key.as_str()));
+            options.push(flag);
+        }
+        target.set_options(Some(options));
+    }
+    Ok(())
+}
+
 /// Builds the container request for a step. `lowers`/`image` describe the resolved image;
 /// `home_mount` is the user's home when it is to be mounted (already checked to exist).
 pub fn to_request(
@@ -196,18 +319,20 @@ pub fn to_request(
     let o = &step.options;
     let mut binds = Vec::new();
     let mut tmpfs = Vec::new();
-    for m in mounts::parse(o.container_mounts.as_deref().unwrap_or(""))? {
+    let cwd = step.cwd();
+    for m in mounts::parse_in(o.container_mounts.as_deref().unwrap_or(""), cwd.as_deref())? {
         match m {
             mounts::Mount::Bind {
                 source,
                 destination,
                 readonly,
+                ..
             } => binds.push(BindMount {
                 source,
                 destination,
                 readonly,
             }),
-            mounts::Mount::Tmpfs { destination } => tmpfs.push(destination),
+            mounts::Mount::Tmpfs { destination, .. } => tmpfs.push(destination),
         }
     }
     for dir in pmix_dirs(step) {
@@ -217,6 +342,7 @@ pub fn to_request(
             readonly: false,
         });
     }
+    let remap_root = o.container_remap_root == Some(true);
     if o.container_mount_home == Some(true)
         && let Some(home) = &user.home
     {
@@ -225,32 +351,31 @@ pub fn to_request(
             destination: home.clone(),
             readonly: false,
         });
-    }
-    let mut net = Net::Host;
-    for what in o
-        .container_unshare
-        .as_deref()
-        .unwrap_or("")
-        .split(',')
-        .filter(|s| !s.is_empty())
-    {
-        match what.trim() {
-            "net" => net = Net::None,
-            // Every step container has its own IPC and UTS namespaces already.
-            "ipc" | "uts" => {}
-            other => {
-                return Err(format!(
-                    "invalid --container-unshare '{other}': use net, ipc or uts"
-                ));
-            }
+        // Enroot mounts the home at the remapped root's home, where root's dotfiles are
+        // looked for (`~/.cache/pip`, `~/.bashrc`).
+        if remap_root && home != std::path::Path::new("/root") {
+            binds.push(BindMount {
+                source: home.clone(),
+                destination: PathBuf::from("/root"),
+                readonly: false,
+            });
         }
     }
+    let net = if unshare(o, &[])?.net {
+        Net::None
+    } else {
+        Net::Host
+    };
     let workdir = match &o.container_workdir {
-        Some(w) if !w.starts_with('/') => {
-            return Err(format!(
-                "invalid --container-workdir '{w}': use an absolute path"
-            ));
-        }
+        // Pyxis hands a relative --container-workdir to the container as is; it is taken here
+        // relative to the container's default working directory (the image's, else /).
+        Some(w) if !w.starts_with('/') => Some(
+            image
+                .workdir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("/"))
+                .join(w),
+        ),
         Some(w) => Some(PathBuf::from(w)),
         None => image.workdir.clone(),
     };
@@ -263,7 +388,7 @@ pub fn to_request(
         .filter(|s| !s.is_empty())
         .map(String::from)
         .collect();
-    let env = env::merge(&env::pairs(&step.job_env), &image.env, &keep);
+    let env = env::merge(&env::job_pairs(&step.job_env, &keep), &image.env, &keep);
     let rootfs = lowers
         .first()
         .cloned()
@@ -285,7 +410,7 @@ pub fn to_request(
         terminal: false,
         host_files,
         term: None,
-        remap_root: o.container_remap_root == Some(true),
+        remap_root,
         // Filled by the caller, which knows the step's cgroups on this host.
         cgroup_view: Vec::new(),
     })
@@ -327,13 +452,35 @@ fn pmix_app_dir(step: &StepRequest) -> Option<PathBuf> {
     if let Ok(text) = std::fs::read_to_string(&conf)
         && let Some(tmpfs) = tmpfs_of(&text)
     {
-        let node = get("SLURMD_NODENAME");
-        roots.splice(0..0, expand_node(&tmpfs, node.as_deref()));
+        // slurmstepd puts its own node in SLURM_TOPOLOGY_ADDR (`switch.….node`) before the
+        // tasks get SLURMD_NODENAME. Without either, a host running several slurmd (each with
+        // its TmpFS/%n) holds one app dir per node for the same step: none is taken rather
+        // than another node's (its rank would use that node's PMIx session and fail).
+        let node = get("SLURMD_NODENAME").or_else(|| topology_node(&get));
+        let candidates: Vec<PathBuf> = expand_node(&tmpfs, node.as_deref())
+            .into_iter()
+            .filter(|r| r.join(&name).is_dir())
+            .collect();
+        if candidates.len() > 1 {
+            return None;
+        }
+        roots.splice(0..0, candidates);
     }
     roots
         .into_iter()
         .map(|r| r.join(&name))
         .find(|p| p.is_dir())
+}
+
+/// The node part of SLURM_TOPOLOGY_ADDR (the component SLURM_TOPOLOGY_ADDR_PATTERN calls
+/// `node`), when it is one path component.
+fn topology_node(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let addr = get("SLURM_TOPOLOGY_ADDR")?;
+    let pattern = get("SLURM_TOPOLOGY_ADDR_PATTERN").unwrap_or_else(|| "node".into());
+    let at = pattern.split('.').position(|p| p == "node")?;
+    let node = addr.split('.').nth(at)?;
+    (!node.is_empty() && node != "." && node != ".." && !node.contains('/') && !node.contains('\0'))
+        .then(|| node.to_string())
 }
 
 /// slurm.conf's `TmpFS`: where the PMIx plugin puts its per-step directories.
@@ -429,11 +576,136 @@ mod tests {
             .is_err()
         );
         let bad = step(
-            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-workdir":"rel"}}"#,
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-unshare":"pid"}}"#,
         );
         let err =
             to_request(&bad, user(), &["/img".into()], &Default::default(), vec![]).unwrap_err();
-        assert!(err.contains("rel"), "{err}");
+        assert!(err.contains("'pid'"), "{err}");
+    }
+
+    #[test]
+    fn relative_paths_follow_pyxis() {
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                "options":{"container-workdir":"sub/dir","container-mounts":"./data:/data,tmpfs:/t:size=1m"},
+                "job_env":["SLURM_SUBMIT_DIR=/submit","PWD=/home/alice/run"]}"#,
+        );
+        let image = ImageDefaults {
+            workdir: Some("/app".into()),
+            ..Default::default()
+        };
+        let req = to_request(&s, user(), &["/img".into()], &image, vec![]).unwrap();
+        assert_eq!(req.workdir, Some(PathBuf::from("/app/sub/dir")));
+        assert_eq!(req.mounts[0].source, PathBuf::from("/home/alice/run/data"));
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        assert_eq!(req.workdir, Some(PathBuf::from("/sub/dir")));
+        assert_eq!(
+            s.host_path("./out.sqsh").unwrap(),
+            PathBuf::from("/home/alice/run/out.sqsh")
+        );
+        let no_cwd = step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0}"#);
+        assert!(
+            no_cwd
+                .host_path("out.sqsh")
+                .unwrap_err()
+                .contains("absolute")
+        );
+        assert_eq!(
+            no_cwd.host_path("/o.sqsh").unwrap(),
+            PathBuf::from("/o.sqsh")
+        );
+    }
+
+    #[test]
+    fn mount_home_with_remap_root_is_also_roots_home() {
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                "options":{"container-mount-home":true,"container-remap-root":true}}"#,
+        );
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        let dsts: Vec<_> = req.mounts.iter().map(|m| m.destination.clone()).collect();
+        assert_eq!(dsts, [PathBuf::from("/home/alice"), PathBuf::from("/root")]);
+        assert!(
+            req.mounts
+                .iter()
+                .all(|m| m.source == PathBuf::from("/home/alice"))
+        );
+    }
+
+    #[test]
+    fn namespaces_are_the_hosts_unless_unshared_and_mount_flags_apply() {
+        use oci_spec::runtime::LinuxNamespaceType as T;
+        let kinds = |spec: &oci_spec::runtime::Spec| -> Vec<T> {
+            spec.linux()
+                .as_ref()
+                .unwrap()
+                .namespaces()
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(|n| n.typ())
+                .collect()
+        };
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                "options":{"container-mounts":"/data:/d:ro+noexec,tmpfs:/t:size=1m+huge=within_size+mode=700"}}"#,
+        );
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        let mut spec = crate::spec::build(&req).unwrap();
+        adjust_spec(&s, &mut spec, &[]).unwrap();
+        let k = kinds(&spec);
+        assert!(
+            !k.contains(&T::Ipc) && !k.contains(&T::Uts) && !k.contains(&T::Network),
+            "{k:?}"
+        );
+        let mounts = spec.mounts().as_ref().unwrap();
+        assert!(
+            !mounts
+                .iter()
+                .any(|m| m.destination() == std::path::Path::new("/dev/mqueue"))
+        );
+        let opts = |d: &str| {
+            mounts
+                .iter()
+                .rev()
+                .find(|m| m.destination() == std::path::Path::new(d))
+                .unwrap()
+                .options()
+                .clone()
+                .unwrap()
+        };
+        assert!(
+            opts("/d").contains(&"noexec".to_string()),
+            "{:?}",
+            opts("/d")
+        );
+        assert!(opts("/d").contains(&"ro".to_string()));
+        let t = opts("/t");
+        for o in ["nosuid", "nodev", "size=1m", "huge=within_size", "mode=700"] {
+            assert!(t.contains(&o.to_string()), "{t:?}");
+        }
+        assert!(!t.contains(&"mode=1777".to_string()), "{t:?}");
+        // The site's stricter default, and the user's own request.
+        let mut spec = crate::spec::build(&req).unwrap();
+        adjust_spec(&s, &mut spec, &["ipc".into(), "uts".into()]).unwrap();
+        let k = kinds(&spec);
+        assert!(k.contains(&T::Ipc) && k.contains(&T::Uts), "{k:?}");
+        let u = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-unshare":"uts,net"}}"#,
+        );
+        assert_eq!(
+            unshare(&u.options, &[]).unwrap(),
+            Unshare {
+                net: true,
+                ipc: false,
+                uts: true
+            }
+        );
+        assert!(
+            unshare(&u.options, &["pid".into()])
+                .unwrap_err()
+                .contains("step_unshare")
+        );
     }
 
     #[test]

@@ -1,0 +1,679 @@
+//! Root tier: what Pyxis users' job scripts rely on (issue 20), on a real one-host Slurm of this
+//! file's own (integration/slurm/start.sh with its own state directory and free ports, started
+//! once per test binary, stopped at exit) with `pyxis_messages=1`, and a loopback registry.
+//! Run by integration/test.sh as root:
+//! `cargo test --test root_pyxis -- --ignored --test-threads=1`.
+
+mod common;
+#[path = "../integration/registry/harness.rs"]
+mod harness;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use common::*;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Distinct from tests/root_slurm.rs's cluster (another hash input), per checkout.
+fn checkout_hash() -> u32 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&(env!("CARGO_MANIFEST_DIR"), "root_pyxis"), &mut h);
+    std::hash::Hasher::finish(&h) as u32
+}
+
+fn state_path() -> PathBuf {
+    PathBuf::from(format!("/tmp/berth-root-pyxis-{:08x}", checkout_hash()))
+}
+
+struct Cluster {
+    state: PathBuf,
+    conf: PathBuf,
+    /// A directory every user can use as the working directory of srun.
+    cwd: PathBuf,
+    /// `HOST:PORT` of a plain-HTTP registry holding `test/busybox:1`.
+    registry: String,
+    /// The berth configuration the cluster's nodes use.
+    berth_config: PathBuf,
+}
+
+static REGISTRY_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn start_registry(state: &Path) -> String {
+    use harness::{Compression, Entry, Registry, Uploader};
+    let registry = Registry::start(
+        &harness::Mode::Plain,
+        &state.join("registry/storage"),
+        &state.join("registry"),
+    );
+    let up = Uploader::new(&registry.host(), None);
+    let mut entries = harness::busybox_entries("amd64");
+    entries.push(Entry::File(
+        "etc/os-release".into(),
+        b"PRETTY_NAME=\"busybox from the pyxis test registry\"\n".to_vec(),
+        0o644,
+    ));
+    up.image(
+        "test/busybox",
+        Some("1"),
+        "amd64",
+        vec![harness::blob_of(
+            harness::tar_of(&entries),
+            Compression::Gzip,
+            false,
+        )],
+        false,
+    );
+    let host = registry.host();
+    REGISTRY_PID.store(
+        registry.pid().unwrap_or(0),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    std::mem::forget(registry);
+    host
+}
+
+/// Two consecutive free TCP ports on the loopback (slurmctld's and slurmd's).
+fn free_port_pair() -> u16 {
+    for _ in 0..50 {
+        let p = harness::free_port();
+        if p < 65000 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports found");
+}
+
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let berth = PathBuf::from(berth_bin());
+        let built = PathBuf::from(BERTH);
+        let profile_dir = built.parent().unwrap();
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "-p", "berth-spank"]);
+        if profile_dir.file_name().and_then(|n| n.to_str()) == Some("release") {
+            build.arg("--release");
+        }
+        let status = build
+            .current_dir(repo())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("running cargo");
+        assert!(status.success(), "building the SPANK plugin failed");
+        let plugin = profile_dir.join("libspank_berth.so");
+
+        let state = state_path();
+        let berth_config = PathBuf::from(format!("{}.toml", state.display()));
+        let registry_dir = PathBuf::from(format!("{}-registry", state.display()));
+        let _ = std::fs::remove_dir_all(&registry_dir);
+        let registry = start_registry(&registry_dir);
+        std::fs::write(
+            &berth_config,
+            format!(
+                "[cgroup]\nroot = \"{}-pyxis\"\n[runtime]\nstate_dir = \"{s}/berth/state\"\n\
+                 [store]\nroot = \"{s}/berth/store\"\n[squashfs]\nmount_dir = \"{s}/berth/images\"\n\
+                 [scratch]\nroot = \"{s}/berth/scratch\"\n\
+                 [registry]\ninsecure = [\"{registry}\"]\n",
+                cgroup_root(),
+                s = state.display(),
+            ),
+        )
+        .unwrap();
+        extern "C" fn stop_cluster() {
+            let pid = REGISTRY_PID.load(std::sync::atomic::Ordering::Relaxed);
+            if pid > 0 {
+                // SAFETY: killing the registry this process started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state_path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_cluster) };
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .arg("--plugin")
+            .arg(&plugin)
+            .arg("--berth")
+            .arg(&berth)
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .args(["--plugstack-arg", "pyxis_messages=1"])
+            .env("BERTH_SLURM_PORT", free_port_pair().to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        let cwd = state.join("cwd");
+        std::fs::create_dir_all(&cwd).unwrap();
+        std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        Cluster {
+            conf: state.join("etc/slurm.conf"),
+            state,
+            cwd,
+            registry,
+            berth_config,
+        }
+    })
+}
+
+/// A Slurm client command as root, from the cluster's shared working directory (PWD set as a
+/// shell sets it).
+fn slurm(cmd: &str, args: &[&str]) -> Command {
+    let c = cluster();
+    let mut command = Command::new(cmd);
+    command
+        .args(args)
+        .env("SLURM_CONF", &c.conf)
+        .env_remove("BERTH_CONTAINER_IMAGE")
+        .env_remove("PYXIS_CONTAINER_IMAGE")
+        .env("PWD", &c.cwd)
+        .current_dir(&c.cwd)
+        .stdin(Stdio::null());
+    command
+}
+
+/// The user of these tests: berthpyxis, with a home directory of its own.
+fn pyxis_user() -> (u32, u32, PathBuf) {
+    static USER: OnceLock<(u32, u32, PathBuf)> = OnceLock::new();
+    USER.get_or_init(|| {
+        let home = PathBuf::from("/var/tmp/berthpyxis-home");
+        if !Command::new("id")
+            .arg("berthpyxis")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success()
+        {
+            let out = Command::new("useradd")
+                .args(["-M", "-s", "/bin/sh", "-d"])
+                .arg(&home)
+                .arg("berthpyxis")
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "useradd: {}", stderr(&out));
+        }
+        let id = |flag: &str| -> u32 {
+            let out = Command::new("id")
+                .args([flag, "berthpyxis"])
+                .output()
+                .unwrap();
+            stdout(&out).trim().parse().unwrap()
+        };
+        let (uid, gid) = (id("-u"), id("-g"));
+        std::fs::create_dir_all(&home).unwrap();
+        std::os::unix::fs::chown(&home, Some(uid), Some(gid)).unwrap();
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).unwrap();
+        (uid, gid, home)
+    })
+    .clone()
+}
+
+/// A Slurm client command as berthpyxis, from `cwd` (runuser keeps SLURM_CONF and PWD).
+fn slurm_as_user_in(cwd: &Path, cmd: &str, args: &[&str]) -> Command {
+    let _ = pyxis_user();
+    let mut command = slurm("runuser", &["-u", "berthpyxis", "--", cmd]);
+    command.args(args).env("PWD", cwd).current_dir(cwd);
+    command
+}
+
+fn run(mut cmd: impl std::borrow::BorrowMut<Command>) -> Output {
+    cmd.borrow_mut().output().expect("running a Slurm client")
+}
+
+fn succeeded(o: Output) -> String {
+    assert!(
+        o.status.success(),
+        "Slurm command failed: {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+fn image() -> String {
+    format!("--container-image={}", rootfs().display())
+}
+
+/// The Debian minbase image with Open MPI (integration/slurm/mpi-image.sh, cached).
+fn debian_image() -> &'static str {
+    static IMAGE: OnceLock<String> = OnceLock::new();
+    IMAGE.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/mpi-image.sh"))
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/mpi-image.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/mpi-image.sh failed: {}",
+            stderr(&out)
+        );
+        stdout(&out).trim().to_string()
+    })
+}
+
+/// A directory of berthpyxis's under the cluster's state, with `files` in it.
+fn user_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let (uid, gid, _) = pyxis_user();
+    let dir = cluster().state.join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (path, text) in files {
+        let p = dir.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+    }
+    chown_tree(&dir, uid, gid);
+    dir
+}
+
+fn chown_tree(path: &Path, uid: u32, gid: u32) {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).unwrap();
+    if path.is_dir() && !path.is_symlink() {
+        for e in std::fs::read_dir(path).unwrap() {
+            chown_tree(&e.unwrap().path(), uid, gid);
+        }
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_submitting_shells_locale_stays_out_of_the_container_unless_named() {
+    // perl in a Debian image without that locale warns on every start when it gets it.
+    let img = format!("--container-image={}", debian_image());
+    let script = "echo \"L=${LANG-unset} A=${LC_ALL-unset} G=${LANGUAGE-unset}\"; perl -e 'print qq(perl ok\\n)'";
+    let locale = |mut c: Command| -> Output {
+        c.env("LANG", "de_DE.UTF-8")
+            .env("LC_ALL", "de_DE.UTF-8")
+            .env("LANGUAGE", "de_DE:de");
+        run(c)
+    };
+    let out = locale(slurm("srun", &[&img, "sh", "-c", script]));
+    let text = succeeded(out.clone());
+    assert!(text.contains("L=unset A=unset G=unset"), "{text}");
+    assert!(text.contains("perl ok"), "{text}");
+    assert!(
+        !stderr(&out).contains("Setting locale failed"),
+        "{}",
+        stderr(&out)
+    );
+    // Named, it passes (and perl warns, as it would under Pyxis).
+    let out = locale(slurm(
+        "srun",
+        &[&img, "--container-env=LANG", "sh", "-c", script],
+    ));
+    let text = succeeded(out);
+    assert!(text.contains("L=de_DE.UTF-8 A=unset G=unset"), "{text}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn pmix_mca_variables_are_derived_from_slurms() {
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            &image(),
+            "sh",
+            "-c",
+            "echo psec=${PMIX_MCA_psec-unset} gds=${PMIX_MCA_gds-unset} ptl=${PMIX_MCA_ptl-unset}",
+        ],
+    )
+    .env("PMIX_SECURITY_MODE", "native")
+    .env("PMIX_GDS_MODULE", "ds21,ds12,hash")));
+    assert!(
+        out.contains("psec=native gds=ds21,ds12,hash ptl=unset"),
+        "{out}"
+    );
+    // A value the user set is kept.
+    let out = succeeded(run(slurm(
+        "srun",
+        &[&image(), "sh", "-c", "echo psec=$PMIX_MCA_psec"],
+    )
+    .env("PMIX_SECURITY_MODE", "native")
+    .env("PMIX_MCA_psec", "none")));
+    assert!(out.contains("psec=none"), "{out}");
+    // Under Slurm's PMIx plugin: whatever its server sets, the MCA names carry it.
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            "--mpi=pmix",
+            &image(),
+            "sh",
+            "-c",
+            "echo \"mode=${PMIX_SECURITY_MODE-unset} psec=${PMIX_MCA_psec-unset} \
+             gdsmod=${PMIX_GDS_MODULE-unset} gds=${PMIX_MCA_gds-unset}\"",
+        ],
+    )));
+    let line = out.lines().find(|l| l.starts_with("mode=")).unwrap();
+    let field = |k: &str| {
+        line.split(' ')
+            .find_map(|f| f.strip_prefix(&format!("{k}=")))
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(field("psec"), field("mode"), "{line}");
+    assert_eq!(field("gds"), field("gdsmod"), "{line}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn docker_style_references_pull_from_the_registry_they_name() {
+    let c = cluster();
+    for reference in [
+        format!("{}/test/busybox:1", c.registry),
+        format!("{}#test/busybox:1", c.registry),
+    ] {
+        let out = succeeded(run(slurm(
+            "srun",
+            &[
+                &format!("--container-image={reference}"),
+                "busybox",
+                "cat",
+                "/etc/os-release",
+            ],
+        )));
+        assert!(
+            out.contains("busybox from the pyxis test registry"),
+            "{reference}: {out}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_failed_import_prints_pyxis_lines_and_berths_one_line() {
+    let c = cluster();
+    let reference = format!("{}#test/nonexistent:1", c.registry);
+    let out = run(slurm(
+        "srun",
+        &[&format!("--container-image={reference}"), "true"],
+    ));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("pyxis: importing docker image: {reference}")),
+        "{err}"
+    );
+    assert!(
+        err.contains("pyxis: failed to import docker image"),
+        "{err}"
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains("berth: ") && l.contains("test/nonexistent")),
+        "{err}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn every_enroot_mount_flag_is_accepted_and_tmpfs_options_apply() {
+    let dir = user_dir("flags", &[("f", "data\n")]);
+    let mounts = format!(
+        "--container-mounts={d}:/d:ro+rbind+rprivate+unbindable+runbindable+x-create=dir+nosuid+suid+dev,\
+         {d}:/e:noexec+noatime+rslave,\
+         tmpfs:/t:size=1m+huge=within_size+mode=700+noexec",
+        d = dir.display()
+    );
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            &image(),
+            &mounts,
+            "sh",
+            "-c",
+            "cat /d/f; touch /d/x 2>/dev/null && echo d-writable; grep ' /t ' /proc/mounts; \
+             grep ' /e ' /proc/mounts; grep ' /d ' /proc/mounts; \
+             dd if=/dev/zero of=/t/big bs=1k count=2048 2>/dev/null && echo t-unbounded || echo t-full",
+        ],
+    )));
+    assert!(out.contains("data"), "{out}");
+    assert!(!out.contains("d-writable"), "{out}");
+    let t = out.lines().find(|l| l.contains(" /t ")).unwrap();
+    for opt in [
+        "size=1024k",
+        "huge=within_size",
+        "mode=700",
+        "noexec",
+        "nosuid",
+        "nodev",
+    ] {
+        assert!(t.contains(opt), "{opt} missing: {t}");
+    }
+    assert!(out.contains("t-full"), "{out}");
+    let e = out.lines().find(|l| l.contains(" /e ")).unwrap();
+    assert!(e.contains("noexec") && e.contains("noatime"), "{e}");
+    // suid and dev are never granted.
+    let d = out.lines().find(|l| l.contains(" /d ")).unwrap();
+    assert!(d.contains("nosuid") && d.contains("nodev"), "{d}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn relative_mounts_saves_and_workdirs_follow_pyxis() {
+    let (uid, _, _) = pyxis_user();
+    let dir = user_dir("relative", &[("data/f", "relative data\n")]);
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &image(),
+            "--container-mounts=./data:/data,data:/data2:ro",
+            "--container-save=./out.sqsh",
+            "--container-workdir=etc",
+            "sh",
+            "-c",
+            "cat /data/f /data2/f; pwd; touch /data/made",
+        ],
+    )));
+    assert_eq!(out.matches("relative data").count(), 2, "{out}");
+    assert!(out.lines().any(|l| l == "/etc"), "{out}");
+    let made = std::fs::metadata(dir.join("data/made")).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&made), uid);
+    let saved = std::fs::metadata(dir.join("out.sqsh")).expect("the relative save path");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&saved), uid);
+    // The user's credentials still decide: a relative source the user cannot read is refused.
+    let secret = dir.join("secret");
+    std::fs::create_dir(&secret).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let out = run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[&image(), "--container-mounts=./secret:/s", "true"],
+    ));
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(stderr(&out).contains("cannot read"), "{}", stderr(&out));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mount_home_with_remap_root_is_also_at_root() {
+    let (_, _, home) = pyxis_user();
+    std::fs::write(home.join(".marker"), "home marker\n").unwrap();
+    let (uid, gid, _) = pyxis_user();
+    std::os::unix::fs::chown(home.join(".marker"), Some(uid), Some(gid)).unwrap();
+    let out = succeeded(run(slurm_as_user_in(
+        &cluster().cwd,
+        "srun",
+        &[
+            &image(),
+            "--container-mount-home",
+            "--container-remap-root",
+            "sh",
+            "-c",
+            &format!("id -u; cat /root/.marker {}/.marker", home.display()),
+        ],
+    )));
+    assert_eq!(out.lines().next(), Some("0"), "{out}");
+    assert_eq!(out.matches("home marker").count(), 2, "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn steps_share_the_hosts_ipc_and_uts_namespaces_unless_unshared() {
+    let host = |ns: &str| std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+    let (ipc, uts) = (host("ipc"), host("uts"));
+    let script = "readlink /proc/self/ns/ipc /proc/self/ns/uts /proc/self/ns/net";
+    let out = succeeded(run(slurm("srun", &[&image(), "sh", "-c", script])));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], ipc.to_str().unwrap(), "{out}");
+    assert_eq!(lines[1], uts.to_str().unwrap(), "{out}");
+    let out = succeeded(run(slurm(
+        "srun",
+        &[&image(), "--container-unshare=ipc,uts", "sh", "-c", script],
+    )));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_ne!(lines[0], ipc.to_str().unwrap(), "{out}");
+    assert_ne!(lines[1], uts.to_str().unwrap(), "{out}");
+    // System V IPC of the host reaches the step's tasks by default (MPI's shared memory
+    // transports between containers and the host, as under Pyxis).
+    let out = succeeded(run(slurm(
+        "srun",
+        &[
+            &image(),
+            "sh",
+            "-c",
+            "hostname; ls /dev/mqueue 2>&1 | head -1",
+        ],
+    )));
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert_eq!(out.lines().next(), Some(hostname.trim()), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_sites_default_gives_every_step_its_own_ipc_and_uts() {
+    let c = cluster();
+    let strict = c.state.join("strict.toml");
+    let base = std::fs::read_to_string(&c.berth_config).unwrap();
+    std::fs::write(
+        &strict,
+        base.replace(
+            "[runtime]\n",
+            "[runtime]\nstep_unshare = [\"ipc\", \"uts\"]\n",
+        ),
+    )
+    .unwrap();
+    // `berth step create` as slurmstepd runs it, with a request as the plugin writes it.
+    let request = serde_json::json!({
+        "job_id": 990001, "step_id": 0, "uid": 0, "gid": 0, "local_task_count": 1,
+        "options": {"container-image": rootfs().display().to_string(), "container-bind": "none"},
+        "plugin": {"container_scope": "job", "execute_entrypoint": false, "sbatch_support": true},
+        "job_env": ["PATH=/usr/bin:/bin"],
+    });
+    let create = |config: &Path| {
+        let mut child = Command::new(berth_bin())
+            .arg("--config")
+            .arg(config)
+            .args(["step", "create"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(request.to_string().as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let destroy = Command::new(berth_bin())
+            .arg("--config")
+            .arg(config)
+            .args(["step", "destroy", "--job-id", "990001", "--step-id", "0"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(destroy.status.success(), "{}", stderr(&destroy));
+        let answer: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+        answer["namespaces"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let strict_ns = create(&strict);
+    assert!(
+        strict_ns.contains(&"ipc".to_string()) && strict_ns.contains(&"uts".to_string()),
+        "{strict_ns:?}"
+    );
+    let default_ns = create(&c.berth_config);
+    assert!(
+        !default_ns.contains(&"ipc".to_string()) && !default_ns.contains(&"uts".to_string()),
+        "{default_ns:?}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_running_steps_container_is_joined_by_job_and_step_ids() {
+    let (uid, gid, _) = pyxis_user();
+    let dir = user_dir("attach", &[]);
+    let out_file = dir.join("job.out");
+    let ready = dir.join("ready");
+    let script = format!(
+        "#!/bin/sh\n\
+         srun -n1 --overlap {img} sh -c 'echo first-step > /tmp/marker; touch {ready}; \
+           while [ ! -e {dir}/done ]; do sleep 0.2; done' &\n\
+         while [ ! -e {ready} ]; do sleep 0.2; done\n\
+         srun -n1 --overlap --container-name=$SLURM_JOB_ID.0 --container-mounts={dir}:/m cat /tmp/marker\n\
+         echo join=$?\n\
+         srun -n1 --overlap --container-name=$SLURM_JOB_ID.0 --container-unshare=net true\n\
+         echo unshare=$?\n\
+         srun -n1 --overlap --container-name=$SLURM_JOB_ID.7 true\n\
+         echo missing=$?\n\
+         touch {dir}/done\n\
+         wait\n",
+        img = image(),
+        ready = ready.display(),
+        dir = dir.display(),
+    );
+    let script_path = dir.join("job.sh");
+    std::fs::write(&script_path, script).unwrap();
+    std::os::unix::fs::chown(&script_path, Some(uid), Some(gid)).unwrap();
+    let out = run(slurm_as_user_in(
+        &dir,
+        "sbatch",
+        &[
+            "--wait",
+            "-n1",
+            "-o",
+            &out_file.display().to_string(),
+            &script_path.display().to_string(),
+        ],
+    ));
+    let log = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert!(out.status.success(), "{}\n{log}", stderr(&out));
+    assert!(log.contains("first-step\njoin=0"), "{log}");
+    assert!(
+        log.contains("ignoring --container-mounts"),
+        "no warning: {log}"
+    );
+    assert!(log.contains("unshare=1"), "{log}");
+    assert!(log.contains("--container-unshare=net"), "{log}");
+    assert!(!log.contains("missing=0"), "{log}");
+}
