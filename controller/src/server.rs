@@ -161,6 +161,8 @@ impl App {
     }
 
     /// Commits a command; a follower's or deposed leader's answer is 421.
+    // The error is the HTTP answer itself, built once and returned as is.
+    #[allow(clippy::result_large_err)]
     async fn write(&self, cmd: Command) -> Result<crate::state::Reply, Response> {
         match self.raft.client_write(cmd).await {
             Ok(r) => Ok(r.data),
@@ -175,6 +177,7 @@ impl App {
     }
 }
 
+#[allow(clippy::result_large_err)]
 fn json_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
     serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }
