@@ -1638,3 +1638,160 @@ fn an_unfit_node_is_drained_with_the_health_checks_reason() {
         }
     }
 }
+
+/// A second cluster with two slurmd on this host (start.sh --nodes 2), for multi-node steps;
+/// started on first use, stopped at exit. Shares the first cluster's berth configuration.
+struct TwoNodes {
+    conf: PathBuf,
+}
+
+fn two_nodes() -> &'static TwoNodes {
+    static TWO: OnceLock<TwoNodes> = OnceLock::new();
+    TWO.get_or_init(|| {
+        // The first cluster builds the plugin and writes berth's configuration.
+        let _ = cluster();
+        let hash = checkout_hash();
+        let state = PathBuf::from(format!("/tmp/berth-root-slurm2-{hash:08x}"));
+        let port = 20000 + (hash % 500) * 4;
+        extern "C" fn stop_two() {
+            let state = format!("/tmp/berth-root-slurm2-{:08x}", checkout_hash());
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_two) };
+        let berth = PathBuf::from(BERTH);
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .args(["--nodes", "2"])
+            .arg("--plugin")
+            .arg(berth.parent().unwrap().join("libspank_berth.so"))
+            .arg("--berth")
+            .arg(&berth)
+            .env("BERTH_SLURM_PORT", port.to_string())
+            .output()
+            .expect("running integration/slurm/start.sh --nodes 2");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh --nodes 2 failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        TwoNodes {
+            conf: state.join("etc/slurm.conf"),
+        }
+    })
+}
+
+/// A Slurm client of the two-node cluster, as root or the test user, bounded by `timeout` so
+/// that a hung step fails the test instead of blocking the tier.
+fn two_node_client(as_user: bool, cmd: &str, args: &[&str]) -> Command {
+    let t = two_nodes();
+    let mut command = Command::new("timeout");
+    command.args(["-k", "5", "120"]);
+    if as_user {
+        let _ = test_user();
+        command.args(["runuser", "-u", "berthtest", "--"]);
+    }
+    command
+        .arg(cmd)
+        .args(args)
+        .env("SLURM_CONF", &t.conf)
+        .env_remove("BERTH_CONTAINER_IMAGE")
+        .env_remove("PYXIS_CONTAINER_IMAGE")
+        .current_dir(&cluster().cwd)
+        .stdin(std::process::Stdio::null());
+    command
+}
+
+/// The two nodes' states once their Epilogs are done (30 s at most).
+fn two_node_states() -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = run(two_node_client(
+            false,
+            "sinfo",
+            &["-h", "-N", "-o", "%N %T %E"],
+        ));
+        let states = stdout(&out);
+        if !states.contains("completing") || Instant::now() > deadline {
+            return states;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `srun -N2 --container-name=…`: each node's Epilog removes the job's containers; one that
+/// another node's Epilog removed first (the two slurmd share berth's state directory here) is
+/// done, not a failure that drains the node.
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_named_container_on_two_nodes_drains_neither() {
+    let out = run(two_node_client(
+        false,
+        "srun",
+        &[
+            "-N2",
+            "--container-name=twonode",
+            &format!("--container-image={}", image()),
+            "sh",
+            "-c",
+            "echo \"made on $SLURMD_NODENAME\"",
+        ],
+    ));
+    eprintln!("srun: {}\n{}", stdout(&out), stderr(&out));
+    let states = two_node_states();
+    assert!(
+        !states.contains("drain"),
+        "a node was drained after the job:\n{states}"
+    );
+    assert_eq!(states.lines().count(), 2, "{states}");
+}
+
+/// `srun --mpi=pmix -N2` of the MPI program, one rank per node, as root or as the test user.
+fn mpi_allreduce_on_two_nodes(as_user: bool) {
+    let image = format!("--container-image={}", mpi_image());
+    let out = run(two_node_client(
+        as_user,
+        "srun",
+        &[
+            "--mpi=pmix",
+            "-N2",
+            "-n2",
+            image.as_str(),
+            "/usr/local/bin/allreduce",
+        ],
+    ));
+    let text = format!("{}\n{}", stdout(&out), stderr(&out));
+    assert!(
+        out.status.success(),
+        "srun failed ({:?}):\n{text}",
+        out.status
+    );
+    for rank in 0..2 {
+        assert!(
+            text.contains(&format!("rank {rank} of 2: sum 3")),
+            "rank {rank}: {text}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mpi_ranks_on_two_nodes_reach_each_other_as_root() {
+    mpi_allreduce_on_two_nodes(false);
+}
+
+/// Each node's rank gets its own node's PMIx app directory (TmpFS/%n), not the other's.
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mpi_ranks_on_two_nodes_reach_each_other_as_a_user() {
+    mpi_allreduce_on_two_nodes(true);
+}

@@ -128,6 +128,9 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
         if of_job
             && !global
             && let Err(e) = runtime::remove(&opts, &record.id)
+            // Gone meanwhile (another Epilog sharing the state directory, as the slurmd of a
+            // multiple-slurmd host do, removed it first): done, not a failure.
+            && state::load(&opts.state_dir, &record.id).is_some()
         {
             failures.push(runtime_failure(e).message);
         }
