@@ -134,8 +134,9 @@ impl Default for Limits {
     }
 }
 
-/// Free space is checked after this many bytes written (and every [`RESERVE_CHECK_ENTRIES`]
-/// entries): a statvfs costs about a microsecond.
+/// Free space is checked after this many bytes written (a quarter of the reserve when that is
+/// less, so a small reserve still holds) and every [`RESERVE_CHECK_ENTRIES`] entries: a statvfs
+/// costs about a microsecond.
 const RESERVE_CHECK_BYTES: u64 = 8 << 20;
 const RESERVE_CHECK_ENTRIES: u64 = 1024;
 
@@ -873,9 +874,8 @@ impl Extractor {
         if written == 0 {
             self.unchecked_entries += 1;
         }
-        if self.unchecked_bytes < RESERVE_CHECK_BYTES
-            && self.unchecked_entries < RESERVE_CHECK_ENTRIES
-        {
+        let every = RESERVE_CHECK_BYTES.min((self.reserve / 4).max(64 << 10));
+        if self.unchecked_bytes < every && self.unchecked_entries < RESERVE_CHECK_ENTRIES {
             return Ok(());
         }
         self.unchecked_bytes = 0;
