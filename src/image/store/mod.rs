@@ -939,14 +939,32 @@ pub(crate) fn publish_dir(
             size.to_string().as_bytes(),
         )
         .map_err(|e| io("writing the size of", e))?;
-        fs::write_atomic(ws, &dest.with_extension("files"), &rec.encode())
-            .map_err(|e| io("writing the record of", e))?;
+        let write_record = || {
+            fs::write_atomic(ws, &dest.with_extension("files"), &rec.encode())
+                .map_err(|e| io("writing the record of", e))
+        };
+        // A layer in place that an older berth extracted (no record, not marked damaged) may
+        // be in use by running containers: when it holds what this extraction wrote, it only
+        // gets the record, and stays.
+        if dest.is_dir()
+            && !dest.with_extension("damaged").exists()
+            && record::walk(dest, &|_| None).is_ok_and(|found| found == rec.files)
+        {
+            write_record()?;
+            let _ = std::fs::remove_dir_all(staging);
+            return Ok(());
+        }
         fs::syncfs(staging).map_err(|e| io("flushing", e))?;
         if dest.exists() {
+            // The record after the exchange: a crash between them leaves the layer marked
+            // damaged or unrecorded, so it is extracted again.
             fs::exchange(staging, dest).map_err(|e| io("replacing", e))?;
+            write_record()?;
             // `staging` now holds the old layer.
             let _ = std::fs::remove_dir_all(staging);
         } else {
+            // The record first: a layer directory is never visible without it.
+            write_record()?;
             std::fs::rename(staging, dest).map_err(|e| io("publishing", e))?;
         }
         match std::fs::remove_file(dest.with_extension("damaged")) {

@@ -679,3 +679,25 @@ fn a_hardlink_to_a_lower_layer_is_copied_up_above_the_layer() {
     );
     assert!(!e.contains('\n'));
 }
+
+#[test]
+fn a_layer_from_an_older_berth_gets_its_record_in_place_when_its_content_matches() {
+    use std::os::unix::fs::MetadataExt;
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    let base = layer(&[("etc/base", b"base")]);
+    let r1 = layout_of(t.path(), "one", vec![base.clone()]);
+    let image = s.import(&r1, &quiet).unwrap();
+    let Rootfs::Layers(dirs) = &image.rootfs else {
+        panic!()
+    };
+    // As an older berth left it: no record.
+    std::fs::remove_file(dirs[0].with_extension("files")).unwrap();
+    let ino = std::fs::metadata(&dirs[0]).unwrap().ino();
+    let r2 = layout_of(t.path(), "two", vec![base, layer(&[("app", b"app")])]);
+    s.import(&r2, &quiet).unwrap();
+    // Recorded, and the same directory (running containers keep theirs).
+    assert!(dirs[0].with_extension("files").is_file());
+    assert_eq!(std::fs::metadata(&dirs[0]).unwrap().ino(), ino);
+    assert!(!s.verify(s.list()).unwrap().damaged());
+}
