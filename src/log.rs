@@ -122,8 +122,10 @@ pub fn init(cli: &Cli) {
         });
     }
     let stderr = to_stderr.then(|| {
+        // Colours only on a terminal: slurmd's log and a captured stderr get plain text.
         let layer = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_target(false);
         // The Slurm paths' stderr ends up in slurmd's log, read long after: give it the time.
         if slurm.is_some() {
