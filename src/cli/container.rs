@@ -198,6 +198,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
             }
         }
     }
+    crate::image::mount::release_unused(config);
     Ok(code)
 }
 

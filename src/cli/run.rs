@@ -258,6 +258,12 @@ pub fn request(
     }
     let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
     let image = match (&args.rootfs, &args.image) {
+        (Some(_), _) if args.arch.is_some() => {
+            return Err(Failure::input(
+                "--arch applies to --image (the platform to pick from an image); a --rootfs \
+                 directory is run as it is: drop --arch",
+            ));
+        }
         (Some(dir), _) => {
             runtime::check_rootfs(dir).map_err(|e| {
                 let text = dir.to_string_lossy();
@@ -527,11 +533,18 @@ pub fn runtime_failure(e: RuntimeError) -> Failure {
 }
 
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
+    // Checked before the image is resolved: a bad value costs nothing.
+    let timeout = parse_timeout(&args.timeout)?;
     let prepared = request(&args.container, &args.command, config, false)?;
-    let req = &prepared.request;
-    let (spec, _ld_cache) = prepared.spec(config)?;
-    let opts = options(config, parse_timeout(&args.timeout)?);
-    let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(runtime_failure)?;
+    let memory = prepared.request.limits.memory;
+    let (spec, ld_cache) = prepared.spec(config)?;
+    let opts = options(config, timeout);
+    let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(runtime_failure);
+    // The image's lease ends with the container: a squashfs no other container uses goes now.
+    drop(ld_cache);
+    drop(prepared);
+    crate::image::mount::release_unused(config);
+    let outcome = outcome?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
         eprintln!("berth: {}", summary_line(&outcome));
@@ -539,10 +552,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     match outcome.exit {
         Exit::OutOfMemory => eprintln!(
             "berth: the command ran out of memory: the kernel's OOM killer ended it at the {} limit (--memory)",
-            req.limits
-                .memory
-                .map(human_size)
-                .unwrap_or_else(|| "memory".into())
+            memory.map(human_size).unwrap_or_else(|| "memory".into())
         ),
         Exit::TimedOut => eprintln!(
             "berth: timed out after {} s: the container was killed (--timeout)",

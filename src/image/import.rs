@@ -217,9 +217,19 @@ fn import_unchecked(
             let options = PullOptions {
                 arch: who.arch.clone(),
                 progress: ProgressMode::Auto,
-                env_limits: crate::spec::env::EnvLimits::from_config(&config.store),
             };
             let resolved = client.resolve(r, &options)?;
+            // The config's Env is bounded before any layer is fetched.
+            if let Some(env) = resolved
+                .config
+                .config()
+                .as_ref()
+                .and_then(|c| c.env().as_ref())
+            {
+                crate::spec::env::EnvLimits::from_config(&config.store)
+                    .check(&format!("image {r}: its config"), env)
+                    .map_err(ImageError::Format)?;
+            }
             let digest = resolved.manifest_digest.clone();
             store.check_layers(&r.to_string(), resolved.layer_count())?;
             store.import_with(&digest, reference, progress, |s| {

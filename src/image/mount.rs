@@ -509,6 +509,26 @@ fn detach_orphan_directories(root: &Path) {
     }
 }
 
+/// Unmounts the squashfs/SIF images no container uses any more, at the end of a container (a
+/// run, a step's destroy, `berth rm`, the Epilog): an image file rewritten at the same path
+/// leaves its old version's mount and loop device behind otherwise, one per version, until a
+/// manual `berth gc`. Best effort: what fails is logged, the caller's outcome stands.
+pub fn release_unused(config: &crate::config::Config) {
+    let store = match crate::image::store::Store::open(&config.store) {
+        Ok(store) => store,
+        // No store: nothing can have been mounted from it.
+        Err(_) => return,
+    };
+    match unmount_unused(&config.squashfs.mount_dir, |digest| store.in_use(digest)) {
+        Ok(digests) => {
+            for d in digests {
+                tracing::info!("unmounted image {d}: no container uses it");
+            }
+        }
+        Err(e) => tracing::warn!("unmounting unused images: {e}"),
+    }
+}
+
 /// Unmounts every image under `mount_root` for which `in_use(digest)` is false (`digest` as
 /// `sha256:<hex>`), and removes its directory; returns the digests unmounted. An image still
 /// busy on the host (a shell inside it) is left mounted and logged.
@@ -566,6 +586,11 @@ pub fn unmount_unused(
             continue;
         }
         let _lock = lock(&root, &lock_name)?;
+        // Again under the lock: a container may have taken the image between the first look
+        // and the lock (it takes its lease before it mounts, under this lock).
+        if in_use(&digest) {
+            continue;
+        }
         let target = dir.join(&hex);
         let mut was_mounted = false;
         while let Some(m) = mounted_at(&target)? {

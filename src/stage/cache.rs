@@ -692,12 +692,13 @@ fn link_into(
     let dest_path = base.join(rel);
     // The destination is the user's: opened (its missing directories made) as the user, then
     // worked on beneath that fd only.
-    let Dest { fd: root, existed } = crate::privfs::as_user(user, || open_dest(base, rel))
-        .map_err(|e| StageError::Dest {
-            op: "open",
-            path: dest_path.clone(),
-            source: e,
-        })??;
+    let Dest {
+        fd: root, existed, ..
+    } = crate::privfs::as_user(user, || open_dest(base, rel)).map_err(|e| StageError::Dest {
+        op: "open",
+        path: dest_path.clone(),
+        source: e,
+    })??;
     let dest_err = |op, rel: &Path| {
         let path = dest_path.join(rel);
         move |source| StageError::Dest { op, path, source }

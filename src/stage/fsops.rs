@@ -106,6 +106,26 @@ pub fn unlink_beneath(root: &OwnedFd, rel: &Path) -> io::Result<()> {
     }
 }
 
+/// Removes the directory `rel` beneath `root` if it is empty; `Ok(false)` when it is not
+/// there, not empty or not a directory. The parent is opened without following a symlink and
+/// the name removed from it (unlinkat with AT_REMOVEDIR never follows a final symlink either).
+pub fn rmdir_beneath(root: &OwnedFd, rel: &Path) -> io::Result<bool> {
+    let (dir, name) = parent_beneath(root, rel)?;
+    // SAFETY: `dir` is an open directory and `name` a valid C string.
+    match check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) }) {
+        Ok(()) => Ok(true),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 pub fn symlink_beneath(root: &OwnedFd, target: &Path, rel: &Path) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
     let target = CString::new(target.as_os_str().as_bytes())

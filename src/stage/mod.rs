@@ -714,6 +714,29 @@ fn with_progress<R>(
 struct Dest {
     fd: OwnedFd,
     existed: bool,
+    /// The base directory, and the components of `rel` this stage created in it (parents
+    /// first): a failed stage removes them again when they are still empty.
+    base: OwnedFd,
+    created: Vec<PathBuf>,
+}
+
+impl Dest {
+    /// After a failed stage: removes the directories it made, deepest first, those `inside`
+    /// the destination (relative to it), then the destination's own components, each only while
+    /// empty and each by fd beneath its parent without following a symlink. A failed stage
+    /// left empty directories behind otherwise. What cannot be removed stays (logged at debug).
+    fn remove_made(&self, inside: &[PathBuf]) {
+        let dirs = inside
+            .iter()
+            .rev()
+            .map(|r| (&self.fd, r))
+            .chain(self.created.iter().rev().map(|r| (&self.base, r)));
+        for (root, rel) in dirs {
+            if let Err(e) = fsops::rmdir_beneath(root, rel) {
+                tracing::debug!("leaving {} of a failed stage: {e}", rel.display());
+            }
+        }
+    }
 }
 
 /// Opens (creating each missing component beneath `base`) the directory `base/rel`, with the
@@ -741,6 +764,7 @@ fn open_dest(base: &Path, rel: &Path) -> Result<Dest, StageError> {
     )
     .map_err(|e| dest_err("open", e))?;
     let mut sofar = PathBuf::new();
+    let mut created = Vec::new();
     for comp in rel.components() {
         match comp {
             std::path::Component::Normal(c) => sofar.push(c),
@@ -753,26 +777,52 @@ fn open_dest(base: &Path, rel: &Path) -> Result<Dest, StageError> {
             }
         }
         match fsops::mkdir_beneath(&base_fd, &sofar, 0o700) {
-            Ok(()) => existed = false,
+            Ok(()) => {
+                existed = false;
+                created.push(sofar.clone());
+            }
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => existed = true,
             Err(e) => return Err(dest_err("create", e)),
         }
     }
     let fd = fsops::open_beneath(&base_fd, &sofar, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .map_err(|e| dest_err("open", e))?;
-    Ok(Dest { fd, existed })
+    Ok(Dest {
+        fd,
+        existed,
+        base: base_fd,
+        created,
+    })
 }
 
 /// Stages `source` into `base/rel` as the calling process's credentials allow.
 pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<Report, StageError> {
+    let dest = open_dest(base, rel)?;
+    let mut made = Vec::new();
+    let result = stage_into(source, base, rel, opts, &dest, &mut made);
+    if result.is_err() {
+        dest.remove_made(&made);
+    }
+    result
+}
+
+/// [`stage`] into the opened `dest`; the directories it creates inside are recorded in `made`.
+fn stage_into(
+    source: &Path,
+    base: &Path,
+    rel: &Path,
+    opts: &Options,
+    dest: &Dest,
+    made: &mut Vec<PathBuf>,
+) -> Result<Report, StageError> {
     let start = Instant::now();
     let dest_path = base.join(rel);
-    let Dest { fd: root, existed } = open_dest(base, rel)?;
+    let (root, existed) = (&dest.fd, dest.existed);
     let dest_err = |op, rel: &Path, source| dest_err(op, &dest_path, rel, source);
     // What an earlier complete stage left: if the source is unchanged since, nothing is written.
-    let prior = read_marker(&root);
+    let prior = read_marker(root);
 
-    let plan = walk(source, Some((&root, &dest_path)), opts.workers)?;
+    let plan = walk(source, Some((root, &dest_path)), opts.workers)?;
     // When each phase ended, for `-vv`.
     let phase = |what: std::fmt::Arguments| {
         let at = start.elapsed().as_secs_f64();
@@ -793,7 +843,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     // root's mtime is not the source's: the marker, written last, changed it.
     let mut dirs_exact = plan.dirs_exact;
     if let Some(e) = plan.entries.first().filter(|e| e.kind == Kind::Dir) {
-        let st = fsops::fstat(&root).map_err(|err| dest_err("inspect", Path::new(""), err))?;
+        let st = fsops::fstat(root).map_err(|err| dest_err("inspect", Path::new(""), err))?;
         let root = Entry {
             mtime: (st.st_mtime, st.st_mtime_nsec),
             ..e.clone()
@@ -846,11 +896,11 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
         return Ok(report);
     }
     // A stage in progress is never complete, whatever an earlier stage left.
-    fsops::unlink_beneath(&root, Path::new(MARKER))
+    fsops::unlink_beneath(root, Path::new(MARKER))
         .map_err(|e| dest_err("remove", Path::new(MARKER), e))?;
 
     // Space: the bytes to copy must fit both the filesystem and the per-job cap.
-    let free = fsops::available_bytes(&root).map_err(|e| dest_err("inspect", Path::new(""), e))?;
+    let free = fsops::available_bytes(root).map_err(|e| dest_err("inspect", Path::new(""), e))?;
     let (available, limit) = match opts.cap {
         Some(cap) if cap < free => (cap, "per-job scratch cap"),
         _ => (free, "free space"),
@@ -875,24 +925,24 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             // Made by this stage: writable by its owner until the end. One that was there
             // keeps its mode (as root, `stage out /tmp:/` once left `/` at 0700).
             if !existed {
-                fsops::fchmod(&root, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
+                fsops::fchmod(root, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
             }
             continue;
         }
-        match fsops::mkdir_beneath(&root, &e.rel, 0o700) {
-            Ok(()) => {}
+        match fsops::mkdir_beneath(root, &e.rel, 0o700) {
+            Ok(()) => made.push(e.rel.clone()),
             Err(err) if err.raw_os_error() == Some(libc::EEXIST) => {
-                let st = fsops::lstat_beneath(&root, &e.rel)
+                let st = fsops::lstat_beneath(root, &e.rel)
                     .map_err(|err| dest_err("inspect", &e.rel, err))?;
                 if st.is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR) {
                     // A file or symlink where the source has a directory: replace it.
-                    fsops::unlink_beneath(&root, &e.rel)
+                    fsops::unlink_beneath(root, &e.rel)
                         .map_err(|err| dest_err("remove", &e.rel, err))?;
-                    fsops::mkdir_beneath(&root, &e.rel, 0o700)
+                    fsops::mkdir_beneath(root, &e.rel, 0o700)
                         .map_err(|err| dest_err("create", &e.rel, err))?;
                 } else {
                     let fd =
-                        fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                        fsops::open_beneath(root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
                             .map_err(|err| dest_err("open", &e.rel, err))?;
                     fsops::fchmod(&fd, 0o700).map_err(|err| dest_err("chmod", &e.rel, err))?;
                 }
@@ -911,7 +961,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
             continue;
         }
         if e.kind == Kind::File && e.size > chunk {
-            let fd = create_file(&root, &e.rel).map_err(|err| dest_err("create", &e.rel, err))?;
+            let fd = create_file(root, &e.rel).map_err(|err| dest_err("create", &e.rel, err))?;
             // Sized up front so that chunks can be written in any order; the mtime set last
             // marks the file complete.
             std::fs::File::from(fd)
@@ -959,11 +1009,11 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                                 path: src.clone(),
                                 source: err,
                             })?;
-                        remove_nondir(&root, &e.rel)
+                        remove_nondir(root, &e.rel)
                             .map_err(|err| dest_err("remove", &e.rel, err))?;
-                        fsops::symlink_beneath(&root, &target, &e.rel)
+                        fsops::symlink_beneath(root, &target, &e.rel)
                             .map_err(|err| dest_err("create", &e.rel, err))?;
-                        fsops::set_mtime_beneath(&root, &e.rel, e.mtime)
+                        fsops::set_mtime_beneath(root, &e.rel, e.mtime)
                             .map_err(|err| dest_err("set the mtime of", &e.rel, err))?;
                         progress.files.fetch_add(1, Ordering::Relaxed);
                     }
@@ -972,9 +1022,9 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
                         let sfd = open_source(&src)?;
                         let whole = chunks_left[i].load(Ordering::Relaxed) == 0;
                         let dfd = if whole {
-                            create_file(&root, &e.rel)
+                            create_file(root, &e.rel)
                         } else {
-                            fsops::open_beneath(&root, &e.rel, libc::O_WRONLY, 0)
+                            fsops::open_beneath(root, &e.rel, libc::O_WRONLY, 0)
                         }
                         .map_err(|err| dest_err("create", &e.rel, err))?;
                         fsops::copy_data(&sfd, &dfd, off, len, e.size, &way).map_err(|err| {
@@ -1007,7 +1057,7 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     phase(format_args!("copied"));
     // Directory modes and mtimes last, deepest first: creating entries changed their mtimes.
     for e in plan.entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
-        let fd = fsops::open_beneath(&root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        let fd = fsops::open_beneath(root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
             .map_err(|err| dest_err("open", &e.rel, err))?;
         if opts.xattrs {
             let src = src_path(&e.rel);
@@ -1029,14 +1079,14 @@ pub fn stage(source: &Path, base: &Path, rel: &Path, opts: &Options) -> Result<R
     }
 
     if opts.verify {
-        verify(&plan, &root, &dest_path, opts.workers)?;
+        verify(&plan, root, &dest_path, opts.workers)?;
         report.verified = true;
     }
     // Data on disk before the marker says it is there.
-    fsops::syncfs(&root).map_err(|e| dest_err("sync", Path::new(""), e))?;
+    fsops::syncfs(root).map_err(|e| dest_err("sync", Path::new(""), e))?;
     phase(format_args!("synced"));
     write_marker(
-        &root,
+        root,
         &Marker {
             source: source_abs,
             files: report.files,

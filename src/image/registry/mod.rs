@@ -149,8 +149,6 @@ pub struct PullOptions {
     /// `--arch`: the platform to pick from a multi-platform image; the host's when `None`.
     pub arch: Option<String>,
     pub progress: ProgressMode,
-    /// Bounds on the image config's `Env`, checked before any layer is fetched.
-    pub env_limits: crate::spec::env::EnvLimits,
 }
 
 /// A pulled image: every layer is in the store.
@@ -329,12 +327,6 @@ impl Client {
         })?;
         check_architecture(&config, &want, options.arch.is_some())
             .map_err(|detail| self.image_error(&t, detail))?;
-        if let Some(env) = config.config().as_ref().and_then(|c| c.env().as_ref()) {
-            options
-                .env_limits
-                .check(&format!("image config {}", config_desc.digest), env)
-                .map_err(|detail| self.image_error(&t, detail))?;
-        }
         let diff_ids = config.rootfs().diff_ids().clone();
         if diff_ids.len() != layers.len() {
             return Err(self.image_error(
