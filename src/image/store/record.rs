@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use sha2::{Digest as _, Sha256};
@@ -248,8 +248,6 @@ pub fn walk(
     }
     Ok(out)
 }
-
-use std::os::unix::fs::OpenOptionsExt;
 
 /// How a layer directory differs from its record: one line per path, at most `max` lines
 /// (then a count of the rest).
