@@ -1728,25 +1728,40 @@ fn two_node_states() -> String {
     }
 }
 
-/// `srun -N2 --container-name=…`: each node's Epilog removes the job's containers; one that
-/// another node's Epilog removed first (the two slurmd share berth's state directory here) is
-/// done, not a failure that drains the node.
+/// `srun -N2 --container-name=…`: each node has a container of that name of its own, which
+/// the next step on that node joins (the harness gives each slurmd its own berth state
+/// directory, as separate hosts have), and each node's Epilog removes its own; one already gone
+/// is done, not a failure that drains the node.
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
-fn a_named_container_on_two_nodes_drains_neither() {
+fn a_named_container_on_two_nodes_is_each_nodes_own_and_drains_neither() {
+    let script = format!(
+        "srun -N2 --container-name=twonode --container-image={img} sh -c 'echo $SLURMD_NODENAME > /tmp/made-on' && \
+         srun -N2 --container-name=twonode sh -c 'echo \"$SLURMD_NODENAME has $(cat /tmp/made-on)\"'",
+        img = image()
+    );
     let out = run(two_node_client(
         false,
-        "srun",
-        &[
-            "-N2",
-            "--container-name=twonode",
-            &format!("--container-image={}", image()),
-            "sh",
-            "-c",
-            "echo \"made on $SLURMD_NODENAME\"",
-        ],
+        "salloc",
+        &["-Q", "-N2", "sh", "-c", &script],
     ));
-    eprintln!("srun: {}\n{}", stdout(&out), stderr(&out));
+    let text = format!("{}\n{}", stdout(&out), stderr(&out));
+    assert!(
+        out.status.success(),
+        "salloc failed ({:?}):\n{text}",
+        out.status
+    );
+    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
+    lines.sort();
+    assert_eq!(lines.len(), 2, "{text}");
+    for line in &lines {
+        let words: Vec<&str> = line.split(' ').collect();
+        assert!(
+            words.len() == 3 && words[0] == words[2],
+            "a node's step saw another node's container: {line}\n{text}"
+        );
+    }
+    assert_ne!(lines[0], lines[1], "{text}");
     let states = two_node_states();
     assert!(
         !states.contains("drain"),

@@ -189,9 +189,23 @@ EOF
 
 export SLURM_CONF=$state/etc/slurm.conf
 slurmctld -f "$SLURM_CONF" || die "slurmctld failed to start: see $state/log/slurmctld.log"
+# Two slurmd on one host stand for two hosts: each gets berth's state directory of its own, as a
+# node of its own would have (its containers, names and Epilog cleanup are that node's alone).
+# A mount namespace per slurmd (inherited by its slurmstepd, Prolog and Epilog) binds
+# <state_dir>.<node> over runtime.state_dir; host mounts still propagate into it.
+berth_state=$(sed -n 's/^[[:space:]]*state_dir[[:space:]]*=[[:space:]]*"\(.*\)"[[:space:]]*$/\1/p' "$berth_config" | head -n1)
+berth_state=${berth_state:-/run/berth}
 for n in "${node_names[@]}"; do
   mkdir -p "$state/spool/$n" "$state/tmp/$n"
-  slurmd -f "$SLURM_CONF" -N "$n" || die "slurmd $n failed to start: see $state/log/slurmd-$n.log"
+  if [ "$nodes" -eq 1 ]; then
+    slurmd -f "$SLURM_CONF" -N "$n" || die "slurmd $n failed to start: see $state/log/slurmd-$n.log"
+  else
+    mkdir -p "$berth_state" "$berth_state.$n"
+    chmod 711 "$berth_state" "$berth_state.$n"
+    unshare -m --propagation slave sh -c 'mount --bind "$1" "$2" && exec slurmd -f "$3" -N "$4"' \
+      sh "$berth_state.$n" "$berth_state" "$SLURM_CONF" "$n" ||
+      die "slurmd $n failed to start: see $state/log/slurmd-$n.log"
+  fi
 done
 
 # Ready when every node is idle.
