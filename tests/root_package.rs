@@ -344,6 +344,12 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
     let dir = work_dir("deb");
     let backup = dir.join("backup");
     std::fs::create_dir_all(&backup).unwrap();
+    let had = |p: &str| Path::new(p).exists();
+    let before = [
+        had(DEB_PLUGIN),
+        had("/usr/bin/berth"),
+        had("/etc/berth/berth.toml"),
+    ];
     let mut installed = Installed::install(&pkgs.deb, &backup);
 
     // The files an admin relies on, where the distribution expects them.
@@ -495,11 +501,13 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
         "no step line in syslog: {lines:?}"
     );
     drop(installed);
-    assert!(
-        !Path::new(DEB_PLUGIN).exists() && !Path::new("/usr/bin/berth").exists(),
-        "dpkg --purge left the package's files"
-    );
-    assert!(!Path::new("/etc/berth/berth.toml").exists());
+    // Purged, and what was there before (nothing, on a test machine) is back.
+    let after = [
+        had(DEB_PLUGIN),
+        had("/usr/bin/berth"),
+        had("/etc/berth/berth.toml"),
+    ];
+    assert_eq!(after, before, "dpkg --purge left the package's files");
 }
 
 #[test]
