@@ -6,6 +6,8 @@
 //! `cargo test --test root_store_bounds -- --ignored --test-threads=1`.
 
 mod common;
+#[path = "../integration/registry/harness.rs"]
+mod harness;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -291,6 +293,71 @@ fn an_image_with_more_layers_than_overlayfs_stacks_is_refused_before_extracting(
     let r = layout(&env.path().join("many"), &layers);
     let out = env.berth(&["import", &r]);
     assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn registry_images_are_bounded_before_and_while_fetching() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = harness::Registry::start(
+        &harness::Mode::Plain,
+        &dir.path().join("storage"),
+        &dir.path().join("reg"),
+    );
+    let up = harness::Uploader::new(&registry.host(), None);
+    let gz = |e: Vec<harness::Entry>| {
+        harness::blob_of(harness::tar_of(&e), harness::Compression::Gzip, false)
+    };
+    up.image(
+        "test/four",
+        Some("1"),
+        "amd64",
+        (0..4)
+            .map(|i| {
+                gz(vec![harness::Entry::File(
+                    format!("f{i}"),
+                    vec![b'x'; i + 1],
+                    0o644,
+                )])
+            })
+            .collect(),
+        false,
+    );
+    up.image(
+        "test/bomb",
+        Some("1"),
+        "amd64",
+        vec![gz(vec![harness::Entry::File(
+            "zeros".into(),
+            vec![0u8; 16 << 20],
+            0o644,
+        )])],
+        false,
+    );
+    let insecure = format!("[registry]\ninsecure = [\"{}\"]\n", registry.host());
+    let env = Env::new(None, "max_layers = 3\nmax_layer_bytes = 2097152");
+    let config = env.path().join("berth.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}{insecure}")).unwrap();
+
+    let four = format!("{}#test/four:1", registry.host());
+    let e = one_error(&env.berth(&["import", &four]));
+    assert!(
+        e.contains("4 layers")
+            && e.contains("store.max_layers (3)")
+            && e.contains("nothing was fetched"),
+        "{e}"
+    );
+    assert!(env.names("layers").is_empty(), "{:?}", env.names("layers"));
+
+    let bomb = format!("{}#test/bomb:1", registry.host());
+    let out = env.berth(&["import", &bomb]);
+    let e = errors(&out);
+    assert!(!out.status.success());
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].contains("store.max_layer_bytes (2.0 MiB)"), "{e:?}");
+    assert!(env.names("layers").is_empty(), "{:?}", env.names("layers"));
+    assert!(env.tmp_contents().is_empty(), "{:?}", env.tmp_contents());
 }
 
 // ---------------------------------------------------------------------------------------------
