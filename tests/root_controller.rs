@@ -199,19 +199,24 @@ esac
         self.get(i, "/v1/status")
     }
 
-    /// Waits (bounded) until a running controller says it leads; returns its index.
+    /// Waits (bounded) until every running controller (but `exclude`) names the same leader
+    /// in the same term, the leader included; returns its index. (One controller's word alone
+    /// may be stale: a leader deposed a moment ago still says it leads.)
     fn leader(&self, exclude: Option<usize>) -> usize {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
-            for i in 0..self.addrs.len() {
-                if Some(i) == exclude || self.controllers[i].is_none() {
-                    continue;
-                }
-                if let Some(s) = self.status(i)
-                    && s["leader"].as_u64() == Some(i as u64 + 1)
-                {
-                    return i;
-                }
+            let views: Vec<Option<(u64, u64)>> = (0..self.addrs.len())
+                .filter(|i| Some(*i) != exclude && self.controllers[*i].is_some())
+                .map(|i| {
+                    let s = self.status(i)?;
+                    Some((s["leader"].as_u64()?, s["term"].as_u64()?))
+                })
+                .collect();
+            if let Some(Some((l, _))) = views.first()
+                && views.iter().all(|v| *v == views[0])
+                && Some(*l as usize - 1) != exclude
+            {
+                return *l as usize - 1;
             }
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -6,6 +6,7 @@
 
 mod network;
 mod server;
+mod sim;
 mod state;
 mod store;
 
@@ -73,9 +74,9 @@ impl Default for Settings {
             reconcile_interval_ms: 1000,
             max_updates_per_round: 50,
             heartbeat_interval_s: 5,
-            raft_heartbeat_ms: 100,
-            election_timeout_min_ms: 400,
-            election_timeout_max_ms: 800,
+            raft_heartbeat_ms: 50,
+            election_timeout_min_ms: 250,
+            election_timeout_max_ms: 500,
             soft_fails: 2,
             resume_passes: 3,
             flap_drains: 3,
@@ -146,6 +147,33 @@ struct Cli {
 enum Command {
     /// Run a controller
     Serve(ServeArgs),
+    /// Drive simulated agents against running controllers; print a JSON summary
+    Sim(SimArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct SimArgs {
+    /// Simulated agents (nodes sim00000, sim00001, ...)
+    #[arg(long, default_value_t = 1000)]
+    agents: usize,
+    /// A controller's API address; repeat for each
+    #[arg(long = "controller", required = true)]
+    controllers: Vec<String>,
+    /// The shared key file
+    #[arg(long)]
+    key_file: PathBuf,
+    /// Each agent's heartbeat interval
+    #[arg(long, default_value_t = 5000)]
+    interval_ms: u64,
+    /// Share of agents whose GPU check fails
+    #[arg(long, default_value_t = 0)]
+    failing_percent: u32,
+    /// How long to run
+    #[arg(long, default_value_t = 30)]
+    duration_s: u64,
+    /// Sending threads
+    #[arg(long, default_value_t = 32)]
+    threads: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -242,6 +270,18 @@ fn main() {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve(cli.config.as_deref(), args),
+        Command::Sim(args) => read_key(&args.key_file).map(|key| {
+            let summary = sim::run(sim::SimOptions {
+                controllers: args.controllers,
+                bearer: berth_api::bearer(&key),
+                agents: args.agents,
+                interval: std::time::Duration::from_millis(args.interval_ms.max(1)),
+                failing_percent: args.failing_percent.min(100),
+                duration: std::time::Duration::from_secs(args.duration_s),
+                threads: args.threads,
+            });
+            println!("{summary}");
+        }),
     };
     if let Err(e) = result {
         eprintln!("berth-controller: {e:#}");

@@ -1,0 +1,168 @@
+//! `berth-controller sim`: simulated agents against running controllers, for load and failover
+//! measurements. Each agent sends a heartbeat every interval (spread evenly, so N agents at
+//! interval I make N/I heartbeats a second), following a follower's 421 to the leader like
+//! `berth agent`; a given share of them report a failing hard check. Prints one JSON summary:
+//! heartbeats sent and failed, latency p50/p99, the most heartbeats any agent missed in a row,
+//! and the leader terms seen.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_api::{CheckResult, Heartbeat, HeartbeatReply, NotLeader, Severity, Status};
+
+pub struct SimOptions {
+    pub controllers: Vec<String>,
+    pub bearer: String,
+    pub agents: usize,
+    pub interval: Duration,
+    pub failing_percent: u32,
+    pub duration: Duration,
+    pub threads: usize,
+}
+
+#[derive(Default)]
+struct Tally {
+    latencies_us: Vec<u64>,
+    failed: u64,
+    max_missed_in_row: u64,
+    terms: std::collections::BTreeSet<u64>,
+}
+
+fn send(agent: &ureq::Agent, o: &SimOptions, leader: &mut usize, body: &[u8]) -> Option<u64> {
+    let mut addr = o.controllers[*leader % o.controllers.len()].clone();
+    for _ in 0..(o.controllers.len() + 2) {
+        let url = format!("http://{addr}/v1/heartbeat");
+        let r = agent
+            .post(&url)
+            .header(berth_api::KEY_HEADER, &o.bearer)
+            .content_type("application/json")
+            .send(body);
+        match r {
+            Ok(mut resp) => {
+                let status = resp.status().as_u16();
+                let bytes = resp.body_mut().read_to_vec().ok()?;
+                if status == 200 {
+                    return serde_json::from_slice::<HeartbeatReply>(&bytes)
+                        .ok()
+                        .map(|r| r.term);
+                }
+                match serde_json::from_slice::<NotLeader>(&bytes)
+                    .ok()
+                    .and_then(|n| n.leader)
+                {
+                    Some(l) if status == berth_api::NOT_LEADER_STATUS => {
+                        *leader = o.controllers.iter().position(|c| *c == l).unwrap_or(0);
+                        addr = l;
+                    }
+                    _ => {
+                        *leader += 1;
+                        addr = o.controllers[*leader % o.controllers.len()].clone();
+                    }
+                }
+            }
+            Err(_) => {
+                *leader += 1;
+                addr = o.controllers[*leader % o.controllers.len()].clone();
+            }
+        }
+    }
+    None
+}
+
+pub fn run(o: SimOptions) -> serde_json::Value {
+    let o = Arc::new(o);
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads = o.threads.clamp(1, o.agents.max(1));
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for t in 0..threads {
+        let (o, tally, stop) = (o.clone(), tally.clone(), stop.clone());
+        handles.push(std::thread::spawn(move || {
+            let agent: ureq::Agent = ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(2)))
+                .build()
+                .into();
+            let mine: Vec<usize> = (t..o.agents).step_by(threads).collect();
+            let mut missed = vec![0u64; mine.len()];
+            let mut leader = 0usize;
+            let mut local = Tally::default();
+            let mut round = 0u64;
+            while start.elapsed() < o.duration && !stop.load(Ordering::Relaxed) {
+                for (k, &a) in mine.iter().enumerate() {
+                    // Agent a's slot in the round: spread over the interval.
+                    let due = o.interval.mul_f64(round as f64)
+                        + o.interval.mul_f64(a as f64 / o.agents as f64);
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                    if start.elapsed() >= o.duration {
+                        break;
+                    }
+                    let failing = (a as u64 * 100) < u64::from(o.failing_percent) * o.agents as u64;
+                    let hb = Heartbeat {
+                        node: format!("sim{a:05}"),
+                        boot_id: "sim".into(),
+                        version: "sim".into(),
+                        checks: vec![CheckResult {
+                            name: "gpu-count".into(),
+                            status: if failing { Status::Fail } else { Status::Ok },
+                            severity: Severity::Hard,
+                            recoverable: true,
+                            message: if failing {
+                                "7 of 8".into()
+                            } else {
+                                "8 of 8".into()
+                            },
+                        }],
+                    };
+                    let body = serde_json::to_vec(&hb).expect("serializes");
+                    let t0 = Instant::now();
+                    match send(&agent, &o, &mut leader, &body) {
+                        Some(term) => {
+                            local.latencies_us.push(t0.elapsed().as_micros() as u64);
+                            local.terms.insert(term);
+                            missed[k] = 0;
+                        }
+                        None => {
+                            local.failed += 1;
+                            missed[k] += 1;
+                            local.max_missed_in_row = local.max_missed_in_row.max(missed[k]);
+                        }
+                    }
+                }
+                round += 1;
+            }
+            let mut all = tally.lock().unwrap_or_else(|p| p.into_inner());
+            all.latencies_us.extend(local.latencies_us);
+            all.failed += local.failed;
+            all.max_missed_in_row = all.max_missed_in_row.max(local.max_missed_in_row);
+            all.terms.extend(local.terms);
+        }));
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    let mut all = tally.lock().unwrap_or_else(|p| p.into_inner());
+    all.latencies_us.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if all.latencies_us.is_empty() {
+            return 0.0;
+        }
+        let i = ((all.latencies_us.len() as f64 - 1.0) * p).round() as usize;
+        all.latencies_us[i] as f64 / 1000.0
+    };
+    serde_json::json!({
+        "agents": o.agents,
+        "interval_ms": o.interval.as_millis() as u64,
+        "seconds": start.elapsed().as_secs_f64(),
+        "heartbeats": all.latencies_us.len(),
+        "failed": all.failed,
+        "latency_ms_p50": pct(0.5),
+        "latency_ms_p99": pct(0.99),
+        "max_missed_in_a_row": all.max_missed_in_row,
+        "terms_seen": all.terms.iter().collect::<Vec<_>>(),
+    })
+}
