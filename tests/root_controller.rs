@@ -87,10 +87,17 @@ struct Cluster {
     dir: tempfile::TempDir,
     addrs: Vec<String>,
     controllers: Vec<Option<Proc>>,
+    /// Controller i runs as uid `uids[i]` (so a firewall rule can cut it off alone); empty:
+    /// as root.
+    uids: Vec<u32>,
 }
 
 impl Cluster {
     fn new(n: usize, slurm_nodes: &[(&str, &str, &str)]) -> Self {
+        Self::with_uids(n, slurm_nodes, Vec::new())
+    }
+
+    fn with_uids(n: usize, slurm_nodes: &[(&str, &str, &str)], uids: Vec<u32>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         write(&d.join("key"), &format!("{KEY}\n"));
@@ -133,7 +140,30 @@ esac
             dir,
             addrs,
             controllers: Vec::new(),
+            uids,
         };
+        if !c.uids.is_empty() {
+            // The controllers' users read the key and the tools, write their data directory,
+            // the fake Slurm's state and the call log.
+            use std::os::unix::fs::PermissionsExt;
+            let mode = |p: &Path, m: u32| {
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+            };
+            let d = c.path().to_path_buf();
+            mode(&d, 0o755);
+            mode(&d.join("key"), 0o644);
+            write(&d.join("calls"), "");
+            mode(&d.join("calls"), 0o666);
+            mode(&d.join("slurm"), 0o777);
+            for (name, _, _) in slurm_nodes {
+                mode(&d.join("slurm").join(name), 0o666);
+            }
+            for (i, uid) in c.uids.iter().enumerate() {
+                let data = d.join(format!("data{}", i + 1));
+                std::fs::create_dir_all(&data).unwrap();
+                std::os::unix::fs::chown(&data, Some(*uid), Some(*uid)).unwrap();
+            }
+        }
         for i in 0..n {
             let p = c.start(i);
             c.controllers.push(Some(p));
@@ -173,6 +203,10 @@ esac
             .append(true)
             .open(d.join(format!("controller{}.log", i + 1)))
             .unwrap();
+        if let Some(uid) = self.uids.get(i) {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(*uid).gid(*uid);
+        }
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -551,4 +585,76 @@ fn a_stopped_leader_makes_no_scontrol_call() {
         let prev = by_term.entry(term).or_insert_with(|| id.clone());
         assert_eq!(*prev, id, "{:?}", c.calls());
     }
+}
+
+/// Drops every packet a uid sends on loopback while it lives: that uid's controller is cut off
+/// from its peers both ways (its requests and its answers), a minority partition.
+struct Partition {
+    uid: u32,
+}
+
+impl Partition {
+    fn rule(&self, op: &str) -> std::process::Output {
+        Command::new("iptables")
+            .args([op, "OUTPUT", "-o", "lo", "-m", "owner", "--uid-owner"])
+            .arg(self.uid.to_string())
+            .args(["-j", "DROP"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    fn new(uid: u32) -> Self {
+        let p = Self { uid };
+        let out = p.rule("-A");
+        assert!(out.status.success(), "iptables: {out:?}");
+        p
+    }
+}
+
+impl Drop for Partition {
+    fn drop(&mut self) {
+        let _ = self.rule("-D");
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_partitioned_leader_makes_no_scontrol_call() {
+    // Users of their own (unique to this test process), so the firewall can single one out.
+    let base = 63_000 + (std::process::id() % 500) * 4;
+    let c = Cluster::with_uids(3, &[("n1", "idle", "none")], vec![base, base + 1, base + 2]);
+    let old = c.leader(None);
+    c.beat("n1", None);
+    wait_for("replicas agree", 10, || {
+        let h = hashes(&c);
+        h.len() == 3 && h.iter().all(|x| *x == h[0])
+    });
+    let old_id = format!("{} ", old + 1);
+    let partition = Partition::new(c.uids[old]);
+    let new = c.leader(Some(old));
+    // The majority drains n1. The old leader, cut off, still has n1 up and would resume it if it
+    // trusted its own view of being leader.
+    c.beat("n1", Some(1));
+    wait_for("n1 drained by the new leader", 30, || {
+        c.slurm("n1").starts_with("drained|berth:")
+    });
+    std::thread::sleep(Duration::from_millis(3000));
+    let calls = c.calls();
+    assert!(
+        calls.iter().all(|l| !l.starts_with(&old_id)),
+        "the partitioned leader called scontrol: {calls:?}"
+    );
+    assert!(
+        calls
+            .iter()
+            .any(|l| l.starts_with(&format!("{} ", new + 1))),
+        "{calls:?}"
+    );
+    drop(partition);
+    wait_for("replicas agree after healing", 20, || {
+        let h = hashes(&c);
+        h.len() == 3 && h.iter().all(|x| *x == h[0])
+    });
+    assert_eq!(c.slurm("n1").split('|').next(), Some("drained"));
 }
