@@ -325,22 +325,6 @@ impl Default for AgentConfig {
     }
 }
 
-impl Config {
-    /// Loads `path`; when `path` is the default location and absent, the defaults apply.
-    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => Self::parse(&text).map_err(|message| ConfigError::Parse {
-                path: path.to_path_buf(),
-                message,
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(Self::default()),
-            Err(source) => Err(ConfigError::Read {
-                path: path.to_path_buf(),
-                source,
-            }),
-        }
-    }
-
 /// `[log]`: where the Slurm paths (`berth prolog`, `epilog`, `step`) write their log lines
 /// (`crate::log`).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -394,6 +378,22 @@ impl LogLevel {
         }
     }
 }
+
+impl Config {
+    /// Loads `path`; when `path` is the default location and absent, the defaults apply.
+    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Self::parse(&text).map_err(|message| ConfigError::Parse {
+                path: path.to_path_buf(),
+                message,
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(Self::default()),
+            Err(source) => Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
 
     pub fn parse(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| e.message().to_string())
@@ -449,6 +449,20 @@ mod tests {
     }
 
     #[test]
+    fn log_section_parses() {
+        let c = Config::parse(
+            "[log]\ntarget = \"syslog\"\nlevel = \"info\"\nsyslog_socket = \"/run/x.sock\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.log.target, LogTarget::Syslog);
+        assert_eq!(c.log.level, LogLevel::Info);
+        assert_eq!(c.log.syslog_socket, PathBuf::from("/run/x.sock"));
+        assert_eq!(Config::default().log.target, LogTarget::Both);
+        assert!(Config::parse("[log]\ntarget = \"file\"\n").is_err());
+        assert!(Config::parse("[log]\nlevel = \"loud\"\n").is_err());
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let err = Config::parse("[cgroup]\nrot = \"/x\"\n").unwrap_err();
         assert!(err.contains("rot"), "{err}");
@@ -464,20 +478,6 @@ mod tests {
     #[test]
     fn squashfs_section() {
         let c = Config::parse(
-    #[test]
-    fn log_section_parses() {
-        let c = Config::parse(
-            "[log]\ntarget = \"syslog\"\nlevel = \"info\"\nsyslog_socket = \"/run/x.sock\"\n",
-        )
-        .unwrap();
-        assert_eq!(c.log.target, LogTarget::Syslog);
-        assert_eq!(c.log.level, LogLevel::Info);
-        assert_eq!(c.log.syslog_socket, PathBuf::from("/run/x.sock"));
-        assert_eq!(Config::default().log.target, LogTarget::Both);
-        assert!(Config::parse("[log]\ntarget = \"file\"\n").is_err());
-        assert!(Config::parse("[log]\nlevel = \"loud\"\n").is_err());
-    }
-
             "[squashfs]\nmount_dir = \"/var/lib/berth/mnt\"\ncompression = \"gzip\"\ncompression_level = 9\n",
         )
         .unwrap();
