@@ -1,9 +1,7 @@
 //! The `berth` binary: parse the command line, run the verb, map the result to an exit status.
 
-use clap::Parser;
-
 fn main() {
-    let cli = berth::cli::Cli::parse();
+    let cli = berth::cli::Cli::parse_args();
     berth::log::init(&cli);
     let code = match cli.execute() {
         Ok(code) => code,

@@ -600,6 +600,7 @@ fn error_lines_elide_long_arguments() {
     let huge = "x".repeat(100_000);
     let mount = format!("/{huge}:/x");
     let env = huge.clone();
+    let workdir = format!("/{huge}");
     for args in [
         vec!["--memory", huge.as_str()],
         vec!["--mount", mount.as_str()],
@@ -607,6 +608,8 @@ fn error_lines_elide_long_arguments() {
         vec!["--cpus", huge.as_str()],
         vec!["-e", env.as_str()],
         vec!["--user", huge.as_str()],
+        vec!["--workdir", workdir.as_str()],
+        vec!["--net", huge.as_str()],
     ] {
         let mut all = vec!["run", "--rootfs"];
         let r = rootfs_str();

@@ -105,6 +105,30 @@ impl Failure {
 }
 
 impl Cli {
+    /// The command line, parsed; a usage error is printed as clap words it, with each value
+    /// longer than a line elided ([`elide`]): clap quotes the offending value whole.
+    pub fn parse_args() -> Cli {
+        use clap::error::ErrorKind;
+        match Cli::try_parse() {
+            Ok(cli) => cli,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::DisplayHelp
+                        | ErrorKind::DisplayVersion
+                        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                ) =>
+            {
+                e.exit()
+            }
+            Err(e) => {
+                let text = e.render().to_string();
+                eprint!("{}", elide_words(&text));
+                std::process::exit(e.exit_code());
+            }
+        }
+    }
+
     pub fn load_config(&self) -> Result<Config, Failure> {
         let (path, explicit) = match (&self.config, std::env::var_os("BERTH_CONFIG")) {
             (Some(p), _) => (p.clone(), true),
@@ -167,6 +191,19 @@ pub fn elide(text: &str) -> std::borrow::Cow<'_, str> {
     ))
 }
 
+/// `text` with every space-separated word longer than a line elided.
+fn elide_words(text: &str) -> String {
+    text.split('\n')
+        .map(|line| {
+            line.split(' ')
+                .map(|w| elide(w).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Writes a verb's output to stdout. A reader that went away (`berth images | head -1`) ends
 /// berth quietly with 141, as SIGPIPE ends other tools; `println!` would panic. berth keeps
 /// SIGPIPE ignored (Rust's runtime does) so that a child or a socket closing on it is an error
@@ -196,5 +233,11 @@ mod tests {
         assert!(e.contains("bytes]"));
         let ascii = "a".repeat(1000) + "END";
         assert!(elide(&ascii).ends_with("END"));
+        let line = format!(
+            "error: invalid value '{}' for '--net'\n",
+            "x".repeat(100_000)
+        );
+        let short = elide_words(&line);
+        assert!(short.len() < 250 && short.ends_with("'--net'\n"), "{short}");
     }
 }

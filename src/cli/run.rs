@@ -194,8 +194,9 @@ impl Prepared {
         use crate::topology::inject;
         let fail = |e: &dyn std::fmt::Display| Failure::input(e.to_string());
         let (host, node) = super::topo::discover(&Default::default(), config)?;
+        // The error quotes the list: a long one is elided there.
         let plan = inject::for_gpus(&host, &node, list, &inject::DriverFiles::default())
-            .map_err(|e| fail(&e))?;
+            .map_err(|e| Failure::input(e.to_string().replace(list, &super::elide(list))))?;
         inject::apply(spec, &plan).map_err(|e| fail(&e))?;
         let image_cache =
             inject::read_image_loader_cache(&self.image.lowers).map_err(|e| fail(&e))?;
@@ -249,10 +250,10 @@ pub fn request(
         }
     }
     if let Some(dir) = &args.workdir
-        && !dir.is_absolute()
+        && (!dir.is_absolute() || dir.as_os_str().len() >= libc::PATH_MAX as usize)
     {
         return Err(Failure::input(format!(
-            "--workdir {}: must be an absolute path",
+            "--workdir {}: must be an absolute path, shorter than PATH_MAX",
             super::elide(&dir.to_string_lossy())
         )));
     }
