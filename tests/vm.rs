@@ -508,6 +508,18 @@ echo "berth=$?"
     assert_eq!(field(&out, "berth"), "0", "{out}");
 }
 
+/// The absolute path of a program on this host's PATH.
+fn which(program: &str) -> String {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("{program} not found on PATH"))
+        .display()
+        .to_string()
+}
+
 /// A diskless node whose root is the initramfs itself (rootfs, which pivot_root(2) refuses with
 /// EINVAL): containers run there (berth moves the root onto `/` and chroots, as runc and crun
 /// do), see the image's root and none of the host's files or mounts, keep the /proc masks, and
@@ -534,8 +546,9 @@ fn containers_run_on_an_initramfs_root_without_pivot_root() {
         .expect("running mksquashfs");
     assert!(made.success(), "mksquashfs failed");
     let file = format!("{}:/probe.sqsh", probe.display());
+    let mksquashfs = which("mksquashfs");
     let (out, status) = vm_with(
-        &["--initramfs-root", "--file", &file],
+        &["--initramfs-root", "--file", &file, "--file", &mksquashfs],
         r#"
 echo "host_root_fs=$(awk '$2 == "/" {print $3; exit}' /proc/mounts)"
 mkdir -p /probe && mount -o loop,ro /probe.sqsh /probe && echo "probe=$(cat /probe/probe)"
@@ -555,14 +568,19 @@ berth run --rootfs /rootfs -- sh -c '
   echo BEGIN mountinfo; cut -d" " -f5 /proc/self/mountinfo; echo END mountinfo
 '
 echo "run=$?"
-berth create --rootfs /rootfs --name held >/dev/null; echo "create=$?"
+id=$(berth create --rootfs /rootfs --name held); echo "create=$?"
 umount /probe; echo "BEGIN loops_held"; cat /sys/block/loop*/loop/backing_file 2>/dev/null; echo "END loops_held"
 berth exec held -- sh -c 'echo "exec_image=$(. /etc/os-release; echo $ID)"; echo "exec_cwd=$(pwd)";
   test -e /host-only-file && echo exec_host_file=visible || echo exec_host_file=hidden'
 echo "exec=$?"
+berth exec held -- sh -c 'echo written > /written'
+berth export --output /tmp/held.sqsh "$id" >/dev/null; echo "export=$?"
+berth run --image /tmp/held.sqsh -- sh -c 'echo "exported=$(cat /written) $(. /etc/os-release; echo $ID)"'
 berth rm held >/dev/null; echo "rm=$?"
+# The exported image's squashfs stays mounted for later runs until gc.
+berth gc >/dev/null 2>&1
 echo "BEGIN mounts_left"; grep -vxF -f /tmp/mounts.before /proc/mounts; echo "END mounts_left"
-echo "BEGIN state_left"; ls -A /run/berth 2>/dev/null; echo "END state_left"
+echo "BEGIN state_left"; ls -A /run/berth 2>/dev/null | grep -vx images; echo "END state_left"
 "#,
     );
     let _ = std::fs::remove_file(&probe);
@@ -620,6 +638,9 @@ echo "BEGIN state_left"; ls -A /run/berth 2>/dev/null; echo "END state_left"
     assert_eq!(field(&out, "exec_image"), "berth-busybox", "{out}");
     assert_eq!(field(&out, "exec_cwd"), "/", "{out}");
     assert_eq!(field(&out, "exec_host_file"), "hidden", "{out}");
+    // `berth export` of the running container writes its root, not the tmpfs below it.
+    assert_eq!(field(&out, "export"), "0", "{out}");
+    assert_eq!(field(&out, "exported"), "written berth-busybox", "{out}");
     assert_eq!(field(&out, "rm"), "0", "{out}");
     assert_eq!(section(&out, "mounts_left"), "", "mounts left on the host");
     assert_eq!(section(&out, "state_left"), "", "state left in /run/berth");

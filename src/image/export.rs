@@ -562,6 +562,12 @@ fn squash_container(
         "/".into(),
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
     )?;
+    // The container's root: the namespace's top mount after pivot_root, but a mount above a
+    // tmpfs when the container was moved onto an initramfs root (runtime::init::move_root).
+    let container_root = open(
+        format!("/proc/{pid}/root"),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+    )?;
     let mountinfo =
         std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).map_err(|source| {
             ExportError::Io {
@@ -595,6 +601,7 @@ fn squash_container(
     let slot = placeholder.as_raw_fd();
     let source_dir = PathBuf::from(format!("/proc/self/fd/{slot}/."));
     let (ns_fd, root_fd) = (mnt_ns.as_raw_fd(), host_root.as_raw_fd());
+    let container_fd = container_root.as_raw_fd();
     // A remapped container's files belong to the user on the host (its root's, through the
     // idmapped image) and are the image's root's in the container: mksquashfs reads them through
     // the inverse of that idmapping so the image keeps its owners.
@@ -619,6 +626,10 @@ fn squash_container(
         cmd.pre_exec(move || {
             // Join the container's mount namespace, then copy it: changes stay in the copy.
             check(libc::setns(ns_fd, libc::CLONE_NEWNS))?;
+            // Stand in the container's root before copying the namespace: the copy takes the
+            // root along, and the paths below are the container's.
+            check(libc::fchdir(container_fd))?;
+            check(libc::chroot(c".".as_ptr()))?;
             check(libc::unshare(libc::CLONE_NEWNS))?;
             check(libc::mount(
                 std::ptr::null(),
