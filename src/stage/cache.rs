@@ -688,22 +688,41 @@ fn link_into(
     user: &UserIds,
     opts: &Options,
 ) -> Result<Report, StageError> {
-    let (uid, gid) = (user.uid, user.gid);
     let dest_path = base.join(rel);
     // The destination is the user's: opened (its missing directories made) as the user, then
     // worked on beneath that fd only.
-    let Dest {
-        fd: root, existed, ..
-    } = crate::privfs::as_user(user, || open_dest(base, rel)).map_err(|e| StageError::Dest {
-        op: "open",
-        path: dest_path.clone(),
-        source: e,
-    })??;
+    let dest =
+        crate::privfs::as_user(user, || open_dest(base, rel)).map_err(|e| StageError::Dest {
+            op: "open",
+            path: dest_path.clone(),
+            source: e,
+        })??;
+    let mut made = Vec::new();
+    let result = link_into_dest(data_path, m, &dest_path, user, opts, &dest, &mut made);
+    if result.is_err() {
+        // The directories this stage made go again, by fd beneath their parents.
+        dest.remove_made(&made);
+    }
+    result
+}
+
+/// [`link_into`] the opened `dest`; the directories it creates are recorded in `made`.
+fn link_into_dest(
+    data_path: &Path,
+    m: &Manifest,
+    dest_path: &Path,
+    user: &UserIds,
+    opts: &Options,
+    dest: &Dest,
+    made: &mut Vec<PathBuf>,
+) -> Result<Report, StageError> {
+    let (uid, gid) = (user.uid, user.gid);
+    let (root, existed) = (&dest.fd, dest.existed);
     let dest_err = |op, rel: &Path| {
         let path = dest_path.join(rel);
         move |source| StageError::Dest { op, path, source }
     };
-    fsops::unlink_beneath(&root, Path::new(MARKER))
+    fsops::unlink_beneath(root, Path::new(MARKER))
         .map_err(dest_err("remove", Path::new(MARKER)))?;
     let data = open_dir(data_path).map_err(cache_err("open", data_path))?;
 
@@ -712,10 +731,10 @@ fn link_into(
     // filesystem when the cache is on another one (links take no room there). With neither, the
     // destination is not inspected twice.
     let groups = super::sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
-    let dest_st = fsops::fstat(&root).map_err(dest_err("inspect", Path::new("")))?;
+    let dest_st = fsops::fstat(root).map_err(dest_err("inspect", Path::new("")))?;
     let cache_st = fsops::fstat(&data).map_err(cache_err("inspect", data_path))?;
     let free = if dest_st.st_dev != cache_st.st_dev {
-        fsops::available_bytes(&root).map_err(dest_err("inspect", Path::new("")))?
+        fsops::available_bytes(root).map_err(dest_err("inspect", Path::new("")))?
     } else {
         u64::MAX
     };
@@ -728,7 +747,7 @@ fn link_into(
             m,
             &groups,
             (&data, data_path),
-            (&root, &dest_path),
+            (root, dest_path),
             uid,
             opts.workers,
         )?
@@ -737,7 +756,7 @@ fn link_into(
     };
     if needed > available {
         return Err(StageError::NoSpace {
-            dest: dest_path,
+            dest: dest_path.to_path_buf(),
             needed,
             available,
             limit,
@@ -746,7 +765,7 @@ fn link_into(
 
     let mut report = Report {
         source: m.source.clone(),
-        dest: dest_path.clone(),
+        dest: dest_path.to_path_buf(),
         ..Report::default()
     };
     for i in m.items.iter().filter(|i| i.kind == Kind::Dir) {
@@ -754,15 +773,17 @@ fn link_into(
         if i.rel.as_os_str().is_empty() {
             continue;
         }
-        let made = match fsops::mkdir_beneath(&root, &i.rel, 0o700) {
-            Ok(()) => true,
+        let made_here = match fsops::mkdir_beneath(root, &i.rel, 0o700) {
+            Ok(()) => {
+                made.push(i.rel.clone());
+                true
+            }
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                let st =
-                    fsops::lstat_beneath(&root, &i.rel).map_err(dest_err("inspect", &i.rel))?;
+                let st = fsops::lstat_beneath(root, &i.rel).map_err(dest_err("inspect", &i.rel))?;
                 if st.is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR) {
                     // A file or symlink where the source has a directory: replace it.
-                    fsops::unlink_beneath(&root, &i.rel).map_err(dest_err("remove", &i.rel))?;
-                    fsops::mkdir_beneath(&root, &i.rel, 0o700)
+                    fsops::unlink_beneath(root, &i.rel).map_err(dest_err("remove", &i.rel))?;
+                    fsops::mkdir_beneath(root, &i.rel, 0o700)
                         .map_err(dest_err("create", &i.rel))?;
                     true
                 } else {
@@ -771,8 +792,8 @@ fn link_into(
             }
             Err(e) => return Err(dest_err("create", &i.rel)(e)),
         };
-        if made {
-            let fd = fsops::open_beneath(&root, &i.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        if made_here {
+            let fd = fsops::open_beneath(root, &i.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
                 .map_err(dest_err("open", &i.rel))?;
             fsops::fchown(&fd, uid, gid).map_err(dest_err("chown", &i.rel))?;
         }
@@ -796,7 +817,7 @@ fn link_into(
             let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
             let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
                 .map_err(cache_err("open", &data_path.join(parent)))?;
-            let ddir = fsops::open_beneath(&root, parent, dir_flags, 0)
+            let ddir = fsops::open_beneath(root, parent, dir_flags, 0)
                 .map_err(dest_err("open", parent))?;
             for i in &m.items[first..end] {
                 let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
@@ -836,7 +857,7 @@ fn link_into(
     // Directory modes and mtimes last, deepest first.
     for i in m.items.iter().rev().filter(|i| i.kind == Kind::Dir) {
         let flags = libc::O_RDONLY | libc::O_DIRECTORY;
-        let fd = fsops::open_beneath(&root, &i.rel, flags, 0).map_err(dest_err("open", &i.rel))?;
+        let fd = fsops::open_beneath(root, &i.rel, flags, 0).map_err(dest_err("open", &i.rel))?;
         // Root changes only the user's directories (those it made were given to the user); a
         // destination directory that was there keeps its mode and mtime.
         let st = fsops::fstat(&fd).map_err(dest_err("inspect", &i.rel))?;
@@ -860,7 +881,7 @@ fn link_into(
     // Links are metadata, committed with the marker's fsync on a journaling filesystem; copied
     // or cloned data must reach the disk before the marker says it is there.
     if copied + cloned > 0 {
-        fsops::syncfs(&root).map_err(dest_err("sync", Path::new("")))?;
+        fsops::syncfs(root).map_err(dest_err("sync", Path::new("")))?;
     }
     report.files = m.files().count() as u64;
     report.bytes = m.bytes();
@@ -875,7 +896,7 @@ fn link_into(
         How::LinkedFromCache
     };
     write_marker(
-        &root,
+        root,
         &Marker {
             source: m.source.clone(),
             files: report.files,
@@ -887,7 +908,7 @@ fn link_into(
         },
     )
     .map_err(dest_err("write", Path::new(MARKER)))?;
-    fsops::lchown_beneath(&root, Path::new(MARKER), uid, gid)
+    fsops::lchown_beneath(root, Path::new(MARKER), uid, gid)
         .map_err(dest_err("chown", Path::new(MARKER)))?;
     Ok(report)
 }
