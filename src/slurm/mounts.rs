@@ -3,9 +3,10 @@
 //!
 //! FLAGS are those of Enroot's mount syntax (fstab options, which Pyxis hands to Enroot): every
 //! one Enroot accepts is accepted here. Those that change what the container sees are applied
-//! (`ro`, `noexec`, the atime flags, a tmpfs's `size=`, `mode=`, `huge=`, …); the others are
+//! (`ro`, `noexec`, a tmpfs's atime flags, `size=`, `mode=`, `huge=`, …); the others are
 //! accepted and change nothing because berth's mounts already behave so or, for `suid` and
-//! `dev`, must never behave otherwise: every bind mount is recursive, private, nosuid and nodev.
+//! `dev`, must never behave otherwise: every bind mount is recursive, private, nosuid and nodev,
+//! and keeps the atime behaviour of the mount it shows.
 //!
 //! A relative SRC (`./data`) is relative to the step's working directory, as in Pyxis; the path
 //! is kept as written under that directory (the kernel resolves it when the runtime opens it with
@@ -20,7 +21,7 @@ pub enum Mount {
         source: PathBuf,
         destination: PathBuf,
         readonly: bool,
-        /// Mount flags to apply on top of berth's (`noexec`, `noatime`, …), kernel names.
+        /// Mount flags to apply on top of berth's (`noexec`), kernel names.
         flags: Vec<String>,
     },
     Tmpfs {
@@ -61,8 +62,8 @@ const NEUTRAL_FLAGS: [&str; 25] = [
     "nolazytime",
 ];
 
-/// Flags applied to the mount as the kernel names them.
-const APPLIED_FLAGS: [&str; 5] = ["noexec", "noatime", "relatime", "strictatime", "nodiratime"];
+/// Atime flags: applied to a tmpfs; a bind mount keeps those of the mount it shows.
+const ATIME_FLAGS: [&str; 4] = ["noatime", "relatime", "strictatime", "nodiratime"];
 
 /// Enroot's own `x-` options: berth creates destinations (files or directories, as the source
 /// is) and never moves or detaches a mount.
@@ -138,7 +139,13 @@ fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, String> {
             "ro" => readonly = true,
             "rw" => readonly = false,
             f if NEUTRAL_FLAGS.contains(&f) || X_OPTIONS.contains(&f) => {}
-            f if APPLIED_FLAGS.contains(&f) => push_flag(&mut flags, f),
+            "noexec" => push_flag(&mut flags, flag),
+            // A bind mount keeps the atime behaviour of the mount it shows.
+            f if ATIME_FLAGS.contains(&f) => {
+                if tmpfs {
+                    push_flag(&mut flags, f);
+                }
+            }
             f if tmpfs_option(f).is_some() => {
                 if !tmpfs {
                     return Err(format!("'{f}' is an option of tmpfs mounts only"));
@@ -287,7 +294,7 @@ mod tests {
         let m = parse(
             "/d:/d:ro+rbind+unbindable+runbindable+rshared+x-create=dir+nosuid+suid+dev+exec,\
              /e:/e:noexec+noatime+rprivate,\
-             tmpfs:/t:size=1g+huge=within_size+mode=700+nr_inodes=10k+noexec+uid=1000,\
+             tmpfs:/t:size=1g+huge=within_size+mode=700+nr_inodes=10k+noexec+uid=1000+noatime,\
              tmpfs:/r:ro+size=50%+size=2g",
         )
         .unwrap();
@@ -298,7 +305,7 @@ mod tests {
                 source: "/e".into(),
                 destination: "/e".into(),
                 readonly: false,
-                flags: vec!["noexec".into(), "noatime".into()],
+                flags: vec!["noexec".into()],
             }
         );
         assert_eq!(
@@ -311,7 +318,8 @@ mod tests {
                     "mode=700",
                     "nr_inodes=10k",
                     "noexec",
-                    "uid=1000"
+                    "uid=1000",
+                    "noatime"
                 ]
                 .map(String::from)
                 .to_vec(),
