@@ -12,7 +12,7 @@
 #   clippy  cargo clippy --workspace --all-targets -- -D warnings
 #   build   cargo build --workspace --all-targets
 #   unit    cargo test --workspace --lib --bins
-#   fuzz    bench/fuzz/run.sh 8: AFL++ on each fuzz target for 8 s (fails on a crash or hang)
+#   fuzz    bench/fuzz/run.sh 7: AFL++ on each fuzz target for 7 s (fails on a crash or hang)
 #   root    cargo test --test root_* -- --ignored --test-threads=1   (every tests/root*.rs)
 #   vm      cargo test --test vm -- --ignored --test-threads=1        (tests/vm.rs)
 # setup, fmt, clippy and build always run. A tier whose test file is missing, or that runs no
@@ -145,9 +145,10 @@ step_clippy() { cargo clippy --workspace --all-targets -- -D warnings; }
 step_build() { cargo build --workspace --all-targets; }
 step_unit() { cargo_test unit --workspace --lib --bins; }
 
-# Every fuzz target under AFL++ for a bounded time (17 targets x 8 s, about 2.5 minutes after
-# the instrumented build); the unit tier already replayed each corpus file. A crash fails it.
-step_fuzz() { bash bench/fuzz/run.sh "${BERTH_FUZZ_SECONDS:-8}"; }
+# Every fuzz target under AFL++ for a bounded time (17 targets x 7 s plus start-up: under 3
+# minutes after the instrumented build); the unit tier already replayed each corpus file. A crash
+# or a confirmed hang fails it.
+step_fuzz() { bash bench/fuzz/run.sh "${BERTH_FUZZ_SECONDS:-7}"; }
 
 step_root() {
   local t args=()
