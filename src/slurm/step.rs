@@ -260,14 +260,14 @@ pub fn adjust_spec(
 ) -> Result<(), String> {
     use oci_spec::runtime::LinuxNamespaceType;
     let u = unshare(&step.options, site_unshare)?;
-    if let Some(linux) = spec.linux_mut() {
-        if let Some(list) = linux.namespaces_mut() {
-            list.retain(|ns| match ns.typ() {
-                LinuxNamespaceType::Ipc => u.ipc,
-                LinuxNamespaceType::Uts => u.uts,
-                _ => true,
-            });
-        }
+    if let Some(linux) = spec.linux_mut()
+        && let Some(list) = linux.namespaces_mut()
+    {
+        list.retain(|ns| match ns.typ() {
+            LinuxNamespaceType::Ipc => u.ipc,
+            LinuxNamespaceType::Uts => u.uts,
+            _ => true,
+        });
     }
     let cwd = step.cwd();
     let user_mounts = mounts::parse_in(
@@ -628,7 +628,7 @@ mod tests {
         assert!(
             req.mounts
                 .iter()
-                .all(|m| m.source == PathBuf::from("/home/alice"))
+                .all(|m| m.source == std::path::Path::new("/home/alice"))
         );
     }
 
