@@ -149,10 +149,14 @@ fn create(config: &Config) -> Result<i32, Failure> {
             .host_path(save_text)
             .map_err(|e| Failure::input(format!("--container-save={save_text}: {e}")))?;
         check_save_target(&save, step.uid, step.gid).map_err(|e| {
+            let resolved = if save_text.starts_with('/') {
+                String::new()
+            } else {
+                format!(" ({})", save.display())
+            };
             Failure::input(format!(
-                "--container-save={save_text}: uid {} cannot write {}: {e}; give a path the job's user can write",
+                "--container-save={save_text}: uid {} cannot write it{resolved}: {e}; give a path the job's user can write",
                 step.uid,
-                save.display()
             ))
         })?;
         labels.insert("save".into(), save.display().to_string());
