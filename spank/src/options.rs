@@ -139,7 +139,7 @@ pub static FLAGS: [Flag; 19] = [
     Flag {
         name: c"container-mounts",
         arginfo: Some(c"SRC[:DST[:FLAGS]][,SRC[:DST[:FLAGS]]...]"),
-        usage: c"[berth] bind mount(s) inside the container; flags are separated with \"+\", e.g. \"ro+rprivate\"; SRC \"tmpfs\" mounts a new tmpfs at DST",
+        usage: c"[berth] bind mount(s) inside the container; a relative SRC is the working directory's; flags (Enroot's) are separated with \"+\", e.g. \"ro+rprivate\"; SRC \"tmpfs\" mounts a new tmpfs at DST (flags such as size=1g+mode=700)",
         key: Key::Mounts,
         sets: false,
     },

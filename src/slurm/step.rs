@@ -46,7 +46,9 @@ impl StepRequest {
 
     /// The step's working directory on the host, against which relative `--container-mounts`
     /// sources and `--container-save` paths are taken (Pyxis's rule): `PWD` of the job's
-    /// environment (slurmstepd's, the step's directory), else `SLURM_SUBMIT_DIR`.
+    /// environment (what the shell that ran srun exports, following its `cd`s; Slurm passes it
+    /// on unchanged), else `SLURM_SUBMIT_DIR` (srun's directory when it started). SPANK tells
+    /// no step's working directory, so `srun --chdir` is not seen.
     pub fn cwd(&self) -> Option<PathBuf> {
         let pairs = env::pairs(&self.job_env);
         ["PWD", "SLURM_SUBMIT_DIR"].iter().find_map(|key| {
