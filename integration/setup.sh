@@ -39,9 +39,9 @@ PACKAGES=(
   rsync           # bench/stage: the rsync -a arm berth stage is compared with
   xfsprogs        # root tier (tests/root_stage.rs): an XFS with reflinks, where staging clones
   debootstrap     # integration/slurm/mpi-image.sh: the Debian minbase MPI test image
-)
   rpm             # packaging/build.sh: rpmbuild makes the .rpm; tests/root_package.rs: rpm -qlp
   systemd         # tests/root_package.rs: systemd-analyze verify of the packaged units
+)
 
 # apt-get update is skipped while this stamp is younger than this many seconds.
 APT_MAX_AGE_S=$((6 * 3600))
