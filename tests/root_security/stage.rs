@@ -5,7 +5,6 @@
 use super::*;
 
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 
 /// A config of this test's own under `w`: the scratch root, the retention area and the dataset
