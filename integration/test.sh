@@ -58,6 +58,9 @@ if ! command -v cargo >/dev/null; then
   command -v cargo >/dev/null || { echo "test.sh: cargo not found in PATH or ~/.cargo/bin" >&2; exit 1; }
 fi
 export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
+# tests/root_package.rs packages the build the other tests use: a release build would add ~15
+# minutes of compiling to every run (packaging/build.sh builds release packages by default).
+export BERTH_PACKAGE_PROFILE=${BERTH_PACKAGE_PROFILE:-dev}
 
 # Steps to run, in order.
 steps=(setup fmt clippy build)

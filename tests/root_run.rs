@@ -374,7 +374,7 @@ fn init_reaps_orphans() {
 #[ignore = "root tier: run by integration/test.sh"]
 fn nothing_is_left_after_exit() {
     let state = state_dir();
-    let o = run_sh(&[], "setsid sleep 300 & sleep 300 & echo started");
+    let o = run_sh(&[], "setsid sleep 31337 & sleep 31337 & echo started");
     assert!(stdout(&o).contains("started"));
     assert!(
         leftover_cgroups().is_empty(),
@@ -394,7 +394,7 @@ fn nothing_is_left_after_exit() {
     let entries = container_state_dirs();
     assert!(entries.is_empty(), "state dirs left: {entries:?}");
     let ps = Command::new("pgrep")
-        .args(["-f", "^sleep 300"])
+        .args(["-f", "^sleep 31337"])
         .output()
         .unwrap();
     assert!(

@@ -459,14 +459,14 @@ fn a_bad_image_fails_the_step_with_one_line_naming_it() {
         "srun",
         &[
             &format!("--container-image={}", image()),
-            "--container-mounts=data:/data",
+            "--container-mounts=/data:rel",
             "true",
         ],
     ));
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains(
-            "berth: --container-mounts: invalid value 'data:/data': the source must be an absolute path"
+            "berth: --container-mounts: invalid value '/data:rel': the destination must be an absolute path"
         ) && !stderr(&o).contains("slurmstepd"),
         "{}",
         stderr(&o)
