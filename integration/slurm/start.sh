@@ -195,15 +195,21 @@ slurmctld -f "$SLURM_CONF" || die "slurmctld failed to start: see $state/log/slu
 # <state_dir>.<node> over runtime.state_dir; host mounts still propagate into it.
 berth_state=$(sed -n 's/^[[:space:]]*state_dir[[:space:]]*=[[:space:]]*"\(.*\)"[[:space:]]*$/\1/p' "$berth_config" | head -n1)
 berth_state=${berth_state:-/run/berth}
+# The node-local scratch root likewise (two Prologs of one job would make the same <root>/<job>).
+berth_scratch=$(awk '/^\[/ { in_scratch = ($0 ~ /^\[scratch\]/) }
+  in_scratch && /^[[:space:]]*root[[:space:]]*=/ { sub(/^[^"]*"/, ""); sub(/".*$/, ""); print; exit }' "$berth_config")
+berth_scratch=${berth_scratch:-/var/tmp/berth-scratch}
 for n in "${node_names[@]}"; do
   mkdir -p "$state/spool/$n" "$state/tmp/$n"
   if [ "$nodes" -eq 1 ]; then
     slurmd -f "$SLURM_CONF" -N "$n" || die "slurmd $n failed to start: see $state/log/slurmd-$n.log"
   else
-    mkdir -p "$berth_state" "$berth_state.$n"
+    mkdir -p "$berth_state" "$berth_state.$n" "$berth_scratch" "$state/scratch/$n"
     chmod 711 "$berth_state" "$berth_state.$n"
-    unshare -m --propagation slave sh -c 'mount --bind "$1" "$2" && exec slurmd -f "$3" -N "$4"' \
-      sh "$berth_state.$n" "$berth_state" "$SLURM_CONF" "$n" ||
+    chmod 755 "$berth_scratch" "$state/scratch" "$state/scratch/$n"
+    unshare -m --propagation slave sh -c \
+      'mount --bind "$1" "$2" && mount --bind "$3" "$4" && exec slurmd -f "$5" -N "$6"' \
+      sh "$berth_state.$n" "$berth_state" "$state/scratch/$n" "$berth_scratch" "$SLURM_CONF" "$n" ||
       die "slurmd $n failed to start: see $state/log/slurmd-$n.log"
   fi
 done
