@@ -1021,3 +1021,41 @@ fn on_a_filesystem_that_shares_extents_staging_clones_instead_of_copying() {
         stage::checksums(&dest.join("ds")).unwrap()
     );
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn prologs_of_one_job_racing_for_its_scratch_all_get_it() {
+    // Two slurmd on one host (or a Prolog run twice at once) create the same job's scratch at
+    // the same moment: every one must end with the user's directory, none with EEXIST (which
+    // fails the Prolog and drains the node).
+    let w = workdir();
+    let root = w.path().join("scratch");
+    let (uid, gid, _) = test_user();
+    let racers = 4;
+    for round in 0..100 {
+        let job = format!("race{round}");
+        let barrier = std::sync::Barrier::new(racers);
+        let results: Vec<Result<PathBuf, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..racers)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        scratch::create(&root, &job, uid, gid, None).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &results {
+            let dir = r.as_ref().unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let meta = std::fs::symlink_metadata(dir).unwrap();
+            assert!(meta.is_dir());
+            assert_eq!(
+                (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+                (uid, gid, 0o700),
+                "round {round}"
+            );
+        }
+        scratch::remove(&root, &job).unwrap();
+    }
+}

@@ -73,6 +73,25 @@ pub fn create(
     gid: u32,
     _cap: Option<u64>,
 ) -> Result<PathBuf, ScratchError> {
+    // Two Prologs of one job on one host (several slurmd, or a Prolog run again while the
+    // first is still busy) race here: one may see the other's directory half made (root's,
+    // before its chown) and replace it, so the other's open or mkdir misses. Each step is
+    // safe to repeat, and the loser then finds the directory the winner finished.
+    let mut attempt = 0;
+    loop {
+        match create_once(root, job_id, uid, gid) {
+            Err(ScratchError::Io { source, .. })
+                if attempt < 3
+                    && matches!(source.raw_os_error(), Some(libc::ENOENT | libc::EEXIST)) =>
+            {
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn create_once(root: &Path, job_id: &str, uid: u32, gid: u32) -> Result<PathBuf, ScratchError> {
     let dir = path(root, job_id)?;
     let name = c_name(job_id)?;
     let rfd = open_root(root)?;
@@ -89,14 +108,32 @@ pub fn create(
         }
         None => false,
     };
+    let mut adopt = false;
     if !kept {
         // SAFETY: `rfd` is an open directory and `name` a valid C string of one component.
         let r = unsafe { libc::mkdirat(rfd.as_raw_fd(), name.as_ptr(), 0o700) };
         if r < 0 {
-            return Err(io("create", &dir)(std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            // Another Prolog of this job made it between our look and mkdir (two slurmd of one
+            // host, or a Prolog run twice at once): the directory is then root's or already
+            // the user's, and only root can make either in the root-owned scratch root.
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(io("create", &dir)(e));
+            }
+            adopt = true;
         }
     }
     let fd = tree::open_dir_at(&rfd, &name).map_err(io("open", &dir))?;
+    if adopt {
+        let st = fsops::fstat(&fd).map_err(io("inspect", &dir))?;
+        let owner = (st.st_uid, st.st_gid);
+        if owner != (0, 0) && owner != (uid, gid) {
+            return Err(io("take", &dir)(std::io::Error::other(format!(
+                "made meanwhile and owned by {}:{}, not root or the job's user",
+                owner.0, owner.1
+            ))));
+        }
+    }
     if !kept {
         fsops::fchown(&fd, uid, gid).map_err(io("chown", &dir))?;
     }
