@@ -15,14 +15,12 @@ use berth::image::registry::{auth, manifest};
 use berth::image::{archive, layer, reference, sif, squashfs};
 
 // The SPANK plugin is a cdylib that cannot be linked as a library: its pure modules are compiled
-// here from its sources, at the crate root where their `crate::` paths point, as the plugin
-// itself compiles berth's `src/slurm/mounts.rs`.
+// here from its sources, at the crate root where their `crate::` paths point; the mount syntax
+// they use comes from the protocol crate, as in the plugin.
 #[path = "../../spank/src/config.rs"]
 #[allow(dead_code)]
 mod config;
-#[path = "../../src/slurm/mounts.rs"]
-#[allow(dead_code)]
-mod mounts;
+use berth_proto::mounts;
 #[path = "../../spank/src/options.rs"]
 #[allow(dead_code)]
 mod options;
@@ -297,7 +295,7 @@ pub fn fuzz_spank_plugstack(data: &[u8]) {
 /// one-line failure it shows from berth's stderr.
 pub fn fuzz_spank_created(data: &[u8]) {
     if let Ok(c) = request::Created::parse(data) {
-        let _ = c.join_order();
+        let _ = request::join_order(&c);
         for rank in [0, 1, u32::MAX] {
             if let Some(b) = c.bind.as_ref() {
                 let _ = b.rank(rank);
@@ -312,10 +310,19 @@ pub fn fuzz_spank_created(data: &[u8]) {
 /// The JSON step request `berth step create` reads on stdin from the plugin, and the pure
 /// translation of it into a container request.
 pub fn fuzz_step_request(data: &[u8]) {
-    use berth::slurm::step::{self, StepRequest};
-    let Ok(req) = serde_json::from_slice::<StepRequest>(data) else {
+    use berth::slurm::step::{self, StepExt, StepRequest};
+    let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
+    let Ok(parsed) = StepRequest::parse(text) else {
+        return;
+    };
+    let req = parsed.request;
+    let _ = req.node_name();
+    let _ = req.cwd();
+    if let Some(save) = &req.options.container_save {
+        let _ = req.host_path(save);
+    }
     let _ = req.bind_mode(berth::topology::plan::BindMode::default());
     let _ = req.topology_job();
     if let Some(name) = &req.options.container_name {

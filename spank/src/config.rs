@@ -8,20 +8,7 @@ use std::path::PathBuf;
 use crate::options::parse_bool;
 
 /// Where named containers live: per job (removed by the Epilog) or per user across jobs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
-    Job,
-    Global,
-}
-
-impl Scope {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Scope::Job => "job",
-            Scope::Global => "global",
-        }
-    }
-}
+pub use berth_proto::step::Scope;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PluginConfig {

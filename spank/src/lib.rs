@@ -12,11 +12,9 @@
 
 mod config;
 mod join;
-/// berth's own parser of `--container-mounts` (plain std code), shared rather than copied; the
+/// berth's own parser of `--container-mounts`, from the protocol crate both sides share: the
 /// plugin checks entries one by one and leaves the rest of it to berth.
-#[path = "../../src/slurm/mounts.rs"]
-#[allow(dead_code)]
-mod mounts;
+use berth_proto::mounts;
 mod options;
 mod pin;
 mod request;

@@ -8,7 +8,7 @@
 
 use std::io;
 
-use crate::request::{MemPolicy, RankBinding};
+use berth_proto::answer::{MemPolicy, RankBinding};
 
 const MPOL_PREFERRED: libc::c_int = 1;
 const MPOL_BIND: libc::c_int = 2;

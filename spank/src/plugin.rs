@@ -54,6 +54,11 @@ struct State {
     create_ran: bool,
     /// `berth step destroy` ran.
     destroyed: bool,
+    /// The node this slurmstepd runs on, as sent in the create request.
+    node: Option<String>,
+    /// The protocol version of berth's create answer (0: no answer): `--node` is passed to
+    /// `berth step destroy` only when berth speaks protocol 2 or later.
+    berth_protocol: u32,
     /// Local tasks that ended (slurmstepd).
     tasks_exited: u32,
     /// The line already shown for a failed `user_init`; the tasks fail with it.
@@ -68,7 +73,7 @@ struct Container {
     /// Printed by the node's first task, whose stderr reaches srun.
     entrypoint_log: Option<String>,
     /// `--container-bind=closest`: each local task's CPUs, memory and variables.
-    bind: Option<request::Binding>,
+    bind: Option<berth_proto::answer::Binding>,
     /// The step joined an existing container.
     attached: bool,
 }
@@ -143,6 +148,8 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
             step: None,
             create_ran: false,
             destroyed: false,
+            node: None,
+            berth_protocol: 0,
             tasks_exited: 0,
             failure: None,
             container: None,
@@ -444,7 +451,15 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
             .ok_or_else(|| berth_line("the batch step has no script"))?;
         options.add_batch_script(script).map_err(berth_line)?;
     }
-    let request = request::create_request(&step, &options.to_json(), &st.config, &job_env);
+    let request = request::create_request(&step, &options.to_json(), &st.config, &job_env)
+        .map_err(berth_line)?;
+    st.node = berth_proto::step::node_from_env(&|k| {
+        let prefix = format!("{k}=");
+        job_env
+            .iter()
+            .rev()
+            .find_map(|e| e.strip_prefix(&prefix).map(str::to_string))
+    });
     if let Some(dir) = &st.config.debug_request_dir {
         let path = dir.join(format!("{}.{}.json", step.job_id, step.step_id));
         if let Err(e) = std::fs::write(&path, &request) {
@@ -459,7 +474,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
     st.create_ran = true;
     let outcome = start_berth(&inv)?;
     if !outcome.status.success() {
-        if st.config.pyxis_messages && request::import_failed(&outcome.stderr) {
+        if st.config.pyxis_messages && berth_proto::answer::import_failed(&outcome.stderr) {
             ffi::log_error("pyxis: failed to import docker image");
         }
         return Err(request::failure_line(
@@ -469,8 +484,9 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         ));
     }
     let created = Created::parse(&outcome.stdout).map_err(berth_line)?;
+    st.berth_protocol = created.protocol;
     let mut namespaces = Vec::new();
-    for (ns, path) in created.join_order().map_err(berth_line)? {
+    for (ns, path) in request::join_order(&created).map_err(berth_line)? {
         let fd = join::with_root_euid(|| join::open_namespace(path))
             .and_then(|r| r)
             .map_err(|e| {
@@ -668,11 +684,12 @@ fn destroy(st: &mut State) -> Result<(), String> {
         return Ok(());
     };
     let (job, stepid) = (step.job_id.to_string(), step.step_id.to_string());
-    let inv = berth_invocation(
-        &st.config,
-        &["step", "destroy", "--job-id", &job, "--step-id", &stepid],
-        Vec::new(),
-    );
+    let mut args = vec!["step", "destroy", "--job-id", &job, "--step-id", &stepid];
+    // An older berth does not know `--node` (and would fail the destroy on it).
+    if let (Some(node), true) = (&st.node, st.berth_protocol >= 2) {
+        args.extend(["--node", node]);
+    }
+    let inv = berth_invocation(&st.config, &args, Vec::new());
     run_berth(&inv, "step destroy")?;
     Ok(())
 }

@@ -4,8 +4,11 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{Map, Value};
+
+pub use berth_proto::answer::Created;
+use berth_proto::step::{Options, PluginConfig as WirePluginConfig, StepRequest};
 
 use crate::config::PluginConfig;
 
@@ -19,40 +22,27 @@ pub struct Step {
     pub local_task_count: u32,
 }
 
-#[derive(Debug, Serialize)]
-struct PluginSettings {
-    container_scope: &'static str,
-    execute_entrypoint: bool,
-    sbatch_support: bool,
-}
-
-#[derive(Debug, Serialize)]
-struct CreateRequest<'a> {
-    #[serde(flatten)]
-    step: &'a Step,
-    options: &'a Map<String, Value>,
-    plugin: PluginSettings,
-    job_env: &'a [String],
-}
-
-/// The request for `berth step create`, as one JSON document.
+/// The request for `berth step create`, as one JSON document of the protocol's current
+/// version, with the node this slurmstepd runs on (from the job's environment).
 pub fn create_request(
     step: &Step,
     options: &Map<String, Value>,
     config: &PluginConfig,
     job_env: &[String],
-) -> String {
-    let request = CreateRequest {
-        step,
-        options,
-        plugin: PluginSettings {
-            container_scope: config.container_scope.as_str(),
-            execute_entrypoint: config.execute_entrypoint,
-            sbatch_support: config.sbatch_support,
-        },
-        job_env,
+) -> Result<String, String> {
+    let options = Options::from_json(Value::Object(options.clone()))
+        .map_err(|e| format!("the plugin's options do not fit the protocol: {e}"))?;
+    let mut request = StepRequest::new(step.job_id.into(), step.step_id.into(), step.uid, step.gid);
+    request.local_task_count = step.local_task_count;
+    request.options = options;
+    request.plugin = WirePluginConfig {
+        container_scope: config.container_scope,
+        execute_entrypoint: config.execute_entrypoint,
+        sbatch_support: config.sbatch_support,
     };
-    serde_json::to_string(&request).expect("the request is plain data")
+    request.job_env = job_env.to_vec();
+    request.node = request.node_name();
+    Ok(request.to_json())
 }
 
 /// A namespace a task joins, in the order the task joins them.
@@ -107,38 +97,6 @@ impl Namespace {
     }
 }
 
-/// What `berth step create` printed on success.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-pub struct Created {
-    pub id: String,
-    pub pid: i32,
-    pub namespaces: BTreeMap<String, String>,
-    pub env: Vec<String>,
-    pub cwd: String,
-    /// What the image's entrypoint printed (`--container-entrypoint-log`).
-    #[serde(default)]
-    pub entrypoint_log: Option<String>,
-    /// With `--container-bind=closest`: what each local task is pinned to. Absent from an
-    /// older berth's answer.
-    #[serde(default)]
-    pub bind: Option<Binding>,
-    /// The step joined an existing container (a named one, or another step's by
-    /// `JOBID.STEPID`), whose mounts were set when it was made.
-    #[serde(default)]
-    pub attached: bool,
-}
-
-/// What `berth step create` prints on stderr before its error when the image could not be
-/// imported (src/cli/step.rs `IMPORT_FAILED_MARKER`).
-pub const IMPORT_FAILED_MARKER: &str = "berth-step: image import failed";
-
-/// Whether berth's stderr says the image import failed.
-pub fn import_failed(stderr: &[u8]) -> bool {
-    String::from_utf8_lossy(stderr)
-        .lines()
-        .any(|l| l.trim() == IMPORT_FAILED_MARKER)
-}
-
 /// Whether `--container-image` names a registry image (Pyxis's "docker image"), not a file.
 pub fn is_registry_image(image: &str) -> bool {
     !image.starts_with('/')
@@ -172,107 +130,17 @@ pub fn pmix_mca(getenv: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, S
         .collect()
 }
 
-/// How a pinned task's memory follows its NUMA nodes (berth's `topology.memory_policy`).
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum MemPolicy {
-    Bind,
-    Preferred,
-    None,
-}
-
-/// The per-local-rank plans of a step.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-pub struct Binding {
-    pub memory_policy: MemPolicy,
-    pub ranks: Vec<RankBinding>,
-}
-
-/// One local rank (SLURM_LOCALID): its CPUs, NUMA nodes and variables.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-pub struct RankBinding {
-    pub rank: u32,
-    pub cpus: Vec<u32>,
-    pub mems: Vec<u32>,
-    pub env: Vec<String>,
-}
-
-impl Binding {
-    pub fn rank(&self, rank: u32) -> Option<&RankBinding> {
-        self.ranks.iter().find(|r| r.rank == rank)
+/// The namespaces of berth's answer with their paths, in joining order.
+pub fn join_order(created: &Created) -> Result<Vec<(Namespace, &str)>, String> {
+    let mut list = Vec::new();
+    for (key, path) in &created.namespaces {
+        let ns = Namespace::from_key(key).ok_or_else(|| {
+            format!("berth step create reported namespace '{key}', which a task cannot join")
+        })?;
+        list.push((ns, path.as_str()));
     }
-}
-
-/// `berth step create` broke the protocol: the plugin cannot use what it printed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ProtocolError {
-    #[error("berth step create printed no JSON object on stdout ({0})")]
-    NotJson(String),
-    #[error("berth step create reported namespace '{0}', which a task cannot join")]
-    UnknownNamespace(String),
-    #[error("berth step create reported the {0} namespace at '{1}', not an absolute path")]
-    RelativePath(&'static str, String),
-    #[error("berth step create reported the environment entry '{0}', which has no '='")]
-    BadEnv(String),
-    #[error("berth step create reported the working directory '{0}', not an absolute path")]
-    BadCwd(String),
-    #[error("berth step create reported no mount namespace: the tasks would run on the host")]
-    NoMountNamespace,
-}
-
-impl Created {
-    /// Parses and checks berth's answer. Only the first JSON value on stdout counts; anything
-    /// after it (a stray log line) is ignored.
-    pub fn parse(stdout: &[u8]) -> Result<Self, ProtocolError> {
-        let mut stream = serde_json::Deserializer::from_slice(stdout).into_iter::<Created>();
-        let created = match stream.next() {
-            Some(Ok(c)) => c,
-            Some(Err(e)) => return Err(ProtocolError::NotJson(e.to_string())),
-            None => return Err(ProtocolError::NotJson("stdout was empty".into())),
-        };
-        created.check()?;
-        Ok(created)
-    }
-
-    fn check(&self) -> Result<(), ProtocolError> {
-        self.join_order()?;
-        if let Some(bad) = self
-            .env
-            .iter()
-            .find(|e| !e.contains('=') || e.starts_with('='))
-        {
-            return Err(ProtocolError::BadEnv(bad.clone()));
-        }
-        if !self.cwd.starts_with('/') {
-            return Err(ProtocolError::BadCwd(self.cwd.clone()));
-        }
-        let bound = self.bind.iter().flat_map(|b| &b.ranks);
-        if let Some(bad) = bound
-            .flat_map(|r| &r.env)
-            .find(|e| !e.contains('=') || e.starts_with('='))
-        {
-            return Err(ProtocolError::BadEnv(bad.clone()));
-        }
-        Ok(())
-    }
-
-    /// The namespaces to join with their paths, in joining order.
-    pub fn join_order(&self) -> Result<Vec<(Namespace, &str)>, ProtocolError> {
-        let mut list = Vec::new();
-        for (key, path) in &self.namespaces {
-            let ns = Namespace::from_key(key)
-                .ok_or_else(|| ProtocolError::UnknownNamespace(key.clone()))?;
-            if !path.starts_with('/') {
-                return Err(ProtocolError::RelativePath(ns.key(), path.clone()));
-            }
-            list.push((ns, path.as_str()));
-        }
-        if !list.iter().any(|(ns, _)| *ns == Namespace::Mnt) {
-            return Err(ProtocolError::NoMountNamespace);
-        }
-        list.sort();
-        Ok(list)
-    }
+    list.sort();
+    Ok(list)
 }
 
 /// Appends `NAME=value` to `env` when `value` is set and `env` has no `NAME` yet.
@@ -329,6 +197,7 @@ pub fn failure_line(stderr: &[u8], verb: &str, exit: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::Scope;
+    use berth_proto::answer::{MemPolicy, import_failed};
 
     fn step() -> Step {
         Step {
@@ -350,15 +219,18 @@ mod tests {
             ..PluginConfig::default()
         };
         let env = vec!["SLURM_JOB_ID=12".to_string(), "A=b=c".to_string()];
+        let env = [env, vec!["SLURM_TOPOLOGY_ADDR=n1".to_string()]].concat();
         let json: Value =
-            serde_json::from_str(&create_request(&step(), &options, &config, &env)).unwrap();
+            serde_json::from_str(&create_request(&step(), &options, &config, &env).unwrap())
+                .unwrap();
         assert_eq!(
             json,
             serde_json::json!({
+                "protocol": berth_proto::VERSION, "node": "n1",
                 "job_id": 12, "step_id": 0, "uid": 1000, "gid": 1000, "local_task_count": 2,
                 "options": {"container-image": "busybox", "container-writable": false},
                 "plugin": {"container_scope": "global", "execute_entrypoint": false, "sbatch_support": true},
-                "job_env": ["SLURM_JOB_ID=12", "A=b=c"],
+                "job_env": ["SLURM_JOB_ID=12", "A=b=c", "SLURM_TOPOLOGY_ADDR=n1"],
             })
         );
         // Pyxis's runtime_path is accepted in plugstack.conf but berth has its own directories.
@@ -367,8 +239,13 @@ mod tests {
             ..PluginConfig::default()
         };
         let json: Value =
-            serde_json::from_str(&create_request(&step(), &options, &config, &env)).unwrap();
+            serde_json::from_str(&create_request(&step(), &options, &config, &env).unwrap())
+                .unwrap();
         assert_eq!(json["plugin"].as_object().unwrap().len(), 3);
+        // An option the protocol does not define is the plugin's bug, named before berth runs.
+        options.insert("container-nonsense".into(), true.into());
+        let e = create_request(&step(), &options, &config, &env).unwrap_err();
+        assert!(e.contains("container-nonsense"), "{e}");
     }
 
     const GOOD: &str = r#"{"id": "c0ffee123456", "pid": 4242,
@@ -382,14 +259,26 @@ mod tests {
         assert_eq!(c.id, "c0ffee123456");
         assert_eq!(c.pid, 4242);
         assert_eq!(c.cwd, "/workdir");
-        let order: Vec<&str> = c
-            .join_order()
+        let order: Vec<&str> = join_order(&c)
             .unwrap()
             .iter()
             .map(|(n, _)| n.key())
             .collect();
         assert_eq!(order, ["cgroup", "ipc", "uts", "net", "mnt", "user"]);
-        assert_eq!(c.join_order().unwrap()[4].1, "/proc/4242/ns/mnt");
+        assert_eq!(join_order(&c).unwrap()[4].1, "/proc/4242/ns/mnt");
+        let pid_ns = GOOD
+            .replacen("\"extra\": 1", "\"extra\": 1, \"x\": 2", 1)
+            .replacen(
+                "\"user\": \"/proc/4242/ns/user\"",
+                "\"user\": \"/proc/4242/ns/user\", \"pid\": \"/p\"",
+                1,
+            );
+        let c = Created::parse(pid_ns.as_bytes()).unwrap();
+        let e = join_order(&c).unwrap_err();
+        assert!(
+            e.contains("namespace 'pid', which a task cannot join"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -417,39 +306,6 @@ mod tests {
             e.contains("'CUDA_VISIBLE_DEVICES', which has no '='"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn response_violations_are_named() {
-        let cases: &[(&str, &str)] = &[
-            ("", "stdout was empty"),
-            ("berth: oops", "no JSON object"),
-            (r#"{"id":"x"}"#, "missing field"),
-            (
-                r#"{"id":"x","pid":1,"namespaces":{"mnt":"/m","pid":"/p"},"env":[],"cwd":"/"}"#,
-                "namespace 'pid', which a task cannot join",
-            ),
-            (
-                r#"{"id":"x","pid":1,"namespaces":{"mnt":"proc/1/ns/mnt"},"env":[],"cwd":"/"}"#,
-                "not an absolute path",
-            ),
-            (
-                r#"{"id":"x","pid":1,"namespaces":{"uts":"/u"},"env":[],"cwd":"/"}"#,
-                "no mount namespace",
-            ),
-            (
-                r#"{"id":"x","pid":1,"namespaces":{"mnt":"/m"},"env":["NOVALUE"],"cwd":"/"}"#,
-                "'NOVALUE', which has no '='",
-            ),
-            (
-                r#"{"id":"x","pid":1,"namespaces":{"mnt":"/m"},"env":[],"cwd":"work"}"#,
-                "working directory 'work'",
-            ),
-        ];
-        for (stdout, expected) in cases {
-            let e = Created::parse(stdout.as_bytes()).unwrap_err().to_string();
-            assert!(e.contains(expected), "{stdout}: {e}");
-        }
     }
 
     #[test]

@@ -121,9 +121,12 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
     let job = job_id()?;
     let opts = options(config, None);
     let mut failures = Vec::new();
+    // Slurm names the node in the Epilog's environment: where several slurmd share a host and
+    // a state directory, each Epilog removes its own node's containers.
+    let node = berth_proto::step::node_from_env(&|k| std::env::var(k).ok());
     for record in state::list(&config.runtime.state_dir) {
         let l = &record.labels;
-        let of_job = l.get("job") == Some(&job);
+        let of_job = l.get("job") == Some(&job) && super::step::on_node(l, node.as_deref());
         let global = l.get("scope").map(String::as_str) == Some("global");
         if of_job
             && !global

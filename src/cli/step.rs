@@ -12,7 +12,7 @@ use super::run::{host_files, options, runtime_failure};
 use crate::config::Config;
 use crate::runtime::{self, state};
 use crate::slurm::step::{
-    self as slurm_step, NameMode, Scope, StepRequest, TaskBinding, parse_name, to_request,
+    self as slurm_step, NameMode, Scope, StepExt, StepRequest, TaskBinding, parse_name, to_request,
 };
 use crate::spec;
 use crate::topology::job::Job;
@@ -41,6 +41,11 @@ pub struct DestroyArgs {
     pub job_id: u64,
     #[arg(long)]
     pub step_id: u64,
+    /// The Slurm node the step ran on (its `node` in the create request): only that node's
+    /// container is removed where several slurmd share a host and a state directory. Sent by
+    /// plugins of protocol 2 and later to a berth that answered with protocol 2 or later.
+    #[arg(long)]
+    pub node: Option<String>,
 }
 
 pub fn execute(args: &StepArgs, config: &Config) -> Result<i32, Failure> {
@@ -54,14 +59,33 @@ fn label(labels: &BTreeMap<String, String>, key: &str) -> String {
     labels.get(key).cloned().unwrap_or_default()
 }
 
+/// Whether a container belongs to `node`: one made on it, or without a node (made by a berth
+/// or plugin that did not know it), or any when the node is unknown.
+pub(super) fn on_node(labels: &BTreeMap<String, String>, node: Option<&str>) -> bool {
+    match (node, labels.get("node")) {
+        (Some(want), Some(have)) => want == have,
+        _ => true,
+    }
+}
+
 fn create(config: &Config) -> Result<i32, Failure> {
     let mut text = String::new();
     std::io::stdin()
         .read_to_string(&mut text)
         .map_err(|e| Failure::system(format!("reading the step request on stdin: {e}")))?;
-    let step: StepRequest = serde_json::from_str(&text)
+    let parsed = StepRequest::parse(&text)
         .map_err(|e| Failure::input(format!("invalid step request from the SPANK plugin: {e}")))?;
+    let step = parsed.request;
     crate::log::set_job(&step.job_id.to_string(), Some(step.step_id));
+    if !parsed.ignored.is_empty() {
+        tracing::warn!(
+            "the SPANK plugin speaks protocol {} (this berth {}): ignored what this berth does not know: {}",
+            step.protocol,
+            berth_proto::VERSION,
+            parsed.ignored.join(", ")
+        );
+    }
+    let node = step.node_name();
     let bind = step
         .bind_mode(config.topology.bind)
         .map_err(Failure::input)?;
@@ -71,12 +95,17 @@ fn create(config: &Config) -> Result<i32, Failure> {
         ("step".to_string(), step.step_id.to_string()),
         ("uid".to_string(), step.uid.to_string()),
     ]);
+    if let Some(node) = &node {
+        labels.insert("node".into(), node.clone());
+    }
     if let Some(name_opt) = &step.options.container_name {
         let (name, mode) = parse_name(name_opt).map_err(Failure::input)?;
         let scope = step.plugin.container_scope;
         let records = state::list(&config.runtime.state_dir);
         let mine = |r: &state::Record| {
-            state::owner_alive(r) && label(&r.labels, "uid") == step.uid.to_string()
+            state::owner_alive(r)
+                && label(&r.labels, "uid") == step.uid.to_string()
+                && on_node(&r.labels, node.as_deref())
         };
         let existing = records
             .iter()
@@ -292,7 +321,7 @@ fn step_entrypoint(image: &[String], lowers: &[std::path::PathBuf]) -> Vec<Strin
 
 /// The line `berth step create` prints on stderr before its error when the image could not be
 /// imported: the SPANK plugin then prints Pyxis's "failed to import docker image" line.
-pub const IMPORT_FAILED_MARKER: &str = "berth-step: image import failed";
+pub use berth_proto::answer::IMPORT_FAILED_MARKER;
 
 /// `JOBID.STEPID` (Pyxis's name for a running step's unnamed container).
 fn step_ids(name: &str) -> Option<(u64, u64)> {
@@ -305,34 +334,29 @@ fn step_ids(name: &str) -> Option<(u64, u64)> {
     Some((num(job)?, num(step)?))
 }
 
-/// `berth step create`'s answer: the container, and with `--container-bind=closest` what each
-/// local task is pinned to (optional fields: a plugin that does not know them ignores them).
-#[derive(serde::Serialize)]
-struct Answer<'a> {
-    #[serde(flatten)]
-    description: &'a Description,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bind: Option<TaskBinding>,
-    /// The step joined an existing container (named, or another step's by `JOBID.STEPID`): its
-    /// mounts are that container's, whatever `--container-mounts` says.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    attached: bool,
-}
-
 fn print(description: &Description, bind: Option<TaskBinding>) -> Result<i32, Failure> {
     print_answer(description, bind, false)
 }
 
+/// Prints `berth step create`'s answer in the protocol's terms: the container, and with
+/// `--container-bind=closest` what each local task is pinned to; `attached` when the step
+/// joined an existing container (named, or another step's by `JOBID.STEPID`), whose mounts are
+/// that container's, whatever `--container-mounts` says.
 fn print_answer(
     description: &Description,
     bind: Option<TaskBinding>,
     attached: bool,
 ) -> Result<i32, Failure> {
-    let answer = Answer {
-        description,
-        bind,
-        attached,
-    };
+    let mut answer = berth_proto::answer::Created::new(
+        description.id.clone(),
+        description.pid,
+        description.namespaces.clone(),
+    );
+    answer.env = description.env.clone();
+    answer.cwd = description.cwd.clone();
+    answer.entrypoint_log = description.entrypoint_log.clone();
+    answer.bind = bind;
+    answer.attached = attached;
     let text = serde_json::to_string(&answer).map_err(|e| Failure::system(e.to_string()))?;
     outln!("{text}");
     Ok(0)
@@ -450,6 +474,7 @@ fn destroy(args: &DestroyArgs, config: &Config) -> Result<i32, Failure> {
         let l = &record.labels;
         if label(l, "job") != args.job_id.to_string()
             || label(l, "step") != args.step_id.to_string()
+            || !on_node(l, args.node.as_deref())
         {
             continue;
         }

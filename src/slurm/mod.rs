@@ -3,5 +3,5 @@
 
 pub mod cgroup;
 pub mod env;
-pub mod mounts;
+pub use berth_proto::mounts;
 pub mod step;

@@ -3,8 +3,6 @@
 
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
-
 use super::{env, mounts};
 use crate::spec::image::ImageDefaults;
 use crate::spec::{BindMount, Net, Request, UserIds};
@@ -13,27 +11,19 @@ use crate::topology::bind::MemPolicy;
 use crate::topology::job::{self, Job};
 use crate::topology::plan::{BindMode, NodePlan};
 
-/// What `berth step create` reads on stdin.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StepRequest {
-    pub job_id: u64,
-    pub step_id: u64,
-    pub uid: u32,
-    pub gid: u32,
-    #[serde(default)]
-    pub local_task_count: u32,
-    #[serde(default)]
-    pub options: Options,
-    #[serde(default)]
-    pub plugin: PluginConfig,
-    #[serde(default)]
-    pub job_env: Vec<String>,
+pub use berth_proto::answer::{Binding as TaskBinding, RankBinding};
+pub use berth_proto::step::{Options, PluginConfig, Scope, StepRequest};
+
+/// What berth derives from a [`StepRequest`] with its own configuration and topology.
+pub trait StepExt {
+    /// `--container-bind`, else `default` (`topology.bind`).
+    fn bind_mode(&self, default: BindMode) -> Result<BindMode, String>;
+    /// The step's GPUs and tasks on this node as topology plans them.
+    fn topology_job(&self) -> Result<Job, TopologyError>;
 }
 
-impl StepRequest {
-    /// `--container-bind`, else `default` (`topology.bind`).
-    pub fn bind_mode(&self, default: BindMode) -> Result<BindMode, String> {
+impl StepExt for StepRequest {
+    fn bind_mode(&self, default: BindMode) -> Result<BindMode, String> {
         match self.options.container_bind.as_deref() {
             None => Ok(default),
             Some("closest") => Ok(BindMode::Closest),
@@ -44,42 +34,10 @@ impl StepRequest {
         }
     }
 
-    /// The step's working directory on the host, against which relative `--container-mounts`
-    /// sources and `--container-save` paths are taken (Pyxis's rule): `PWD` of the job's
-    /// environment (what the shell that ran srun exports, following its `cd`s; Slurm passes it
-    /// on unchanged), else `SLURM_SUBMIT_DIR` (srun's directory when it started). SPANK tells
-    /// no step's working directory, so `srun --chdir` is not seen.
-    pub fn cwd(&self) -> Option<PathBuf> {
-        let pairs = env::pairs(&self.job_env);
-        ["PWD", "SLURM_SUBMIT_DIR"].iter().find_map(|key| {
-            pairs
-                .iter()
-                .rev()
-                .find(|(k, _)| k == key)
-                .map(|(_, v)| PathBuf::from(v))
-                .filter(|p| p.is_absolute())
-        })
-    }
-
-    /// `path` (`--container-save`) made absolute against [`StepRequest::cwd`].
-    pub fn host_path(&self, path: &str) -> Result<PathBuf, String> {
-        if path.starts_with('/') {
-            return Ok(PathBuf::from(path));
-        }
-        let cwd = self.cwd().ok_or_else(|| {
-            format!("'{path}' is relative and the step's working directory is unknown: give an absolute path")
-        })?;
-        let mut out = cwd;
-        for c in path.split('/').filter(|c| !c.is_empty() && *c != ".") {
-            out.push(c);
-        }
-        Ok(out)
-    }
-
-    /// The step's GPUs and tasks on this node as topology plans them: the GPUs from the job's
-    /// environment (SLURM_STEP_GPUS, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES), the task count
-    /// from slurmstepd (the environment's per-node lists describe the job, not always the step).
-    pub fn topology_job(&self) -> Result<Job, TopologyError> {
+    /// The GPUs from the job's environment (SLURM_STEP_GPUS, SLURM_JOB_GPUS,
+    /// CUDA_VISIBLE_DEVICES), the task count from slurmstepd (the environment's per-node lists
+    /// describe the job, not always the step).
+    fn topology_job(&self) -> Result<Job, TopologyError> {
         let pairs = env::pairs(&self.job_env);
         let get = |key: &str| {
             pairs
@@ -99,27 +57,16 @@ impl StepRequest {
     }
 }
 
-/// What each local task of a step is pinned to (`--container-bind=closest`): part of the answer
-/// of `berth step create`, applied by the SPANK plugin in each task.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct TaskBinding {
-    pub memory_policy: MemPolicy,
-    pub ranks: Vec<RankBinding>,
-}
-
-/// One local rank's CPUs, NUMA nodes and variables (CUDA_VISIBLE_DEVICES, UCX_NET_DEVICES,
-/// NCCL_IB_HCA, ...).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct RankBinding {
-    pub rank: u32,
-    pub cpus: Vec<u32>,
-    pub mems: Vec<u32>,
-    pub env: Vec<String>,
-}
-
+/// What each local task of a step is pinned to (`--container-bind=closest`), in the protocol's
+/// terms: part of the answer of `berth step create`, applied by the SPANK plugin in each task.
 pub fn binding(plan: &NodePlan, memory_policy: MemPolicy) -> TaskBinding {
+    use berth_proto::answer::MemPolicy as Wire;
     TaskBinding {
-        memory_policy,
+        memory_policy: match memory_policy {
+            MemPolicy::Bind => Wire::Bind,
+            MemPolicy::Preferred => Wire::Preferred,
+            MemPolicy::None => Wire::None,
+        },
         ranks: plan
             .ranks
             .iter()
@@ -131,46 +78,6 @@ pub fn binding(plan: &NodePlan, memory_policy: MemPolicy) -> TaskBinding {
             })
             .collect(),
     }
-}
-
-/// The Pyxis options that were set (flags or their environment variables).
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct Options {
-    pub container_image: Option<String>,
-    pub container_mounts: Option<String>,
-    pub container_workdir: Option<String>,
-    pub container_name: Option<String>,
-    pub container_save: Option<String>,
-    pub container_mount_home: Option<bool>,
-    pub container_remap_root: Option<bool>,
-    pub container_entrypoint: Option<bool>,
-    pub container_entrypoint_log: Option<bool>,
-    pub container_writable: Option<bool>,
-    pub container_readonly: Option<bool>,
-    pub container_env: Option<String>,
-    pub container_unshare: Option<String>,
-    /// `closest` or `none`; unset: `topology.bind`.
-    pub container_bind: Option<String>,
-}
-
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Scope {
-    /// Named containers live until the job ends (the Epilog removes them).
-    #[default]
-    Job,
-    /// Named containers outlive the job, per user.
-    Global,
-}
-
-/// plugstack.conf settings that shape a step.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PluginConfig {
-    pub container_scope: Scope,
-    pub execute_entrypoint: bool,
-    pub sbatch_support: bool,
 }
 
 /// `--container-name=NAME[:MODE]`.
@@ -458,7 +365,7 @@ fn pmix_app_dir(step: &StepRequest) -> Option<PathBuf> {
         // tasks get SLURMD_NODENAME. Without either, a host running several slurmd (each with
         // its TmpFS/%n) holds one app dir per node for the same step: none is taken rather
         // than another node's (its rank would use that node's PMIx session and fail).
-        let node = get("SLURMD_NODENAME").or_else(|| topology_node(&get));
+        let node = step.node_name();
         let candidates: Vec<PathBuf> = expand_node(&tmpfs, node.as_deref())
             .into_iter()
             .filter(|r| r.join(&name).is_dir())
@@ -472,17 +379,6 @@ fn pmix_app_dir(step: &StepRequest) -> Option<PathBuf> {
         .into_iter()
         .map(|r| r.join(&name))
         .find(|p| p.is_dir())
-}
-
-/// The node part of SLURM_TOPOLOGY_ADDR (the component SLURM_TOPOLOGY_ADDR_PATTERN calls
-/// `node`), when it is one path component.
-fn topology_node(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
-    let addr = get("SLURM_TOPOLOGY_ADDR")?;
-    let pattern = get("SLURM_TOPOLOGY_ADDR_PATTERN").unwrap_or_else(|| "node".into());
-    let at = pattern.split('.').position(|p| p == "node")?;
-    let node = addr.split('.').nth(at)?;
-    (!node.is_empty() && node != "." && node != ".." && !node.contains('/') && !node.contains('\0'))
-        .then(|| node.to_string())
 }
 
 /// slurm.conf's `TmpFS`: where the PMIx plugin puts its per-step directories.
@@ -571,8 +467,9 @@ mod tests {
 
     #[test]
     fn unknown_options_and_bad_values_are_refused() {
+        // As `berth step create` reads it (the protocol's parser).
         assert!(
-            serde_json::from_str::<StepRequest>(
+            StepRequest::parse(
                 r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-imag":"x"}}"#
             )
             .is_err()
