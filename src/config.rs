@@ -143,13 +143,23 @@ pub struct StoreConfig {
     pub reserve_bytes: u64,
 }
 
+impl StoreConfig {
+    /// The bounds `store.max_env_entries` and `store.max_env_bytes` put on an environment.
+    pub fn env_limits(&self) -> crate::spec::env::EnvLimits {
+        crate::spec::env::EnvLimits {
+            max_entries: self.max_env_entries,
+            max_bytes: self.max_env_bytes,
+        }
+    }
+}
+
 impl Default for StoreConfig {
     fn default() -> Self {
         Self {
             root: PathBuf::from("/var/lib/berth"),
             parallel_layers: 4,
-            max_env_entries: 65536,
-            max_env_bytes: 1 << 20,
+            max_env_entries: crate::spec::env::DEFAULT_MAX_ENTRIES,
+            max_env_bytes: crate::spec::env::DEFAULT_MAX_BYTES,
             max_layers: 500,
             max_layer_bytes: 64 << 30,
             max_image_bytes: 128 << 30,

@@ -1,15 +1,16 @@
 //! berth: runs Slurm job steps (and standalone commands) in containers isolated by cgroup v2 and
 //! namespaces. The library holds every piece; `main.rs` only parses the command line.
 
-pub mod cgroup;
 pub mod cli;
 pub mod config;
 pub mod image;
 pub mod log;
-pub mod privfs;
 pub mod runtime;
 pub mod slurm;
-pub mod spec;
 pub mod stage;
-pub mod time;
-pub mod topology;
+
+// The lower crates of the workspace, under the names the rest of berth has always used.
+pub use berth_cgroup as cgroup;
+pub use berth_spec as spec;
+pub use berth_sys::{privfs, time};
+pub use berth_topology as topology;

@@ -323,7 +323,7 @@ pub fn request(
             },
         )
         .collect::<Result<Vec<_>, _>>()?;
-    let limits = spec::env::EnvLimits::from_config(&config.store);
+    let limits = config.store.env_limits();
     limits.check("--env", &cli_env).map_err(Failure::input)?;
     let mut env = image.defaults.env.clone();
     env.extend(cli_env);

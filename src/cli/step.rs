@@ -207,7 +207,9 @@ fn create(config: &Config) -> Result<i32, Failure> {
         host_files(),
     )
     .map_err(Failure::input)?;
-    crate::spec::env::EnvLimits::from_config(&config.store)
+    config
+        .store
+        .env_limits()
         .check(
             "the step's environment (the job's and the image's)",
             &req.env,

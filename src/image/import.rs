@@ -186,7 +186,9 @@ pub fn check_usable(
         .as_ref()
         .and_then(|c| c.env().as_ref())
     {
-        crate::spec::env::EnvLimits::from_config(&config.store)
+        config
+            .store
+            .env_limits()
             .check(&format!("image {}: its config", image.digest), env)
             .map_err(ImageError::Format)?;
     }
@@ -226,7 +228,9 @@ fn import_unchecked(
                 .as_ref()
                 .and_then(|c| c.env().as_ref())
             {
-                crate::spec::env::EnvLimits::from_config(&config.store)
+                config
+                    .store
+                    .env_limits()
                     .check(&format!("image {r}: its config"), env)
                     .map_err(ImageError::Format)?;
             }

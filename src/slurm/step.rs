@@ -691,7 +691,7 @@ mod tests {
 
     #[test]
     fn a_binding_lists_each_ranks_cpus_nodes_and_variables() {
-        let (_f, node) = crate::topology::scenarios::dgx();
+        let (_f, node) = crate::topology::fixture::dgx_h100_node();
         let s = step(
             r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"local_task_count":2,
                 "job_env":["SLURM_JOB_ID=1","SLURM_JOB_GPUS=2,5"]}"#,

@@ -46,14 +46,13 @@ pub struct EnvLimits {
     pub max_bytes: u64,
 }
 
-impl EnvLimits {
-    pub fn from_config(store: &crate::config::StoreConfig) -> Self {
-        Self {
-            max_entries: store.max_env_entries,
-            max_bytes: store.max_env_bytes,
-        }
-    }
+/// `store.max_env_entries`'s default: far above any real job's environment, far below what
+/// makes merging or checking it costly.
+pub const DEFAULT_MAX_ENTRIES: usize = 65536;
+/// `store.max_env_bytes`'s default (1 MiB): a quarter of the usual 4 MiB of execve arguments.
+pub const DEFAULT_MAX_BYTES: u64 = 1 << 20;
 
+impl EnvLimits {
     /// Checks `entries` (`KEY=VALUE` strings or pairs, anything that says its length) against
     /// the bounds; the error is one line naming `what`, the limit and the key to raise it.
     pub fn check<I, E>(&self, what: &str, entries: I) -> Result<(), String>
@@ -88,7 +87,10 @@ impl EnvLimits {
 
 impl Default for EnvLimits {
     fn default() -> Self {
-        Self::from_config(&crate::config::StoreConfig::default())
+        Self {
+            max_entries: DEFAULT_MAX_ENTRIES,
+            max_bytes: DEFAULT_MAX_BYTES,
+        }
     }
 }
 

@@ -100,6 +100,12 @@ pub const HDR: PortSpec = ("4: ACTIVE", "200 Gb/sec (4X HDR)", "InfiniBand");
 pub const ETH200: PortSpec = ("4: ACTIVE", "200 Gb/sec (4X HDR)", "Ethernet");
 pub const ETH25: PortSpec = ("4: ACTIVE", "25 Gb/sec (1X EDR)", "Ethernet");
 
+impl Default for Fixture {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Fixture {
     pub fn new() -> Self {
         let f = Self {
@@ -657,4 +663,16 @@ pub fn cpu_node() -> Fixture {
     f.rdma("mlx5_0", nic, &[HDR], "ibp129s0", 0);
     f.rdma_cm();
     f
+}
+
+/// The DGX H100-like fixture and the node berth discovers on it (default NIC policy).
+pub fn dgx_h100_node() -> (Fixture, super::node::Node) {
+    let (f, snap) = dgx_h100();
+    let node = super::node::discover(
+        &f.host(),
+        &super::gpu::Recorded::new(snap),
+        &super::node::NicPolicy::default(),
+    )
+    .expect("the DGX fixture is a valid node");
+    (f, node)
 }

@@ -753,10 +753,10 @@ pub fn apply_names(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{self, Request, UserIds};
-    use crate::topology::fixture;
-    use crate::topology::gpu::Recorded;
-    use crate::topology::node::{self, NicPolicy};
+    use crate::fixture;
+    use crate::gpu::Recorded;
+    use crate::node::{self, NicPolicy};
+    use berth_spec::{self as spec, Request, UserIds};
 
     const NVIDIA_YAML: &str = r#"---
 cdiVersion: 0.5.0

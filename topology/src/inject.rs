@@ -614,10 +614,10 @@ pub fn mount_loader_cache(spec: &mut Spec, file: &Path) -> Result<(), TopologyEr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{self, Request, UserIds};
-    use crate::topology::fixture;
-    use crate::topology::gpu::Recorded;
-    use crate::topology::node::{self, NicPolicy};
+    use crate::fixture;
+    use crate::gpu::Recorded;
+    use crate::node::{self, NicPolicy};
+    use berth_spec::{self as spec, Request, UserIds};
 
     fn dgx() -> (fixture::Fixture, Node) {
         let (f, snap) = fixture::dgx_h100();
@@ -1003,7 +1003,7 @@ mod tests {
             "{err}"
         );
         // A step without GPUs still gets the compute HCAs for MPI.
-        let job = crate::topology::job::Job {
+        let job = crate::job::Job {
             gpus: Some(vec![]),
             gpus_from: None,
             tasks: 1,

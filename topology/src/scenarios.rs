@@ -14,10 +14,8 @@ fn discover(f: &Fixture, rec: Recorded, policy: &NicPolicy) -> Node {
     node::discover(&f.host(), &rec, policy).unwrap()
 }
 
-pub(crate) fn dgx() -> (Fixture, Node) {
-    let (f, snap) = fixture::dgx_h100();
-    let n = discover(&f, Recorded::new(snap), &NicPolicy::default());
-    (f, n)
+fn dgx() -> (Fixture, Node) {
+    fixture::dgx_h100_node()
 }
 
 fn pcie_policy() -> NicPolicy {

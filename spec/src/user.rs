@@ -2,25 +2,12 @@
 //! as a host identity, with that user's supplementary groups.
 
 use std::ffi::CString;
-use std::path::PathBuf;
 
 use nix::unistd::{Gid, Group, Uid, User, getgrouplist};
 
 use super::SpecError;
 
-/// The identity a container's command runs as.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UserIds {
-    pub uid: u32,
-    pub gid: u32,
-    /// Supplementary groups (may include `gid`).
-    pub groups: Vec<u32>,
-    pub home: Option<PathBuf>,
-    /// The host's names for the user and its primary group, written into the container's
-    /// /etc/passwd and /etc/group when the image lacks them.
-    pub name: Option<String>,
-    pub group_name: Option<String>,
-}
+pub use berth_sys::UserIds;
 
 /// The invoking user (real uid/gid of this process) with its groups.
 pub fn current() -> Result<UserIds, SpecError> {

@@ -4,7 +4,7 @@
 
 use oci_spec::runtime::{LinuxDeviceCgroup, LinuxDeviceType};
 
-use crate::cgroup::CgroupError;
+use crate::CgroupError;
 
 /// `BPF_DEVCG_DEV_*`: the low 16 bits of `access_type`.
 pub(crate) const DEV_BLOCK: u32 = 1;

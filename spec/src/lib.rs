@@ -38,24 +38,24 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("invalid size '{}': use bytes or a number with k, M, G or T (e.g. 512M)", crate::cli::elide(.0))]
+    #[error("invalid size '{}': use bytes or a number with k, M, G or T (e.g. 512M)", berth_sys::text::elide(.0))]
     Size(String),
-    #[error("invalid CPU count '{}': use a positive number such as 0.5 or 2", crate::cli::elide(.0))]
+    #[error("invalid CPU count '{}': use a positive number such as 0.5 or 2", berth_sys::text::elide(.0))]
     Cpus(String),
-    #[error("invalid CPU list '{}': use numbers and ranges such as 0-3,8", crate::cli::elide(.0))]
+    #[error("invalid CPU list '{}': use numbers and ranges such as 0-3,8", berth_sys::text::elide(.0))]
     CpuList(String),
-    #[error("invalid mount '{}': {}", crate::cli::elide(.0), crate::cli::elide(.1))]
+    #[error("invalid mount '{}': {}", berth_sys::text::elide(.0), berth_sys::text::elide(.1))]
     Mount(String, String),
-    #[error("invalid environment variable '{}': use KEY=VALUE", crate::cli::elide(.0))]
+    #[error("invalid environment variable '{}': use KEY=VALUE", berth_sys::text::elide(.0))]
     Env(String),
-    #[error("invalid hostname '{}': use up to 64 letters, digits, '-' and '.'", crate::cli::elide(.0))]
+    #[error("invalid hostname '{}': use up to 64 letters, digits, '-' and '.'", berth_sys::text::elide(.0))]
     Hostname(String),
     #[error(
         "unknown user '{}': no such user on this host (use a name or uid from the host's passwd database)",
-        crate::cli::elide(.0)
+        berth_sys::text::elide(.0)
     )]
     UnknownUser(String),
-    #[error("unknown group '{}': no such group on this host", crate::cli::elide(.0))]
+    #[error("unknown group '{}': no such group on this host", berth_sys::text::elide(.0))]
     UnknownGroup(String),
     #[error("--memory-swap needs --memory: swap is granted on top of the memory limit")]
     SwapWithoutMemory,

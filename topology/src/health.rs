@@ -288,10 +288,10 @@ fn reason_line(problems: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::fixture;
-    use crate::topology::gpu::{NvmlSnapshot, Recorded};
-    use crate::topology::kmsg;
-    use crate::topology::node::{self, NicPolicy};
+    use crate::fixture;
+    use crate::gpu::{NvmlSnapshot, Recorded};
+    use crate::kmsg;
+    use crate::node::{self, NicPolicy};
 
     fn node_with(f: &fixture::Fixture, snap: NvmlSnapshot) -> Node {
         node::discover(&f.host(), &Recorded::new(snap), &NicPolicy::default()).unwrap()

@@ -13,7 +13,7 @@ use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
 use nix::sys::stat::Mode;
 
-use crate::spec::UserIds;
+use crate::UserIds;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PrivfsError {

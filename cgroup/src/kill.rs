@@ -77,7 +77,7 @@ impl Cgroup {
     /// (or gone), `Ok(false)` on timeout. Sleeps in poll(2) on cgroup.events, which the kernel
     /// signals with POLLPRI when `populated` changes.
     pub fn wait_empty(&self, timeout: Duration) -> Result<bool, CgroupError> {
-        let deadline = crate::time::deadline_after(timeout);
+        let deadline = berth_sys::time::deadline_after(timeout);
         let path = self.path().join("cgroup.events");
         let mut file = match files::open(&path) {
             Ok(f) => f,

@@ -26,8 +26,9 @@ pub mod plan;
 pub mod rdma;
 pub mod render;
 
-#[cfg(test)]
-pub(crate) mod fixture;
+/// Faithful sysfs trees of the GPU machines this host lacks, for tests here and in berth.
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixture;
 
 use std::path::{Path, PathBuf};
 
@@ -236,4 +237,4 @@ mod tests {
 }
 
 #[cfg(test)]
-pub(crate) mod scenarios;
+mod scenarios;

@@ -1,0 +1,23 @@
+//! The lowest layer of berth: privileged file work on paths users influence ([`privfs`]), the
+//! identity a command runs as ([`UserIds`]), deadlines from user-chosen durations ([`time`]) and
+//! how errors quote user input ([`text`]). Every other berth crate may use it; it uses none.
+
+pub mod privfs;
+pub mod text;
+pub mod time;
+
+use std::path::PathBuf;
+
+/// The identity a container's command runs as.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UserIds {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups (may include `gid`).
+    pub groups: Vec<u32>,
+    pub home: Option<PathBuf>,
+    /// The host's names for the user and its primary group, written into the container's
+    /// /etc/passwd and /etc/group when the image lacks them.
+    pub name: Option<String>,
+    pub group_name: Option<String>,
+}
