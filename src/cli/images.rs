@@ -10,7 +10,11 @@ use crate::config::Config;
 use crate::image::store::{self, Entry, GcPolicy, LayerCheck, Removed, Store, VerifyReport};
 use crate::spec::parse;
 
-/// List, inspect and remove the images in the node's store, or collect garbage
+/// List, inspect and remove the images in the node's store, or collect its garbage
+///
+/// `berth images gc` cleans the image store (images, layers, killed imports); `berth gc` cleans
+/// up after containers and jobs (cgroups, state, image mounts, scratch). Every `images` verb
+/// needs root: the store is root's.
 #[derive(Debug, Args)]
 pub struct ImagesArgs {
     #[command(subcommand)]
@@ -20,7 +24,12 @@ pub struct ImagesArgs {
 #[derive(Debug, Subcommand)]
 pub enum ImagesCommand {
     /// List stored images: reference, digest, size, last use
-    Ls,
+    Ls {
+        /// Print a JSON array, one object per image: digest, references, size, last_used,
+        /// in_use, source (README: "JSON output")
+        #[arg(long)]
+        json: bool,
+    },
     /// Print an image's record, references, size and use as JSON
     Inspect {
         /// A reference as `ls` shows it or as imported, or a digest (a unique prefix will do)
@@ -40,16 +49,62 @@ pub enum ImagesCommand {
         #[arg(value_name = "REF|DIGEST")]
         targets: Vec<String>,
     },
-    /// Remove leftovers of killed imports, layers no image uses, and (with options) the least
-    /// recently used images; never an image in use
+    /// Clean the image store: leftovers of killed imports, layers no image uses, and (with
+    /// options) the least recently used images; never an image in use. Containers, mounts and
+    /// scratch are `berth gc`'s
     Gc {
         /// Remove least recently used images until the store holds at most SIZE (e.g. 50G)
-        #[arg(long, value_name = "SIZE")]
+        #[arg(long, value_name = "SIZE", value_parser = super::values::size)]
         max_size: Option<String>,
         /// Remove images not used for DURATION (e.g. 30m, 12h, 7d)
-        #[arg(long, value_name = "DURATION")]
+        #[arg(long, value_name = "DURATION", value_parser = super::values::duration)]
         unused_for: Option<String>,
     },
+}
+
+/// The sub-verb's name, for messages (`berth images ls needs root`).
+pub fn verb(command: &ImagesCommand) -> &'static str {
+    match command {
+        ImagesCommand::Ls { .. } => "ls",
+        ImagesCommand::Inspect { .. } => "inspect",
+        ImagesCommand::Rm { .. } => "rm",
+        ImagesCommand::Verify { .. } => "verify",
+        ImagesCommand::Gc { .. } => "gc",
+    }
+}
+
+/// One image as `berth images ls --json` prints it.
+#[derive(Debug, serde::Serialize)]
+pub struct LsEntry {
+    /// The manifest digest (`sha256:...`); a squashfs or SIF file's sha256.
+    pub digest: String,
+    /// The references it goes by, as `ls` shows them; empty when none is left.
+    pub references: Vec<String>,
+    /// Bytes on disk: its layers (a layer shared with another image counts for both).
+    pub size: u64,
+    /// Last use, seconds since the epoch.
+    pub last_used: u64,
+    /// Whether a running container uses it.
+    pub in_use: bool,
+    /// The reference it was imported from.
+    pub source: String,
+}
+
+impl From<&Entry> for LsEntry {
+    fn from(e: &Entry) -> Self {
+        Self {
+            digest: e.image.digest.to_string(),
+            references: e.references.clone(),
+            size: e.size,
+            last_used: e
+                .last_used
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs(),
+            in_use: e.in_use,
+            source: e.image.source.to_string(),
+        }
+    }
 }
 
 fn select(store: &Store, text: &str) -> Result<store::Selector, Failure> {
@@ -201,7 +256,13 @@ fn verify_lines(report: &VerifyReport) -> (Vec<String>, Vec<String>, i32) {
 pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
     let store = open_store(config)?;
     match &args.command {
-        ImagesCommand::Ls => out!("{}", table(&store.list())),
+        ImagesCommand::Ls { json: false } => out!("{}", table(&store.list())),
+        ImagesCommand::Ls { json: true } => {
+            let entries: Vec<LsEntry> = store.list().iter().map(LsEntry::from).collect();
+            let text = serde_json::to_string_pretty(&entries)
+                .map_err(|e| Failure::system(e.to_string()))?;
+            outln!("{text}");
+        }
         ImagesCommand::Inspect { target } => {
             let entry = store.inspect(&select(&store, target)?).map_err(failure)?;
             let text = serde_json::to_string_pretty(&inspect_json(&entry)).unwrap_or_default();
