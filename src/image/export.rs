@@ -604,8 +604,10 @@ fn squash_container(
     let container_fd = container_root.as_raw_fd();
     // A remapped container's files belong to the user on the host (its root's, through the
     // idmapped image) and are the image's root's in the container: mksquashfs reads them through
-    // the inverse of that idmapping so the image keeps its owners.
+    // the inverse of that idmapping so the image keeps its owners. So does a user's writable
+    // container, whose image root files are the user's (runtime::userns::idmapped_user_of).
     let idmap = remapped_root(pid)
+        .or_else(|| crate::runtime::userns::idmapped_user_of(pid))
         .map(|(uid, gid)| {
             crate::runtime::userns::create(
                 &crate::runtime::userns::layer_map(uid),
