@@ -302,8 +302,14 @@ pub struct AgentConfig {
     pub controllers: Vec<String>,
     /// The shared key file (the same content on every node and controller).
     pub key_file: PathBuf,
-    /// Milliseconds between two rounds of checks and heartbeats.
+    /// Milliseconds between two heartbeats.
     pub interval_ms: u64,
+    /// Milliseconds between two rounds of health checks (at most interval_ms): a check whose
+    /// status changed is sent at once, not at the next heartbeat.
+    pub check_interval_ms: u64,
+    /// A round of checks not done in this many milliseconds reports its checks `unknown`
+    /// (which never drains).
+    pub check_timeout_ms: u64,
     /// Each wait is the interval plus or minus half this percentage of it, at random.
     pub jitter_percent: u32,
     /// Where the agent serves `/metrics`; empty: nowhere.
@@ -318,6 +324,8 @@ impl Default for AgentConfig {
             controllers: Vec::new(),
             key_file: PathBuf::from("/etc/berth/cluster.key"),
             interval_ms: 5000,
+            check_interval_ms: 1000,
+            check_timeout_ms: 10_000,
             jitter_percent: 20,
             metrics_listen: "0.0.0.0:6821".into(),
             node_name: None,

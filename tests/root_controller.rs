@@ -82,6 +82,12 @@ fn executable(path: &Path, text: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
+/// Mode 0600: a key file group or others can read is refused.
+fn private(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
 /// A test cluster: its directory, the fake Slurm, the controllers.
 struct Cluster {
     dir: tempfile::TempDir,
@@ -101,6 +107,7 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         write(&d.join("key"), &format!("{KEY}\n"));
+        private(&d.join("key"));
         // The fake Slurm: one file per node, "STATE|REASON"; scontrol logs "ID TERM ARGS".
         for (name, state, reason) in slurm_nodes {
             write(&d.join("slurm").join(name), &format!("{state}|{reason}\n"));
@@ -151,7 +158,6 @@ esac
             };
             let d = c.path().to_path_buf();
             mode(&d, 0o755);
-            mode(&d.join("key"), 0o644);
             write(&d.join("calls"), "");
             mode(&d.join("calls"), 0o666);
             mode(&d.join("slurm"), 0o777);
@@ -162,6 +168,12 @@ esac
                 let data = d.join(format!("data{}", i + 1));
                 std::fs::create_dir_all(&data).unwrap();
                 std::os::unix::fs::chown(&data, Some(*uid), Some(*uid)).unwrap();
+                // Each service user's own copy of the key, 0600: a key file others can read
+                // is refused.
+                let key = d.join(format!("key{}", i + 1));
+                write(&key, &format!("{KEY}\n"));
+                private(&key);
+                std::os::unix::fs::chown(&key, Some(*uid), Some(*uid)).unwrap();
             }
         }
         for i in 0..n {
@@ -186,7 +198,11 @@ esac
             .arg("--data-dir")
             .arg(d.join(format!("data{}", i + 1)))
             .arg("--key-file")
-            .arg(d.join("key"))
+            .arg(if self.uids.is_empty() {
+                d.join("key")
+            } else {
+                d.join(format!("key{}", i + 1))
+            })
             .arg("--sinfo")
             .arg(d.join("sinfo"))
             .arg("--scontrol")
@@ -274,11 +290,30 @@ esac
 
     /// A berth configuration for node `node`: the fixture host, `expected_gpus` when given.
     fn berth_config(&self, node: &str, expected_gpus: Option<u32>) -> PathBuf {
-        let host = self.path().join("host");
-        write(&host.join("sys/devices/system/cpu/online"), "0-1\n");
+        self.config_with(
+            node,
+            &Opts {
+                expected_gpus,
+                ..Opts::default()
+            },
+        )
+    }
+
+    /// A berth configuration for node `node` as `o` says; its fixture host tree is
+    /// `host-<node>` when `o.own_host`, else the shared `host`.
+    fn config_with(&self, node: &str, o: &Opts) -> PathBuf {
+        let host = if o.own_host {
+            self.path().join(format!("host-{node}"))
+        } else {
+            self.path().join("host")
+        };
+        let online = host.join("sys/devices/system/cpu/online");
+        if std::fs::symlink_metadata(&online).is_err() {
+            write(&online, "0-1\n");
+        }
         write(&host.join("sys/devices/system/node/node0/cpulist"), "0-1\n");
         let mut topology = format!("[topology]\nhost_root = \"{}\"\n", host.display());
-        if let Some(n) = expected_gpus {
+        if let Some(n) = o.expected_gpus {
             topology.push_str(&format!("expected_gpus = {n}\n"));
         }
         let controllers: Vec<String> = self.addrs.iter().map(|a| format!("\"{a}\"")).collect();
@@ -287,15 +322,59 @@ esac
         write(
             &tmp,
             &format!(
-                "{topology}[agent]\ncontrollers = [{}]\nkey_file = \"{}\"\ninterval_ms = 200\n\
-                 metrics_listen = \"\"\nnode_name = \"{node}\"\n",
+                "{topology}[agent]\ncontrollers = [{}]\nkey_file = \"{}\"\ninterval_ms = {}\n\
+                 metrics_listen = \"{}\"\nnode_name = \"{node}\"\n{}\n{}",
                 controllers.join(", "),
-                self.path().join("key").display()
+                self.path().join("key").display(),
+                o.interval_ms.unwrap_or(200),
+                o.metrics_listen,
+                o.agent,
+                o.sections,
             ),
         );
         // Renamed into place: a running agent rereads it each round and must not see half.
         std::fs::rename(&tmp, &path).unwrap();
         path
+    }
+
+    /// A long-running agent with the configuration `o`, `path_dir` first in its PATH.
+    fn agent_with(&self, node: &str, o: &Opts, path_dir: Option<&Path>) -> Proc {
+        let cfg = self.config_with(node, o);
+        let mut cmd = Command::new(BERTH);
+        cmd.arg("--config").arg(&cfg).arg("agent");
+        if let Some(dir) = path_dir {
+            let path = std::env::var("PATH").unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", dir.display()));
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Proc { child }
+    }
+
+    fn node(&self, i: usize, node: &str) -> Option<Value> {
+        let nodes = self.get(i, "/v1/nodes")?;
+        nodes
+            .as_array()?
+            .iter()
+            .find(|n| n["node"] == node)
+            .cloned()
+    }
+
+    fn text(&self, addr: &str, path: &str) -> Option<String> {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_millis(800)))
+            .build()
+            .into();
+        let mut r = agent
+            .get(&format!("http://{addr}{path}"))
+            .header("authorization", &format!("Bearer {KEY}"))
+            .call()
+            .ok()?;
+        r.body_mut().read_to_string().ok()
     }
 
     fn berth(&self, config: &Path, args: &[&str]) -> std::process::Output {
@@ -329,6 +408,25 @@ esac
             .unwrap();
         Proc { child }
     }
+}
+
+/// What a test node's berth configuration holds besides the defaults.
+#[derive(Default)]
+struct Opts {
+    expected_gpus: Option<u32>,
+    own_host: bool,
+    interval_ms: Option<u64>,
+    metrics_listen: String,
+    /// More lines of `[agent]`.
+    agent: String,
+    /// More sections.
+    sections: String,
+}
+
+/// The value of a metric line `name` (labels included) in Prometheus text.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// Waits (bounded) for `cond`.
@@ -657,4 +755,188 @@ fn a_partitioned_leader_makes_no_scontrol_call() {
         h.len() == 3 && h.iter().all(|x| *x == h[0])
     });
     assert_eq!(c.slurm("n1").split('|').next(), Some("drained"));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn agent_heartbeats_carry_the_node_changes_go_at_once_and_a_hung_check_is_unknown() {
+    let c = Cluster::new(1, &[("n1", "idle", "none"), ("n2", "idle", "none")]);
+    c.leader(None);
+    let d = c.path();
+    // n1's store holds one image; its scratch has a job Slurm no longer runs (the fake squeue
+    // knows only job 1).
+    let hex = "ab".repeat(32);
+    write(&d.join(format!("store/images/{hex}.json")), "{}");
+    std::fs::create_dir_all(d.join("scratch/424242")).unwrap();
+    executable(&d.join("bin/squeue"), "#!/bin/sh\necho '1 RUNNING'\n");
+    let sections = format!(
+        "[store]\nroot = \"{}\"\n[scratch]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n",
+        d.join("store").display(),
+        d.join("scratch").display(),
+        d.join("run").display()
+    );
+    // A heartbeat a minute, checks every 200 ms: only a change sent at once drains n1 soon.
+    let slow = |expected_gpus| Opts {
+        expected_gpus,
+        own_host: true,
+        interval_ms: Some(60_000),
+        agent: "check_interval_ms = 200\n".into(),
+        sections: sections.clone(),
+        ..Opts::default()
+    };
+    let _n1 = c.agent_with("n1", &slow(None), Some(&d.join("bin")));
+    wait_for("n1's first heartbeat", 20, || {
+        c.node(0, "n1").is_some_and(|n| n["leftovers"].is_array())
+    });
+    let n1 = c.node(0, "n1").unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    assert_eq!(n1["boot_id"], boot.trim(), "{n1}");
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_eq!(n1["versions"]["kernel"], kernel.trim(), "{n1}");
+    assert_eq!(
+        n1["images"],
+        serde_json::json!([format!("sha256:{hex}")]),
+        "{n1}"
+    );
+    assert_eq!(
+        n1["leftovers"],
+        serde_json::json!(["scratch 424242"]),
+        "{n1}"
+    );
+    let metrics = c.text(&c.addrs[0], "/metrics").unwrap();
+    assert_eq!(
+        metric(&metrics, "berth_controller_leftovers{node=\"n1\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+
+    // A GPU goes missing: the next check round sees it and sends at once, not a minute later.
+    c.config_with("n1", &slow(Some(1)));
+    wait_for("n1 drained by a change sent at once", 20, || {
+        c.slurm("n1").starts_with("drained|berth: gpu-count: ")
+    });
+    let metrics = c.text(&c.addrs[0], "/metrics").unwrap();
+    assert!(
+        metric(&metrics, "berth_controller_change_heartbeats_total").unwrap_or(0.0) >= 1.0,
+        "{metrics}"
+    );
+
+    // n2's checks hang (a FIFO where sysfs has a file: opening it blocks, like a stuck
+    // driver): the round times out, its checks are unknown, heartbeats go on, nothing drains.
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let hung = |expected_gpus| Opts {
+        expected_gpus,
+        own_host: true,
+        interval_ms: Some(300),
+        metrics_listen: metrics_addr.clone(),
+        agent: "check_interval_ms = 100\ncheck_timeout_ms = 500\n".into(),
+        ..Opts::default()
+    };
+    let _n2 = c.agent_with("n2", &hung(None), None);
+    wait_for("n2's checks pass", 20, || {
+        c.node(0, "n2").is_some_and(|n| {
+            n["failing"].as_array().is_some_and(|f| f.is_empty())
+                && n["unknown"].as_array().is_some_and(|f| f.is_empty())
+        })
+    });
+    let online = d.join("host-n2/sys/devices/system/cpu/online");
+    let fifo = d.join("host-n2/fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    std::fs::rename(&fifo, &online).unwrap();
+    // Were the checks to finish now, gpu-count (hard) would fail and drain n2.
+    c.config_with("n2", &hung(Some(1)));
+    wait_for("n2's checks unknown", 20, || {
+        c.node(0, "n2").is_some_and(|n| {
+            n["unknown"].as_array().is_some_and(|u| {
+                u.iter().any(|x| {
+                    x.as_str().is_some_and(|x| {
+                        x.starts_with("gpu-count: ") && x.contains("check_timeout_ms")
+                    })
+                })
+            })
+        })
+    });
+    let beats = |c: &Cluster| {
+        let m = c.text(&metrics_addr, "/metrics").unwrap_or_default();
+        metric(&m, "berth_agent_heartbeats_total").unwrap_or(0.0)
+    };
+    let before = beats(&c);
+    wait_for("heartbeats while the checks hang", 20, || {
+        beats(&c) >= before + 3.0
+    });
+    let m = c.text(&metrics_addr, "/metrics").unwrap();
+    assert_eq!(
+        metric(&m, "berth_agent_check_unknown{check=\"gpu-count\"}"),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(c.slurm("n2"), "idle|none");
+    assert_eq!(c.node(0, "n2").unwrap()["desired"], "up");
+    assert!(
+        !c.calls().iter().any(|l| l.contains("NodeName=n2")),
+        "{:?}",
+        c.calls()
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn key_files_others_can_read_or_that_others_own_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    write(&key, &format!("{KEY}\n"));
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let data = dir.path().join("data");
+    let controller = |key: &Path| {
+        Command::new(controller_bin())
+            .arg("--config")
+            .arg(dir.path().join("none.toml"))
+            .arg("serve")
+            .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--key-file")
+            .arg(key)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    write(&dir.path().join("none.toml"), "");
+    let out = controller(&key);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("mode 0644") && err.contains("chmod 600"),
+        "{err}"
+    );
+    // The agent and the admin's CLI refuse it the same way.
+    let cfg = dir.path().join("berth.toml");
+    write(
+        &cfg,
+        &format!(
+            "[agent]\ncontrollers = [\"127.0.0.1:1\"]\nkey_file = \"{}\"\nmetrics_listen = \"\"\n",
+            key.display()
+        ),
+    );
+    for args in [&["agent", "--once"][..], &["cluster", "status"][..]] {
+        let out = Command::new(BERTH)
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {out:?}");
+        assert!(err.contains("mode 0644"), "{args:?}: {err}");
+    }
+    // Owned by another user (not root, not the caller): refused although 0600.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&key, Some(65534), Some(65534)).unwrap();
+    let out = controller(&key);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(err.contains("owned by uid 65534"), "{err}");
 }

@@ -235,8 +235,11 @@ fn load_settings(path: Option<&Path>) -> anyhow::Result<Settings> {
     }
 }
 
-/// Reads the shared key: bounded, not empty.
+/// Reads the shared key: bounded, not empty, and only from a file owned by root or this
+/// controller's user that group and others cannot touch (berth_api::key_file_problem);
+/// otherwise the controller refuses to start in one line.
 pub fn read_key(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::MetadataExt;
     let f = std::fs::File::open(path).with_context(|| {
         format!(
             "reading the key file {}: create it (the same on every controller and node), \
@@ -244,6 +247,15 @@ pub fn read_key(path: &Path) -> anyhow::Result<String> {
             path.display()
         )
     })?;
+    // Checked on the open file: what is read is what was checked.
+    let meta = f
+        .metadata()
+        .with_context(|| format!("reading the key file {}", path.display()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if let Some(why) = berth_api::key_file_problem(meta.uid(), meta.mode(), euid) {
+        bail!("the key file {}: {why}", path.display());
+    }
     let mut key = String::new();
     f.take(berth_api::KEY_MAX as u64 + 1)
         .read_to_string(&mut key)

@@ -37,6 +37,15 @@ use crate::state::{Command, Desired, DrainedBy, PREFIX, State};
 use crate::store::Store;
 use crate::{Settings, TypeConfig};
 
+/// What the leader keeps of a node's last heartbeat (memory only, never replicated).
+#[derive(Clone, Debug)]
+struct Beat {
+    at: Instant,
+    versions: BTreeMap<String, String>,
+    images: Vec<String>,
+    leftovers: Vec<String>,
+}
+
 pub struct App {
     pub s: Settings,
     bearer: String,
@@ -44,12 +53,14 @@ pub struct App {
     store: Store,
     voters: BTreeMap<u64, BasicNode>,
     /// Last heartbeat per node: the leader's memory only.
-    beats: Mutex<HashMap<String, Instant>>,
+    beats: Mutex<HashMap<String, Beat>>,
     /// When this controller last became leader.
     leader_since: Mutex<Option<Instant>>,
     leader_changes: AtomicU64,
     scontrol_calls: AtomicU64,
     scontrol_failures: AtomicU64,
+    /// Heartbeats agents sent early because a check changed status.
+    change_beats: AtomicU64,
 }
 
 type Shared = Arc<App>;
@@ -73,6 +84,7 @@ pub async fn serve(
         leader_changes: AtomicU64::new(0),
         scontrol_calls: AtomicU64::new(0),
         scontrol_failures: AtomicU64::new(0),
+        change_beats: AtomicU64::new(0),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
@@ -216,10 +228,18 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             "node: a Slurm node name, no spaces",
         );
     }
-    app.beats
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(hb.node.clone(), Instant::now());
+    app.beats.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        hb.node.clone(),
+        Beat {
+            at: Instant::now(),
+            versions: hb.versions.clone(),
+            images: hb.images.clone(),
+            leftovers: hb.leftovers.clone(),
+        },
+    );
+    if hb.cause.as_deref() == Some("change") {
+        app.change_beats.fetch_add(1, Ordering::Relaxed);
+    }
     let known = app
         .store
         .lock()
@@ -304,6 +324,7 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
         .nodes
         .iter()
         .map(|(name, n)| {
+            let beat = beats.get(name).filter(|_| leader);
             let (reason, by) = match &n.desired {
                 Desired::Up => (None, None),
                 Desired::Drained { reason, by } => (
@@ -327,11 +348,16 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
                     .filter(|(_, c)| c.status == berth_api::Status::Fail)
                     .map(|(k, c)| format!("{k}: {}", c.message))
                     .collect(),
-                heartbeat_age_s: if leader {
-                    beats.get(name).map(|t| t.elapsed().as_secs_f64())
-                } else {
-                    None
-                },
+                unknown: n
+                    .checks
+                    .iter()
+                    .filter(|(_, c)| c.status == berth_api::Status::Unknown)
+                    .map(|(k, c)| format!("{k}: {}", c.message))
+                    .collect(),
+                versions: beat.map(|b| b.versions.clone()).unwrap_or_default(),
+                images: beat.map(|b| b.images.clone()).unwrap_or_default(),
+                leftovers: beat.map(|b| b.leftovers.clone()).unwrap_or_default(),
+                heartbeat_age_s: beat.map(|b| b.at.elapsed().as_secs_f64()),
                 suppressed: n.suppressed.clone(),
             }
         })
@@ -389,6 +415,13 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     let calls: Counter = Counter::default();
     calls.inc_by(app.scontrol_calls.load(Ordering::Relaxed));
     reg.register("scontrol_calls", "scontrol update calls made", calls);
+    let early: Counter = Counter::default();
+    early.inc_by(app.change_beats.load(Ordering::Relaxed));
+    reg.register(
+        "change_heartbeats",
+        "Heartbeats agents sent before their interval because a check changed status",
+        early,
+    );
     let fails: Counter = Counter::default();
     fails.inc_by(app.scontrol_failures.load(Ordering::Relaxed));
     reg.register(
@@ -439,10 +472,18 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     if m.state == ServerState::Leader {
         let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let age = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
-        for (node, t) in &beats {
+        let left = Family::<Vec<(String, String)>, Gauge>::default();
+        for (node, b) in &beats {
             age.get_or_create(&vec![("node".into(), node.clone())])
-                .set(t.elapsed().as_secs_f64());
+                .set(b.at.elapsed().as_secs_f64());
+            left.get_or_create(&vec![("node".into(), node.clone())])
+                .set(b.leftovers.len() as i64);
         }
+        reg.register(
+            "leftovers",
+            "Leftovers of ended jobs (containers, scratch) each node reported last",
+            left,
+        );
         reg.register(
             "heartbeat_age_seconds",
             "Seconds since each node's last heartbeat",
@@ -471,7 +512,7 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
 }
 
 /// Nodes silent for 3 heartbeat intervals; a new leader judges none until it has led that long.
-fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Instant>) -> usize {
+fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Beat>) -> usize {
     let grace = Duration::from_secs(app.s.heartbeat_interval_s.max(1) * 3);
     let since = *app.leader_since.lock().unwrap_or_else(|p| p.into_inner());
     if since.is_none_or(|t| t.elapsed() < grace) {
@@ -480,7 +521,7 @@ fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Instant>) -> usi
     state
         .nodes
         .keys()
-        .filter(|n| beats.get(*n).is_none_or(|t| t.elapsed() >= grace))
+        .filter(|n| beats.get(*n).is_none_or(|b| b.at.elapsed() >= grace))
         .count()
 }
 
