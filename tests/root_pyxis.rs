@@ -678,3 +678,95 @@ fn a_running_steps_container_is_joined_by_job_and_step_ids() {
     assert!(log.contains("--container-unshare=net"), "{log}");
     assert!(!log.contains("missing=0"), "{log}");
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_users_writable_container_owns_the_images_root_files_and_saves_them_as_roots() {
+    // Issue 20, point 2: under Enroot the unpacked root is the user's, so `pip install` into the
+    // image's system paths works without --container-remap-root.
+    let (uid, gid, _) = pyxis_user();
+    let img = format!("--container-image={}", debian_image());
+    // A root-owned host file and directory, readable by everyone: bound in, they stay root's.
+    let host = cluster().state.join("writable-host");
+    let _ = std::fs::remove_dir_all(&host);
+    std::fs::create_dir_all(host.join("dir")).unwrap();
+    std::fs::write(host.join("file"), "root's host file\n").unwrap();
+    for (p, mode) in [(host.clone(), 0o755), (host.join("dir"), 0o755)] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    std::fs::set_permissions(host.join("file"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mounts = format!(
+        "--container-mounts={h}/file:/hostfile,{h}/dir:/hostdir",
+        h = host.display()
+    );
+    let dir = user_dir("writable", &[]);
+    let saved = dir.join("saved.sqsh");
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &img,
+            "--container-writable",
+            &mounts,
+            &format!("--container-save={}", saved.display()),
+            "sh",
+            "-c",
+            "echo \"id $(id -u)\"; echo \"root $(stat -c '%u %g' /)\"; \
+             echo \"lib $(stat -c %u /usr/lib)\"; \
+             touch /newfile && echo top-ok; \
+             mkdir -p /usr/lib/python3/dist-packages/berthpkg && \
+             echo 'x = 1' > /usr/lib/python3/dist-packages/berthpkg/__init__.py && echo pip-ok; \
+             echo x >> /hostfile 2>/dev/null && echo hostfile-writable; \
+             touch /hostdir/x 2>/dev/null && echo hostdir-writable; \
+             echo \"host $(stat -c %u /hostfile /hostdir | tr '\\n' ' ')\"; \
+             grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; grep ' / ' /proc/self/mounts",
+        ],
+    )));
+    let has = |line: &str| out.lines().any(|l| l == line);
+    assert!(has(&format!("id {uid}")), "{out}");
+    assert!(
+        has(&format!("root {uid} {gid}")),
+        "`/` is not the user's: {out}"
+    );
+    assert!(has(&format!("lib {uid}")), "{out}");
+    assert!(has("top-ok") && has("pip-ok"), "{out}");
+    assert!(!out.contains("hostfile-writable"), "{out}");
+    assert!(!out.contains("hostdir-writable"), "{out}");
+    assert!(has("host 0 0 "), "{out}");
+    assert!(out.contains("CapEff:\t0000000000000000"), "{out}");
+    assert!(out.contains("NoNewPrivs:\t1"), "{out}");
+    let root = out.lines().find(|l| l.contains(" / ")).unwrap();
+    assert!(root.contains("nosuid") && root.contains("nodev"), "{root}");
+    // The saved image keeps the image's root files root's; what the user wrote is saved as
+    // root's too, as Enroot's export saves every file.
+    let listing = Command::new("unsquashfs")
+        .arg("-lln")
+        .arg(&saved)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let listing = stdout(&listing);
+    for path in [
+        "newfile",
+        "usr/lib/python3/dist-packages/berthpkg/__init__.py",
+        "usr/lib",
+        "usr/bin/perl",
+    ] {
+        let line = listing
+            .lines()
+            .find(|l| l.ends_with(&format!("squashfs-root/{path}")))
+            .unwrap_or_else(|| panic!("{path} not in the saved image"));
+        assert!(line.contains(" 0/0 "), "{path} is not root's: {line}");
+    }
+    assert!(
+        !listing.contains(&format!(" {uid}/")),
+        "the user's uid is in the saved image"
+    );
+    // A read-only container is unchanged: the image's system files are root's.
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[&img, "--container-readonly", "stat", "-c", "%u", "/usr/lib"],
+    )));
+    assert_eq!(out.trim(), "0", "{out}");
+}
