@@ -276,3 +276,59 @@ fn exporting_a_users_writable_container_keeps_the_images_root_files_roots() {
         "the user's uid leaked into the saved image: {list:?}"
     );
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn where_layers_cannot_be_idmapped_the_container_starts_with_the_images_owners() {
+    // ramfs takes no idmapped mount: the container still runs (its /tmp, binds and home work),
+    // with the image's owners as before and a warning saying why.
+    let dir = public_dir("writable-ramfs");
+    let status = Command::new("mount")
+        .args(["-t", "ramfs", "-o", "mode=755", "ramfs"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mounting a ramfs on {}", dir.display());
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(dir.clone());
+    let root = dir.join("rootfs");
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = berth(&[
+        "run",
+        "--rootfs",
+        root.to_str().unwrap(),
+        "--user",
+        "berthtest",
+        "--",
+        "sh",
+        "-c",
+        "stat -c %u / /etc; touch /newfile 2>/dev/null && echo top-writable; \
+         touch /tmp/x && echo tmp-ok",
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .unwrap();
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(
+        text.lines().collect::<Vec<_>>(),
+        ["0", "0", "tmp-ok"],
+        "{text}"
+    );
+    assert!(
+        stderr(&out).contains("the image's root-owned files stay root's"),
+        "{}",
+        stderr(&out)
+    );
+}
