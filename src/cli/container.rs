@@ -200,6 +200,21 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     Ok(0)
 }
 
+/// Joining or removing a container takes root's privileges (setns, the cgroup). Checked after
+/// the lookup: a user, who can only find their own containers, gets for another user's exactly
+/// what a missing one gets; for their own, this line ([`super::needs_root`]'s wording).
+fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
+    let me = nix::unistd::geteuid().as_raw();
+    if me == 0 {
+        return Ok(());
+    }
+    Err(Failure::input(format!(
+        "{verb} {} needs root (you are uid {me}): run it through Slurm (srun --container-name) \
+         or sudo",
+        super::elide(key)
+    )))
+}
+
 pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
     let id = resolve(config, &args.container).ok_or_else(|| {
         Failure::input(format!(
@@ -207,6 +222,7 @@ pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
             super::elide(&args.container)
         ))
     })?;
+    needs_root("exec", &args.container)?;
     let env = args
         .env
         .iter()
@@ -223,6 +239,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
     for key in &args.containers {
         match resolve(config, key) {
             Some(id) => {
+                needs_root("rm", key)?;
                 runtime::remove(&opts, &id).map_err(runtime_failure)?;
                 outln!("{id}");
             }

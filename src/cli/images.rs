@@ -48,6 +48,10 @@ pub enum ImagesCommand {
         /// Images to check (references as `ls` shows them, or digests); none: every image
         #[arg(value_name = "REF|DIGEST")]
         targets: Vec<String>,
+        /// Print a JSON array, one object per image: digest, references, status, layers
+        /// (README: "JSON output"); the exit status is the same
+        #[arg(long)]
+        json: bool,
     },
     /// Clean the image store: leftovers of killed imports, layers no image uses, and (with
     /// options) the least recently used images; never an image in use. Containers, mounts and
@@ -200,6 +204,73 @@ fn image_name(e: &Entry) -> String {
         .unwrap_or_else(|| e.image.digest.clone())
 }
 
+/// One image as `berth images verify --json` prints it.
+#[derive(Debug, serde::Serialize)]
+pub struct VerifyEntry {
+    pub digest: String,
+    pub references: Vec<String>,
+    /// `ok`, `differs`, `unrecorded` (a layer imported by an older berth) or `not-verifiable`
+    /// (a squashfs/SIF image).
+    pub status: &'static str,
+    pub layers: Vec<VerifyLayer>,
+}
+
+/// One layer of a [`VerifyEntry`].
+#[derive(Debug, serde::Serialize)]
+pub struct VerifyLayer {
+    /// The layer's directory name in the store (its diff_id's hex).
+    pub layer: String,
+    /// `ok`, `differs` or `unrecorded`.
+    pub status: &'static str,
+    /// Paths checked, for an `ok` layer.
+    pub paths: Option<usize>,
+    /// One line per difference (path and what differs).
+    pub differences: Vec<String>,
+}
+
+fn verify_json(report: &VerifyReport) -> Vec<VerifyEntry> {
+    report
+        .images
+        .iter()
+        .map(|(entry, layers)| {
+            let layers: Vec<VerifyLayer> = layers
+                .iter()
+                .map(|(dir, check)| {
+                    let (status, paths, differences) = match check {
+                        LayerCheck::Ok(n) => ("ok", Some(*n), Vec::new()),
+                        LayerCheck::Unrecorded => ("unrecorded", None, Vec::new()),
+                        LayerCheck::Differs(lines) => ("differs", None, lines.clone()),
+                    };
+                    VerifyLayer {
+                        layer: dir
+                            .file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                            .unwrap_or_default(),
+                        status,
+                        paths,
+                        differences,
+                    }
+                })
+                .collect();
+            let status = if layers.is_empty() {
+                "not-verifiable"
+            } else if layers.iter().any(|l| l.status == "differs") {
+                "differs"
+            } else if layers.iter().any(|l| l.status == "unrecorded") {
+                "unrecorded"
+            } else {
+                "ok"
+            };
+            VerifyEntry {
+                digest: entry.image.digest.to_string(),
+                references: entry.references.clone(),
+                status,
+                layers,
+            }
+        })
+        .collect()
+}
+
 /// `verify`'s output: one line per image that is whole, one per difference otherwise, and the
 /// exit code (1 when a layer differs).
 fn verify_lines(report: &VerifyReport) -> (Vec<String>, Vec<String>, i32) {
@@ -278,7 +349,7 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
                 }
             }
         }
-        ImagesCommand::Verify { targets } => {
+        ImagesCommand::Verify { targets, json } => {
             let entries = if targets.is_empty() {
                 store.list()
             } else {
@@ -289,8 +360,14 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             };
             let report = store.verify(entries).map_err(failure)?;
             let (out, err, code) = verify_lines(&report);
-            for l in out {
-                outln!("{l}");
+            if *json {
+                let text = serde_json::to_string_pretty(&verify_json(&report))
+                    .map_err(|e| Failure::system(e.to_string()))?;
+                outln!("{text}");
+            } else {
+                for l in out {
+                    outln!("{l}");
+                }
             }
             for l in err {
                 eprintln!("berth: {l}");

@@ -68,11 +68,11 @@ pub struct ContainerArgs {
     pub image: Option<String>,
 
     /// Run the image's Entrypoint with CMD as its arguments (without CMD, Entrypoint + Cmd run)
-    #[arg(long, conflicts_with = "rootfs")]
+    #[arg(long)]
     pub entrypoint: bool,
 
     /// Platform to pick from a multi-platform image (amd64, arm64, ...) [default: the host's]
-    #[arg(long, value_name = "ARCH", conflicts_with = "rootfs")]
+    #[arg(long, value_name = "ARCH")]
     pub arch: Option<String>,
 
     /// Bind-mount a host path (nosuid,nodev; rw unless :ro)
