@@ -3,11 +3,13 @@
 
 mod clone;
 mod exec;
+mod hooks;
 mod init;
 pub mod join;
 pub mod mounts;
 mod report;
 mod rootfs;
+mod seccomp;
 pub mod state;
 pub mod userns;
 
