@@ -230,6 +230,7 @@ fn a_mirror_that_is_down_falls_back_to_the_origin_and_says_so() {
         .filter(|l| l.contains(&format!("registry mirror {down}")))
         .collect();
     assert_eq!(warned.len(), 1, "{}", stderr(&o));
+    eprintln!("warning: {}", warned[0]);
     assert!(
         warned[0].contains("unreachable") && warned[0].contains("itself"),
         "{}",
@@ -262,6 +263,7 @@ fn without_fallback_a_mirror_that_is_down_fails_in_one_line_naming_it() {
     );
     let err = lines(&o);
     assert_eq!(err.len(), 1, "{}", stderr(&o));
+    eprintln!("error: {}", err[0]);
     assert!(
         err[0].contains(&format!("registry mirror {down}")) && err[0].contains("fallback = false"),
         "{}",
@@ -323,6 +325,7 @@ fn a_mirror_serving_a_tampered_blob_is_refused_by_digest() {
     assert!(!o.status.success(), "a tampered blob was accepted");
     let err = lines(&o);
     assert_eq!(err.len(), 1, "{}", stderr(&o));
+    eprintln!("error: {}", err[0]);
     assert!(
         err[0].contains(tampered.as_str())
             && err[0].contains("corrupt")
@@ -351,6 +354,7 @@ fn a_mirror_serving_a_tampered_blob_is_refused_by_digest() {
         .filter(|l| l.contains(&format!("registry mirror {}", mirror.host())))
         .collect();
     assert_eq!(warned.len(), 1, "{}", stderr(&o));
+    eprintln!("warning: {}", warned[0]);
     assert!(warned[0].contains(tampered.as_str()), "{}", warned[0]);
     assert_eq!(origin.blob_gets(tampered), 1, "{:?}", origin.requests());
     assert_eq!(mirror.blob_gets(tampered), 2, "{:?}", mirror.requests());
@@ -535,6 +539,7 @@ fn docker_and_podman_login_files_let_the_jobs_user_pull() {
             .filter(|l| l.contains("credsStore"))
             .collect();
         assert_eq!(helper.len(), 1, "{}", stderr(&o));
+        eprintln!("warning: {}", helper[0]);
         assert!(
             helper[0].contains(&file.display().to_string()),
             "{}",
@@ -553,6 +558,7 @@ fn docker_and_podman_login_files_let_the_jobs_user_pull() {
             .filter(|l| l.contains("team/private"))
             .collect();
         assert_eq!(rejected.len(), 1, "{}", stderr(&o));
+        eprintln!("error: {}", rejected[0]);
         assert!(
             rejected[0].contains(&format!("rejected the login '{LOGIN}'"))
                 && rejected[0].contains(&file.display().to_string()),
@@ -606,6 +612,7 @@ fn another_users_login_file_is_not_used() {
         .filter(|l| l.contains("team/private"))
         .collect();
     assert_eq!(err.len(), 1, "{}", stderr(&o));
+    eprintln!("error: {}", err[0]);
     assert_eq!(
         token_logins(&t).len(),
         before,
