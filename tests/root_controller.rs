@@ -104,6 +104,12 @@ impl Cluster {
     }
 
     fn with_uids(n: usize, slurm_nodes: &[(&str, &str, &str)], uids: Vec<u32>) -> Self {
+        Self::build(n, slurm_nodes, uids, "")
+    }
+
+    /// `toml`: the controllers' `[controller]` settings beyond the flags; every controller runs
+    /// with the failpoint file `<dir>/failpoint` (it fires only while that file exists).
+    fn build(n: usize, slurm_nodes: &[(&str, &str, &str)], uids: Vec<u32>, toml: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         write(&d.join("key"), &format!("{KEY}\n"));
@@ -124,18 +130,20 @@ impl Cluster {
             &format!(
                 r#"#!/bin/sh
 echo "$BERTH_CONTROLLER_ID $BERTH_CONTROLLER_TERM $*" >> {0}/calls
-node=""; state=""; reason=""
+nodes=""; state=""; reason=""
 for a in "$@"; do
   case "$a" in
-    NodeName=*) node="${{a#NodeName=}}" ;;
+    NodeName=*) nodes="${{a#NodeName=}}" ;;
     State=*) state="${{a#State=}}" ;;
     Reason=*) reason="${{a#Reason=}}" ;;
   esac
 done
-case "$state" in
-  DRAIN) echo "drained|$reason" > {0}/slurm/$node ;;
-  RESUME) echo "idle|none" > {0}/slurm/$node ;;
-esac
+for node in $(echo "$nodes" | tr ',' ' '); do
+  case "$state" in
+    DRAIN) echo "drained|$reason" > {0}/slurm/$node ;;
+    RESUME) echo "idle|none" > {0}/slurm/$node ;;
+  esac
+done
 "#,
                 d.display()
             ),
@@ -143,6 +151,7 @@ esac
         let addrs: Vec<String> = (0..n)
             .map(|_| format!("127.0.0.1:{}", free_port()))
             .collect();
+        write(&d.join("none.toml"), &format!("[controller]\n{toml}"));
         let mut c = Self {
             dir,
             addrs,
@@ -213,7 +222,7 @@ esac
                 cmd.arg("--peer").arg(format!("{}={a}", j + 1));
             }
         }
-        write(&d.join("none.toml"), "");
+        cmd.arg("--failpoint-file").arg(d.join("failpoint"));
         let log = std::fs::File::options()
             .create(true)
             .append(true)
@@ -939,4 +948,134 @@ fn key_files_others_can_read_or_that_others_own_are_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{out:?}");
     assert!(err.contains("owned by uid 65534"), "{err}");
+}
+
+/// A heartbeat straight to controller `i` (the simulator's way: no agent process), its one
+/// hard check failing or passing; `Some(status)` when a controller answered.
+fn post_beat(c: &Cluster, i: usize, node: &str, ok: bool) -> Option<u16> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(3)))
+        .build()
+        .into();
+    let body = serde_json::json!({
+        "node": node, "boot_id": "b", "version": "v",
+        "checks": [{"name": "gpu-count", "status": if ok { "ok" } else { "fail" },
+                    "severity": "hard", "recoverable": true,
+                    "message": if ok { "8 of 8" } else { "7 of 8" }}]
+    });
+    let r = agent
+        .post(&format!("http://{}/v1/heartbeat", c.addrs[i]))
+        .header("authorization", &format!("Bearer {KEY}"))
+        .content_type("application/json")
+        .send(body.to_string().as_bytes())
+        .ok()?;
+    Some(r.status().as_u16())
+}
+
+/// Nodes drained in the fake Slurm.
+fn slurm_drained(c: &Cluster, nodes: &[String]) -> Vec<String> {
+    nodes
+        .iter()
+        .filter(|n| c.slurm(n).starts_with("drained|"))
+        .cloned()
+        .collect()
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn ten_leader_kills_and_the_commit_apply_failpoint_lose_no_decision() {
+    let names: Vec<String> = (1..=12).map(|i| format!("n{i:02}")).collect();
+    let slurm: Vec<(&str, &str, &str)> =
+        names.iter().map(|n| (n.as_str(), "idle", "none")).collect();
+    // Every decision here is wanted: the breaker must not hold drains back.
+    let mut c = Cluster::build(3, &slurm, Vec::new(), "breaker_min = 1000\n");
+    let failpoint = c.path().join("failpoint");
+    // Every node known and healthy.
+    let l = c.leader(None);
+    for n in &names {
+        assert_eq!(post_beat(&c, l, n, true), Some(200));
+    }
+    let mut expected = std::collections::BTreeSet::new();
+    let mut fired = 0;
+    for k in 0..10 {
+        let leader = c.leader(None);
+        // Two drains for one reason (one grouped call) and, from round 2 on, one resume of a
+        // node drained before (3 passes).
+        let a = &names[k % names.len()];
+        let b = &names[(k + 5) % names.len()];
+        // On even rounds the failpoint: the leader exits right before it would apply.
+        if k % 2 == 0 {
+            write(&failpoint, "");
+        }
+        for n in [a, b] {
+            if post_beat(&c, leader, n, false) == Some(200) {
+                expected.insert(n.clone());
+            }
+        }
+        if k >= 2 {
+            let r = &names[(k + 9) % names.len()];
+            if !([a, b].contains(&r)) && expected.contains(r) {
+                let ok = (0..3).all(|_| post_beat(&c, leader, r, true) == Some(200));
+                if ok {
+                    expected.remove(r);
+                }
+            }
+        }
+        let proc = c.controllers[leader].as_mut().unwrap();
+        if k % 2 == 0 {
+            // The failpoint fires at the leader's next reconciliation.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while proc.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            std::fs::remove_file(&failpoint).unwrap();
+            if let Some(st) = proc.child.try_wait().unwrap() {
+                assert_eq!(st.code(), Some(86), "round {k}");
+                fired += 1;
+            }
+        }
+        if proc.child.try_wait().unwrap().is_none() {
+            proc.signal(nix::sys::signal::Signal::SIGKILL);
+        }
+        c.controllers[leader] = None;
+        c.leader(Some(leader));
+        c.controllers[leader] = Some(c.start(leader));
+    }
+    assert!(fired >= 3, "the failpoint fired in {fired} of 5 rounds");
+    // Healed: all three run. The new leader applies what was committed and not applied.
+    c.leader(None);
+    let want: Vec<String> = expected.iter().cloned().collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while slurm_drained(&c, &names) != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let leader = c.leader(None);
+    assert_eq!(
+        slurm_drained(&c, &names),
+        want,
+        "Slurm's drained set is not the committed one after 10 s; the leader's view: {}; calls: {:?}",
+        c.get(leader, "/v1/nodes").unwrap_or_default(),
+        c.calls()
+    );
+    wait_for("the replicas' state hashes agree", 5, || {
+        let h = hashes(&c);
+        h.len() == 3 && h.iter().all(|x| *x == h[0])
+    });
+    // Grouped: at least one call drained two nodes for one reason.
+    let calls = c.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|l| l.contains(",n") && l.contains("State=DRAIN Reason=berth: gpu-count: 7 of 8")),
+        "{calls:?}"
+    );
+    // Every call came from the leader of its term: no term has two callers.
+    let mut by_term = std::collections::BTreeMap::<String, String>::new();
+    for l in &calls {
+        let mut f = l.split(' ');
+        let (id, term) = (f.next().unwrap().to_string(), f.next().unwrap().to_string());
+        let prev = by_term.entry(term).or_insert_with(|| id.clone());
+        assert_eq!(*prev, id, "{calls:?}");
+    }
 }

@@ -659,6 +659,78 @@ async fn confirm_leader(app: &App) -> Option<u64> {
     (confirmed && now.state == ServerState::Leader && now.current_term == term).then_some(term)
 }
 
+/// One `scontrol update` call: the nodes of one action and one reason together.
+#[derive(Debug, PartialEq, Eq)]
+struct Call {
+    nodes: Vec<String>,
+    /// `Some(reason)`: drain; `None`: resume.
+    drain: Option<String>,
+}
+
+impl Call {
+    fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            "update".to_string(),
+            format!("NodeName={}", self.nodes.join(",")),
+        ];
+        match &self.drain {
+            Some(reason) => {
+                a.push("State=DRAIN".to_string());
+                a.push(format!("Reason={reason}"));
+            }
+            None => a.push("State=RESUME".to_string()),
+        }
+        a
+    }
+}
+
+/// Groups actions into calls: every drain of one reason in one call, every resume in one, at
+/// most `per_call` nodes each (a command line stays short), drains first (a node that must
+/// not take jobs matters more than one idle a little longer).
+fn group(actions: Vec<Action>, per_call: usize) -> Vec<Call> {
+    let mut drains: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut resumes = Vec::new();
+    for a in actions {
+        match a {
+            Action::Drain(node, reason) => drains.entry(reason).or_default().push(node),
+            Action::Resume(node) => resumes.push(node),
+        }
+    }
+    let per_call = per_call.max(1);
+    let mut out = Vec::new();
+    for (reason, nodes) in drains {
+        for chunk in nodes.chunks(per_call) {
+            out.push(Call {
+                nodes: chunk.to_vec(),
+                drain: Some(reason.clone()),
+            });
+        }
+    }
+    for chunk in resumes.chunks(per_call) {
+        out.push(Call {
+            nodes: chunk.to_vec(),
+            drain: None,
+        });
+    }
+    out
+}
+
+/// The test-only failpoint between commit and apply (`serve --failpoint-file PATH`, a hidden
+/// flag no configuration file sets): when PATH exists as the leader is about to apply committed
+/// decisions to Slurm, the process exits at once, as a crash would, leaving them committed and
+/// not applied for the next leader.
+fn failpoint(app: &App) {
+    if let Some(path) = &app.s.failpoint_file
+        && path.exists()
+    {
+        eprintln!(
+            "berth-controller: failpoint {}: exiting between commit and apply",
+            path.display()
+        );
+        std::process::exit(86);
+    }
+}
+
 async fn reconcile(app: &App) -> Result<(), String> {
     let Some(term) = confirm_leader(app).await else {
         return Ok(());
@@ -670,29 +742,25 @@ async fn reconcile(app: &App) -> Result<(), String> {
     let text = run_tool(&app.s.sinfo, &args, term, app.s.id).await?;
     let slurm = parse_sinfo(&text);
     let state = app.store.lock().state.clone();
-    for action in plan(&state, &slurm)
+    let calls = group(plan(&state, &slurm), app.s.nodes_per_call);
+    let gap = Duration::from_millis(app.s.scontrol_interval_ms);
+    for (i, call) in calls
         .into_iter()
         .take(app.s.max_updates_per_round.max(1))
+        .enumerate()
     {
+        // The rate limit: at most one call per scontrol_interval_ms, Slurm's controller
+        // serves jobs too.
+        if i > 0 {
+            tokio::time::sleep(gap).await;
+        }
         // Leadership again right before the call: a deposed leader must call nothing.
         if confirm_leader(app).await != Some(term) {
             return Ok(());
         }
-        let args = match &action {
-            Action::Drain(node, reason) => vec![
-                "update".to_string(),
-                format!("NodeName={node}"),
-                "State=DRAIN".to_string(),
-                format!("Reason={reason}"),
-            ],
-            Action::Resume(node) => vec![
-                "update".to_string(),
-                format!("NodeName={node}"),
-                "State=RESUME".to_string(),
-            ],
-        };
+        failpoint(app);
         app.scontrol_calls.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = run_tool(&app.s.scontrol, &args, term, app.s.id).await {
+        if let Err(e) = run_tool(&app.s.scontrol, &call.args(), term, app.s.id).await {
             app.scontrol_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("{e}");
         }
@@ -732,6 +800,32 @@ mod tests {
             vec![
                 Action::Resume("n1".into()),
                 Action::Drain("n3".into(), "maintenance".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn calls_group_by_reason_drains_first_and_split_long_lists() {
+        let d = |n: &str, r: &str| Action::Drain(n.into(), r.into());
+        let calls = group(
+            vec![
+                Action::Resume("n9".into()),
+                d("n1", "berth: gpu-count: 7 of 8"),
+                d("n2", "berth: nic-ports: mlx5_0 down"),
+                d("n3", "berth: gpu-count: 7 of 8"),
+                d("n4", "berth: gpu-count: 7 of 8"),
+                Action::Resume("n8".into()),
+            ],
+            2,
+        );
+        let args: Vec<String> = calls.iter().map(|c| c.args().join(" ")).collect();
+        assert_eq!(
+            args,
+            vec![
+                "update NodeName=n1,n3 State=DRAIN Reason=berth: gpu-count: 7 of 8",
+                "update NodeName=n4 State=DRAIN Reason=berth: gpu-count: 7 of 8",
+                "update NodeName=n2 State=DRAIN Reason=berth: nic-ports: mlx5_0 down",
+                "update NodeName=n9,n8 State=RESUME",
             ]
         );
     }
