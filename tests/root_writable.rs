@@ -332,3 +332,103 @@ fn where_layers_cannot_be_idmapped_the_container_starts_with_the_images_owners()
         stderr(&out)
     );
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn exporting_never_reads_a_bind_whose_parent_the_user_renames() {
+    // A remapped container's user (the owner of its files) could do the same before.
+    for extra in [&[][..], &["--remap-root"][..]] {
+        export_while_renaming(extra);
+    }
+}
+
+fn export_while_renaming(extra: &[&str]) {
+    // The user owns `/` now, so can rename a directory berth made above a mount point while the
+    // container is exported. Export used to detach the binds by their paths, read a moment
+    // before: a bind that moved in between stayed, and mksquashfs (root, in the idmapping's
+    // namespace, where other users' ids are mapped) read another user's private file into the
+    // user's image.
+    let host = public_dir("writable-rename");
+    let shared = host.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let secret = shared.join("secret");
+    std::fs::write(&secret, "another user's secret\n").unwrap();
+    std::os::unix::fs::chown(&secret, Some(4343), Some(4343)).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mount = format!("{}:/a/shared", shared.display());
+    let image = image().to_str().unwrap();
+    let mut args = vec![
+        "create",
+        "--rootfs",
+        image,
+        "--user",
+        "berthtest",
+        "--mount",
+        &mount,
+    ];
+    args.extend_from_slice(extra);
+    let id = ok(berth(&args).stdin(Stdio::null()).output().unwrap());
+    let id = id.trim().to_string();
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = berth(&["rm", &self.0])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+    let _rm = Remove(id.clone());
+    // Renames /a back and forth until the container is removed (or 120 s pass).
+    let mut flipper = berth(&[
+        "exec",
+        &id,
+        "--",
+        "timeout",
+        "120",
+        "sh",
+        "-c",
+        "while :; do mv /a /b 2>/dev/null; mv /b /a 2>/dev/null; done",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let flipper = Kill(&mut flipper);
+    let out_dir = public_dir("writable-rename-out");
+    for round in 0..12 {
+        let sqsh = out_dir.join(format!("{round}.sqsh"));
+        let o = berth(&["export", &id, "-o", sqsh.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{extra:?} round {round}: {}",
+            stderr(&o)
+        );
+        let list = listing(&sqsh);
+        assert!(
+            list.contains_key("/bin/busybox"),
+            "{extra:?} round {round}: {list:?}"
+        );
+        assert!(
+            !list.keys().any(|p| p.ends_with("/shared/secret")),
+            "{extra:?} round {round}: the bind was read into the image: {:?}",
+            list.keys()
+                .filter(|p| p.contains("shared"))
+                .collect::<Vec<_>>()
+        );
+    }
+    drop(flipper);
+}
