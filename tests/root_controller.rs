@@ -1079,3 +1079,108 @@ fn ten_leader_kills_and_the_commit_apply_failpoint_lose_no_decision() {
         assert_eq!(*prev, id, "{calls:?}");
     }
 }
+
+/// `promtool check metrics` of a metrics text; panics with promtool's words when it refuses.
+fn promtool_metrics(what: &str, text: &str) {
+    use std::io::Write;
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (integration/setup.sh extracts it from Debian's prometheus package)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics refuses the {what}'s /metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn metrics_pass_promtool_and_the_alert_rules_load_and_name_real_metrics() {
+    let c = Cluster::new(
+        1,
+        &[
+            ("n1", "idle", "none"),
+            ("n2", "idle", "none"),
+            ("n3", "idle", "none"),
+            ("n4", "idle", "none"),
+        ],
+    );
+    c.leader(None);
+    // Three hard failures among four nodes: two drain (the breaker's minimum), one is held back.
+    for n in ["n1", "n2", "n3", "n4"] {
+        assert_eq!(post_beat(&c, 0, n, true), Some(200));
+    }
+    for n in ["n1", "n2", "n3"] {
+        assert_eq!(post_beat(&c, 0, n, false), Some(200));
+    }
+    wait_for("two drains applied", 20, || {
+        c.slurm("n1").starts_with("drained|") && c.slurm("n2").starts_with("drained|")
+    });
+    let controller = c.text(&c.addrs[0], "/metrics").unwrap();
+    assert_eq!(
+        metric(
+            &controller,
+            "berth_controller_suppressed_drains_total{check=\"gpu-count\"}"
+        ),
+        Some(1.0),
+        "{controller}"
+    );
+    assert_eq!(
+        metric(&controller, "berth_controller_breaker_tripped"),
+        Some(1.0)
+    );
+    promtool_metrics("controller", &controller);
+
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let _agent = c.agent_with(
+        "n4",
+        &Opts {
+            metrics_listen: metrics_addr.clone(),
+            ..Opts::default()
+        },
+        None,
+    );
+    let mut agent = String::new();
+    wait_for("the agent's metrics after a heartbeat", 20, || {
+        agent = c.text(&metrics_addr, "/metrics").unwrap_or_default();
+        metric(&agent, "berth_agent_heartbeats_total").unwrap_or(0.0) >= 1.0
+    });
+    promtool_metrics("agent", &agent);
+
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/berth-alerts.yml");
+    let out = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // Every metric an alert asks for exists under that name (a rename breaks no alert silently).
+    let text = std::fs::read_to_string(&rules).unwrap();
+    let mut names: Vec<&str> = text
+        .split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
+        .filter(|w| w.starts_with("berth_controller_") || w.starts_with("berth_agent_"))
+        .collect();
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 6, "{names:?}");
+    for name in names {
+        let found = controller
+            .lines()
+            .chain(agent.lines())
+            .any(|l| l.starts_with(&format!("# TYPE {name} ")));
+        assert!(found, "the alert rules use {name}, which no /metrics has");
+    }
+}

@@ -406,6 +406,13 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     let leader: Gauge = Gauge::default();
     leader.set(i64::from(m.state == ServerState::Leader));
     reg.register("is_leader", "1 on the Raft leader", leader);
+    let leader_id: Gauge = Gauge::default();
+    leader_id.set(m.current_leader.map_or(0, |l| l as i64));
+    reg.register(
+        "leader_id",
+        "The Raft id of the leader this controller knows; 0 when it knows none",
+        leader_id,
+    );
     let term: Gauge = Gauge::default();
     term.set(m.current_term as i64);
     reg.register("term", "The Raft term", term);
@@ -504,11 +511,46 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            "text/plain; version=0.0.4; charset=utf-8",
         )],
-        text,
+        prometheus_text(&text),
     )
         .into_response()
+}
+
+/// OpenMetrics text (what prometheus-client writes) as Prometheus' text format 0.0.4, which
+/// every scraper and `promtool check metrics` read: a counter's HELP and TYPE name its samples
+/// (`x_total`, not `x`), and there is no `# EOF`.
+fn prometheus_text(open: &str) -> String {
+    let counters: std::collections::HashSet<&str> = open
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open.len());
+    for line in open.lines() {
+        if line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((p, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                if counters.contains(name) {
+                    out.push_str(&format!("{p}{name}_total {tail}\n"));
+                } else {
+                    out.push_str(line);
+                    out.push('\n');
+                }
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 /// Nodes silent for 3 heartbeat intervals; a new leader judges none until it has led that long.
@@ -827,6 +869,17 @@ mod tests {
                 "update NodeName=n2 State=DRAIN Reason=berth: nic-ports: mlx5_0 down",
                 "update NodeName=n9,n8 State=RESUME",
             ]
+        );
+    }
+
+    #[test]
+    fn metrics_are_prometheus_text() {
+        let open = "# HELP x_calls Calls.\n# TYPE x_calls counter\nx_calls_total 3\n\
+                    # HELP x_up Up.\n# TYPE x_up gauge\nx_up 1\n# EOF\n";
+        assert_eq!(
+            prometheus_text(open),
+            "# HELP x_calls_total Calls.\n# TYPE x_calls_total counter\nx_calls_total 3\n\
+             # HELP x_up Up.\n# TYPE x_up gauge\nx_up 1\n"
         );
     }
 

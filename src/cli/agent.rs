@@ -520,7 +520,7 @@ impl Metrics {
         ];
         for (name, help, v) in counters {
             t.push_str(&format!(
-                "# HELP berth_agent_{name} {help}\n# TYPE berth_agent_{name} counter\n\
+                "# HELP berth_agent_{name}_total {help}\n# TYPE berth_agent_{name}_total counter\n\
                  berth_agent_{name}_total {}\n",
                 v.load(Ordering::Relaxed)
             ));
