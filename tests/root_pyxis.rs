@@ -1062,3 +1062,49 @@ fn the_apt_setting_is_written_beneath_the_root_and_never_through_a_symlink() {
     );
     assert_eq!(out.trim(), "/tmp/victim", "{out}");
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn processes_exec_d_into_a_remapped_container_get_the_filter_too() {
+    let _ = pyxis_user();
+    let root = apt_hook_rootfs("apt-hook-exec", |d| {
+        std::fs::create_dir(d.join("etc/apt/apt.conf.d")).unwrap();
+    });
+    let name = "apt-hook-exec";
+    let _ = berth(&["rm", name]).output();
+    struct Remove(&'static str);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = berth(&["rm", self.0]).output();
+        }
+    }
+    ok(berth(&[
+        "create",
+        "--rootfs",
+        root.to_str().unwrap(),
+        "--user",
+        "berthpyxis",
+        "--remap-root",
+        "--name",
+        name,
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("running berth"));
+    let _remove = Remove(name);
+    let out = ok(berth(&[
+        "exec",
+        name,
+        "--",
+        "sh",
+        "-c",
+        "touch /tmp/f; chown 42:42 /tmp/f && echo chown-ok; grep Seccomp: /proc/self/status; \
+         cat /etc/apt/apt.conf.d/99berth-remap-root",
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("running berth"));
+    for needle in ["chown-ok", "Seccomp:\t2", "APT::Sandbox::User \"root\";"] {
+        assert!(out.contains(needle), "{needle} missing: {out}");
+    }
+}

@@ -70,7 +70,7 @@ pub fn native() -> Option<&'static Table> {
         .find(|t| Some(t.arch) == NATIVE_ARCH)
 }
 
-/// The filter's verdicts.
+/// The verdict for a call that runs as usual.
 pub const ALLOW: u32 = libc::SECCOMP_RET_ALLOW;
 /// SECCOMP_RET_ERRNO with errno 0: the call returns 0 without running.
 pub const SUCCEED: u32 = libc::SECCOMP_RET_ERRNO;
@@ -87,7 +87,8 @@ fn stmt(code: u32, k: u32) -> libc::sock_filter {
 fn jeq(k: u32, jt: usize, jf: usize) -> libc::sock_filter {
     libc::sock_filter {
         code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
-        // Programs here are a few dozen instructions: offsets always fit.
+        // Programs here are a few dozen instructions: offsets always fit (one that did not
+        // would jump past the end, which the kernel refuses: the install fails, nothing is lost).
         jt: u8::try_from(jt).unwrap_or(u8::MAX),
         jf: u8::try_from(jf).unwrap_or(u8::MAX),
         k,
