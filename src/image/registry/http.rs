@@ -597,3 +597,17 @@ fn pem_certs(pem: &[u8]) -> Vec<Certificate<'static>> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_identity_token_is_exchanged_as_an_oauth2_refresh_token() {
+        assert_eq!(
+            refresh_form("a+b/c", Some("reg.example"), "repository:x/y:pull"),
+            "grant_type=refresh_token&client_id=berth&refresh_token=a%2Bb%2Fc&scope=repository%3Ax%2Fy%3Apull&service=reg.example"
+        );
+        assert!(!refresh_form("t", None, "s").contains("service="));
+    }
+}
