@@ -222,6 +222,28 @@ put("auth_challenge", "bearer-error",
 put("auth_challenge", "basic", 'Basic realm="Registry Realm"')
 put("auth_challenge", "escaped", 'Bearer realm="https://h/t?a=\\"b\\"",scope="x,y"')
 
+# --- auth_file: docker config.json / podman auth.json ----------------------------------------
+put("auth_file", "docker-config.json", json.dumps({
+    "auths": {
+        "https://index.docker.io/v1/": {"auth": "aHViOmh1Yi1wYXNzd29yZA=="},
+        "127.0.0.1:5000": {"auth": "YWxpY2U6czNjcmV0LXB3", "email": "a@example.org"},
+        "ghcr.io": {"identitytoken": "refresh-token-value"},
+    },
+    "credsStore": "desktop",
+    "credHelpers": {"gcr.io": "gcloud"},
+    "HttpHeaders": {"User-Agent": "x"},
+}, indent="\t"))
+put("auth_file", "podman-auth.json", json.dumps({
+    "auths": {
+        "docker.io": {"auth": "dXNlcjpwYXNzOndpdGg6Y29sb25z"},
+        "quay.io/namespace": {"auth": "bzpw"},
+        "bad.example": {"auth": "not base64!"},
+        "old.example": {"username": "u", "password": "p"},
+    }
+}))
+put("auth_file", "empty.json", "{}")
+put("auth_file", "wrong-types.json", '{"auths": {"h": {"auth": 3, "identitytoken": null}}, "credsStore": 1}')
+
 # --- pyxis_mounts / stage_spec --------------------------------------------------------------
 for i, m in enumerate([
     "/data:/data", "/scratch:/scratch:ro", "/a:/b:rbind+ro+nosuid,/c:/d:private",

@@ -103,6 +103,22 @@ else
   fi
 fi
 
+# promtool (tests/root_controller.rs: `promtool check metrics` of the controller's and the
+# agent's /metrics, `promtool check rules configs/berth-alerts.yml`). Debian ships it only in the
+# `prometheus` package, whose postinst enables and starts a Prometheus server: take the one
+# binary out of the downloaded package instead (no maintainer script runs, no service).
+if ! command -v promtool >/dev/null; then
+  say "promtool from the prometheus package (extracted, not installed)"
+  promtool_tmp=$(mktemp -d)
+  (cd "$promtool_tmp" && apt-get download -qq prometheus) ||
+    die "apt-get download prometheus failed (for promtool)"
+  dpkg-deb --fsys-tarfile "$promtool_tmp"/prometheus_*.deb |
+    tar -x -C "$promtool_tmp" ./usr/bin/promtool ||
+    die "extracting promtool from the prometheus package failed"
+  install -m 0755 "$promtool_tmp/usr/bin/promtool" /usr/local/bin/promtool
+  rm -rf "$promtool_tmp"
+fi
+
 # cargo-afl (test.sh's fuzz step, bench/fuzz/run.sh): AFL++ for Rust on the stable toolchain,
 # from crates.io; installing it builds the AFL++ it ships (for the rustc it was built with, so a
 # new rustc needs `cargo afl config --build --force`, done here). The version matches the `afl`

@@ -104,6 +104,33 @@ pub struct RegistryConfig {
     pub retries: u32,
     /// Delay before the first retry in milliseconds; it doubles with each further attempt.
     pub retry_backoff_ms: u64,
+    /// Also read the user's docker and podman login files (`$REGISTRY_AUTH_FILE` or
+    /// `$XDG_RUNTIME_DIR/containers/auth.json`, `~/.config/containers/auth.json`,
+    /// `$DOCKER_CONFIG/config.json` or `~/.docker/config.json`), after the netrc files.
+    pub auth_files: bool,
+    /// Mirrors per registry (`HOST[:PORT]` as in image references, `docker.io` for Docker Hub),
+    /// tried in order before the registry itself.
+    pub mirrors: std::collections::BTreeMap<String, MirrorConfig>,
+}
+
+/// `[registry.mirrors."HOST"]`: where images of one registry are pulled from first.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct MirrorConfig {
+    /// `HOST[:PORT][/PREFIX]`, in order: `mirror.example/dockerhub` serves `library/ubuntu` as
+    /// `dockerhub/library/ubuntu`. Plain HTTP only where the mirror's host is in `insecure`.
+    pub mirrors: Vec<String>,
+    /// Pull from the registry itself when every mirror failed; `false` for air-gapped sites.
+    pub fallback: bool,
+}
+
+impl Default for MirrorConfig {
+    fn default() -> Self {
+        Self {
+            mirrors: Vec::new(),
+            fallback: true,
+        }
+    }
 }
 
 impl Default for RegistryConfig {
@@ -118,6 +145,8 @@ impl Default for RegistryConfig {
             read_timeout_s: 60,
             retries: 5,
             retry_backoff_ms: 500,
+            auth_files: true,
+            mirrors: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -312,8 +341,14 @@ pub struct AgentConfig {
     pub controllers: Vec<String>,
     /// The shared key file (the same content on every node and controller).
     pub key_file: PathBuf,
-    /// Milliseconds between two rounds of checks and heartbeats.
+    /// Milliseconds between two heartbeats.
     pub interval_ms: u64,
+    /// Milliseconds between two rounds of health checks (at most interval_ms): a check whose
+    /// status changed is sent at once, not at the next heartbeat.
+    pub check_interval_ms: u64,
+    /// A round of checks not done in this many milliseconds reports its checks `unknown`
+    /// (which never drains).
+    pub check_timeout_ms: u64,
     /// Each wait is the interval plus or minus half this percentage of it, at random.
     pub jitter_percent: u32,
     /// Where the agent serves `/metrics`; empty: nowhere.
@@ -328,6 +363,8 @@ impl Default for AgentConfig {
             controllers: Vec::new(),
             key_file: PathBuf::from("/etc/berth/cluster.key"),
             interval_ms: 5000,
+            check_interval_ms: 1000,
+            check_timeout_ms: 10_000,
             jitter_percent: 20,
             metrics_listen: "0.0.0.0:6821".into(),
             node_name: None,
@@ -470,6 +507,21 @@ mod tests {
         assert_eq!(Config::default().log.target, LogTarget::Both);
         assert!(Config::parse("[log]\ntarget = \"file\"\n").is_err());
         assert!(Config::parse("[log]\nlevel = \"loud\"\n").is_err());
+    }
+
+    #[test]
+    fn registry_mirrors_parse() {
+        let c = Config::parse(
+            "[registry.mirrors.\"docker.io\"]\nmirrors = [\"m.example/hub\", \"m2:5000\"]\n\
+             [registry.mirrors.\"ghcr.io\"]\nmirrors = [\"m.example\"]\nfallback = false\n",
+        )
+        .unwrap();
+        let hub = &c.registry.mirrors["docker.io"];
+        assert_eq!(hub.mirrors, ["m.example/hub", "m2:5000"]);
+        assert!(hub.fallback);
+        assert!(!c.registry.mirrors["ghcr.io"].fallback);
+        assert!(c.registry.auth_files);
+        assert!(Config::parse("[registry.mirrors.\"x\"]\nmirror = []\n").is_err());
     }
 
     #[test]

@@ -82,6 +82,12 @@ fn executable(path: &Path, text: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
+/// Mode 0600: a key file group or others can read is refused.
+fn private(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
 /// A test cluster: its directory, the fake Slurm, the controllers.
 struct Cluster {
     dir: tempfile::TempDir,
@@ -98,9 +104,16 @@ impl Cluster {
     }
 
     fn with_uids(n: usize, slurm_nodes: &[(&str, &str, &str)], uids: Vec<u32>) -> Self {
+        Self::build(n, slurm_nodes, uids, "")
+    }
+
+    /// `toml`: the controllers' `[controller]` settings beyond the flags; every controller runs
+    /// with the failpoint file `<dir>/failpoint` (it fires only while that file exists).
+    fn build(n: usize, slurm_nodes: &[(&str, &str, &str)], uids: Vec<u32>, toml: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         write(&d.join("key"), &format!("{KEY}\n"));
+        private(&d.join("key"));
         // The fake Slurm: one file per node, "STATE|REASON"; scontrol logs "ID TERM ARGS".
         for (name, state, reason) in slurm_nodes {
             write(&d.join("slurm").join(name), &format!("{state}|{reason}\n"));
@@ -117,18 +130,20 @@ impl Cluster {
             &format!(
                 r#"#!/bin/sh
 echo "$BERTH_CONTROLLER_ID $BERTH_CONTROLLER_TERM $*" >> {0}/calls
-node=""; state=""; reason=""
+nodes=""; state=""; reason=""
 for a in "$@"; do
   case "$a" in
-    NodeName=*) node="${{a#NodeName=}}" ;;
+    NodeName=*) nodes="${{a#NodeName=}}" ;;
     State=*) state="${{a#State=}}" ;;
     Reason=*) reason="${{a#Reason=}}" ;;
   esac
 done
-case "$state" in
-  DRAIN) echo "drained|$reason" > {0}/slurm/$node ;;
-  RESUME) echo "idle|none" > {0}/slurm/$node ;;
-esac
+for node in $(echo "$nodes" | tr ',' ' '); do
+  case "$state" in
+    DRAIN) echo "drained|$reason" > {0}/slurm/$node ;;
+    RESUME) echo "idle|none" > {0}/slurm/$node ;;
+  esac
+done
 "#,
                 d.display()
             ),
@@ -136,6 +151,7 @@ esac
         let addrs: Vec<String> = (0..n)
             .map(|_| format!("127.0.0.1:{}", free_port()))
             .collect();
+        write(&d.join("none.toml"), &format!("[controller]\n{toml}"));
         let mut c = Self {
             dir,
             addrs,
@@ -151,7 +167,6 @@ esac
             };
             let d = c.path().to_path_buf();
             mode(&d, 0o755);
-            mode(&d.join("key"), 0o644);
             write(&d.join("calls"), "");
             mode(&d.join("calls"), 0o666);
             mode(&d.join("slurm"), 0o777);
@@ -162,6 +177,12 @@ esac
                 let data = d.join(format!("data{}", i + 1));
                 std::fs::create_dir_all(&data).unwrap();
                 std::os::unix::fs::chown(&data, Some(*uid), Some(*uid)).unwrap();
+                // Each service user's own copy of the key, 0600: a key file others can read
+                // is refused.
+                let key = d.join(format!("key{}", i + 1));
+                write(&key, &format!("{KEY}\n"));
+                private(&key);
+                std::os::unix::fs::chown(&key, Some(*uid), Some(*uid)).unwrap();
             }
         }
         for i in 0..n {
@@ -186,7 +207,11 @@ esac
             .arg("--data-dir")
             .arg(d.join(format!("data{}", i + 1)))
             .arg("--key-file")
-            .arg(d.join("key"))
+            .arg(if self.uids.is_empty() {
+                d.join("key")
+            } else {
+                d.join(format!("key{}", i + 1))
+            })
             .arg("--sinfo")
             .arg(d.join("sinfo"))
             .arg("--scontrol")
@@ -197,7 +222,7 @@ esac
                 cmd.arg("--peer").arg(format!("{}={a}", j + 1));
             }
         }
-        write(&d.join("none.toml"), "");
+        cmd.arg("--failpoint-file").arg(d.join("failpoint"));
         let log = std::fs::File::options()
             .create(true)
             .append(true)
@@ -274,11 +299,30 @@ esac
 
     /// A berth configuration for node `node`: the fixture host, `expected_gpus` when given.
     fn berth_config(&self, node: &str, expected_gpus: Option<u32>) -> PathBuf {
-        let host = self.path().join("host");
-        write(&host.join("sys/devices/system/cpu/online"), "0-1\n");
+        self.config_with(
+            node,
+            &Opts {
+                expected_gpus,
+                ..Opts::default()
+            },
+        )
+    }
+
+    /// A berth configuration for node `node` as `o` says; its fixture host tree is
+    /// `host-<node>` when `o.own_host`, else the shared `host`.
+    fn config_with(&self, node: &str, o: &Opts) -> PathBuf {
+        let host = if o.own_host {
+            self.path().join(format!("host-{node}"))
+        } else {
+            self.path().join("host")
+        };
+        let online = host.join("sys/devices/system/cpu/online");
+        if std::fs::symlink_metadata(&online).is_err() {
+            write(&online, "0-1\n");
+        }
         write(&host.join("sys/devices/system/node/node0/cpulist"), "0-1\n");
         let mut topology = format!("[topology]\nhost_root = \"{}\"\n", host.display());
-        if let Some(n) = expected_gpus {
+        if let Some(n) = o.expected_gpus {
             topology.push_str(&format!("expected_gpus = {n}\n"));
         }
         let controllers: Vec<String> = self.addrs.iter().map(|a| format!("\"{a}\"")).collect();
@@ -287,15 +331,59 @@ esac
         write(
             &tmp,
             &format!(
-                "{topology}[agent]\ncontrollers = [{}]\nkey_file = \"{}\"\ninterval_ms = 200\n\
-                 metrics_listen = \"\"\nnode_name = \"{node}\"\n",
+                "{topology}[agent]\ncontrollers = [{}]\nkey_file = \"{}\"\ninterval_ms = {}\n\
+                 metrics_listen = \"{}\"\nnode_name = \"{node}\"\n{}\n{}",
                 controllers.join(", "),
-                self.path().join("key").display()
+                self.path().join("key").display(),
+                o.interval_ms.unwrap_or(200),
+                o.metrics_listen,
+                o.agent,
+                o.sections,
             ),
         );
         // Renamed into place: a running agent rereads it each round and must not see half.
         std::fs::rename(&tmp, &path).unwrap();
         path
+    }
+
+    /// A long-running agent with the configuration `o`, `path_dir` first in its PATH.
+    fn agent_with(&self, node: &str, o: &Opts, path_dir: Option<&Path>) -> Proc {
+        let cfg = self.config_with(node, o);
+        let mut cmd = Command::new(BERTH);
+        cmd.arg("--config").arg(&cfg).arg("agent");
+        if let Some(dir) = path_dir {
+            let path = std::env::var("PATH").unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", dir.display()));
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Proc { child }
+    }
+
+    fn node(&self, i: usize, node: &str) -> Option<Value> {
+        let nodes = self.get(i, "/v1/nodes")?;
+        nodes
+            .as_array()?
+            .iter()
+            .find(|n| n["node"] == node)
+            .cloned()
+    }
+
+    fn text(&self, addr: &str, path: &str) -> Option<String> {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_millis(800)))
+            .build()
+            .into();
+        let mut r = agent
+            .get(&format!("http://{addr}{path}"))
+            .header("authorization", &format!("Bearer {KEY}"))
+            .call()
+            .ok()?;
+        r.body_mut().read_to_string().ok()
     }
 
     fn berth(&self, config: &Path, args: &[&str]) -> std::process::Output {
@@ -329,6 +417,25 @@ esac
             .unwrap();
         Proc { child }
     }
+}
+
+/// What a test node's berth configuration holds besides the defaults.
+#[derive(Default)]
+struct Opts {
+    expected_gpus: Option<u32>,
+    own_host: bool,
+    interval_ms: Option<u64>,
+    metrics_listen: String,
+    /// More lines of `[agent]`.
+    agent: String,
+    /// More sections.
+    sections: String,
+}
+
+/// The value of a metric line `name` (labels included) in Prometheus text.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// Waits (bounded) for `cond`.
@@ -657,4 +764,423 @@ fn a_partitioned_leader_makes_no_scontrol_call() {
         h.len() == 3 && h.iter().all(|x| *x == h[0])
     });
     assert_eq!(c.slurm("n1").split('|').next(), Some("drained"));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn agent_heartbeats_carry_the_node_changes_go_at_once_and_a_hung_check_is_unknown() {
+    let c = Cluster::new(1, &[("n1", "idle", "none"), ("n2", "idle", "none")]);
+    c.leader(None);
+    let d = c.path();
+    // n1's store holds one image; its scratch has a job Slurm no longer runs (the fake squeue
+    // knows only job 1).
+    let hex = "ab".repeat(32);
+    write(&d.join(format!("store/images/{hex}.json")), "{}");
+    std::fs::create_dir_all(d.join("scratch/424242")).unwrap();
+    executable(&d.join("bin/squeue"), "#!/bin/sh\necho '1 RUNNING'\n");
+    let sections = format!(
+        "[store]\nroot = \"{}\"\n[scratch]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n",
+        d.join("store").display(),
+        d.join("scratch").display(),
+        d.join("run").display()
+    );
+    // A heartbeat a minute, checks every 200 ms: only a change sent at once drains n1 soon.
+    let slow = |expected_gpus| Opts {
+        expected_gpus,
+        own_host: true,
+        interval_ms: Some(60_000),
+        agent: "check_interval_ms = 200\n".into(),
+        sections: sections.clone(),
+        ..Opts::default()
+    };
+    let _n1 = c.agent_with("n1", &slow(None), Some(&d.join("bin")));
+    wait_for("n1's first heartbeat", 20, || {
+        c.node(0, "n1").is_some_and(|n| n["leftovers"].is_array())
+    });
+    let n1 = c.node(0, "n1").unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    assert_eq!(n1["boot_id"], boot.trim(), "{n1}");
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_eq!(n1["versions"]["kernel"], kernel.trim(), "{n1}");
+    assert_eq!(
+        n1["images"],
+        serde_json::json!([format!("sha256:{hex}")]),
+        "{n1}"
+    );
+    assert_eq!(
+        n1["leftovers"],
+        serde_json::json!(["scratch 424242"]),
+        "{n1}"
+    );
+    let metrics = c.text(&c.addrs[0], "/metrics").unwrap();
+    assert_eq!(
+        metric(&metrics, "berth_controller_leftovers{node=\"n1\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+
+    // A GPU goes missing: the next check round sees it and sends at once, not a minute later.
+    c.config_with("n1", &slow(Some(1)));
+    wait_for("n1 drained by a change sent at once", 20, || {
+        c.slurm("n1").starts_with("drained|berth: gpu-count: ")
+    });
+    let metrics = c.text(&c.addrs[0], "/metrics").unwrap();
+    assert!(
+        metric(&metrics, "berth_controller_change_heartbeats_total").unwrap_or(0.0) >= 1.0,
+        "{metrics}"
+    );
+
+    // n2's checks hang (a FIFO where sysfs has a file: opening it blocks, like a stuck
+    // driver): the round times out, its checks are unknown, heartbeats go on, nothing drains.
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let hung = |expected_gpus| Opts {
+        expected_gpus,
+        own_host: true,
+        interval_ms: Some(300),
+        metrics_listen: metrics_addr.clone(),
+        agent: "check_interval_ms = 100\ncheck_timeout_ms = 500\n".into(),
+        ..Opts::default()
+    };
+    let _n2 = c.agent_with("n2", &hung(None), None);
+    wait_for("n2's checks pass", 20, || {
+        c.node(0, "n2").is_some_and(|n| {
+            n["failing"].as_array().is_some_and(|f| f.is_empty())
+                && n["unknown"].as_array().is_some_and(|f| f.is_empty())
+        })
+    });
+    let online = d.join("host-n2/sys/devices/system/cpu/online");
+    let fifo = d.join("host-n2/fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    std::fs::rename(&fifo, &online).unwrap();
+    // Were the checks to finish now, gpu-count (hard) would fail and drain n2.
+    c.config_with("n2", &hung(Some(1)));
+    wait_for("n2's checks unknown", 20, || {
+        c.node(0, "n2").is_some_and(|n| {
+            n["unknown"].as_array().is_some_and(|u| {
+                u.iter().any(|x| {
+                    x.as_str().is_some_and(|x| {
+                        x.starts_with("gpu-count: ") && x.contains("check_timeout_ms")
+                    })
+                })
+            })
+        })
+    });
+    let beats = |c: &Cluster| {
+        let m = c.text(&metrics_addr, "/metrics").unwrap_or_default();
+        metric(&m, "berth_agent_heartbeats_total").unwrap_or(0.0)
+    };
+    let before = beats(&c);
+    wait_for("heartbeats while the checks hang", 20, || {
+        beats(&c) >= before + 3.0
+    });
+    let m = c.text(&metrics_addr, "/metrics").unwrap();
+    assert_eq!(
+        metric(&m, "berth_agent_check_unknown{check=\"gpu-count\"}"),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(c.slurm("n2"), "idle|none");
+    assert_eq!(c.node(0, "n2").unwrap()["desired"], "up");
+    assert!(
+        !c.calls().iter().any(|l| l.contains("NodeName=n2")),
+        "{:?}",
+        c.calls()
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn key_files_others_can_read_or_that_others_own_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    write(&key, &format!("{KEY}\n"));
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let data = dir.path().join("data");
+    let controller = |key: &Path| {
+        Command::new(controller_bin())
+            .arg("--config")
+            .arg(dir.path().join("none.toml"))
+            .arg("serve")
+            .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--key-file")
+            .arg(key)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    write(&dir.path().join("none.toml"), "");
+    let out = controller(&key);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("mode 0644") && err.contains("chmod 600"),
+        "{err}"
+    );
+    // The agent and the admin's CLI refuse it the same way.
+    let cfg = dir.path().join("berth.toml");
+    write(
+        &cfg,
+        &format!(
+            "[agent]\ncontrollers = [\"127.0.0.1:1\"]\nkey_file = \"{}\"\nmetrics_listen = \"\"\n",
+            key.display()
+        ),
+    );
+    for args in [&["agent", "--once"][..], &["cluster", "status"][..]] {
+        let out = Command::new(BERTH)
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {out:?}");
+        assert!(err.contains("mode 0644"), "{args:?}: {err}");
+    }
+    // Owned by another user (not root, not the caller): refused although 0600.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&key, Some(65534), Some(65534)).unwrap();
+    let out = controller(&key);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(err.contains("owned by uid 65534"), "{err}");
+}
+
+/// A heartbeat straight to controller `i` (the simulator's way: no agent process), its one
+/// hard check failing or passing; `Some(status)` when a controller answered.
+fn post_beat(c: &Cluster, i: usize, node: &str, ok: bool) -> Option<u16> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(3)))
+        .build()
+        .into();
+    let body = serde_json::json!({
+        "node": node, "boot_id": "b", "version": "v",
+        "checks": [{"name": "gpu-count", "status": if ok { "ok" } else { "fail" },
+                    "severity": "hard", "recoverable": true,
+                    "message": if ok { "8 of 8" } else { "7 of 8" }}]
+    });
+    let r = agent
+        .post(&format!("http://{}/v1/heartbeat", c.addrs[i]))
+        .header("authorization", &format!("Bearer {KEY}"))
+        .content_type("application/json")
+        .send(body.to_string().as_bytes())
+        .ok()?;
+    Some(r.status().as_u16())
+}
+
+/// Nodes drained in the fake Slurm.
+fn slurm_drained(c: &Cluster, nodes: &[String]) -> Vec<String> {
+    nodes
+        .iter()
+        .filter(|n| c.slurm(n).starts_with("drained|"))
+        .cloned()
+        .collect()
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn ten_leader_kills_and_the_commit_apply_failpoint_lose_no_decision() {
+    let names: Vec<String> = (1..=12).map(|i| format!("n{i:02}")).collect();
+    let slurm: Vec<(&str, &str, &str)> =
+        names.iter().map(|n| (n.as_str(), "idle", "none")).collect();
+    // Every decision here is wanted: the breaker must not hold drains back.
+    let mut c = Cluster::build(3, &slurm, Vec::new(), "breaker_min = 1000\n");
+    let failpoint = c.path().join("failpoint");
+    // Every node known and healthy.
+    let l = c.leader(None);
+    for n in &names {
+        assert_eq!(post_beat(&c, l, n, true), Some(200));
+    }
+    let mut expected = std::collections::BTreeSet::new();
+    let mut fired = 0;
+    for k in 0..10 {
+        let leader = c.leader(None);
+        // Two drains for one reason (one grouped call) and, from round 2 on, one resume of a
+        // node drained before (3 passes).
+        let a = &names[k % names.len()];
+        let b = &names[(k + 5) % names.len()];
+        // On even rounds the failpoint: the leader exits right before it would apply.
+        if k % 2 == 0 {
+            write(&failpoint, "");
+        }
+        for n in [a, b] {
+            if post_beat(&c, leader, n, false) == Some(200) {
+                expected.insert(n.clone());
+            }
+        }
+        if k >= 2 {
+            let r = &names[(k + 9) % names.len()];
+            if !([a, b].contains(&r)) && expected.contains(r) {
+                let ok = (0..3).all(|_| post_beat(&c, leader, r, true) == Some(200));
+                if ok {
+                    expected.remove(r);
+                }
+            }
+        }
+        let proc = c.controllers[leader].as_mut().unwrap();
+        if k % 2 == 0 {
+            // The failpoint fires at the leader's next reconciliation.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while proc.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            std::fs::remove_file(&failpoint).unwrap();
+            if let Some(st) = proc.child.try_wait().unwrap() {
+                assert_eq!(st.code(), Some(86), "round {k}");
+                fired += 1;
+            }
+        }
+        if proc.child.try_wait().unwrap().is_none() {
+            proc.signal(nix::sys::signal::Signal::SIGKILL);
+        }
+        c.controllers[leader] = None;
+        c.leader(Some(leader));
+        c.controllers[leader] = Some(c.start(leader));
+    }
+    assert!(fired >= 3, "the failpoint fired in {fired} of 5 rounds");
+    // Healed: all three run. The new leader applies what was committed and not applied.
+    c.leader(None);
+    let want: Vec<String> = expected.iter().cloned().collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while slurm_drained(&c, &names) != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let leader = c.leader(None);
+    assert_eq!(
+        slurm_drained(&c, &names),
+        want,
+        "Slurm's drained set is not the committed one after 10 s; the leader's view: {}; calls: {:?}",
+        c.get(leader, "/v1/nodes").unwrap_or_default(),
+        c.calls()
+    );
+    wait_for("the replicas' state hashes agree", 5, || {
+        let h = hashes(&c);
+        h.len() == 3 && h.iter().all(|x| *x == h[0])
+    });
+    // Grouped: at least one call drained two nodes for one reason.
+    let calls = c.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|l| l.contains(",n") && l.contains("State=DRAIN Reason=berth: gpu-count: 7 of 8")),
+        "{calls:?}"
+    );
+    // Every call came from the leader of its term: no term has two callers.
+    let mut by_term = std::collections::BTreeMap::<String, String>::new();
+    for l in &calls {
+        let mut f = l.split(' ');
+        let (id, term) = (f.next().unwrap().to_string(), f.next().unwrap().to_string());
+        let prev = by_term.entry(term).or_insert_with(|| id.clone());
+        assert_eq!(*prev, id, "{calls:?}");
+    }
+}
+
+/// `promtool check metrics` of a metrics text; panics with promtool's words when it refuses.
+fn promtool_metrics(what: &str, text: &str) {
+    use std::io::Write;
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (integration/setup.sh extracts it from Debian's prometheus package)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics refuses the {what}'s /metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn metrics_pass_promtool_and_the_alert_rules_load_and_name_real_metrics() {
+    let c = Cluster::new(
+        1,
+        &[
+            ("n1", "idle", "none"),
+            ("n2", "idle", "none"),
+            ("n3", "idle", "none"),
+            ("n4", "idle", "none"),
+        ],
+    );
+    c.leader(None);
+    // Three hard failures among four nodes: two drain (the breaker's minimum), one is held back.
+    for n in ["n1", "n2", "n3", "n4"] {
+        assert_eq!(post_beat(&c, 0, n, true), Some(200));
+    }
+    for n in ["n1", "n2", "n3"] {
+        assert_eq!(post_beat(&c, 0, n, false), Some(200));
+    }
+    wait_for("two drains applied", 20, || {
+        c.slurm("n1").starts_with("drained|") && c.slurm("n2").starts_with("drained|")
+    });
+    let controller = c.text(&c.addrs[0], "/metrics").unwrap();
+    assert_eq!(
+        metric(
+            &controller,
+            "berth_controller_suppressed_drains_total{check=\"gpu-count\"}"
+        ),
+        Some(1.0),
+        "{controller}"
+    );
+    assert_eq!(
+        metric(&controller, "berth_controller_breaker_tripped"),
+        Some(1.0)
+    );
+    promtool_metrics("controller", &controller);
+
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let _agent = c.agent_with(
+        "n4",
+        &Opts {
+            metrics_listen: metrics_addr.clone(),
+            ..Opts::default()
+        },
+        None,
+    );
+    let mut agent = String::new();
+    wait_for("the agent's metrics after a heartbeat", 20, || {
+        agent = c.text(&metrics_addr, "/metrics").unwrap_or_default();
+        metric(&agent, "berth_agent_heartbeats_total").unwrap_or(0.0) >= 1.0
+    });
+    promtool_metrics("agent", &agent);
+
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/berth-alerts.yml");
+    let out = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // Every metric an alert asks for exists under that name (a rename breaks no alert silently).
+    let text = std::fs::read_to_string(&rules).unwrap();
+    let mut names: Vec<&str> = text
+        .split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
+        .filter(|w| w.starts_with("berth_controller_") || w.starts_with("berth_agent_"))
+        .collect();
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 6, "{names:?}");
+    for name in names {
+        let found = controller
+            .lines()
+            .chain(agent.lines())
+            .any(|l| l.starts_with(&format!("# TYPE {name} ")));
+        assert!(found, "the alert rules use {name}, which no /metrics has");
+    }
 }

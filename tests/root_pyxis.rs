@@ -678,3 +678,433 @@ fn a_running_steps_container_is_joined_by_job_and_step_ids() {
     assert!(log.contains("--container-unshare=net"), "{log}");
     assert!(!log.contains("missing=0"), "{log}");
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_users_writable_container_owns_the_images_root_files_and_saves_them_as_roots() {
+    // Issue 20, point 2: under Enroot the unpacked root is the user's, so `pip install` into the
+    // image's system paths works without --container-remap-root.
+    let (uid, gid, _) = pyxis_user();
+    let img = format!("--container-image={}", debian_image());
+    // A root-owned host file and directory, readable by everyone: bound in, they stay root's.
+    let host = cluster().state.join("writable-host");
+    let _ = std::fs::remove_dir_all(&host);
+    std::fs::create_dir_all(host.join("dir")).unwrap();
+    std::fs::write(host.join("file"), "root's host file\n").unwrap();
+    for (p, mode) in [(host.clone(), 0o755), (host.join("dir"), 0o755)] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    std::fs::set_permissions(host.join("file"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mounts = format!(
+        "--container-mounts={h}/file:/hostfile,{h}/dir:/hostdir",
+        h = host.display()
+    );
+    let dir = user_dir("writable", &[]);
+    let saved = dir.join("saved.sqsh");
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &img,
+            "--container-writable",
+            &mounts,
+            &format!("--container-save={}", saved.display()),
+            "sh",
+            "-c",
+            "echo \"id $(id -u)\"; echo \"root $(stat -c '%u %g' /)\"; \
+             echo \"lib $(stat -c %u /usr/lib)\"; \
+             touch /newfile && echo top-ok; \
+             mkdir -p /usr/lib/python3/dist-packages/berthpkg && \
+             echo 'x = 1' > /usr/lib/python3/dist-packages/berthpkg/__init__.py && echo pip-ok; \
+             echo x >> /hostfile 2>/dev/null && echo hostfile-writable; \
+             touch /hostdir/x 2>/dev/null && echo hostdir-writable; \
+             echo \"host $(stat -c %u /hostfile /hostdir | tr '\\n' ' ')\"; \
+             grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; grep ' / ' /proc/self/mounts",
+        ],
+    )));
+    let has = |line: &str| out.lines().any(|l| l == line);
+    assert!(has(&format!("id {uid}")), "{out}");
+    assert!(
+        has(&format!("root {uid} {gid}")),
+        "`/` is not the user's: {out}"
+    );
+    assert!(has(&format!("lib {uid}")), "{out}");
+    assert!(has("top-ok") && has("pip-ok"), "{out}");
+    assert!(!out.contains("hostfile-writable"), "{out}");
+    assert!(!out.contains("hostdir-writable"), "{out}");
+    assert!(has("host 0 0 "), "{out}");
+    assert!(out.contains("CapEff:\t0000000000000000"), "{out}");
+    assert!(out.contains("NoNewPrivs:\t1"), "{out}");
+    let root = out.lines().find(|l| l.contains(" / ")).unwrap();
+    assert!(root.contains("nosuid") && root.contains("nodev"), "{root}");
+    // The saved image keeps the image's root files root's; what the user wrote is saved as
+    // root's too, as Enroot's export saves every file.
+    let listing = Command::new("unsquashfs")
+        .arg("-lln")
+        .arg(&saved)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let listing = stdout(&listing);
+    for path in [
+        "newfile",
+        "usr/lib/python3/dist-packages/berthpkg/__init__.py",
+        "usr/lib",
+        "usr/bin/perl",
+    ] {
+        let line = listing
+            .lines()
+            .find(|l| l.ends_with(&format!("squashfs-root/{path}")))
+            .unwrap_or_else(|| panic!("{path} not in the saved image"));
+        assert!(line.contains(" 0/0 "), "{path} is not root's: {line}");
+    }
+    assert!(
+        !listing.contains(&format!(" {uid}/")),
+        "the user's uid is in the saved image"
+    );
+    // A read-only container is unchanged: the image's system files are root's.
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[&img, "--container-readonly", "stat", "-c", "%u", "/usr/lib"],
+    )));
+    assert_eq!(out.trim(), "0", "{out}");
+}
+
+// --- --container-remap-root + apt-get install (issue 20, point 1) ---
+
+/// A flat apt repository (`deb [trusted=yes] file:/repo ./`, no network) with one package,
+/// berth-hello: /usr/bin/berth-hello, and /usr/share/berth-hello/daemons-file owned by uid and
+/// gid 1 in the package, which dpkg chowns on install. Root's, readable by everyone.
+fn apt_test_repo() -> &'static Path {
+    static REPO: OnceLock<PathBuf> = OnceLock::new();
+    REPO.get_or_init(|| {
+        use sha2::Digest;
+        let top = repo().join("target/root-tier/apt-repo");
+        let _ = std::fs::remove_dir_all(&top);
+        let pkg = top.join("build");
+        for dir in ["DEBIAN", "usr/bin", "usr/share/berth-hello"] {
+            std::fs::create_dir_all(pkg.join(dir)).unwrap();
+        }
+        let write = |rel: &str, text: &str, mode: u32| {
+            std::fs::write(pkg.join(rel), text).unwrap();
+            std::fs::set_permissions(pkg.join(rel), std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        write(
+            "DEBIAN/control",
+            "Package: berth-hello\nVersion: 1.0\nArchitecture: all\n\
+             Maintainer: berth tests <root@localhost>\nDescription: berth's apt test package\n",
+            0o644,
+        );
+        write(
+            "usr/bin/berth-hello",
+            "#!/bin/sh\necho hello from berth-hello\n",
+            0o755,
+        );
+        write("usr/share/berth-hello/daemons-file", "daemon's\n", 0o644);
+        std::os::unix::fs::chown(
+            pkg.join("usr/share/berth-hello/daemons-file"),
+            Some(1),
+            Some(1),
+        )
+        .unwrap();
+        let dir = top.join("repo");
+        std::fs::create_dir_all(&dir).unwrap();
+        let deb = dir.join("berth-hello_1.0_all.deb");
+        let out = Command::new("dpkg-deb")
+            .arg("--build")
+            .arg(&pkg)
+            .arg(&deb)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running dpkg-deb (the dpkg package)");
+        assert!(out.status.success(), "dpkg-deb: {}", stderr(&out));
+        let bytes = std::fs::read(&deb).unwrap();
+        let sha: String = sha2::Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        std::fs::write(
+            dir.join("Packages"),
+            format!(
+                "Package: berth-hello\nVersion: 1.0\nArchitecture: all\n\
+                 Maintainer: berth tests <root@localhost>\nFilename: ./berth-hello_1.0_all.deb\n\
+                 Size: {}\nSHA256: {sha}\nDescription: berth's apt test package\n\n",
+                bytes.len()
+            ),
+        )
+        .unwrap();
+        std::fs::remove_dir_all(&pkg).unwrap();
+        for p in [&top, &dir] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        for f in [&deb, &dir.join("Packages")] {
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        dir
+    })
+}
+
+/// What a Pyxis user runs with --container-remap-root: apt-get update and install from
+/// /repo (only), the package's command, then a chown to an id the namespace does not map and
+/// the process's seccomp mode.
+const APT_SCRIPT: &str = "set -e; echo 'deb [trusted=yes] file:/repo ./' > /etc/apt/sources.list; \
+    rm -f /etc/apt/sources.list.d/*; apt-get update -q >/dev/null; \
+    apt-get install -y -q berth-hello >/dev/null; berth-hello; \
+    stat -c 'owned %u:%g' /usr/share/berth-hello/daemons-file; \
+    touch /tmp/f; chown 42:42 /tmp/f && echo chown-ok; grep Seccomp: /proc/self/status";
+
+fn assert_apt_installed(out: &str) {
+    for needle in [
+        "hello from berth-hello",
+        // dpkg's chown to 1:1 reported success and changed nothing: the file is root's (the
+        // user's) like everything else it unpacked.
+        "owned 0:0",
+        "chown-ok",
+        "Seccomp:\t2",
+    ] {
+        assert!(out.contains(needle), "{needle} missing: {out}");
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn remap_root_apt_get_install_works_in_a_debian_image() {
+    let img = format!("--container-image={}", debian_image());
+    let mounts = format!("--container-mounts={}:/repo:ro", apt_test_repo().display());
+    let out = succeeded(run(slurm_as_user_in(
+        &cluster().cwd,
+        "srun",
+        &[
+            &img,
+            "--container-remap-root",
+            &mounts,
+            "sh",
+            "-c",
+            APT_SCRIPT,
+        ],
+    )));
+    assert_apt_installed(&out);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn berth_run_remap_root_apt_get_install_works_too() {
+    let img = debian_image();
+    let mount = format!("{}:/repo:ro", apt_test_repo().display());
+    let out = ok(berth(&[
+        "run",
+        "--image",
+        img,
+        "--user",
+        "berthpyxis",
+        "--remap-root",
+        "--mount",
+        &mount,
+        "--",
+        "sh",
+        "-c",
+        APT_SCRIPT,
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("running berth"));
+    assert_apt_installed(&out);
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_remap_root_filter_stays_out_of_normal_containers_and_changes_nothing_on_the_host() {
+    let (uid, gid, _) = pyxis_user();
+    let img = format!("--container-image={}", debian_image());
+    // The normal case: no filter, no apt setting; chown fails as it must.
+    let out = run(slurm_as_user_in(
+        &cluster().cwd,
+        "srun",
+        &[
+            &img,
+            "sh",
+            "-c",
+            "touch /tmp/f; chown 42:42 /tmp/f; echo rc=$?; grep Seccomp: /proc/self/status; \
+             ls -A /etc/apt/apt.conf.d",
+        ],
+    ));
+    let text = stdout(&out);
+    assert!(text.contains("rc=1"), "{text}");
+    assert!(text.contains("Seccomp:\t0"), "{text}");
+    assert!(!text.contains("berth"), "{text}");
+    assert!(
+        stderr(&out).contains("Operation not permitted"),
+        "{}",
+        stderr(&out)
+    );
+    // Remapped: a faked chown of a host file changes nothing on the host, and the apt setting
+    // is never written into a host directory bound over apt.conf.d.
+    let data = user_dir("apt-remap-data", &[("f", "the user's\n")]);
+    let conf = user_dir("apt-remap-conf", &[("00mine", "// the user's\n")]);
+    let mounts = format!(
+        "--container-mounts={}:/data,{}:/etc/apt/apt.conf.d",
+        data.display(),
+        conf.display()
+    );
+    let out = succeeded(run(slurm_as_user_in(
+        &cluster().cwd,
+        "srun",
+        &[
+            &img,
+            "--container-remap-root",
+            &mounts,
+            "sh",
+            "-c",
+            "chown 42:42 /data/f && echo chown-ok; chown -h 7:7 /data && echo chown-dir-ok; \
+             ls -A /etc/apt/apt.conf.d",
+        ],
+    )));
+    assert!(
+        out.contains("chown-ok") && out.contains("chown-dir-ok"),
+        "{out}"
+    );
+    assert!(!out.contains("berth"), "{out}");
+    for path in [data.join("f"), data.clone()] {
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(
+            (
+                std::os::unix::fs::MetadataExt::uid(&meta),
+                std::os::unix::fs::MetadataExt::gid(&meta)
+            ),
+            (uid, gid),
+            "{} changed owner",
+            path.display()
+        );
+    }
+    let names: Vec<String> = std::fs::read_dir(&conf)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["00mine"], "the host directory was written");
+}
+
+/// A copy of the busybox root with `/etc/apt` laid out by `prepare` (paths relative to it).
+fn apt_hook_rootfs(name: &str, prepare: impl FnOnce(&Path)) -> PathBuf {
+    let dir = repo().join("target/root-tier").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cp: {}", stderr(&out));
+    std::fs::create_dir_all(dir.join("etc/apt")).unwrap();
+    prepare(&dir);
+    dir
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn the_apt_setting_is_written_beneath_the_root_and_never_through_a_symlink() {
+    let _ = pyxis_user();
+    let remapped = |root: &Path, script: &str| {
+        ok(berth(&[
+            "run",
+            "--rootfs",
+            root.to_str().unwrap(),
+            "--user",
+            "berthpyxis",
+            "--remap-root",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("running berth"))
+    };
+    // A real apt.conf.d: the setting is there, the container's root's, in the writable layer
+    // only (the image directory stays empty).
+    let plain = apt_hook_rootfs("apt-hook-plain", |d| {
+        std::fs::create_dir(d.join("etc/apt/apt.conf.d")).unwrap();
+    });
+    let out = remapped(
+        &plain,
+        "stat -c '%u:%g %a' /etc/apt/apt.conf.d/99berth-remap-root; \
+         cat /etc/apt/apt.conf.d/99berth-remap-root",
+    );
+    assert!(out.contains("0:0 644"), "{out}");
+    assert!(out.contains("APT::Sandbox::User \"root\";"), "{out}");
+    assert_eq!(
+        std::fs::read_dir(plain.join("etc/apt/apt.conf.d"))
+            .unwrap()
+            .count(),
+        0
+    );
+    // apt.conf.d a symlink (within the image): not followed, nothing written where it leads.
+    let linked = apt_hook_rootfs("apt-hook-linked", |d| {
+        std::fs::create_dir(d.join("tmp/aptconf")).unwrap();
+        std::os::unix::fs::symlink("../../tmp/aptconf", d.join("etc/apt/apt.conf.d")).unwrap();
+    });
+    let out = remapped(&linked, "ls -A /tmp/aptconf; echo listed");
+    assert_eq!(out.trim(), "listed", "{out}");
+    // The file's name taken by a symlink: left as it is, its target never created.
+    let taken = apt_hook_rootfs("apt-hook-taken", |d| {
+        std::fs::create_dir(d.join("etc/apt/apt.conf.d")).unwrap();
+        std::os::unix::fs::symlink(
+            "/tmp/victim",
+            d.join("etc/apt/apt.conf.d/99berth-remap-root"),
+        )
+        .unwrap();
+    });
+    let out = remapped(
+        &taken,
+        "test -e /tmp/victim && echo victim-written; \
+         readlink /etc/apt/apt.conf.d/99berth-remap-root",
+    );
+    assert_eq!(out.trim(), "/tmp/victim", "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn processes_exec_d_into_a_remapped_container_get_the_filter_too() {
+    let _ = pyxis_user();
+    let root = apt_hook_rootfs("apt-hook-exec", |d| {
+        std::fs::create_dir(d.join("etc/apt/apt.conf.d")).unwrap();
+    });
+    let name = "apt-hook-exec";
+    let _ = berth(&["rm", name]).output();
+    struct Remove(&'static str);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = berth(&["rm", self.0]).output();
+        }
+    }
+    ok(berth(&[
+        "create",
+        "--rootfs",
+        root.to_str().unwrap(),
+        "--user",
+        "berthpyxis",
+        "--remap-root",
+        "--name",
+        name,
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("running berth"));
+    let _remove = Remove(name);
+    let out = ok(berth(&[
+        "exec",
+        name,
+        "--",
+        "sh",
+        "-c",
+        "touch /tmp/f; chown 42:42 /tmp/f && echo chown-ok; grep Seccomp: /proc/self/status; \
+         cat /etc/apt/apt.conf.d/99berth-remap-root",
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("running berth"));
+    for needle in ["chown-ok", "Seccomp:\t2", "APT::Sandbox::User \"root\";"] {
+        assert!(out.contains(needle), "{needle} missing: {out}");
+    }
+}

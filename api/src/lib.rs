@@ -62,9 +62,26 @@ pub struct CheckResult {
 pub struct Heartbeat {
     /// Slurm's name of the node.
     pub node: String,
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`): a new one is a reboot.
     pub boot_id: String,
+    /// berth's version on the node.
     pub version: String,
     pub checks: Vec<CheckResult>,
+    /// Other versions that matter to an admin comparing nodes: `kernel`, `nvidia-driver`.
+    #[serde(default)]
+    pub versions: std::collections::BTreeMap<String, String>,
+    /// Digests of the images in the node's store.
+    #[serde(default)]
+    pub images: Vec<String>,
+    /// What ended jobs left behind, one line each (`container <id>`: a container whose berth
+    /// process died, with its cgroup and state; `scratch <job>`: the scratch of a job that
+    /// is no longer running; `mount <digest>`: an image mounted that no container uses).
+    #[serde(default)]
+    pub leftovers: Vec<String>,
+    /// Why this heartbeat was sent before its interval: `change` when a check's status
+    /// changed since the last heartbeat the controller took.
+    #[serde(default)]
+    pub cause: Option<String>,
 }
 
 /// The controller's answer to a heartbeat.
@@ -110,6 +127,17 @@ pub struct NodeView {
     pub version: String,
     /// Failing checks, `name: message`.
     pub failing: Vec<String>,
+    /// Checks that could not say (timed out, unreadable), `name: message`: never a drain.
+    #[serde(default)]
+    pub unknown: Vec<String>,
+    /// From the last heartbeat (the leader's memory; empty on a follower): other versions,
+    /// stored image digests, leftovers of ended jobs.
+    #[serde(default)]
+    pub versions: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub images: Vec<String>,
+    #[serde(default)]
+    pub leftovers: Vec<String>,
     /// Seconds since the leader last heard from the node; `None` when it has not since it
     /// became leader.
     pub heartbeat_age_s: Option<f64>,
@@ -141,4 +169,60 @@ pub struct ClusterStatus {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorReply {
     pub error: String,
+}
+
+/// Why a key file of owner `uid` and mode `mode` (as `stat` gives them) must not be trusted by a
+/// process running as `euid`, in one line; `None` when it may. The key must be a regular file
+/// owned by root or by `euid` (a controller's service user) with no permission bits for group
+/// or others: a key others can read lets them drain the cluster, one they can write lets them
+/// lock every node out. Agents, `berth cluster` and controllers apply the same rule.
+pub fn key_file_problem(uid: u32, mode: u32, euid: u32) -> Option<String> {
+    const S_IFMT: u32 = 0o170000;
+    const S_IFREG: u32 = 0o100000;
+    if mode & S_IFMT != S_IFREG {
+        return Some("not a regular file: point key_file at a file of its own".into());
+    }
+    if uid != 0 && uid != euid {
+        return Some(format!(
+            "owned by uid {uid}, not by root or by this process's user ({euid}): \
+             `chown root: FILE` (or the service user's)"
+        ));
+    }
+    if mode & 0o077 != 0 {
+        return Some(format!(
+            "mode {:04o} lets group or others at it: `chmod 600 FILE`",
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_files_must_be_private_and_owned_by_root_or_the_user() {
+        assert_eq!(key_file_problem(0, 0o100600, 0), None);
+        assert_eq!(key_file_problem(0, 0o100400, 500), None);
+        assert_eq!(key_file_problem(500, 0o100600, 500), None);
+        assert!(key_file_problem(0, 0o100644, 0).unwrap().contains("0644"));
+        assert!(
+            key_file_problem(0, 0o100640, 0)
+                .unwrap()
+                .contains("chmod 600")
+        );
+        assert!(key_file_problem(0, 0o100602, 0).is_some());
+        assert!(
+            key_file_problem(501, 0o100600, 500)
+                .unwrap()
+                .contains("uid 501")
+        );
+        assert!(key_file_problem(501, 0o100600, 0).is_some());
+        assert!(
+            key_file_problem(0, 0o040700, 0)
+                .unwrap()
+                .contains("regular")
+        );
+    }
 }

@@ -48,6 +48,14 @@ pub struct Settings {
     pub reconcile_interval_ms: u64,
     /// At most this many `scontrol update` calls per reconcile round.
     pub max_updates_per_round: usize,
+    /// At most this many nodes in one `scontrol update` call (the nodes of one reason go
+    /// together, `NodeName=a,b,c`).
+    pub nodes_per_call: usize,
+    /// At least this many milliseconds between two `scontrol update` calls (the rate limit).
+    pub scontrol_interval_ms: u64,
+    /// Test only (the hidden `serve --failpoint-file`; no configuration file sets it).
+    #[serde(skip)]
+    pub failpoint_file: Option<PathBuf>,
     /// The agents' heartbeat interval; a node is lost after 3 without a heartbeat.
     pub heartbeat_interval_s: u64,
     pub raft_heartbeat_ms: u64,
@@ -73,6 +81,9 @@ impl Default for Settings {
             scontrol: "scontrol".into(),
             reconcile_interval_ms: 1000,
             max_updates_per_round: 50,
+            nodes_per_call: 100,
+            scontrol_interval_ms: 200,
+            failpoint_file: None,
             heartbeat_interval_s: 5,
             raft_heartbeat_ms: 50,
             election_timeout_min_ms: 250,
@@ -205,6 +216,10 @@ struct ServeArgs {
     /// [default: controller.heartbeat_interval_s]
     #[arg(long)]
     heartbeat_interval_s: Option<u64>,
+    /// Tests only: exit, as a crash would, when this file exists as the leader is about to
+    /// apply committed decisions to Slurm (the failpoint between commit and apply)
+    #[arg(long, hide = true, value_name = "PATH")]
+    failpoint_file: Option<PathBuf>,
 }
 
 fn load_settings(path: Option<&Path>) -> anyhow::Result<Settings> {
@@ -235,8 +250,11 @@ fn load_settings(path: Option<&Path>) -> anyhow::Result<Settings> {
     }
 }
 
-/// Reads the shared key: bounded, not empty.
+/// Reads the shared key: bounded, not empty, and only from a file owned by root or this
+/// controller's user that group and others cannot touch (berth_api::key_file_problem);
+/// otherwise the controller refuses to start in one line.
 pub fn read_key(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::MetadataExt;
     let f = std::fs::File::open(path).with_context(|| {
         format!(
             "reading the key file {}: create it (the same on every controller and node), \
@@ -244,6 +262,15 @@ pub fn read_key(path: &Path) -> anyhow::Result<String> {
             path.display()
         )
     })?;
+    // Checked on the open file: what is read is what was checked.
+    let meta = f
+        .metadata()
+        .with_context(|| format!("reading the key file {}", path.display()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if let Some(why) = berth_api::key_file_problem(meta.uid(), meta.mode(), euid) {
+        bail!("the key file {}: {why}", path.display());
+    }
     let mut key = String::new();
     f.take(berth_api::KEY_MAX as u64 + 1)
         .read_to_string(&mut key)
@@ -318,6 +345,7 @@ fn serve(config: Option<&Path>, args: ServeArgs) -> anyhow::Result<()> {
     if let Some(v) = args.heartbeat_interval_s {
         s.heartbeat_interval_s = v;
     }
+    s.failpoint_file = args.failpoint_file;
     let key = read_key(&s.key_file)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

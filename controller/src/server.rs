@@ -37,6 +37,15 @@ use crate::state::{Command, Desired, DrainedBy, PREFIX, State};
 use crate::store::Store;
 use crate::{Settings, TypeConfig};
 
+/// What the leader keeps of a node's last heartbeat (memory only, never replicated).
+#[derive(Clone, Debug)]
+struct Beat {
+    at: Instant,
+    versions: BTreeMap<String, String>,
+    images: Vec<String>,
+    leftovers: Vec<String>,
+}
+
 pub struct App {
     pub s: Settings,
     bearer: String,
@@ -44,12 +53,14 @@ pub struct App {
     store: Store,
     voters: BTreeMap<u64, BasicNode>,
     /// Last heartbeat per node: the leader's memory only.
-    beats: Mutex<HashMap<String, Instant>>,
+    beats: Mutex<HashMap<String, Beat>>,
     /// When this controller last became leader.
     leader_since: Mutex<Option<Instant>>,
     leader_changes: AtomicU64,
     scontrol_calls: AtomicU64,
     scontrol_failures: AtomicU64,
+    /// Heartbeats agents sent early because a check changed status.
+    change_beats: AtomicU64,
 }
 
 type Shared = Arc<App>;
@@ -73,6 +84,7 @@ pub async fn serve(
         leader_changes: AtomicU64::new(0),
         scontrol_calls: AtomicU64::new(0),
         scontrol_failures: AtomicU64::new(0),
+        change_beats: AtomicU64::new(0),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
@@ -216,10 +228,18 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             "node: a Slurm node name, no spaces",
         );
     }
-    app.beats
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(hb.node.clone(), Instant::now());
+    app.beats.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        hb.node.clone(),
+        Beat {
+            at: Instant::now(),
+            versions: hb.versions.clone(),
+            images: hb.images.clone(),
+            leftovers: hb.leftovers.clone(),
+        },
+    );
+    if hb.cause.as_deref() == Some("change") {
+        app.change_beats.fetch_add(1, Ordering::Relaxed);
+    }
     let known = app
         .store
         .lock()
@@ -304,6 +324,7 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
         .nodes
         .iter()
         .map(|(name, n)| {
+            let beat = beats.get(name).filter(|_| leader);
             let (reason, by) = match &n.desired {
                 Desired::Up => (None, None),
                 Desired::Drained { reason, by } => (
@@ -327,11 +348,16 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
                     .filter(|(_, c)| c.status == berth_api::Status::Fail)
                     .map(|(k, c)| format!("{k}: {}", c.message))
                     .collect(),
-                heartbeat_age_s: if leader {
-                    beats.get(name).map(|t| t.elapsed().as_secs_f64())
-                } else {
-                    None
-                },
+                unknown: n
+                    .checks
+                    .iter()
+                    .filter(|(_, c)| c.status == berth_api::Status::Unknown)
+                    .map(|(k, c)| format!("{k}: {}", c.message))
+                    .collect(),
+                versions: beat.map(|b| b.versions.clone()).unwrap_or_default(),
+                images: beat.map(|b| b.images.clone()).unwrap_or_default(),
+                leftovers: beat.map(|b| b.leftovers.clone()).unwrap_or_default(),
+                heartbeat_age_s: beat.map(|b| b.at.elapsed().as_secs_f64()),
                 suppressed: n.suppressed.clone(),
             }
         })
@@ -380,6 +406,13 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     let leader: Gauge = Gauge::default();
     leader.set(i64::from(m.state == ServerState::Leader));
     reg.register("is_leader", "1 on the Raft leader", leader);
+    let leader_id: Gauge = Gauge::default();
+    leader_id.set(m.current_leader.map_or(0, |l| l as i64));
+    reg.register(
+        "leader_id",
+        "The Raft id of the leader this controller knows; 0 when it knows none",
+        leader_id,
+    );
     let term: Gauge = Gauge::default();
     term.set(m.current_term as i64);
     reg.register("term", "The Raft term", term);
@@ -389,6 +422,13 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     let calls: Counter = Counter::default();
     calls.inc_by(app.scontrol_calls.load(Ordering::Relaxed));
     reg.register("scontrol_calls", "scontrol update calls made", calls);
+    let early: Counter = Counter::default();
+    early.inc_by(app.change_beats.load(Ordering::Relaxed));
+    reg.register(
+        "change_heartbeats",
+        "Heartbeats agents sent before their interval because a check changed status",
+        early,
+    );
     let fails: Counter = Counter::default();
     fails.inc_by(app.scontrol_failures.load(Ordering::Relaxed));
     reg.register(
@@ -439,10 +479,18 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     if m.state == ServerState::Leader {
         let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let age = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
-        for (node, t) in &beats {
+        let left = Family::<Vec<(String, String)>, Gauge>::default();
+        for (node, b) in &beats {
             age.get_or_create(&vec![("node".into(), node.clone())])
-                .set(t.elapsed().as_secs_f64());
+                .set(b.at.elapsed().as_secs_f64());
+            left.get_or_create(&vec![("node".into(), node.clone())])
+                .set(b.leftovers.len() as i64);
         }
+        reg.register(
+            "leftovers",
+            "Leftovers of ended jobs (containers, scratch) each node reported last",
+            left,
+        );
         reg.register(
             "heartbeat_age_seconds",
             "Seconds since each node's last heartbeat",
@@ -463,15 +511,50 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            "text/plain; version=0.0.4; charset=utf-8",
         )],
-        text,
+        prometheus_text(&text),
     )
         .into_response()
 }
 
+/// OpenMetrics text (what prometheus-client writes) as Prometheus' text format 0.0.4, which
+/// every scraper and `promtool check metrics` read: a counter's HELP and TYPE name its samples
+/// (`x_total`, not `x`), and there is no `# EOF`.
+fn prometheus_text(open: &str) -> String {
+    let counters: std::collections::HashSet<&str> = open
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open.len());
+    for line in open.lines() {
+        if line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((p, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                if counters.contains(name) {
+                    out.push_str(&format!("{p}{name}_total {tail}\n"));
+                } else {
+                    out.push_str(line);
+                    out.push('\n');
+                }
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
 /// Nodes silent for 3 heartbeat intervals; a new leader judges none until it has led that long.
-fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Instant>) -> usize {
+fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Beat>) -> usize {
     let grace = Duration::from_secs(app.s.heartbeat_interval_s.max(1) * 3);
     let since = *app.leader_since.lock().unwrap_or_else(|p| p.into_inner());
     if since.is_none_or(|t| t.elapsed() < grace) {
@@ -480,7 +563,7 @@ fn lost_nodes(app: &App, state: &State, beats: &HashMap<String, Instant>) -> usi
     state
         .nodes
         .keys()
-        .filter(|n| beats.get(*n).is_none_or(|t| t.elapsed() >= grace))
+        .filter(|n| beats.get(*n).is_none_or(|b| b.at.elapsed() >= grace))
         .count()
 }
 
@@ -618,6 +701,78 @@ async fn confirm_leader(app: &App) -> Option<u64> {
     (confirmed && now.state == ServerState::Leader && now.current_term == term).then_some(term)
 }
 
+/// One `scontrol update` call: the nodes of one action and one reason together.
+#[derive(Debug, PartialEq, Eq)]
+struct Call {
+    nodes: Vec<String>,
+    /// `Some(reason)`: drain; `None`: resume.
+    drain: Option<String>,
+}
+
+impl Call {
+    fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            "update".to_string(),
+            format!("NodeName={}", self.nodes.join(",")),
+        ];
+        match &self.drain {
+            Some(reason) => {
+                a.push("State=DRAIN".to_string());
+                a.push(format!("Reason={reason}"));
+            }
+            None => a.push("State=RESUME".to_string()),
+        }
+        a
+    }
+}
+
+/// Groups actions into calls: every drain of one reason in one call, every resume in one, at
+/// most `per_call` nodes each (a command line stays short), drains first (a node that must
+/// not take jobs matters more than one idle a little longer).
+fn group(actions: Vec<Action>, per_call: usize) -> Vec<Call> {
+    let mut drains: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut resumes = Vec::new();
+    for a in actions {
+        match a {
+            Action::Drain(node, reason) => drains.entry(reason).or_default().push(node),
+            Action::Resume(node) => resumes.push(node),
+        }
+    }
+    let per_call = per_call.max(1);
+    let mut out = Vec::new();
+    for (reason, nodes) in drains {
+        for chunk in nodes.chunks(per_call) {
+            out.push(Call {
+                nodes: chunk.to_vec(),
+                drain: Some(reason.clone()),
+            });
+        }
+    }
+    for chunk in resumes.chunks(per_call) {
+        out.push(Call {
+            nodes: chunk.to_vec(),
+            drain: None,
+        });
+    }
+    out
+}
+
+/// The test-only failpoint between commit and apply (`serve --failpoint-file PATH`, a hidden
+/// flag no configuration file sets): when PATH exists as the leader is about to apply committed
+/// decisions to Slurm, the process exits at once, as a crash would, leaving them committed and
+/// not applied for the next leader.
+fn failpoint(app: &App) {
+    if let Some(path) = &app.s.failpoint_file
+        && path.exists()
+    {
+        eprintln!(
+            "berth-controller: failpoint {}: exiting between commit and apply",
+            path.display()
+        );
+        std::process::exit(86);
+    }
+}
+
 async fn reconcile(app: &App) -> Result<(), String> {
     let Some(term) = confirm_leader(app).await else {
         return Ok(());
@@ -629,29 +784,25 @@ async fn reconcile(app: &App) -> Result<(), String> {
     let text = run_tool(&app.s.sinfo, &args, term, app.s.id).await?;
     let slurm = parse_sinfo(&text);
     let state = app.store.lock().state.clone();
-    for action in plan(&state, &slurm)
+    let calls = group(plan(&state, &slurm), app.s.nodes_per_call);
+    let gap = Duration::from_millis(app.s.scontrol_interval_ms);
+    for (i, call) in calls
         .into_iter()
         .take(app.s.max_updates_per_round.max(1))
+        .enumerate()
     {
+        // The rate limit: at most one call per scontrol_interval_ms, Slurm's controller
+        // serves jobs too.
+        if i > 0 {
+            tokio::time::sleep(gap).await;
+        }
         // Leadership again right before the call: a deposed leader must call nothing.
         if confirm_leader(app).await != Some(term) {
             return Ok(());
         }
-        let args = match &action {
-            Action::Drain(node, reason) => vec![
-                "update".to_string(),
-                format!("NodeName={node}"),
-                "State=DRAIN".to_string(),
-                format!("Reason={reason}"),
-            ],
-            Action::Resume(node) => vec![
-                "update".to_string(),
-                format!("NodeName={node}"),
-                "State=RESUME".to_string(),
-            ],
-        };
+        failpoint(app);
         app.scontrol_calls.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = run_tool(&app.s.scontrol, &args, term, app.s.id).await {
+        if let Err(e) = run_tool(&app.s.scontrol, &call.args(), term, app.s.id).await {
             app.scontrol_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("{e}");
         }
@@ -692,6 +843,43 @@ mod tests {
                 Action::Resume("n1".into()),
                 Action::Drain("n3".into(), "maintenance".into())
             ]
+        );
+    }
+
+    #[test]
+    fn calls_group_by_reason_drains_first_and_split_long_lists() {
+        let d = |n: &str, r: &str| Action::Drain(n.into(), r.into());
+        let calls = group(
+            vec![
+                Action::Resume("n9".into()),
+                d("n1", "berth: gpu-count: 7 of 8"),
+                d("n2", "berth: nic-ports: mlx5_0 down"),
+                d("n3", "berth: gpu-count: 7 of 8"),
+                d("n4", "berth: gpu-count: 7 of 8"),
+                Action::Resume("n8".into()),
+            ],
+            2,
+        );
+        let args: Vec<String> = calls.iter().map(|c| c.args().join(" ")).collect();
+        assert_eq!(
+            args,
+            vec![
+                "update NodeName=n1,n3 State=DRAIN Reason=berth: gpu-count: 7 of 8",
+                "update NodeName=n4 State=DRAIN Reason=berth: gpu-count: 7 of 8",
+                "update NodeName=n2 State=DRAIN Reason=berth: nic-ports: mlx5_0 down",
+                "update NodeName=n9,n8 State=RESUME",
+            ]
+        );
+    }
+
+    #[test]
+    fn metrics_are_prometheus_text() {
+        let open = "# HELP x_calls Calls.\n# TYPE x_calls counter\nx_calls_total 3\n\
+                    # HELP x_up Up.\n# TYPE x_up gauge\nx_up 1\n# EOF\n";
+        assert_eq!(
+            prometheus_text(open),
+            "# HELP x_calls_total Calls.\n# TYPE x_calls_total counter\nx_calls_total 3\n\
+             # HELP x_up Up.\n# TYPE x_up gauge\nx_up 1\n"
         );
     }
 

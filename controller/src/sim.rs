@@ -117,6 +117,10 @@ pub fn run(o: SimOptions) -> serde_json::Value {
                                 "8 of 8".into()
                             },
                         }],
+                        versions: Default::default(),
+                        images: Vec::new(),
+                        leftovers: Vec::new(),
+                        cause: None,
                     };
                     let body = serde_json::to_vec(&hb).expect("serializes");
                     let t0 = Instant::now();

@@ -46,6 +46,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("squashfs", fuzz_squashfs),
     ("netrc", fuzz_netrc),
     ("auth_challenge", fuzz_auth_challenge),
+    ("auth_file", fuzz_auth_file),
     ("pyxis_mounts", fuzz_pyxis_mounts),
     ("stage_spec", fuzz_stage_spec),
     ("cdi", fuzz_cdi),
@@ -192,13 +193,38 @@ pub fn fuzz_netrc(data: &[u8]) {
     }
     let creds = auth::Credentials {
         logins,
-        files: Vec::new(),
+        ..auth::Credentials::default()
     };
     for host in [
         "registry-1.docker.io",
         "ghcr.io",
         "localhost:5000",
         "auth.docker.io",
+    ] {
+        let _ = creds.find(host, None);
+        let _ = creds.find(host, Some("user"));
+    }
+}
+
+/// A docker `config.json` or podman `auth.json` login file, as a user writes it.
+pub fn fuzz_auth_file(data: &[u8]) {
+    let Some(t) = text(data) else { return };
+    let Ok(parsed) = auth::parse_auth_file(t, Path::new("/home/user/.docker/config.json")) else {
+        return;
+    };
+    let _ = parsed.skipped.join(", ");
+    for l in &parsed.logins {
+        let _ = l.basic_header();
+    }
+    let creds = auth::Credentials {
+        logins: parsed.logins,
+        ..auth::Credentials::default()
+    };
+    for host in [
+        "registry-1.docker.io",
+        "ghcr.io",
+        "127.0.0.1:5000",
+        "quay.io",
     ] {
         let _ = creds.find(host, None);
         let _ = creds.find(host, Some("user"));

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Brings up a one-host Slurm cluster with berth's SPANK plugin: munged, slurmctld and 1-2 slurmd,
+# Brings up a one-host Slurm cluster with berth's SPANK plugin: munged, slurmctld and 1-4 slurmd,
 # all as root, every file (configs, keys, spool, logs, pid files) under one state directory.
 #
 # Usage: integration/slurm/start.sh [OPTIONS]
 #
 #   --state DIR         state directory, wiped first [default: $BERTH_SLURM_STATE or /tmp/berth-slurm]
-#   --nodes N           1 or 2 slurmd on this host [default: 1]
+#   --nodes N           1 to 4 slurmd on this host [default: 1]
 #   --plugin FILE       the SPANK plugin [default: <target>/debug/libspank_berth.so]
 #   --berth FILE        the berth binary [default: <target>/debug/berth]
 #   --berth-config FILE berth's configuration [default: a test one written to DIR/etc/berth.toml]
@@ -38,7 +38,7 @@ wrappers=$repo/configs/slurm
 while [ $# -gt 0 ]; do
   case $1 in
     --state) state=${2:?--state needs a directory}; shift 2 ;;
-    --nodes) nodes=${2:?--nodes needs 1 or 2}; shift 2 ;;
+    --nodes) nodes=${2:?--nodes needs 1 to 4}; shift 2 ;;
     --plugin) plugin=${2:?--plugin needs a file}; shift 2 ;;
     --berth) berth=${2:?--berth needs a file}; shift 2 ;;
     --berth-config) berth_config=${2:?--berth-config needs a file}; shift 2 ;;
@@ -51,7 +51,7 @@ while [ $# -gt 0 ]; do
 done
 
 [ "$(id -u)" -eq 0 ] || die "must run as root (slurmd and munged need it)"
-case $nodes in 1 | 2) ;; *) die "--nodes must be 1 or 2, not '$nodes'" ;; esac
+case $nodes in 1 | 2 | 3 | 4) ;; *) die "--nodes must be 1 to 4, not '$nodes'" ;; esac
 for cmd in munged slurmctld slurmd srun sinfo scontrol; do
   command -v "$cmd" >/dev/null ||
     die "$cmd not found: apt-get install slurmctld slurmd slurm-client munge (integration/setup.sh)"
@@ -74,7 +74,11 @@ ctld_port=${BERTH_SLURM_PORT:-17817}
 # start again at 1, must not meet in them.
 prefix=b$(printf %s "$state" | md5sum | cut -c1-6)
 node_names=()
-if [ "$nodes" -eq 1 ]; then node_names=("$prefix"); else node_names=("${prefix}n1" "${prefix}n2"); fi
+if [ "$nodes" -eq 1 ]; then
+  node_names=("$prefix")
+else
+  for i in $(seq "$nodes"); do node_names+=("${prefix}n$i"); done
+fi
 
 for port in $(seq "$ctld_port" $((ctld_port + nodes))); do
   if ss -Hltn "sport = :$port" 2>/dev/null | grep -q .; then
@@ -121,7 +125,7 @@ echo "required $plugin berth=$berth config=$berth_config debug_request_dir=$stat
   >"$state/etc/plugstack.conf"
 
 cpus=$(nproc)
-# With two slurmd on one host the cgroup v1 hierarchies of a job would collide: track processes
+# With several slurmd on one host the cgroup v1 hierarchies of a job would collide: track processes
 # by their parentage instead.
 if [ "$nodes" -eq 1 ]; then
   proctrack=proctrack/cgroup task=task/cgroup,task/affinity
@@ -189,7 +193,7 @@ EOF
 
 export SLURM_CONF=$state/etc/slurm.conf
 slurmctld -f "$SLURM_CONF" || die "slurmctld failed to start: see $state/log/slurmctld.log"
-# Two slurmd on one host stand for two hosts: each gets berth's state directory of its own, as a
+# Several slurmd on one host stand for as many hosts: each gets berth's state directory of its own, as a
 # node of its own would have (its containers, names and Epilog cleanup are that node's alone).
 # A mount namespace per slurmd (inherited by its slurmstepd, Prolog and Epilog) binds
 # <state_dir>.<node> over runtime.state_dir; host mounts still propagate into it.

@@ -88,6 +88,11 @@ pub enum JoinError {
     Setns { ns: &'static str, source: io::Error },
     #[error("cannot change the task's capabilities: {}", crate::io_text(.0))]
     Caps(io::Error),
+    #[error(
+        "cannot install the remap-root seccomp filter (chown and setuid calls that report \
+         success): {}", crate::io_text(.0)
+    )]
+    Seccomp(io::Error),
 }
 
 /// Joins every namespace in `namespaces` (already in joining order), then leaves the task with
@@ -101,6 +106,15 @@ pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), JoinError> {
         // SAFETY: prctl with integer arguments only.
         if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } < 0 {
             return Err(JoinError::Caps(io::Error::last_os_error()));
+        }
+        // A remapped container's tasks get berth's filter, as Pyxis installs Enroot's here;
+        // after no_new_privs, which it needs (see src/runtime/seccomp.rs for why it grants
+        // nothing).
+        if namespaces
+            .iter()
+            .any(|(ns, _)| matches!(ns, Namespace::User))
+        {
+            crate::seccomp::install().map_err(JoinError::Seccomp)?;
         }
         Ok(())
     });

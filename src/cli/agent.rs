@@ -58,8 +58,11 @@ pub struct Client {
     leader: Option<String>,
 }
 
-/// Reads the shared key file: at most [`berth_api::KEY_MAX`] bytes, not empty.
+/// Reads the shared key file: at most [`berth_api::KEY_MAX`] bytes, not empty, owned by root
+/// or by the user reading it and closed to group and others (like munge.key): a key others
+/// could read or replace authenticates nothing, so such a file is refused in one line.
 pub fn read_key(path: &Path) -> Result<String, Failure> {
+    use std::os::unix::fs::MetadataExt;
     let hint = || {
         format!(
             "reading the cluster key file {}: it must hold the controllers' key (agent.key_file)",
@@ -67,6 +70,12 @@ pub fn read_key(path: &Path) -> Result<String, Failure> {
         )
     };
     let f = std::fs::File::open(path).map_err(|e| Failure::input(format!("{}: {e}", hint())))?;
+    // Checked on the open file, not the path: what is read is what was checked.
+    let meta = f
+        .metadata()
+        .map_err(|e| Failure::input(format!("{}: {e}", hint())))?;
+    key_file_ok(meta.uid(), meta.mode(), nix::unistd::geteuid().as_raw())
+        .map_err(|why| Failure::input(format!("the cluster key file {}: {why}", path.display())))?;
     let mut key = String::new();
     f.take(berth_api::KEY_MAX as u64 + 1)
         .read_to_string(&mut key)
@@ -79,6 +88,16 @@ pub fn read_key(path: &Path) -> Result<String, Failure> {
         )));
     }
     Ok(key)
+}
+
+/// Whether a key file of owner `uid` and mode `mode` may be trusted by user `euid`: a regular
+/// file owned by root or `euid`, with no permission for group or others. The same rule as
+/// `berth-controller`'s (berth_api::key_file_problem).
+pub fn key_file_ok(uid: u32, mode: u32, euid: u32) -> Result<(), String> {
+    match berth_api::key_file_problem(uid, mode, euid) {
+        None => Ok(()),
+        Some(why) => Err(why),
+    }
 }
 
 impl Client {
@@ -234,10 +253,199 @@ fn kmsg_seq(config: &Config) -> Option<u64> {
         .and_then(|r| kmsg::last_seq(&r))
 }
 
+/// The most bytes read from one small /proc or /sys file, and the most names listed from one
+/// directory for a heartbeat.
+const SMALL_FILE: u64 = 4096;
+const LIST_MAX: usize = 1000;
+
+fn small_file(path: &Path) -> Option<String> {
+    let mut s = String::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(SMALL_FILE)
+        .read_to_string(&mut s)
+        .ok()?;
+    Some(s.trim().to_string())
+}
+
 fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+    small_file(Path::new("/proc/sys/kernel/random/boot_id")).unwrap_or_default()
+}
+
+/// What a heartbeat says besides the checks, gathered in the same timed round.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Inventory {
+    versions: std::collections::BTreeMap<String, String>,
+    images: Vec<String>,
+    leftovers: Vec<String>,
+}
+
+/// Directory entry names, at most [`LIST_MAX`], sorted; none when the directory is missing.
+fn dir_names(dir: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .take(LIST_MAX)
+                .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// Jobs Slurm still runs (or has not finished), by id; `None` when squeue cannot answer.
+fn live_jobs() -> Option<Vec<String>> {
+    let out = std::process::Command::new("squeue")
+        .args(["-h", "-a", "-t", "all", "-o", "%A %T"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    const ACTIVE: [&str; 6] = [
+        "PENDING",
+        "RUNNING",
+        "SUSPENDED",
+        "COMPLETING",
+        "CONFIGURING",
+        "STOPPED",
+    ];
+    Some(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .filter(|(_, state)| ACTIVE.contains(&state.trim()))
+            .map(|(id, _)| id.to_string())
+            .collect(),
+    )
+}
+
+/// Versions (kernel, NVIDIA driver from the host tree), stored image digests (the names of the
+/// store's image records; the store is not opened, so nothing is created), and leftovers:
+/// containers whose berth process died and scratch directories of jobs Slurm no longer runs
+/// (what `berth gc` and the next Prolog reclaim). Read-only; the directories read are root's.
+fn inventory(config: &Config) -> Inventory {
+    let host = super::topo::host(&Source::default(), config);
+    let mut versions = std::collections::BTreeMap::new();
+    if let Some(v) = small_file(Path::new("/proc/sys/kernel/osrelease")) {
+        versions.insert("kernel".to_string(), v);
+    }
+    if let Some(v) = small_file(&host.path("/sys/module/nvidia/version")) {
+        versions.insert("nvidia-driver".to_string(), v);
+    }
+    let images = dir_names(&config.store.root.join("images"))
+        .iter()
+        .filter_map(|n| n.strip_suffix(".json"))
+        .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        .map(|h| format!("sha256:{h}"))
+        .collect();
+    let mut leftovers = Vec::new();
+    if nix::unistd::geteuid().is_root() && config.runtime.state_dir.is_dir() {
+        for r in crate::runtime::state::list(&config.runtime.state_dir) {
+            if !crate::runtime::state::owner_alive(&r) {
+                leftovers.push(format!("container {}", r.id));
+            }
+        }
+    }
+    let scratch: Vec<String> = dir_names(&config.scratch.root)
+        .into_iter()
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .collect();
+    // Slurm is asked only when there is scratch to judge; without an answer none is a leftover.
+    if !scratch.is_empty()
+        && let Some(live) = live_jobs()
+    {
+        for job in scratch.iter().filter(|j| !live.contains(j)) {
+            leftovers.push(format!("scratch {job}"));
+        }
+    }
+    leftovers.sort();
+    Inventory {
+        versions,
+        images,
+        leftovers,
+    }
+}
+
+/// One round's findings.
+struct Round {
+    checks: Vec<CheckResult>,
+    inventory: Inventory,
+    /// Where the kernel log stood after the checks: the next round judges later XIDs only.
+    kmsg_seq: Option<u64>,
+}
+
+/// Runs rounds of checks on a thread of their own, so that a check that hangs (a GPU driver
+/// that stopped answering, a stuck file system under the host tree) cannot stop heartbeats: a
+/// round not done within the timeout reports its checks `unknown`, which never drains. While a
+/// round hangs no other starts (threads do not pile up); its late result is dropped.
+struct Checker {
+    timeout: Duration,
+    pending: Option<std::sync::mpsc::Receiver<Round>>,
+}
+
+impl Checker {
+    fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            pending: None,
+        }
+    }
+
+    /// Runs `work` with the timeout; `None` when it (or a round before it) has not finished.
+    fn run(&mut self, work: impl FnOnce() -> Round + Send + 'static) -> Option<Round> {
+        let rx = match self.pending.take() {
+            Some(rx) => rx,
+            None => {
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                std::thread::spawn(move || {
+                    let _ = tx.send(work());
+                });
+                rx
+            }
+        };
+        match rx.recv_timeout(self.timeout) {
+            Ok(r) => Some(r),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                self.pending = Some(rx);
+                None
+            }
+            // The round's thread died (a panic): nothing to wait for.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => None,
+        }
+    }
+}
+
+/// The checks of a round that did not finish: the names last seen (or `health`), `unknown`.
+fn timed_out(last: &[CheckResult], timeout: Duration) -> Vec<CheckResult> {
+    let message = format!(
+        "the checks did not finish within {} ms (agent.check_timeout_ms)",
+        timeout.as_millis()
+    );
+    if last.is_empty() {
+        return vec![CheckResult {
+            name: "health".into(),
+            status: Status::Unknown,
+            severity: Severity::Soft,
+            recoverable: true,
+            message,
+        }];
+    }
+    last.iter()
+        .map(|c| CheckResult {
+            status: Status::Unknown,
+            message: message.clone(),
+            ..c.clone()
+        })
+        .collect()
+}
+
+/// Each check's name and status: a heartbeat goes out at once when these change.
+fn statuses(checks: &[CheckResult]) -> Vec<(String, Status)> {
+    checks.iter().map(|c| (c.name.clone(), c.status)).collect()
 }
 
 fn node_name(args: &AgentArgs, config: &Config) -> Result<String, Failure> {
@@ -254,7 +462,10 @@ fn node_name(args: &AgentArgs, config: &Config) -> Result<String, Failure> {
 #[derive(Default)]
 struct Metrics {
     checks: Mutex<Vec<CheckResult>>,
+    leftovers: Mutex<usize>,
     sent: AtomicU64,
+    /// Heartbeats sent before their interval because a check's status changed.
+    changes: AtomicU64,
     failed: AtomicU64,
     last_ok_unix: AtomicU64,
     term: AtomicU64,
@@ -265,13 +476,35 @@ impl Metrics {
         let mut t = String::new();
         t.push_str("# HELP berth_agent_check_ok 1 when the check passed in the last round.\n");
         t.push_str("# TYPE berth_agent_check_ok gauge\n");
-        for c in self.checks.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let checks = self
+            .checks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for c in &checks {
             let v = i32::from(c.status == Status::Ok);
             t.push_str(&format!(
                 "berth_agent_check_ok{{check=\"{}\"}} {v}\n",
                 c.name
             ));
         }
+        t.push_str(
+            "# HELP berth_agent_check_unknown 1 when the check could not say (timed out, unreadable).\n\
+             # TYPE berth_agent_check_unknown gauge\n",
+        );
+        for c in &checks {
+            let v = i32::from(c.status == Status::Unknown);
+            t.push_str(&format!(
+                "berth_agent_check_unknown{{check=\"{}\"}} {v}\n",
+                c.name
+            ));
+        }
+        t.push_str(&format!(
+            "# HELP berth_agent_leftovers Leftovers of ended jobs on the node (containers, scratch).\n\
+             # TYPE berth_agent_leftovers gauge\n\
+             berth_agent_leftovers {}\n",
+            *self.leftovers.lock().unwrap_or_else(|p| p.into_inner())
+        ));
         let counters = [
             ("heartbeats", "Heartbeats the controller took.", &self.sent),
             (
@@ -279,10 +512,15 @@ impl Metrics {
                 "Heartbeats no controller took.",
                 &self.failed,
             ),
+            (
+                "heartbeats_on_change",
+                "Heartbeats sent before their interval because a check changed status.",
+                &self.changes,
+            ),
         ];
         for (name, help, v) in counters {
             t.push_str(&format!(
-                "# HELP berth_agent_{name} {help}\n# TYPE berth_agent_{name} counter\n\
+                "# HELP berth_agent_{name}_total {help}\n# TYPE berth_agent_{name}_total counter\n\
                  berth_agent_{name}_total {}\n",
                 v.load(Ordering::Relaxed)
             ));
@@ -357,67 +595,130 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
         serve_metrics(&config.agent.metrics_listen, metrics.clone())?;
     }
     let boot = boot_id();
-    let mut xid_after = kmsg_seq(&config);
+    let mut checker = Checker::new(Duration::from_millis(config.agent.check_timeout_ms.max(1)));
+    // Where the kernel log stands now, read within the timeout like the checks.
+    let mut xid_after = {
+        let c = config.clone();
+        checker
+            .run(move || Round {
+                checks: Vec::new(),
+                inventory: Inventory::default(),
+                kmsg_seq: kmsg_seq(&c),
+            })
+            .and_then(|r| r.kmsg_seq)
+    };
+    let mut last_checks: Vec<CheckResult> = Vec::new();
+    let mut inv = Inventory::default();
+    // The statuses the controller last took, and when the next regular heartbeat is due.
+    let mut sent_statuses: Option<Vec<(String, Status)>> = None;
+    let mut next_beat = Instant::now();
     let mut round = 0u64;
     loop {
         let started = Instant::now();
-        let results = checks(&config, xid_after);
-        // XIDs count once: the next round judges only those logged after this one's.
-        if let Some(seq) = kmsg_seq(&config) {
-            xid_after = Some(seq);
-        }
-        *metrics.checks.lock().unwrap_or_else(|p| p.into_inner()) = results.clone();
-        let hb = Heartbeat {
-            node: node.clone(),
-            boot_id: boot.clone(),
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            checks: results,
-        };
-        let body = serde_json::to_vec(&hb).expect("a heartbeat serializes");
-        let sent = match client.request("/v1/heartbeat", Some(&body), true) {
-            Ok((_, 200, bytes)) => {
-                if let Ok(r) = serde_json::from_slice::<HeartbeatReply>(&bytes) {
-                    metrics.term.store(r.term, Ordering::Relaxed);
+        checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
+        let (c, after) = (config.clone(), xid_after);
+        let results = match checker.run(move || Round {
+            checks: checks(&c, after),
+            inventory: inventory(&c),
+            // XIDs count once: the next round judges only those logged after this one's.
+            kmsg_seq: kmsg_seq(&c),
+        }) {
+            Some(r) => {
+                if r.kmsg_seq.is_some() {
+                    xid_after = r.kmsg_seq;
                 }
-                Ok(())
+                inv = r.inventory;
+                last_checks = r.checks.clone();
+                r.checks
             }
-            Ok((addr, status, bytes)) => Err(format!(
-                "{addr}: HTTP {status}: {}",
-                String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
-            )),
-            Err(e) => Err(e),
+            None => timed_out(&last_checks, checker.timeout),
         };
-        match &sent {
-            Ok(()) => {
-                metrics.sent.fetch_add(1, Ordering::Relaxed);
-                let now = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
-                metrics.last_ok_unix.store(now, Ordering::Relaxed);
-            }
-            Err(e) => {
-                metrics.failed.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("heartbeat of {node}: {e}");
-            }
-        }
-        if args.once {
-            return match sent {
-                Ok(()) => Ok(0),
-                Err(e) => Err(Failure::system(format!("berth agent: heartbeat: {e}"))),
+        *metrics.checks.lock().unwrap_or_else(|p| p.into_inner()) = results.clone();
+        *metrics.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = inv.leftovers.len();
+        let changed = sent_statuses
+            .as_ref()
+            .is_some_and(|s| *s != statuses(&results));
+        if args.once || changed || Instant::now() >= next_beat {
+            let hb = Heartbeat {
+                node: node.clone(),
+                boot_id: boot.clone(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                checks: results.clone(),
+                versions: inv.versions.clone(),
+                images: inv.images.clone(),
+                leftovers: inv.leftovers.clone(),
+                cause: changed.then(|| "change".to_string()),
             };
+            let sent = send(&mut client, &hb, &metrics);
+            match &sent {
+                Ok(()) => {
+                    sent_statuses = Some(statuses(&results));
+                    if changed {
+                        metrics.changes.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Err(e) => tracing::warn!("heartbeat of {node}: {e}"),
+            }
+            if args.once {
+                return match sent {
+                    Ok(()) => Ok(0),
+                    Err(e) => Err(Failure::system(format!("berth agent: heartbeat: {e}"))),
+                };
+            }
+            round += 1;
+            let interval = config.agent.interval_ms.max(100) as f64;
+            let spread = interval * f64::from(config.agent.jitter_percent.min(100)) / 100.0;
+            next_beat = Instant::now()
+                + Duration::from_millis(
+                    (interval - spread / 2.0 + spread * jitter_fraction(round)) as u64,
+                );
         }
-        round += 1;
-        let interval = config.agent.interval_ms.max(100) as f64;
-        let spread = interval * f64::from(config.agent.jitter_percent.min(100)) / 100.0;
-        let wait = Duration::from_millis(
-            (interval - spread / 2.0 + spread * jitter_fraction(round)) as u64,
+        let every = Duration::from_millis(
+            config
+                .agent
+                .check_interval_ms
+                .clamp(100, config.agent.interval_ms.max(100)),
         );
-        std::thread::sleep(wait.saturating_sub(started.elapsed()));
+        let wait = every
+            .saturating_sub(started.elapsed())
+            .min(next_beat.saturating_duration_since(Instant::now()));
+        std::thread::sleep(wait);
         match Config::load(config_path, config_path.exists()) {
             Ok(c) => config = c,
             Err(e) => tracing::warn!("keeping the previous configuration: {e}"),
         }
     }
+}
+
+/// Posts one heartbeat; counts it in the metrics.
+fn send(client: &mut Client, hb: &Heartbeat, metrics: &Metrics) -> Result<(), String> {
+    let body = serde_json::to_vec(hb).expect("a heartbeat serializes");
+    let sent = match client.request("/v1/heartbeat", Some(&body), true) {
+        Ok((_, 200, bytes)) => {
+            if let Ok(r) = serde_json::from_slice::<HeartbeatReply>(&bytes) {
+                metrics.term.store(r.term, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+        Ok((addr, status, bytes)) => Err(format!(
+            "{addr}: HTTP {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
+        )),
+        Err(e) => Err(e),
+    };
+    match &sent {
+        Ok(()) => {
+            metrics.sent.fetch_add(1, Ordering::Relaxed);
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            metrics.last_ok_unix.store(now, Ordering::Relaxed);
+        }
+        Err(_) => {
+            metrics.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    sent
 }
 
 /// The configuration file the agent reads again each round.
@@ -439,6 +740,85 @@ mod tests {
         assert_eq!(classify("ecc"), (Severity::Hard, false));
         assert_eq!(classify("nic-ports"), (Severity::Soft, true));
         assert_eq!(classify("pcie-links"), (Severity::Soft, true));
+    }
+
+    #[test]
+    fn a_round_that_hangs_reports_unknown_and_starts_no_other() {
+        let mut c = Checker::new(Duration::from_millis(100));
+        let round = |checks| Round {
+            checks,
+            inventory: Inventory::default(),
+            kmsg_seq: None,
+        };
+        let ok = CheckResult {
+            name: "gpu-count".into(),
+            status: Status::Ok,
+            severity: Severity::Hard,
+            recoverable: true,
+            message: "8 of 8".into(),
+        };
+        let got = c.run({
+            let ok = ok.clone();
+            move || round(vec![ok])
+        });
+        assert_eq!(got.unwrap().checks[0].status, Status::Ok);
+        // A round that hangs: no result within the timeout, then its checks are unknown.
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let started = Arc::new(AtomicU64::new(0));
+        let s = started.clone();
+        assert!(
+            c.run(move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                let _ = wait.recv();
+                round(Vec::new())
+            })
+            .is_none()
+        );
+        let unknown = timed_out(std::slice::from_ref(&ok), c.timeout);
+        assert_eq!(unknown[0].name, "gpu-count");
+        assert_eq!(unknown[0].status, Status::Unknown);
+        assert_eq!(unknown[0].severity, Severity::Hard);
+        assert!(unknown[0].message.contains("check_timeout_ms"));
+        assert_eq!(timed_out(&[], c.timeout)[0].name, "health");
+        // While it hangs, the next call waits on it instead of starting another round.
+        let s = started.clone();
+        assert!(
+            c.run(move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                round(Vec::new())
+            })
+            .is_none()
+        );
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        release.send(()).unwrap();
+        assert!(c.run(move || round(Vec::new())).is_some());
+    }
+
+    #[test]
+    fn a_status_change_is_a_change_a_new_message_is_not() {
+        let mut a = CheckResult {
+            name: "nic-ports".into(),
+            status: Status::Ok,
+            severity: Severity::Soft,
+            recoverable: true,
+            message: "4 up".into(),
+        };
+        let before = statuses(std::slice::from_ref(&a));
+        a.message = "4 up, 1 ignored".into();
+        assert_eq!(statuses(std::slice::from_ref(&a)), before);
+        a.status = Status::Fail;
+        assert_ne!(statuses(std::slice::from_ref(&a)), before);
+    }
+
+    #[test]
+    fn key_file_rule_is_the_controllers() {
+        assert!(key_file_ok(0, 0o100600, 0).is_ok());
+        assert!(
+            key_file_ok(0, 0o100644, 0)
+                .unwrap_err()
+                .contains("chmod 600")
+        );
+        assert!(key_file_ok(1000, 0o100600, 0).is_err());
     }
 
     #[test]

@@ -13,10 +13,16 @@ use crate::runtime::{self, join, state};
 use crate::spec::parse;
 
 /// Create a container that stays up, holding its namespaces, until `berth rm`
+///
+/// The image is the positional IMAGE (as podman create takes it), --image REF or --rootfs DIR.
 #[derive(Debug, Args)]
 pub struct CreateArgs {
     #[command(flatten)]
     pub container: ContainerArgs,
+
+    /// The image, as --image takes it (instead of --image or --rootfs)
+    #[arg(value_name = "IMAGE", conflicts_with_all = ["image", "rootfs"])]
+    pub positional_image: Option<String>,
 
     /// A name to find the container by (unique per user)
     #[arg(long, value_name = "NAME")]
@@ -50,12 +56,56 @@ pub struct RmArgs {
     pub containers: Vec<String>,
 }
 
-/// List containers on this node
+impl CreateArgs {
+    /// Moves the positional IMAGE into --image (they conflict: at most one is set).
+    pub fn take_positional_image(&mut self) {
+        if let Some(image) = self.positional_image.take() {
+            self.container.image = Some(image);
+        }
+    }
+}
+
+/// List containers on this node (every one for root, a user's own for a user)
 #[derive(Debug, Args)]
 pub struct PsArgs {
-    /// Print JSON
+    /// Print a JSON array, one object per container: id, uid, name, init_pid, owner_pid,
+    /// cgroup, labels (README: "JSON output")
     #[arg(long)]
     pub json: bool,
+}
+
+/// One container as `berth ps --json` prints it: a stable schema, whatever the state record
+/// holds.
+#[derive(Debug, Serialize)]
+pub struct PsEntry {
+    /// The container's id (`berth exec`, `berth rm`).
+    pub id: String,
+    /// The host uid its process runs as: whose container it is.
+    pub uid: u32,
+    /// `--name`, or null.
+    pub name: Option<String>,
+    /// The host pid of its init; 0 while it starts.
+    pub init_pid: i32,
+    /// The host pid of the berth process that owns it.
+    pub owner_pid: i32,
+    /// Its cgroup directory.
+    pub cgroup: String,
+    /// Every label, `uid` and `name` included: `job`, `step` for a Slurm step's container.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl From<&state::Record> for PsEntry {
+    fn from(r: &state::Record) -> Self {
+        Self {
+            id: r.id.clone(),
+            uid: r.uid(),
+            name: r.labels.get("name").cloned(),
+            init_pid: r.init_pid,
+            owner_pid: r.owner_pid,
+            cgroup: r.cgroup.display().to_string(),
+            labels: r.labels.clone(),
+        }
+    }
 }
 
 /// What a joining process needs to know, as `berth create --json` and `berth step create` print it.
@@ -118,20 +168,6 @@ fn name_taken(config: &Config, name: &str, uid: u32) -> bool {
         .any(|r| r.uid() == uid && r.labels.get("name").map(String::as_str) == Some(name))
 }
 
-/// Joining or removing a container takes root's privileges (setns, the cgroup): another user,
-/// who can only find their own containers, is told so after the lookup.
-fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
-    let me = nix::unistd::geteuid().as_raw();
-    if me == 0 {
-        return Ok(());
-    }
-    Err(Failure::input(format!(
-        "{verb} {}: only root can join or remove a container (you are uid {me}); \
-         run it through Slurm (srun --container-name) or as root",
-        super::elide(key)
-    )))
-}
-
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
     let (spec, _ld_cache) = prepared.spec(config)?;
@@ -162,6 +198,21 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
         outln!("{}", created.id);
     }
     Ok(0)
+}
+
+/// Joining or removing a container takes root's privileges (setns, the cgroup). Checked after
+/// the lookup: a user, who can only find their own containers, gets for another user's exactly
+/// what a missing one gets; for their own, this line ([`super::needs_root`]'s wording).
+fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
+    let me = nix::unistd::geteuid().as_raw();
+    if me == 0 {
+        return Ok(());
+    }
+    Err(Failure::input(format!(
+        "{verb} {} needs root (you are uid {me}): run it through Slurm (srun --container-name) \
+         or sudo",
+        super::elide(key)
+    )))
 }
 
 pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
@@ -212,8 +263,9 @@ pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
     records.retain(state::owner_alive);
     records.sort_by(|a, b| a.id.cmp(&b.id));
     if args.json {
+        let entries: Vec<PsEntry> = records.iter().map(PsEntry::from).collect();
         let text =
-            serde_json::to_string_pretty(&records).map_err(|e| Failure::system(e.to_string()))?;
+            serde_json::to_string_pretty(&entries).map_err(|e| Failure::system(e.to_string()))?;
         outln!("{text}");
         return Ok(0);
     }

@@ -53,6 +53,12 @@ pub struct ExportArgs {
     pub force: bool,
 }
 
+/// Whether this export needs root: a container's root is read through its init, root's to do;
+/// a directory (--rootfs) or an image file is read like any file the caller can read.
+pub fn needs_root(args: &ExportArgs) -> bool {
+    args.rootfs.is_none() && args.source.as_deref().is_some_and(|s| !is_image_file(s))
+}
+
 fn is_image_file(text: &str) -> bool {
     let lower = text.to_ascii_lowercase();
     [".sqsh", ".squashfs", ".sif"]

@@ -1,5 +1,6 @@
 //! `berth gc`: reclaims containers whose berth process died (cgroups and state directories),
-//! the scratch of jobs that ended without an Epilog, and expired retained scratch.
+//! the scratch of jobs that ended without an Epilog, and expired retained scratch. The image
+//! store's garbage is `berth images gc`'s (images.rs).
 
 use std::time::Duration;
 
@@ -9,9 +10,13 @@ use super::Failure;
 use crate::config::Config;
 use crate::runtime::state;
 
-/// Reclaim leftovers of berth processes that were killed (their cgroups and state), unmount
-/// squashfs/SIF images no container uses, remove the scratch of jobs Slurm no longer runs and
-/// retained scratch past scratch.retention_days
+/// Clean up after containers and jobs: killed containers, unused image mounts, old scratch
+///
+/// Reclaims the leftovers of berth processes that were killed (their cgroups and state),
+/// unmounts squashfs/SIF images no container uses, removes the scratch of jobs Slurm no longer
+/// runs and retained scratch past scratch.retention_days. It never removes an image: the image
+/// store is cleaned by `berth images gc` (least recently used images, unused layers). Needs
+/// root; berth-gc.timer runs it hourly.
 #[derive(Debug, Args)]
 pub struct GcArgs {}
 

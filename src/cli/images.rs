@@ -10,7 +10,11 @@ use crate::config::Config;
 use crate::image::store::{self, Entry, GcPolicy, LayerCheck, Removed, Store, VerifyReport};
 use crate::spec::parse;
 
-/// List, inspect and remove the images in the node's store, or collect garbage
+/// List, inspect and remove the images in the node's store, or collect its garbage
+///
+/// `berth images gc` cleans the image store (images, layers, killed imports); `berth gc` cleans
+/// up after containers and jobs (cgroups, state, image mounts, scratch). Every `images` verb
+/// needs root: the store is root's.
 #[derive(Debug, Args)]
 pub struct ImagesArgs {
     #[command(subcommand)]
@@ -20,7 +24,12 @@ pub struct ImagesArgs {
 #[derive(Debug, Subcommand)]
 pub enum ImagesCommand {
     /// List stored images: reference, digest, size, last use
-    Ls,
+    Ls {
+        /// Print a JSON array, one object per image: digest, references, size, last_used,
+        /// in_use, source (README: "JSON output")
+        #[arg(long)]
+        json: bool,
+    },
     /// Print an image's record, references, size and use as JSON
     Inspect {
         /// A reference as `ls` shows it or as imported, or a digest (a unique prefix will do)
@@ -39,17 +48,67 @@ pub enum ImagesCommand {
         /// Images to check (references as `ls` shows them, or digests); none: every image
         #[arg(value_name = "REF|DIGEST")]
         targets: Vec<String>,
+        /// Print a JSON array, one object per image: digest, references, status, layers
+        /// (README: "JSON output"); the exit status is the same
+        #[arg(long)]
+        json: bool,
     },
-    /// Remove leftovers of killed imports, layers no image uses, and (with options) the least
-    /// recently used images; never an image in use
+    /// Clean the image store: leftovers of killed imports, layers no image uses, and (with
+    /// options) the least recently used images; never an image in use. Containers, mounts and
+    /// scratch are `berth gc`'s
     Gc {
         /// Remove least recently used images until the store holds at most SIZE (e.g. 50G)
-        #[arg(long, value_name = "SIZE")]
+        #[arg(long, value_name = "SIZE", value_parser = super::values::size)]
         max_size: Option<String>,
         /// Remove images not used for DURATION (e.g. 30m, 12h, 7d)
-        #[arg(long, value_name = "DURATION")]
+        #[arg(long, value_name = "DURATION", value_parser = super::values::duration)]
         unused_for: Option<String>,
     },
+}
+
+/// The sub-verb's name, for messages (`berth images ls needs root`).
+pub fn verb(command: &ImagesCommand) -> &'static str {
+    match command {
+        ImagesCommand::Ls { .. } => "ls",
+        ImagesCommand::Inspect { .. } => "inspect",
+        ImagesCommand::Rm { .. } => "rm",
+        ImagesCommand::Verify { .. } => "verify",
+        ImagesCommand::Gc { .. } => "gc",
+    }
+}
+
+/// One image as `berth images ls --json` prints it.
+#[derive(Debug, serde::Serialize)]
+pub struct LsEntry {
+    /// The manifest digest (`sha256:...`); a squashfs or SIF file's sha256.
+    pub digest: String,
+    /// The references it goes by, as `ls` shows them; empty when none is left.
+    pub references: Vec<String>,
+    /// Bytes on disk: its layers (a layer shared with another image counts for both).
+    pub size: u64,
+    /// Last use, seconds since the epoch.
+    pub last_used: u64,
+    /// Whether a running container uses it.
+    pub in_use: bool,
+    /// The reference it was imported from.
+    pub source: String,
+}
+
+impl From<&Entry> for LsEntry {
+    fn from(e: &Entry) -> Self {
+        Self {
+            digest: e.image.digest.to_string(),
+            references: e.references.clone(),
+            size: e.size,
+            last_used: e
+                .last_used
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs(),
+            in_use: e.in_use,
+            source: e.image.source.to_string(),
+        }
+    }
 }
 
 fn select(store: &Store, text: &str) -> Result<store::Selector, Failure> {
@@ -145,6 +204,73 @@ fn image_name(e: &Entry) -> String {
         .unwrap_or_else(|| e.image.digest.clone())
 }
 
+/// One image as `berth images verify --json` prints it.
+#[derive(Debug, serde::Serialize)]
+pub struct VerifyEntry {
+    pub digest: String,
+    pub references: Vec<String>,
+    /// `ok`, `differs`, `unrecorded` (a layer imported by an older berth) or `not-verifiable`
+    /// (a squashfs/SIF image).
+    pub status: &'static str,
+    pub layers: Vec<VerifyLayer>,
+}
+
+/// One layer of a [`VerifyEntry`].
+#[derive(Debug, serde::Serialize)]
+pub struct VerifyLayer {
+    /// The layer's directory name in the store (its diff_id's hex).
+    pub layer: String,
+    /// `ok`, `differs` or `unrecorded`.
+    pub status: &'static str,
+    /// Paths checked, for an `ok` layer.
+    pub paths: Option<usize>,
+    /// One line per difference (path and what differs).
+    pub differences: Vec<String>,
+}
+
+fn verify_json(report: &VerifyReport) -> Vec<VerifyEntry> {
+    report
+        .images
+        .iter()
+        .map(|(entry, layers)| {
+            let layers: Vec<VerifyLayer> = layers
+                .iter()
+                .map(|(dir, check)| {
+                    let (status, paths, differences) = match check {
+                        LayerCheck::Ok(n) => ("ok", Some(*n), Vec::new()),
+                        LayerCheck::Unrecorded => ("unrecorded", None, Vec::new()),
+                        LayerCheck::Differs(lines) => ("differs", None, lines.clone()),
+                    };
+                    VerifyLayer {
+                        layer: dir
+                            .file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                            .unwrap_or_default(),
+                        status,
+                        paths,
+                        differences,
+                    }
+                })
+                .collect();
+            let status = if layers.is_empty() {
+                "not-verifiable"
+            } else if layers.iter().any(|l| l.status == "differs") {
+                "differs"
+            } else if layers.iter().any(|l| l.status == "unrecorded") {
+                "unrecorded"
+            } else {
+                "ok"
+            };
+            VerifyEntry {
+                digest: entry.image.digest.to_string(),
+                references: entry.references.clone(),
+                status,
+                layers,
+            }
+        })
+        .collect()
+}
+
 /// `verify`'s output: one line per image that is whole, one per difference otherwise, and the
 /// exit code (1 when a layer differs).
 fn verify_lines(report: &VerifyReport) -> (Vec<String>, Vec<String>, i32) {
@@ -201,7 +327,13 @@ fn verify_lines(report: &VerifyReport) -> (Vec<String>, Vec<String>, i32) {
 pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
     let store = open_store(config)?;
     match &args.command {
-        ImagesCommand::Ls => out!("{}", table(&store.list())),
+        ImagesCommand::Ls { json: false } => out!("{}", table(&store.list())),
+        ImagesCommand::Ls { json: true } => {
+            let entries: Vec<LsEntry> = store.list().iter().map(LsEntry::from).collect();
+            let text = serde_json::to_string_pretty(&entries)
+                .map_err(|e| Failure::system(e.to_string()))?;
+            outln!("{text}");
+        }
         ImagesCommand::Inspect { target } => {
             let entry = store.inspect(&select(&store, target)?).map_err(failure)?;
             let text = serde_json::to_string_pretty(&inspect_json(&entry)).unwrap_or_default();
@@ -217,7 +349,7 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
                 }
             }
         }
-        ImagesCommand::Verify { targets } => {
+        ImagesCommand::Verify { targets, json } => {
             let entries = if targets.is_empty() {
                 store.list()
             } else {
@@ -228,8 +360,14 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             };
             let report = store.verify(entries).map_err(failure)?;
             let (out, err, code) = verify_lines(&report);
-            for l in out {
-                outln!("{l}");
+            if *json {
+                let text = serde_json::to_string_pretty(&verify_json(&report))
+                    .map_err(|e| Failure::system(e.to_string()))?;
+                outln!("{text}");
+            } else {
+                for l in out {
+                    outln!("{l}");
+                }
             }
             for l in err {
                 eprintln!("berth: {l}");

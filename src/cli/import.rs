@@ -7,9 +7,9 @@ use crate::config::Config;
 use crate::image::store::Store;
 use crate::image::{ImageError, Reference};
 
-/// Import an image into the node's image store and print its digest
+/// Import (pull) an image into the node's image store and print its digest
 ///
-/// The image is imported once per node: layers already in the store are reused, and a second
+/// `berth pull` is the same verb, as podman and docker name it. The image is imported once per node: layers already in the store are reused, and a second
 /// import of the same image (even from another process at the same time) waits for the first
 /// and reuses its result. Progress goes to stderr; stdout gets only the digest.
 #[derive(Debug, Args)]

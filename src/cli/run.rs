@@ -16,36 +16,49 @@ use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
 
 /// Run a command in a new container
 ///
-/// The command runs in new mount, PID, UTS, IPC and cgroup namespaces, on an overlay of the root
+/// IMAGE, as podman and docker take it, is the first positional argument when neither --image
+/// nor --rootfs is given; everything after it is the command (`berth run ubuntu:24.04 ls -l`).
+/// With --image or --rootfs every positional argument is the command (`berth run --rootfs DIR
+/// -- ls -l`, the `--` optional). The command runs in new mount, PID, UTS, IPC and cgroup namespaces, on an overlay of the root
 /// filesystem (writes go to a tmpfs and vanish at exit), as the given user with no capabilities
 /// and no_new_privs, in its own cgroup v2 with the requested limits. berth exits with the
 /// command's status, 128+N when signal N ended it, 137 when the memory limit's OOM killer did,
 /// 124 on --timeout, 126/127 when the command cannot be executed or is not found, 125 when the
 /// container cannot be set up and 2 for invalid arguments.
 #[derive(Debug, Args)]
+#[command(override_usage = "berth run [OPTIONS] IMAGE [CMD [ARG]...]
+       berth run [OPTIONS] --image REF [--] [CMD [ARG]...]
+       berth run [OPTIONS] --rootfs DIR [--] CMD [ARG]...")]
 pub struct RunArgs {
     #[command(flatten)]
     pub container: ContainerArgs,
 
     /// Kill the container after this many seconds and exit 124
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = super::values::seconds)]
     pub timeout: Option<String>,
 
-    /// The command and its arguments [default with --image: the image's Entrypoint + Cmd]
-    #[arg(last = true, required_unless_present = "image", value_name = "CMD")]
+    /// IMAGE when neither --image nor --rootfs is given (any REF --image takes), then the
+    /// command and its arguments [default with an image: the image's Entrypoint + Cmd]
+    #[arg(trailing_var_arg = true, value_name = "IMAGE|CMD")]
     pub command: Vec<String>,
+}
+
+impl RunArgs {
+    /// Applies the positional rule: without --image and --rootfs, the first positional argument
+    /// is the image and the rest the command.
+    pub fn take_positional_image(&mut self) {
+        let c = &mut self.container;
+        if c.image.is_none() && c.rootfs.is_none() && !self.command.is_empty() {
+            c.image = Some(self.command.remove(0));
+        }
+    }
 }
 
 /// What a container is made of: shared by `run` and `create`.
 #[derive(Debug, Args)]
 pub struct ContainerArgs {
     /// Root filesystem directory (never modified: the container writes to an overlay)
-    #[arg(
-        long,
-        value_name = "DIR",
-        required_unless_present = "image",
-        conflicts_with = "image"
-    )]
+    #[arg(long, value_name = "DIR", conflicts_with = "image")]
     pub rootfs: Option<PathBuf>,
 
     /// Image to run, imported into the node's store once: [USER@][REGISTRY#]IMAGE[:TAG],
@@ -55,19 +68,19 @@ pub struct ContainerArgs {
     pub image: Option<String>,
 
     /// Run the image's Entrypoint with CMD as its arguments (without CMD, Entrypoint + Cmd run)
-    #[arg(long, requires = "image")]
+    #[arg(long)]
     pub entrypoint: bool,
 
     /// Platform to pick from a multi-platform image (amd64, arm64, ...) [default: the host's]
-    #[arg(long, value_name = "ARCH", requires = "image")]
+    #[arg(long, value_name = "ARCH")]
     pub arch: Option<String>,
 
     /// Bind-mount a host path (nosuid,nodev; rw unless :ro)
-    #[arg(long = "mount", value_name = "SRC:DST[:ro|rw]")]
+    #[arg(long = "mount", value_name = "SRC:DST[:ro|rw]", value_parser = super::values::mount)]
     pub mounts: Vec<String>,
 
     /// Set an environment variable; KEY alone passes the caller's value
-    #[arg(short, long = "env", value_name = "KEY=VAL")]
+    #[arg(short, long = "env", value_name = "KEY=VAL", value_parser = super::values::env)]
     pub env: Vec<String>,
 
     /// Working directory inside the container [default: /]
@@ -87,37 +100,42 @@ pub struct ContainerArgs {
     pub remap_root: bool,
 
     /// Hostname inside the container (also written to its /etc/hostname) [default: the host's]
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = super::values::hostname)]
     pub hostname: Option<String>,
 
     /// Memory limit (memory.max), e.g. 512M or 4G
-    #[arg(short, long, value_name = "SIZE")]
+    #[arg(short, long, value_name = "SIZE", value_parser = super::values::size)]
     pub memory: Option<String>,
 
     /// Swap allowed on top of --memory (memory.swap.max)
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", value_parser = super::values::size)]
     pub memory_swap: Option<String>,
 
     /// CPU time limit in CPUs, e.g. 0.5 (cpu.max)
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = super::values::cpus)]
     pub cpus: Option<String>,
 
     /// CPUs the container may run on, e.g. 0-3,8 (cpuset.cpus)
-    #[arg(long, value_name = "LIST")]
+    #[arg(long, value_name = "LIST", value_parser = super::values::cpu_list)]
     pub cpuset: Option<String>,
 
     /// Maximum number of tasks (pids.max)
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_negative_numbers = true,
+        value_parser = super::values::pids
+    )]
     pub pids: Option<String>,
 
     /// Expose a host device node (under /dev) and allow it in the device filter, or apply a CDI
     /// device (`vendor.com/class=name`, from the specs in topology.cdi_dirs)
-    #[arg(long = "device", value_name = "PATH|CDI-NAME")]
+    #[arg(long = "device", value_name = "PATH|CDI-NAME", value_parser = super::values::device)]
     pub devices: Vec<String>,
 
     /// GPUs to give the container: all, none, indexes (0,2), UUIDs or PCI addresses; their
     /// device nodes, the driver's libraries and tools, and the paired RDMA NICs are injected
-    #[arg(long, value_name = "LIST")]
+    #[arg(long, value_name = "LIST", value_parser = super::values::gpus)]
     pub gpus: Option<String>,
 
     /// Network: share the host's, or a new namespace with only loopback
@@ -228,6 +246,11 @@ pub fn request(
     config: &Config,
     hold: bool,
 ) -> Result<Prepared, Failure> {
+    if args.rootfs.is_none() && args.image.is_none() {
+        return Err(Failure::input(
+            "no image: give IMAGE (berth run IMAGE CMD...), --image REF or --rootfs DIR",
+        ));
+    }
     let mut mounts = Vec::new();
     for text in &args.mounts {
         let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
@@ -259,6 +282,12 @@ pub fn request(
     }
     let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
     let image = match (&args.rootfs, &args.image) {
+        (Some(_), _) if args.entrypoint => {
+            return Err(Failure::input(
+                "--entrypoint applies to an image's Entrypoint; a --rootfs directory has none: \
+                 drop --entrypoint and give the command",
+            ));
+        }
         (Some(_), _) if args.arch.is_some() => {
             return Err(Failure::input(
                 "--arch applies to --image (the platform to pick from an image); a --rootfs \
@@ -339,9 +368,11 @@ pub fn request(
         command.to_vec()
     };
     if args_line.is_empty() && !hold {
-        return Err(Failure::input(
-            "no command given, and the image defines no Entrypoint or Cmd",
-        ));
+        return Err(Failure::input(if args.rootfs.is_some() {
+            "no command given: a --rootfs directory needs one (berth run --rootfs DIR -- CMD)"
+        } else {
+            "no command given, and the image defines no Entrypoint or Cmd"
+        }));
     }
     let limits = Limits {
         memory: flag("memory", &args.memory, parse::size)?,
@@ -536,6 +567,11 @@ pub fn runtime_failure(e: RuntimeError) -> Failure {
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
     // Checked before the image is resolved: a bad value costs nothing.
     let timeout = parse_timeout(&args.timeout)?;
+    if args.container.rootfs.is_some() && args.command.is_empty() {
+        return Err(Failure::input(
+            "no command given: a --rootfs directory needs one (berth run --rootfs DIR -- CMD)",
+        ));
+    }
     let prepared = request(&args.container, &args.command, config, false)?;
     let memory = prepared.request.limits.memory;
     let (spec, ld_cache) = prepared.spec(config)?;

@@ -36,8 +36,42 @@ pub enum StageCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Say whether DIR is completely staged, and from what
-    Status { dir: PathBuf },
+    /// Say whether DIR is completely staged, and from what (exit 1 when it is not)
+    Status {
+        dir: PathBuf,
+        /// Print one JSON object: dir, complete, and when complete source, files, bytes,
+        /// completed_at, verified (README: "JSON output")
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `berth stage status --json`: a staged tree's state. The marker's fields are null when the
+/// tree is not completely staged.
+#[derive(Debug, serde::Serialize)]
+pub struct StatusJson {
+    pub dir: String,
+    pub complete: bool,
+    pub source: Option<String>,
+    pub files: Option<u64>,
+    pub bytes: Option<u64>,
+    /// Seconds since the epoch.
+    pub completed_at: Option<u64>,
+    pub verified: Option<bool>,
+}
+
+impl StatusJson {
+    fn new(dir: &Path, marker: Option<&stage::Marker>) -> Self {
+        Self {
+            dir: dir.display().to_string(),
+            complete: marker.is_some(),
+            source: marker.map(|m| m.source.display().to_string()),
+            files: marker.map(|m| m.files),
+            bytes: marker.map(|m| m.bytes),
+            completed_at: marker.map(|m| m.completed_at),
+            verified: marker.map(|m| m.verified),
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -174,7 +208,14 @@ pub fn execute(args: &StageArgs, config: &Config) -> Result<i32, Failure> {
                 &options(common, config),
             )
         }
-        StageCommand::Status { dir } => match stage::status(dir) {
+        StageCommand::Status { dir, json: true } => {
+            let marker = stage::status(dir);
+            let text = serde_json::to_string_pretty(&StatusJson::new(dir, marker.as_ref()))
+                .map_err(|e| Failure::system(e.to_string()))?;
+            outln!("{text}");
+            Ok(if marker.is_some() { 0 } else { 1 })
+        }
+        StageCommand::Status { dir, json: false } => match stage::status(dir) {
             Some(m) => {
                 outln!(
                     "{}: complete: {} files, {} bytes from {}, at {} (unix){}",

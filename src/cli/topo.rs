@@ -80,7 +80,7 @@ pub struct PlanArgs {
 #[derive(Debug, Args, Clone, Default)]
 pub struct JobArgs {
     /// The step's GPUs: indices, GPU-UUIDs or PCI addresses [default: from the environment]
-    #[arg(long, value_name = "LIST")]
+    #[arg(long, value_name = "LIST", value_parser = super::values::gpu_list)]
     pub gpus: Option<String>,
 
     /// Ranks on this node [default: from the environment]
@@ -88,7 +88,7 @@ pub struct JobArgs {
     pub tasks: Option<u32>,
 
     /// The CPUs the step may use [default: the process's cpuset on the live host]
-    #[arg(long, value_name = "LIST")]
+    #[arg(long, value_name = "LIST", value_parser = super::values::cpu_set)]
     pub cpus: Option<String>,
 
     /// GPU numbers in CUDA_VISIBLE_DEVICES: 0..n-1 over the step's GPUs (inside a container or

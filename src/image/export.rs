@@ -7,8 +7,9 @@
 //!   exported by a non-root user is read directly;
 //! - a running container: its root as the container sees it (the overlay of image and writes),
 //!   without what is mounted on top (`/proc`, `/sys`, `/dev`, `/tmp`, bind mounts): a child
-//!   joins a copy of the container's mount namespace, detaches those mounts there, and runs
-//!   mksquashfs on the bare root while the container keeps running untouched;
+//!   joins the container's mount namespace, clones its root mount alone (open_tree without
+//!   AT_RECURSIVE), and runs mksquashfs on that bare root while the container keeps running
+//!   untouched;
 //! - an existing squashfs (a `.sqsh`, or a SIF's partition): copied byte for byte.
 //!
 //! mksquashfs keeps owners, modes, times and extended attributes (`-xattrs`), never
@@ -26,7 +27,6 @@ use std::process::{Command, Stdio};
 
 use nix::errno::Errno;
 
-use super::mount::parse_mountinfo;
 use super::sif::{self, FsType, ObjectKind, PartType, Partition};
 use super::squashfs::{SquashfsError, probe_squashfs_magic};
 use crate::config::{Compression, SquashfsConfig};
@@ -537,6 +537,9 @@ fn squash_layers(
     )
 }
 
+/// open_tree(2)'s flag for a detached copy of the mount (not in libc).
+const OPEN_TREE_CLONE: libc::c_int = 1;
+
 fn squash_container(
     pid: i32,
     tmp: &Path,
@@ -568,21 +571,6 @@ fn squash_container(
         format!("/proc/{pid}/root"),
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
     )?;
-    let mountinfo =
-        std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).map_err(|source| {
-            ExportError::Io {
-                what: format!("reading /proc/{pid}/mountinfo"),
-                source,
-            }
-        })?;
-    // Everything mounted over the container's root, innermost last in mount order: detach in
-    // reverse, so children go before their parents.
-    let submounts: Vec<CString> = parse_mountinfo(&mountinfo)
-        .into_iter()
-        .filter(|m| m.mount_point != Path::new("/"))
-        .map(|m| cstring(&m.mount_point))
-        .rev()
-        .collect::<Result<_, _>>()?;
     // A descriptor number the child can rely on: it replaces this inherited placeholder with its
     // handle on the container's root, and mksquashfs reads /proc/self/fd/N/.
     let placeholder: OwnedFd = File::open("/dev/null")
@@ -604,8 +592,10 @@ fn squash_container(
     let container_fd = container_root.as_raw_fd();
     // A remapped container's files belong to the user on the host (its root's, through the
     // idmapped image) and are the image's root's in the container: mksquashfs reads them through
-    // the inverse of that idmapping so the image keeps its owners.
+    // the inverse of that idmapping so the image keeps its owners. So does a user's writable
+    // container, whose image root files are the user's (runtime::userns::idmapped_user_of).
     let idmap = remapped_root(pid)
+        .or_else(|| crate::runtime::userns::idmapped_user_of(pid))
         .map(|(uid, gid)| {
             crate::runtime::userns::create(
                 &crate::runtime::userns::layer_map(uid),
@@ -624,30 +614,18 @@ fn squash_container(
     // descriptors and strings prepared beforehand; it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
-            // Join the container's mount namespace, then copy it: changes stay in the copy.
+            // In the container's mount namespace, a copy of its root mount alone (open_tree
+            // without AT_RECURSIVE): nothing mounted on it comes along, whatever the paths of
+            // those mounts are by now. (Detaching them by the paths mountinfo gave a moment
+            // before missed a bind whose parent directory the user had just renamed, and root
+            // read the host's files there into the image.)
             check(libc::setns(ns_fd, libc::CLONE_NEWNS))?;
-            // Stand in the container's root before copying the namespace: the copy takes the
-            // root along, and the paths below are the container's.
-            check(libc::fchdir(container_fd))?;
-            check(libc::chroot(c".".as_ptr()))?;
-            check(libc::unshare(libc::CLONE_NEWNS))?;
-            check(libc::mount(
-                std::ptr::null(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ))?;
-            for m in &submounts {
-                if libc::umount2(m.as_ptr(), libc::MNT_DETACH) < 0 {
-                    let e = std::io::Error::last_os_error();
-                    // Already gone with a parent detached before it.
-                    if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) {
-                        return Err(e);
-                    }
-                }
-            }
-            let bare = libc::open(c"/".as_ptr(), libc::O_PATH | libc::O_DIRECTORY);
+            let bare = libc::syscall(
+                libc::SYS_open_tree,
+                container_fd,
+                c"".as_ptr(),
+                (libc::AT_EMPTY_PATH | OPEN_TREE_CLONE) as libc::c_uint,
+            ) as libc::c_int;
             check(bare)?;
             check(libc::dup2(bare, slot))?;
             libc::close(bare);
@@ -664,7 +642,7 @@ fn squash_container(
     }
     let result = run_mksquashfs(
         cmd,
-        "joining a copy of the container's mount namespace",
+        "cloning the container's root mount in its mount namespace",
         tmp,
         out,
     );

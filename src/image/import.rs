@@ -130,13 +130,9 @@ pub struct Requester<'a> {
 fn client(config: &Config, who: &Requester<'_>) -> Result<registry::Client, ImageError> {
     // A user without a home directory simply has no credentials files.
     let home = who.home.filter(|h| h.is_dir());
-    if who.uid == nix::unistd::getuid().as_raw() {
-        registry::Client::new(&config.registry, home)
-    } else {
-        // Acting for another user: berth's own $ENROOT_CONFIG_PATH is not theirs.
-        registry::Client::with_enroot_config(&config.registry, home, None)
-    }
-    .map_err(ImageError::from)
+    // Acting for another user, berth's own environment ($ENROOT_CONFIG_PATH, …) is not theirs;
+    // their files are read as them.
+    registry::Client::for_uid(&config.registry, who.uid, home).map_err(ImageError::from)
 }
 
 /// Imports `reference` into `store` (a no-op when the store has it), contacting the registry for

@@ -20,7 +20,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Gid, Pid, Uid, fork, setresgid, setresuid, setsid};
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 
-use super::{SetupError, exec, report, rootfs};
+use super::{SetupError, exec, hooks, report, rootfs, seccomp};
 
 /// Signals berth passes on to the command (SIGKILL and SIGSTOP cannot be caught).
 pub const FORWARDED: [Signal; 7] = [
@@ -112,6 +112,9 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
         &args.work,
         args.trees,
     )?;
+    if args.remap.is_some() {
+        hooks::apt_sandbox_as_root()?;
+    }
     if let Some(name) = spec.hostname() {
         nix::unistd::sethostname(name)
             .map_err(|e| SetupError::new(format!("setting the hostname to {name}: {e}")))?;
@@ -157,7 +160,16 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     match unsafe { fork() }.map_err(|e| SetupError::new(format!("forking the command: {e}")))? {
         ForkResult::Child => {
             umask(caller_umask);
-            let err = start_command(&cwd, &argv, &env);
+            // After drop_privileges (our own setresuid must not be faked, and no_new_privs is
+            // set), right before the exec: see `seccomp` for why this grants nothing.
+            let filtered = match args.remap {
+                Some(_) => fake_id_calls(),
+                None => Ok(()),
+            };
+            let err = match filtered {
+                Ok(()) => start_command(&cwd, &argv, &env),
+                Err(e) => e,
+            };
             report::send(&args.report, &report::Message::Error(err.code, err.message));
             // SAFETY: see `main`.
             unsafe { libc::_exit(err.code) }
@@ -228,6 +240,18 @@ pub(super) fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<()
     }
     nix::sys::prctl::set_no_new_privs().map_err(|e| fail("setting no_new_privs", &e))?;
     Ok(())
+}
+
+/// Installs the remap-root seccomp filter (`seccomp`) on this process, whose user and
+/// no_new_privs are already set: for a remapped container's command and every process that
+/// joins it.
+pub(super) fn fake_id_calls() -> Result<(), SetupError> {
+    seccomp::install().map_err(|e| {
+        SetupError::new(format!(
+            "installing the remap-root seccomp filter (chown and setuid calls that report \
+             success): {e} (a kernel without CONFIG_SECCOMP_FILTER cannot run remapped containers)"
+        ))
+    })
 }
 
 fn signal_fd() -> Result<SignalFd, SetupError> {

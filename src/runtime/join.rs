@@ -332,6 +332,14 @@ fn enter(
     if let Err(e) = init::drop_privileges(process) {
         return e;
     }
+    // A remapped container's processes get its seccomp filter, as its command does (init.rs).
+    if namespaces
+        .iter()
+        .any(|(_, f)| *f == CloneFlags::CLONE_NEWUSER)
+        && let Err(e) = init::fake_id_calls()
+    {
+        return e;
+    }
     if let Err(e) = nix::unistd::chdir(process.cwd()) {
         return SetupError::with_code(
             125,

@@ -3,11 +3,13 @@
 
 mod clone;
 mod exec;
+mod hooks;
 mod init;
 pub mod join;
 pub mod mounts;
 mod report;
 mod rootfs;
+mod seccomp;
 pub mod state;
 pub mod userns;
 
@@ -202,8 +204,11 @@ fn start(
 
     let flags = namespace_flags(spec);
     let remap = remap_namespaces(linux)?;
-    let layers = mounts::open_layers(lowers, remap.as_ref().map(|r| r.layers.as_fd()))
-        .map_err(RuntimeError::Setup)?;
+    let layers = match &remap {
+        Some(r) => mounts::open_layers(lowers, Some(r.layers.as_fd())),
+        None => user_layers(spec, lowers),
+    }
+    .map_err(RuntimeError::Setup)?;
     let (report_r, report_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("creating a pipe"))?;
     let (life_r, life_w) =
@@ -474,6 +479,27 @@ fn remap_namespaces(linux: &oci_spec::runtime::Linux) -> Result<Option<init::Rem
         join: userns::create(&uids, &gids).map_err(setup)?,
         layers: userns::create(&userns::layer_map(uid), &userns::layer_map(gid)).map_err(setup)?,
     }))
+}
+
+/// The image layers of a container without a user namespace: idmapped so that the image's root
+/// files are the user's in a user's writable container (`userns::user_layer_ids`), as they are.
+/// Where the kernel or the layers' filesystem cannot idmap, the container starts with the
+/// image's owners as before (and a warning): writes outside the image's root-owned paths keep
+/// working.
+fn user_layers(spec: &Spec, lowers: &[PathBuf]) -> Result<Vec<mounts::Tree>, SetupError> {
+    let Some((uid, gid)) = userns::user_layer_ids(spec) else {
+        return mounts::open_layers(lowers, None);
+    };
+    let idmapped = userns::create(&userns::layer_map(uid), &userns::layer_map(gid))
+        .map_err(SetupError::new)
+        .and_then(|ns| mounts::open_layers(lowers, Some(ns.as_fd())));
+    idmapped.or_else(|e| {
+        tracing::warn!(
+            "the image's root-owned files stay root's in this writable container (not the \
+             user's): {e}"
+        );
+        mounts::open_layers(lowers, None)
+    })
 }
 
 /// The host identity the container's process runs as: the Spec's user, through the user

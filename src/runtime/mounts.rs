@@ -218,6 +218,8 @@ pub fn ensure_in_root(
 pub struct Tree {
     fd: OwnedFd,
     is_dir: bool,
+    /// Cloned as an idmapped mount (an image layer of a remapped or a user's writable container).
+    idmapped: bool,
 }
 
 const OPEN_TREE_CLONE: libc::c_uint = 1;
@@ -268,8 +270,9 @@ pub fn open_sources(spec: &Spec, user: &UserIds) -> Result<Vec<Option<Tree>>, Se
 /// the mounts below it), in the host's mount namespace before the container's exists: the overlay
 /// takes only layers mounted in its own namespace, and a layer named `/proc/self/fd/N` (a
 /// directory the user opened) is reachable only from here. With `idmap` (the user namespace of a
-/// remapped container's layers), each clone is an idmapped mount: the image's root-owned files
-/// belong to the mapped user.
+/// remapped container's layers, or of a user's writable one: `userns::user_layer_ids`), each
+/// clone is an idmapped mount: the image's root-owned files belong to the mapped user. Only the
+/// image's layers are ever idmapped, never a bind source ([`open_sources`]).
 pub fn open_layers(
     lowers: &[PathBuf],
     idmap: Option<BorrowedFd<'_>>,
@@ -284,8 +287,8 @@ pub fn open_layers(
         .map_err(|e| SetupError::new(format!("opening image layer {}: {e}", lower.display())))?;
         let tree = Tree::clone_fd(&fd, true, &[], idmap).map_err(|(what, e)| {
             let hint = if idmap.is_some() {
-                " (--remap-root needs idmapped mounts: Linux 5.12 or later, and a filesystem \
-                 that supports them)"
+                " (idmapped image layers, for --remap-root and users' writable containers, need \
+                 Linux 5.12 or later and a filesystem that supports them)"
             } else {
                 ""
             };
@@ -353,7 +356,11 @@ impl Tree {
         }
         // SAFETY: the kernel just returned this fd and nothing else owns it.
         let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
-        let tree = Tree { fd, is_dir };
+        let tree = Tree {
+            fd,
+            is_dir,
+            idmapped: idmap.is_some(),
+        };
         let mut attr_set = 0;
         for (flag, attr) in [
             (MsFlags::MS_RDONLY, MOUNT_ATTR_RDONLY),
@@ -411,6 +418,11 @@ impl Tree {
             )
         };
         if ret < 0 { Err(Errno::last()) } else { Ok(()) }
+    }
+
+    /// Whether the tree is an idmapped mount.
+    pub fn idmapped(&self) -> bool {
+        self.idmapped
     }
 
     /// Attaches the tree at `target` (an O_PATH fd of the mount point).

@@ -45,7 +45,8 @@ fn sys(what: String) -> impl FnOnce(nix::errno::Errno) -> SetupError {
 
 /// Lays out the root under `work` (a per-container directory) and pivots into it. `layers` are
 /// the image's layers (`lowers`, topmost first), opened and cloned by the parent
-/// ([`mounts::open_layers`]), idmapped when `idmapped` (a remapped container); `trees` the Spec's
+/// ([`mounts::open_layers`]), idmapped when `idmapped` (a remapped container) or when the parent
+/// idmapped them for a user's writable container (`userns::user_layer_ids`); `trees` the Spec's
 /// bind sources ([`mounts::open_sources`]).
 pub fn setup(
     spec: &Spec,
@@ -86,6 +87,13 @@ pub fn setup(
     // overlay2 does: the overlay's options must fit in one page (NGC images have 40 layers and
     // more), and the overlay takes only layers mounted in this namespace.
     let short = attach_layers(layers, work)?;
+    if !idmapped && layers.first().is_some_and(mounts::Tree::idmapped) {
+        // A user's writable container whose layers show the image's root files as the user's
+        // (`userns::user_layer_ids`): the merged root directory (the upper one) is the user's
+        // too, or nothing could be made at the top level. The user's, not the top layer's owner:
+        // `userns::idmapped_user_of` tells such a container by its `/` being its user's.
+        give_to_user(spec, &work.join("upper"))?;
+    }
     if let (Some(top), true) = (short.first(), idmapped) {
         // The merged root directory is the upper one: it must belong to whoever the image's
         // root directory belongs to through the idmapping (the remapped user), or that user
@@ -219,6 +227,23 @@ pub fn setup(
         .map_err(sys("making the root read-only".into()))?;
     }
     Ok(())
+}
+
+/// Gives `upper` (the overlay's upper root directory, in the container's private tmpfs) to the
+/// Spec's user and primary group.
+fn give_to_user(spec: &Spec, upper: &Path) -> Result<(), SetupError> {
+    let user = spec
+        .process()
+        .as_ref()
+        .ok_or_else(|| SetupError::new("the spec has no process".into()))?
+        .user();
+    std::os::unix::fs::chown(upper, Some(user.uid()), Some(user.gid())).map_err(|e| {
+        SetupError::new(format!(
+            "giving {} to uid {}: {e}",
+            upper.display(),
+            user.uid()
+        ))
+    })
 }
 
 /// Refuses a mount point that would hide the container's root, or a kernel filesystem's place

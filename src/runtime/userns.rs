@@ -57,6 +57,66 @@ pub fn layer_map(host: u32) -> Vec<Range> {
     ranges
 }
 
+/// The job user (uid, gid) whose own the image's root files become in a writable container
+/// without a user namespace: the image layers are idmapped with [`layer_map`] of the process's
+/// uid and gid, and the overlay's root directory is given to the user, so `touch /newfile` and a
+/// `pip install` into the image's system paths work as the user, as under Enroot (whose
+/// unpacked root belongs to the user). `None` for a remapped container (its own idmapping), a
+/// container run as root, and a read-only one.
+///
+/// Nothing of the host changes hands: only the image's files appear as the user's, writes land
+/// in the container's private tmpfs upper layer, host binds (`--container-mounts`, home, /dev,
+/// /proc, /sys) are never idmapped, and the user still runs without capabilities under
+/// no_new_privs on a nosuid,nodev overlay (an image's setuid-root binary becomes setuid-user, and
+/// is ignored anyway).
+///
+/// Read-only containers keep the image's owners. Enroot shows every file of an unpacked image as
+/// the user's there too, but nothing can be written in them, so the idmap would only widen what
+/// a user reads (an image's root-only files: /root, /etc/shadow) and make every container need
+/// idmapped mounts, for no gain; Pyxis users of read-only containers see root's system files.
+pub fn user_layer_ids(spec: &oci_spec::runtime::Spec) -> Option<(u32, u32)> {
+    use oci_spec::runtime::LinuxNamespaceType;
+    if spec.root().as_ref().and_then(|r| r.readonly()) == Some(true) {
+        return None;
+    }
+    let remapped = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_deref())
+        .unwrap_or_default()
+        .iter()
+        .any(|n| n.typ() == LinuxNamespaceType::User);
+    let user = spec.process().as_ref()?.user();
+    (!remapped && user.uid() != 0).then(|| (user.uid(), user.gid()))
+}
+
+/// For `berth export` and `--container-save` of a running container: the (uid, gid) its image
+/// layers were idmapped to by [`user_layer_ids`], so the export reads its files through the
+/// inverse mapping and the saved image keeps the image's root files root's (files the user made
+/// or changed are saved as root's too, as Enroot's export writes every file as root's). Told by
+/// the kernel, not by a record: init (`pid`) is in this process's user namespace and runs as a
+/// uid other than 0, and the container's `/` belongs to that uid, which berth makes it only when
+/// it idmapped the layers (a user cannot give a file away, and a read-only container's or one
+/// whose layers could not be idmapped keeps root's).
+pub fn idmapped_user_of(pid: i32) -> Option<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let ns = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    if ns(&format!("/proc/{pid}/ns/user"))? != ns("/proc/self/ns/user")? {
+        return None;
+    }
+    let mut status = std::fs::File::open(format!("/proc/{pid}/status")).ok()?;
+    let status = crate::privfs::read_bounded(&mut status, 64 << 10).ok()?;
+    let status = String::from_utf8_lossy(&status);
+    // "Uid:\treal\teffective\tsaved\tfs": init runs with all four the same.
+    let id = |key: &str| -> Option<u32> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].split_whitespace().nth(1)?.parse().ok()
+    };
+    let (uid, gid) = (id("Uid:")?, id("Gid:")?);
+    let root = std::fs::metadata(format!("/proc/{pid}/root")).ok()?;
+    (uid != 0 && root.uid() == uid).then_some((uid, gid))
+}
+
 /// Makes a user namespace with these mappings and returns a descriptor of it (which keeps it
 /// alive). Needs CAP_SETUID/CAP_SETGID on the host for mappings to other ids than the caller's.
 pub fn create(uids: &[Range], gids: &[Range]) -> Result<OwnedFd, String> {
@@ -140,5 +200,50 @@ mod tests {
         );
         assert_eq!(map_text(&layer_map(1)), "0 1 1\n2 2 4294967293\n");
         assert_eq!(layer_map(0).len(), 1);
+    }
+
+    #[test]
+    fn only_a_users_writable_container_without_a_user_namespace_is_idmapped() {
+        use oci_spec::runtime::*;
+        let spec = |uid: u32, readonly: bool, userns: bool| {
+            let user = UserBuilder::default()
+                .uid(uid)
+                .gid(2000u32)
+                .build()
+                .unwrap();
+            let process = ProcessBuilder::default().user(user).build().unwrap();
+            let root = RootBuilder::default().readonly(readonly).build().unwrap();
+            let mut namespaces = vec![
+                LinuxNamespaceBuilder::default()
+                    .typ(LinuxNamespaceType::Mount)
+                    .build()
+                    .unwrap(),
+            ];
+            if userns {
+                namespaces.push(
+                    LinuxNamespaceBuilder::default()
+                        .typ(LinuxNamespaceType::User)
+                        .build()
+                        .unwrap(),
+                );
+            }
+            let linux = LinuxBuilder::default()
+                .namespaces(namespaces)
+                .build()
+                .unwrap();
+            SpecBuilder::default()
+                .process(process)
+                .root(root)
+                .linux(linux)
+                .build()
+                .unwrap()
+        };
+        assert_eq!(
+            user_layer_ids(&spec(1000, false, false)),
+            Some((1000, 2000))
+        );
+        assert_eq!(user_layer_ids(&spec(1000, true, false)), None);
+        assert_eq!(user_layer_ids(&spec(1000, false, true)), None);
+        assert_eq!(user_layer_ids(&spec(0, false, false)), None);
     }
 }

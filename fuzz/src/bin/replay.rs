@@ -92,6 +92,7 @@ mod tests {
         squashfs => "squashfs",
         netrc => "netrc",
         auth_challenge => "auth_challenge",
+        auth_file => "auth_file",
         pyxis_mounts => "pyxis_mounts",
         stage_spec => "stage_spec",
         cdi => "cdi",

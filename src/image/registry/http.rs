@@ -42,6 +42,8 @@ pub struct Target {
     pub image: String,
     /// The `USER@` of the reference.
     pub user: Option<String>,
+    /// For a mirror (`registry` is then the mirror's host): the registry it stands in for.
+    pub mirror_of: Option<String>,
 }
 
 pub struct Transport {
@@ -324,11 +326,25 @@ impl Transport {
         };
         let mut attempt = 0u32;
         let resp = loop {
-            let mut req = self.agent.get(&url);
-            if let Some(l) = login {
-                req = req.header("Authorization", l.basic_header());
-            }
-            let (failure, answered) = match req.call() {
+            let answer = match login {
+                // docker's identity token is an OAuth2 refresh token: POSTed to the realm
+                // (distribution's token spec), never sent as a password.
+                Some(Login {
+                    identity_token: Some(token),
+                    ..
+                }) => self
+                    .agent
+                    .post(realm)
+                    .header("Content-Type", "application/x-www-form-urlencoded")
+                    .send(refresh_form(token, service, &scope).as_bytes()),
+                Some(l) => self
+                    .agent
+                    .get(&url)
+                    .header("Authorization", l.basic_header())
+                    .call(),
+                None => self.agent.get(&url).call(),
+            };
+            let (failure, answered) = match answer {
                 Ok(r) if r.status().is_server_error() => (
                     format!("token server {realm} answered {}", r.status()),
                     Some(r.status()),
@@ -465,6 +481,19 @@ impl Transport {
     }
 }
 
+/// The form body that exchanges a refresh (identity) token for an access token.
+pub fn refresh_form(token: &str, service: Option<&str>, scope: &str) -> String {
+    let mut form = format!(
+        "grant_type=refresh_token&client_id=berth&refresh_token={}&scope={}",
+        auth::query_escape(token),
+        auth::query_escape(scope)
+    );
+    if let Some(s) = service {
+        form.push_str(&format!("&service={}", auth::query_escape(s)));
+    }
+    form
+}
+
 /// The error text of a response that is not what was asked: the registry's first error code
 /// and message when it sent the distribution spec's JSON.
 pub fn error_body(resp: Resp) -> (StatusCode, String, String) {
@@ -567,4 +596,18 @@ fn pem_certs(pem: &[u8]) -> Vec<Certificate<'static>> {
             _ => None,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_identity_token_is_exchanged_as_an_oauth2_refresh_token() {
+        assert_eq!(
+            refresh_form("a+b/c", Some("reg.example"), "repository:x/y:pull"),
+            "grant_type=refresh_token&client_id=berth&refresh_token=a%2Bb%2Fc&scope=repository%3Ax%2Fy%3Apull&service=reg.example"
+        );
+        assert!(!refresh_form("t", None, "s").contains("service="));
+    }
 }

@@ -6,6 +6,12 @@
 //!
 //! Blocking I/O on std threads (ureq with rustls): a pull is a handful of long transfers, and
 //! keeping an async runtime out of berth keeps it out of code that later forks into namespaces.
+//!
+//! Mirrors (`registry.mirrors`): an image of a registry with mirrors is looked up on each mirror
+//! in order, then on the registry itself unless `fallback = false`. Whatever fails on a source
+//! (unreachable, no such image, a login refused, a blob whose sha256 is not the digest the
+//! manifest names) is said in one warning line naming the mirror, and the next source is tried;
+//! layers fetch from the source the manifest came from, falling back the same way.
 
 pub mod auth;
 mod blob;
@@ -13,7 +19,7 @@ mod http;
 pub mod manifest;
 mod progress;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -22,12 +28,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use oci_spec::image::ImageConfiguration;
 use ureq::http::StatusCode;
 
-pub use self::auth::{Credentials, Login};
+pub use self::auth::{Credentials, Login, UserEnv};
 use self::http::{Method, Target, Transport};
 use self::manifest::{Descriptor, Manifest, Wanted};
 pub use self::progress::ProgressMode;
 use super::{ImageError, LayerSink, RegistryRef, StagedLayer};
-use crate::config::RegistryConfig;
+use crate::config::{MirrorConfig, RegistryConfig};
+use crate::spec::UserIds;
 
 /// Registry failures, each one line naming the image and registry and saying what to do.
 #[derive(Debug, thiserror::Error)]
@@ -132,6 +139,16 @@ pub enum RegistryError {
     },
     #[error("registry configuration: {detail}")]
     Config { detail: String },
+    /// The last source was a mirror and the registry itself is not to be tried.
+    #[error(
+        "{source} (registry mirror {mirror} of {origin}; registry.mirrors.\"{origin}\" has \
+         fallback = false, so {origin} itself was not tried)"
+    )]
+    Mirror {
+        mirror: String,
+        origin: String,
+        source: Box<RegistryError>,
+    },
     /// Another layer of the same pull failed first.
     #[error("pull aborted")]
     Aborted,
@@ -170,6 +187,8 @@ pub struct Pulled {
 #[derive(Clone, Debug)]
 pub struct Resolved {
     target: Target,
+    /// The sources left to fetch layers from if `target` fails (mirrors, then the origin).
+    fallbacks: Vec<Target>,
     pub manifest_digest: String,
     pub index_digest: Option<String>,
     pub config_digest: String,
@@ -194,41 +213,166 @@ impl Resolved {
 pub struct Client {
     transport: Transport,
     parallel: usize,
+    /// `registry.mirrors`, keyed by the registry's canonical name ([`mirror_key`]).
+    mirrors: BTreeMap<String, Mirrors>,
+}
+
+/// The mirrors of one registry, parsed.
+#[derive(Clone, Debug)]
+struct Mirrors {
+    /// `(HOST[:PORT], PREFIX)`, in order.
+    hosts: Vec<(String, String)>,
+    fallback: bool,
 }
 
 impl Client {
-    /// `user_home` is the home of the user the image is pulled for: `~` in
-    /// `registry.credentials` and Enroot's default credentials path resolve there.
+    /// A client for the user running berth, with this process's environment
+    /// (`$ENROOT_CONFIG_PATH`, `$REGISTRY_AUTH_FILE`, …). `user_home` is the home of that user:
+    /// `~` in `registry.credentials` and the default login files resolve there.
     pub fn new(config: &RegistryConfig, user_home: Option<&Path>) -> Result<Self, RegistryError> {
-        let enroot_dir = std::env::var_os("ENROOT_CONFIG_PATH").map(PathBuf::from);
-        Self::with_enroot_config(config, user_home, enroot_dir.as_deref())
+        let user = current_user(user_home)?;
+        Self::for_user(config, &user, &UserEnv::of_this_process())
     }
 
-    /// [`Client::new`] with the user's `$ENROOT_CONFIG_PATH` given explicitly (berth acting
-    /// for another user must not take it from its own environment).
+    /// [`Client::new`] with the user's `$ENROOT_CONFIG_PATH` given explicitly and none of the
+    /// other variables taken from this process's environment.
     pub fn with_enroot_config(
         config: &RegistryConfig,
         user_home: Option<&Path>,
         enroot_config_path: Option<&Path>,
     ) -> Result<Self, RegistryError> {
+        let user = current_user(user_home)?;
+        let env = UserEnv {
+            enroot_config_path: enroot_config_path.map(Path::to_path_buf),
+            ..UserEnv::default()
+        };
+        Self::for_user(config, &user, &env)
+    }
+
+    /// A client for the user `uid` (whose home is `home`): berth's own environment when that is
+    /// the user running berth, the default file locations for anyone else (berth acting as root
+    /// for a job's user must not take that user's paths from its own environment).
+    pub fn for_uid(
+        config: &RegistryConfig,
+        uid: u32,
+        home: Option<&Path>,
+    ) -> Result<Self, RegistryError> {
+        if uid == nix::unistd::getuid().as_raw() {
+            return Self::new(config, home);
+        }
+        let pw = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+            .ok()
+            .flatten();
+        let mut user = match &pw {
+            Some(pw) => crate::spec::user::by_id(uid, pw.gid.as_raw()),
+            // No passwd entry: the uid alone, in no group that could open anything.
+            None => UserIds {
+                uid,
+                gid: 65534,
+                ..UserIds::default()
+            },
+        };
+        user.home = home.map(Path::to_path_buf);
+        Self::for_user(config, &user, &UserEnv::default())
+    }
+
+    /// A client for `user`, whose login files are read as that user (never as root: see
+    /// [`auth`]), found where `env` says.
+    pub fn for_user(
+        config: &RegistryConfig,
+        user: &UserIds,
+        env: &UserEnv,
+    ) -> Result<Self, RegistryError> {
         let files = auth::credential_files(
             &config.credentials,
             config.enroot_credentials,
-            enroot_config_path,
-            user_home,
+            config.auth_files,
+            env,
+            user.uid,
+            user.home.as_deref(),
         );
-        let credentials = Credentials::load(files, user_home)
-            .map_err(|detail| RegistryError::Config { detail })?;
+        let credentials =
+            Credentials::load(files, user).map_err(|detail| RegistryError::Config { detail })?;
+        let mirrors =
+            parse_mirrors(&config.mirrors).map_err(|detail| RegistryError::Config { detail })?;
         Ok(Self {
             transport: Transport::new(config, credentials)?,
             parallel: config.parallel_downloads.max(1),
+            mirrors,
         })
+    }
+
+    /// Where to get `r` from, in order: its registry's mirrors, then the registry itself unless
+    /// `fallback = false`.
+    fn sources(&self, r: &RegistryRef) -> Vec<Target> {
+        let origin = target(r);
+        let Some(m) = self.mirrors.get(&mirror_key(&r.registry)) else {
+            return vec![origin];
+        };
+        let mut out: Vec<Target> = m
+            .hosts
+            .iter()
+            .map(|(host, prefix)| Target {
+                registry: host.clone(),
+                repository: if prefix.is_empty() {
+                    r.repository.clone()
+                } else {
+                    format!("{prefix}/{}", r.repository)
+                },
+                image: origin.image.clone(),
+                // `USER@` names an account of the registry, not of its mirrors.
+                user: None,
+                mirror_of: Some(r.registry.clone()),
+            })
+            .collect();
+        if m.fallback {
+            out.push(origin);
+        }
+        out
+    }
+
+    /// The error to report when `t`, the last source, failed with `e`.
+    fn last_error(t: &Target, e: RegistryError) -> RegistryError {
+        match &t.mirror_of {
+            Some(origin) => RegistryError::Mirror {
+                mirror: t.registry.clone(),
+                origin: origin.clone(),
+                source: Box::new(e),
+            },
+            None => e,
+        }
+    }
+
+    /// Whether a failure ends the pull rather than sending it to the next source.
+    fn is_final(e: &RegistryError) -> bool {
+        matches!(
+            e,
+            RegistryError::Config { .. } | RegistryError::Aborted | RegistryError::Layer { .. }
+        )
     }
 
     /// Whether the user may read the image: a manifest HEAD with the user's credentials. For
     /// deciding whether a cached private image may be handed to this user.
+    /// With mirrors, any source that lets the user read the image decides (the user could pull
+    /// it from there).
     pub fn check_access(&self, r: &RegistryRef) -> Result<bool, RegistryError> {
-        let t = target(r);
+        let sources = self.sources(r);
+        let mut outcome = None;
+        for t in sources {
+            match self.check_access_at(t, r) {
+                Ok(true) => return Ok(true),
+                Ok(false) => outcome = Some(Ok(false)),
+                Err(e) => {
+                    if outcome.is_none() {
+                        outcome = Some(Err(e));
+                    }
+                }
+            }
+        }
+        outcome.unwrap_or(Ok(false))
+    }
+
+    fn check_access_at(&self, t: Target, r: &RegistryRef) -> Result<bool, RegistryError> {
         let url = manifest_url(&self.transport, &t, r);
         let result =
             self.transport
@@ -259,12 +403,37 @@ impl Client {
 
     /// Fetches and checks the manifest (choosing the platform from an index) and the config of
     /// `r`, without downloading layers: the manifest digest says whether the store has the image.
+    /// With mirrors, the first source that has it (see the module header).
     pub fn resolve(
         &self,
         r: &RegistryRef,
         options: &PullOptions,
     ) -> Result<Resolved, RegistryError> {
-        let t = target(r);
+        let sources = self.sources(r);
+        let mut i = 0;
+        loop {
+            let t = sources[i].clone();
+            match self.resolve_at(t.clone(), r, options) {
+                Ok(mut resolved) => {
+                    resolved.fallbacks = sources[i + 1..].to_vec();
+                    return Ok(resolved);
+                }
+                Err(e) if Self::is_final(&e) => return Err(e),
+                Err(e) if i + 1 < sources.len() => {
+                    warn_source_failed(&t, &sources[i + 1], &e);
+                    i += 1;
+                }
+                Err(e) => return Err(Self::last_error(&t, e)),
+            }
+        }
+    }
+
+    fn resolve_at(
+        &self,
+        t: Target,
+        r: &RegistryRef,
+        options: &PullOptions,
+    ) -> Result<Resolved, RegistryError> {
         let want = match &options.arch {
             Some(a) => Wanted::parse(a).map_err(|detail| RegistryError::Image {
                 image: t.image.clone(),
@@ -343,6 +512,7 @@ impl Client {
         }
         Ok(Resolved {
             target: t,
+            fallbacks: Vec::new(),
             manifest_digest,
             index_digest,
             config_digest: config_desc.digest,
@@ -360,7 +530,23 @@ impl Client {
         sink: &dyn LayerSink,
     ) -> Result<Pulled, RegistryError> {
         let r = resolved;
-        let paths = self.fetch_layers(&r.target, &r.layers, &r.diff_ids, options.progress, sink)?;
+        let mut target = r.target.clone();
+        let mut rest = r.fallbacks.iter();
+        let paths = loop {
+            match self.fetch_layers(&target, &r.layers, &r.diff_ids, options.progress, sink) {
+                Ok(paths) => break paths,
+                Err(e) if Self::is_final(&e) => return Err(e),
+                Err(e) => match rest.next() {
+                    // Layers already verified stay in the store: the next source is asked only
+                    // for the rest, by the same digests.
+                    Some(next) => {
+                        warn_source_failed(&target, next, &e);
+                        target = next.clone();
+                    }
+                    None => return Err(Self::last_error(&target, e)),
+                },
+            }
+        };
         Ok(Pulled {
             manifest_digest: r.manifest_digest,
             index_digest: r.index_digest,
@@ -738,7 +924,100 @@ fn target(r: &RegistryRef) -> Target {
         repository: r.repository.clone(),
         image: r.image_name(),
         user: r.user.clone(),
+        mirror_of: None,
     }
+}
+
+/// The user running berth, with `home` as its home.
+fn current_user(home: Option<&Path>) -> Result<UserIds, RegistryError> {
+    let mut user = crate::spec::user::current().map_err(|e| RegistryError::Config {
+        detail: format!("who is pulling: {e}"),
+    })?;
+    user.home = home.map(Path::to_path_buf);
+    Ok(user)
+}
+
+/// One warning line: a source failed and the next is tried.
+fn warn_source_failed(failed: &Target, next: &Target, e: &RegistryError) {
+    let what = match &failed.mirror_of {
+        Some(origin) => format!("registry mirror {} of {origin}", failed.registry),
+        None => failed.registry.clone(),
+    };
+    let next = match &next.mirror_of {
+        Some(_) => format!("mirror {}", next.registry),
+        None => format!("{} itself", next.registry),
+    };
+    tracing::warn!("{what} failed, trying {next}: {e}");
+}
+
+/// The name a registry is known by in `registry.mirrors`: lower case, Docker Hub as `docker.io`
+/// whichever of its names a reference used.
+fn mirror_key(registry: &str) -> String {
+    let r = registry.to_ascii_lowercase();
+    if auth::is_docker_hub(&r) || r == "registry.hub.docker.com" {
+        "docker.io".to_string()
+    } else {
+        r
+    }
+}
+
+/// Checks and splits `registry.mirrors`: each mirror is `HOST[:PORT][/PREFIX]`.
+fn parse_mirrors(
+    config: &BTreeMap<String, MirrorConfig>,
+) -> Result<BTreeMap<String, Mirrors>, String> {
+    let mut out = BTreeMap::new();
+    for (registry, m) in config {
+        let bad = |what: &str, detail: &str| {
+            format!(
+                "registry.mirrors.\"{}\": {what} {detail}",
+                crate::cli::elide(registry)
+            )
+        };
+        if registry.is_empty() || registry.contains(['/', ' ']) {
+            return Err(bad(
+                "",
+                "is not a registry name: write HOST[:PORT], e.g. \"docker.io\"",
+            ));
+        }
+        let mut hosts = Vec::new();
+        for mirror in &m.mirrors {
+            if mirror.contains("://") {
+                return Err(bad(
+                    &format!("mirror '{}'", crate::cli::elide(mirror)),
+                    "has a scheme: write HOST[:PORT][/PREFIX] (HTTPS; list the host in \
+                     registry.insecure for plain HTTP)",
+                ));
+            }
+            let (host, prefix) = mirror.split_once('/').unwrap_or((mirror, ""));
+            let prefix = prefix.trim_matches('/');
+            let plain = |c: char| c.is_ascii_alphanumeric() || "-._:[]".contains(c);
+            let prefix_ok = prefix
+                .split('/')
+                .all(|p| p.is_empty() || p.chars().all(|c| plain(c) && c != ':'))
+                && !prefix.split('/').any(|p| p == ".." || p == ".");
+            if host.is_empty() || !host.chars().all(plain) || !prefix_ok {
+                return Err(bad(
+                    &format!("mirror '{}'", crate::cli::elide(mirror)),
+                    "is not HOST[:PORT][/PREFIX]",
+                ));
+            }
+            hosts.push((host.to_ascii_lowercase(), prefix.to_string()));
+        }
+        if hosts.is_empty() && !m.fallback {
+            return Err(bad(
+                "",
+                "has no mirrors and fallback = false: no image of it could be pulled",
+            ));
+        }
+        out.insert(
+            mirror_key(registry),
+            Mirrors {
+                hosts,
+                fallback: m.fallback,
+            },
+        );
+    }
+    Ok(out)
 }
 
 fn manifest_url(transport: &Transport, t: &Target, r: &RegistryRef) -> String {
@@ -777,6 +1056,110 @@ mod tests {
                 .unwrap();
             assert_eq!(out, data);
         }
+    }
+
+    #[test]
+    fn mirrors_come_first_with_their_prefix_then_the_registry_unless_told_not_to() {
+        let mut config = RegistryConfig {
+            credentials: String::new(),
+            enroot_credentials: false,
+            auth_files: false,
+            ..RegistryConfig::default()
+        };
+        config.mirrors.insert(
+            "docker.io".into(),
+            MirrorConfig {
+                mirrors: vec!["Mirror.example/dockerhub/".into(), "10.0.0.5:5000".into()],
+                fallback: true,
+            },
+        );
+        config.mirrors.insert(
+            "ghcr.io".into(),
+            MirrorConfig {
+                mirrors: vec!["cache.example".into()],
+                fallback: false,
+            },
+        );
+        let client = Client::new(&config, None).unwrap();
+        let reference = |text: &str| match super::super::reference::parse(text).unwrap() {
+            super::super::Reference::Registry(r) => r,
+            other => panic!("{other:?}"),
+        };
+        let show = |ts: Vec<Target>| -> Vec<String> {
+            ts.iter()
+                .map(|t| format!("{} {} {:?}", t.registry, t.repository, t.mirror_of))
+                .collect()
+        };
+        assert_eq!(
+            show(client.sources(&reference("docker.io/ubuntu:24.04"))),
+            [
+                "mirror.example dockerhub/library/ubuntu Some(\"registry-1.docker.io\")",
+                "10.0.0.5:5000 library/ubuntu Some(\"registry-1.docker.io\")",
+                "registry-1.docker.io library/ubuntu None",
+            ]
+        );
+        assert_eq!(
+            show(client.sources(&reference("ghcr.io#org/app:1"))),
+            ["cache.example org/app Some(\"ghcr.io\")"]
+        );
+        assert_eq!(
+            show(client.sources(&reference("quay.io#org/app:1"))),
+            ["quay.io org/app None"]
+        );
+        let bad = |mirror: &str, fallback: bool| {
+            let mut c = config.clone();
+            c.mirrors.insert(
+                "x.io".into(),
+                MirrorConfig {
+                    mirrors: vec![mirror.into()],
+                    fallback,
+                },
+            );
+            match Client::new(&c, None) {
+                Ok(_) => String::new(),
+                Err(e) => e.to_string(),
+            }
+        };
+        assert!(bad("https://m.example", true).contains("has a scheme"));
+        assert!(bad("m.example/../x", true).contains("not HOST"));
+        assert!(bad("m example", true).contains("not HOST"));
+        assert_eq!(bad("m.example:5000/a/b", false), "");
+        let mut none = config.clone();
+        none.mirrors.insert(
+            "y.io".into(),
+            MirrorConfig {
+                mirrors: vec![],
+                fallback: false,
+            },
+        );
+        let err = Client::new(&none, None).err().unwrap().to_string();
+        assert!(err.contains("no mirrors and fallback = false"), "{err}");
+    }
+
+    #[test]
+    fn a_mirror_error_names_the_mirror_in_one_line() {
+        let e = Client::last_error(
+            &Target {
+                registry: "127.0.0.1:1".into(),
+                repository: "a/b".into(),
+                image: "o.example/a/b:1".into(),
+                user: None,
+                mirror_of: Some("o.example".into()),
+            },
+            RegistryError::Unreachable {
+                image: "o.example/a/b:1".into(),
+                registry: "127.0.0.1:1".into(),
+                attempts: 2,
+                detail: "connection refused".into(),
+            },
+        )
+        .to_string();
+        assert!(!e.contains('\n'), "{e}");
+        assert!(
+            e.contains("registry mirror 127.0.0.1:1 of o.example"),
+            "{e}"
+        );
+        assert!(e.contains("fallback = false"), "{e}");
     }
 
     #[test]
