@@ -13,12 +13,13 @@
 # Needs: cargo, dpkg-deb, gzip; rpmbuild for the .rpm (Debian: apt-get install rpm).
 #
 # Contents (Debian path / RHEL-family path where they differ):
-#   /usr/bin/berth
+#   /usr/bin/berth, /usr/bin/berth-controller
 #   /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_berth.so  /  /usr/lib64/slurm/spank_berth.so
 #   /usr/libexec/berth/{prolog,epilog}.sh      Slurm Prolog/Epilog wrappers (slurm.conf names them)
 #   /etc/berth/berth.toml                      conffile: every key, at its default
 #   /etc/slurm/plugstack.conf.d/berth.conf     conffile: the plugin line (plugstack.conf untouched)
-#   /usr/lib/systemd/system/berth-{agent,gc,cgroup}.service, berth-gc.timer
+#   /usr/lib/systemd/system/berth-{agent,controller,gc,cgroup}.service, berth-gc.timer
+#                                              (berth-controller: enable it on the 1 or 3 controller hosts)
 #   /usr/lib/tmpfiles.d/berth.conf             /run/berth, root's, 0711
 #   bash, zsh and fish completions; man pages (berth(1), berth-VERB(1))
 #   /usr/share/doc/berth/                      LICENSE, README.md, Slurm config snippets
@@ -71,17 +72,19 @@ slurm_next=$(printf '%d.%02d' $((number >> 16)) $((((number >> 8) & 0xff) + 1)))
 echo "packaging/build.sh: building berth $version (profile $profile) for Slurm $slurm" >&2
 cargo build --profile "$profile" -p berth --bin berth --example gen-docs
 cargo build --profile "$profile" -p berth-spank
+cargo build --profile "$profile" -p berth-controller --bin berth-controller
 bin=$target/$dir/berth
 plugin=$target/$dir/libspank_berth.so
 gen=$target/$dir/examples/gen-docs
-for f in "$bin" "$plugin" "$gen"; do [ -f "$f" ] || die "$f not built"; done
+controller=$target/$dir/berth-controller
+for f in "$bin" "$plugin" "$gen" "$controller"; do [ -f "$f" ] || die "$f not built"; done
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/berth-packaging.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 "$gen" "$work/docs"
 
 # glibc the binary and plugin need: the highest GLIBC_x.y version they reference.
-glibc=$( (strings -a "$bin" "$plugin" 2>/dev/null || true) | sed -n 's/^GLIBC_\([0-9][0-9.]*\)$/\1/p' |
+glibc=$( (strings -a "$bin" "$plugin" "$controller" 2>/dev/null || true) | sed -n 's/^GLIBC_\([0-9][0-9.]*\)$/\1/p' |
   sort -V | tail -n 1)
 glibc=${glibc:-2.34}
 
@@ -89,6 +92,7 @@ glibc=${glibc:-2.34}
 stage() {
   local root=$1 plugdir=$2 zshdir=$3 v
   install -D -m 0755 "$bin" "$root/usr/bin/berth"
+  install -D -m 0755 "$controller" "$root/usr/bin/berth-controller"
   install -D -m 0644 "$plugin" "$root$plugdir/spank_berth.so"
   for v in prolog epilog; do
     install -d -m 0755 "$root/usr/libexec/berth"
@@ -109,7 +113,7 @@ stage() {
     echo "required $plugdir/spank_berth.so berth=/usr/bin/berth"
   } >"$root/etc/slurm/plugstack.conf.d/berth.conf"
   chmod 0644 "$root/etc/slurm/plugstack.conf.d/berth.conf"
-  for u in berth-agent.service berth-gc.service berth-gc.timer berth-cgroup.service; do
+  for u in berth-agent.service berth-controller.service berth-gc.service berth-gc.timer berth-cgroup.service; do
     install -D -m 0644 "packaging/systemd/$u" "$root/usr/lib/systemd/system/$u"
   done
   install -D -m 0644 packaging/tmpfiles.conf "$root/usr/lib/tmpfiles.d/berth.conf"

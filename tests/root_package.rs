@@ -348,6 +348,7 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
     let before = [
         had(DEB_PLUGIN),
         had("/usr/bin/berth"),
+        had("/usr/bin/berth-controller"),
         had("/etc/berth/berth.toml"),
     ];
     let mut installed = Installed::install(&pkgs.deb, &backup);
@@ -355,12 +356,14 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
     // The files an admin relies on, where the distribution expects them.
     for path in [
         "/usr/bin/berth",
+        "/usr/bin/berth-controller",
         DEB_PLUGIN,
         "/usr/libexec/berth/prolog.sh",
         "/usr/libexec/berth/epilog.sh",
         "/etc/berth/berth.toml",
         "/etc/slurm/plugstack.conf.d/berth.conf",
         "/usr/lib/systemd/system/berth-agent.service",
+        "/usr/lib/systemd/system/berth-controller.service",
         "/usr/lib/systemd/system/berth-gc.service",
         "/usr/lib/systemd/system/berth-gc.timer",
         "/usr/lib/systemd/system/berth-cgroup.service",
@@ -401,12 +404,27 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
     let wrapper = std::fs::read_to_string("/usr/libexec/berth/prolog.sh").unwrap();
     assert!(wrapper.contains("\nBERTH=/usr/bin/berth\n"), "{wrapper}");
 
-    // systemd accepts the units (the agent's verb aside: verify checks files, not arguments).
-    if Path::new("/usr/bin/systemd-analyze").exists() {
+    // The controller's binary runs and its unit's data directory is its default one.
+    let help = succeeded(Command::new("/usr/bin/berth-controller").arg("--help"));
+    assert!(help.contains("serve"), "{help}");
+    let unit = std::fs::read_to_string("/usr/lib/systemd/system/berth-controller.service").unwrap();
+    assert!(
+        unit.contains("ExecStart=/usr/bin/berth-controller serve")
+            && unit.contains("StateDirectory=berth-controller"),
+        "{unit}"
+    );
+    // systemd accepts the units (the verbs aside: verify checks files, not arguments).
+    // setup.sh installs systemd: without systemd-analyze this test cannot do its job.
+    assert!(
+        Path::new("/usr/bin/systemd-analyze").exists(),
+        "systemd-analyze missing: integration/setup.sh installs systemd"
+    );
+    {
         let o = run(Command::new("systemd-analyze").args([
             "verify",
             "--man=no",
             "/usr/lib/systemd/system/berth-agent.service",
+            "/usr/lib/systemd/system/berth-controller.service",
             "/usr/lib/systemd/system/berth-gc.service",
             "/usr/lib/systemd/system/berth-gc.timer",
             "/usr/lib/systemd/system/berth-cgroup.service",
@@ -418,8 +436,6 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
             "systemd-analyze verify: {:?}\n{text}",
             o.status
         );
-    } else {
-        eprintln!("systemd-analyze not installed: units not verified");
     }
 
     // A one-host Slurm with the installed plugin, binary and Prolog/Epilog wrappers; berth's
@@ -505,6 +521,7 @@ fn the_installed_deb_runs_a_containerized_srun_and_logs_its_failures() {
     let after = [
         had(DEB_PLUGIN),
         had("/usr/bin/berth"),
+        had("/usr/bin/berth-controller"),
         had("/etc/berth/berth.toml"),
     ];
     assert_eq!(after, before, "dpkg --purge left the package's files");
@@ -526,6 +543,8 @@ fn the_rpm_lists_the_rhel_paths() {
         "/etc/berth/berth.toml",
         "/etc/slurm/plugstack.conf.d/berth.conf",
         "/usr/lib/systemd/system/berth-agent.service",
+        "/usr/lib/systemd/system/berth-controller.service",
+        "/usr/bin/berth-controller",
         "/usr/lib/systemd/system/berth-gc.timer",
         "/usr/lib/tmpfiles.d/berth.conf",
         "/usr/share/zsh/site-functions/_berth",
