@@ -108,13 +108,13 @@ pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), JoinError> {
             return Err(JoinError::Caps(io::Error::last_os_error()));
         }
         // A remapped container's tasks get berth's filter, as Pyxis installs Enroot's here;
-        // after no_new_privs, which it needs (see src/runtime/seccomp.rs for why it grants
+        // after no_new_privs, which it needs (see berth-sys's seccomp module for why it grants
         // nothing).
         if namespaces
             .iter()
             .any(|(ns, _)| matches!(ns, Namespace::User))
         {
-            crate::seccomp::install().map_err(JoinError::Seccomp)?;
+            berth_sys::seccomp::install().map_err(JoinError::Seccomp)?;
         }
         Ok(())
     });

@@ -19,9 +19,6 @@ mod options;
 mod pin;
 mod request;
 mod runner;
-/// berth's remap-root seccomp filter (libc only), installed on tasks joining a remapped container.
-#[path = "../../src/runtime/seccomp.rs"]
-mod seccomp;
 
 #[cfg(not(test))]
 mod ffi;

@@ -20,7 +20,8 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Gid, Pid, Uid, fork, setresgid, setresuid, setsid};
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 
-use super::{SetupError, exec, hooks, report, rootfs, seccomp};
+use super::{SetupError, exec, hooks, report, rootfs};
+use berth_sys::seccomp;
 
 /// Signals berth passes on to the command (SIGKILL and SIGSTOP cannot be caught).
 pub const FORWARDED: [Signal; 7] = [

@@ -9,7 +9,6 @@ pub mod join;
 pub mod mounts;
 mod report;
 mod rootfs;
-mod seccomp;
 pub mod state;
 pub mod userns;
 

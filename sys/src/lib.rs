@@ -3,6 +3,7 @@
 //! how errors quote user input ([`text`]). Every other berth crate may use it; it uses none.
 
 pub mod privfs;
+pub mod seccomp;
 pub mod text;
 pub mod time;
 

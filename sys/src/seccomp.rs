@@ -16,8 +16,9 @@
 //! setresuid must not be faked), and inherited by everything the command starts; no process
 //! can remove it.
 //!
-//! Self-contained (libc only): the SPANK plugin builds this same file (`spank/src/lib.rs`) and
-//! installs the filter on the Slurm tasks it moves into a remapped container, as Pyxis does.
+//! In berth-sys because both sides install it: berth's init on the command and on processes
+//! joining the container, and the SPANK plugin on the Slurm tasks it moves into a remapped
+//! container, as Pyxis does.
 
 /// `AUDIT_ARCH_*` from linux/audit.h: EM_X86_64 and EM_AARCH64, 64-bit, little-endian.
 const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
