@@ -363,6 +363,25 @@ pub mod values {
         Ok(text.to_string())
     }
 
+    /// `--workdir`'s parser: [`workdir`] on the argument's bytes.
+    pub fn workdir_parser() -> impl clap::builder::TypedValueParser<Value = std::path::PathBuf> {
+        use clap::builder::TypedValueParser;
+        clap::builder::OsStringValueParser::new().try_map(workdir)
+    }
+
+    /// `--workdir`: an absolute path the kernel can take (any bytes, as a path may hold).
+    pub fn workdir(text: std::ffi::OsString) -> Result<std::path::PathBuf, String> {
+        let path = std::path::PathBuf::from(text);
+        if path.is_absolute() && path.as_os_str().len() < libc::PATH_MAX as usize {
+            Ok(path)
+        } else {
+            Err(format!(
+                "--workdir {}: must be an absolute path, shorter than PATH_MAX",
+                super::elide(&path.to_string_lossy())
+            ))
+        }
+    }
+
     /// `--hostname`.
     pub fn hostname(text: &str) -> Result<String, String> {
         parse::hostname(text).map_err(|e| e.to_string())
@@ -570,6 +589,10 @@ mod tests {
             (
                 &["run", "--hostname", "a b", "img"][..],
                 "--hostname: invalid hostname",
+            ),
+            (
+                &["run", "--workdir", "rel", "img"][..],
+                "--workdir rel: must be an absolute",
             ),
             (&["run", "--gpus", "3-1", "img"][..], "--gpus"),
             (
