@@ -320,6 +320,7 @@ fn verbs_that_need_root_tell_a_user_in_one_line_before_touching_anything() {
             vec!["health", "--job-start"],
             "health --job-start needs root",
         ),
+        (vec!["cdi", "generate"], "cdi generate needs root"),
     ] {
         // With the test config, and with a config that does not exist: the refusal comes
         // before the config is read.

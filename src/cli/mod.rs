@@ -265,6 +265,13 @@ pub fn needs_root(command: &Command, uid: u32) -> Option<String> {
             ),
             "its job marks are root's: run it from Slurm's Prolog/Epilog",
         ),
+        Command::Cdi(cdi::CdiArgs {
+            command: cdi::CdiCommand::Generate(g),
+        }) if !g.stdout && g.dir.is_none() => (
+            "cdi generate".into(),
+            "it writes the node's specs into topology.cdi_dirs: run it with sudo, or give \
+             --dir DIR or --stdout",
+        ),
         Command::Prolog(_) => ("prolog".into(), "Slurm runs it as root (Prolog=)"),
         Command::Epilog(_) => ("epilog".into(), "Slurm runs it as root (Epilog=)"),
         _ => return None,
@@ -689,6 +696,7 @@ mod tests {
                 "export needs root",
             ),
             (&["health", "--job-end"][..], "health --job-end needs root"),
+            (&["cdi", "generate"][..], "cdi generate needs root"),
         ] {
             let line = refused(args).unwrap_or_else(|| panic!("{args:?} allowed"));
             assert!(line.starts_with(verb), "{line}");
@@ -701,6 +709,8 @@ mod tests {
             &["topo"][..],
             &["health", "--all-xids"][..],
             &["cdi", "list"][..],
+            &["cdi", "generate", "--stdout"][..],
+            &["cdi", "generate", "--dir", "/home/u/cdi"][..],
             &["stage", "status", "/tmp"][..],
             &["export", "--rootfs", "/r", "-o", "/tmp/x.sqsh"][..],
             &["export", "/home/u/x.sqsh", "-o", "/tmp/y.sif"][..],
