@@ -1,7 +1,8 @@
 //! Writes berth's shell completions and man pages, generated from the command line itself so
 //! they never drift from it: `cargo run --example gen-docs -- OUT_DIR` makes
 //! `OUT_DIR/completions/{berth.bash,_berth,berth.fish}` and `OUT_DIR/man/berth*.1` (one page
-//! for berth and one per verb and sub-verb, `berth-images-ls.1`, as git and podman do).
+//! for berth and one per verb and sub-verb, `berth-images-ls.1`, as git and podman do; an
+//! alias's page, `berth-pull.1`, sources its verb's).
 //! packaging/build.sh runs it and puts the files in the packages.
 
 use std::path::{Path, PathBuf};
@@ -50,6 +51,14 @@ fn pages(cmd: &clap::Command, name: &str, dir: &Path) -> std::io::Result<()> {
             continue;
         }
         pages(sub, &format!("{name}-{}", sub.get_name()), dir)?;
+        // A visible alias (`berth pull` for `berth import`) gets a page that is the verb's, as
+        // `man podman-pull` and `man git-...` find theirs.
+        for alias in sub.get_visible_aliases() {
+            std::fs::write(
+                dir.join(format!("{name}-{alias}.1")),
+                format!(".so man1/{name}-{}.1\n", sub.get_name()),
+            )?;
+        }
     }
     Ok(())
 }

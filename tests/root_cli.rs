@@ -169,6 +169,7 @@ fn bad_values_fail_in_the_parser_before_any_image_is_fetched() {
         ("--gpus", "0-x"),
         ("--device", "/etc/passwd"),
         ("--hostname", "a b"),
+        ("--workdir", "relative/dir"),
     ] {
         let arg = format!("{flag}={value}");
         let mut cases = vec![
@@ -285,6 +286,13 @@ fn json_listings_match_what_exists() {
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["complete"], false);
     assert!(v["files"].is_null() && v["source"].is_null(), "{v}");
+    // images verify --json: a squashfs image has no layers to check.
+    let o = run(&["images", "verify", "--json", digest]);
+    let v: serde_json::Value = serde_json::from_str(&ok(o)).unwrap();
+    assert_eq!(v[0]["digest"], digest);
+    assert_eq!(v[0]["references"], entry["references"]);
+    assert_eq!(v[0]["status"], "not-verifiable");
+    assert_eq!(v[0]["layers"], serde_json::json!([]));
     ok(run(&["images", "rm", digest]));
 }
 
@@ -312,6 +320,7 @@ fn verbs_that_need_root_tell_a_user_in_one_line_before_touching_anything() {
             vec!["health", "--job-start"],
             "health --job-start needs root",
         ),
+        (vec!["cdi", "generate"], "cdi generate needs root"),
     ] {
         // With the test config, and with a config that does not exist: the refusal comes
         // before the config is read.

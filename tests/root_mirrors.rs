@@ -194,7 +194,15 @@ fn an_image_the_origin_lacks_is_pulled_from_the_mirror_under_its_prefix() {
     // The stored image runs: its file is there.
     let o = berth_with(
         &config,
-        &["run", "--image", &image, "--", "busybox", "cat", "/app/hello"],
+        &[
+            "run",
+            "--image",
+            &image,
+            "--",
+            "busybox",
+            "cat",
+            "/app/hello",
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -360,7 +368,15 @@ fn a_mirror_serving_a_tampered_blob_is_refused_by_digest() {
     assert_eq!(mirror.blob_gets(tampered), 2, "{:?}", mirror.requests());
     let o = berth_with(
         &config,
-        &["run", "--image", &image, "--", "busybox", "cat", "/app/hello"],
+        &[
+            "run",
+            "--image",
+            &image,
+            "--",
+            "busybox",
+            "cat",
+            "/app/hello",
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -450,6 +466,15 @@ fn user(name: &str) -> (u32, u32, PathBuf) {
     (uid, gid, home)
 }
 
+/// Removes a test user's home (with the test logins in it) when dropped.
+struct HomeGone(PathBuf);
+
+impl Drop for HomeGone {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Writes `text` to `home/rel` as the user's own file (mode 0600, directories 0700).
 fn user_file(home: &Path, uid: u32, gid: u32, rel: &str, text: &str) -> PathBuf {
     let path = home.join(rel);
@@ -518,6 +543,7 @@ fn docker_and_podman_login_files_let_the_jobs_user_pull() {
             &format!("[registry]\ninsecure = [\"{host}\"]\nretries = 2\nretry_backoff_ms = 50\n"),
         );
         let (uid, gid, home) = user("berthh5a");
+        let _gone = HomeGone(home.clone());
         // Without a login the registry refuses: the file is what lets the user in.
         let o = prolog(&config, &format!("{}", 501 + 10 * n), uid, gid, &image);
         assert!(
@@ -582,6 +608,7 @@ fn another_users_login_file_is_not_used() {
     );
     let (a_uid, a_gid, a_home) = user("berthh5a");
     let (b_uid, b_gid, b_home) = user("berthh5b");
+    let _gone = (HomeGone(a_home.clone()), HomeGone(b_home.clone()));
     let a_file = user_file(
         &a_home,
         a_uid,

@@ -432,3 +432,50 @@ fn export_while_renaming(extra: &[&str]) {
     }
     drop(flipper);
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn an_image_the_user_unpacked_as_themselves_stays_theirs() {
+    // Enroot's way: every file is the user's already. Idmapped, they would be nobody's (the
+    // mapping gives the image's id 0 the user's id and leaves the user's own out), and even
+    // root could not make a mount point in /etc.
+    let (uid, gid, _) = test_user();
+    let dir = public_dir("writable-own-image");
+    let own = dir.join("rootfs");
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(image())
+        .arg(&own)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let status = Command::new("chown")
+        .arg("-R")
+        .arg(format!("{uid}:{gid}"))
+        .arg(&own)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = ok(berth(&[
+        "run",
+        "--rootfs",
+        own.to_str().unwrap(),
+        "--user",
+        "berthtest",
+        "--hostname",
+        "own",
+        "--",
+        "sh",
+        "-c",
+        "stat -c %u /etc /bin/busybox; cat /etc/hostname; touch /etc/new && echo etc-ok",
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .unwrap());
+    let u = uid.to_string();
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [u.as_str(), u.as_str(), "own", "etc-ok"],
+        "{out}"
+    );
+}

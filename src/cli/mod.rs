@@ -265,6 +265,13 @@ pub fn needs_root(command: &Command, uid: u32) -> Option<String> {
             ),
             "its job marks are root's: run it from Slurm's Prolog/Epilog",
         ),
+        Command::Cdi(cdi::CdiArgs {
+            command: cdi::CdiCommand::Generate(g),
+        }) if !g.stdout && g.dir.is_none() => (
+            "cdi generate".into(),
+            "it writes the node's specs into topology.cdi_dirs: run it with sudo, or give \
+             --dir DIR or --stdout",
+        ),
         Command::Prolog(_) => ("prolog".into(), "Slurm runs it as root (Prolog=)"),
         Command::Epilog(_) => ("epilog".into(), "Slurm runs it as root (Epilog=)"),
         _ => return None,
@@ -361,6 +368,25 @@ pub mod values {
             parse::env_pair(text).map_err(|e| e.to_string())?;
         }
         Ok(text.to_string())
+    }
+
+    /// `--workdir`'s parser: [`workdir`] on the argument's bytes.
+    pub fn workdir_parser() -> impl clap::builder::TypedValueParser<Value = std::path::PathBuf> {
+        use clap::builder::TypedValueParser;
+        clap::builder::OsStringValueParser::new().try_map(workdir)
+    }
+
+    /// `--workdir`: an absolute path the kernel can take (any bytes, as a path may hold).
+    pub fn workdir(text: std::ffi::OsString) -> Result<std::path::PathBuf, String> {
+        let path = std::path::PathBuf::from(text);
+        if path.is_absolute() && path.as_os_str().len() < libc::PATH_MAX as usize {
+            Ok(path)
+        } else {
+            Err(format!(
+                "--workdir {}: must be an absolute path, shorter than PATH_MAX",
+                super::elide(&path.to_string_lossy())
+            ))
+        }
     }
 
     /// `--hostname`.
@@ -547,6 +573,10 @@ mod tests {
                 &["run", "--hostname", "a b", "img"][..],
                 "--hostname: invalid hostname",
             ),
+            (
+                &["run", "--workdir", "rel", "img"][..],
+                "--workdir rel: must be an absolute",
+            ),
             (&["run", "--gpus", "3-1", "img"][..], "--gpus"),
             (
                 &["run", "--device", "/etc/passwd", "img"][..],
@@ -642,6 +672,7 @@ mod tests {
                 "export needs root",
             ),
             (&["health", "--job-end"][..], "health --job-end needs root"),
+            (&["cdi", "generate"][..], "cdi generate needs root"),
         ] {
             let line = refused(args).unwrap_or_else(|| panic!("{args:?} allowed"));
             assert!(line.starts_with(verb), "{line}");
@@ -654,6 +685,8 @@ mod tests {
             &["topo"][..],
             &["health", "--all-xids"][..],
             &["cdi", "list"][..],
+            &["cdi", "generate", "--stdout"][..],
+            &["cdi", "generate", "--dir", "/home/u/cdi"][..],
             &["stage", "status", "/tmp"][..],
             &["export", "--rootfs", "/r", "-o", "/tmp/x.sqsh"][..],
             &["export", "/home/u/x.sqsh", "-o", "/tmp/y.sif"][..],

@@ -84,7 +84,7 @@ pub struct ContainerArgs {
     pub env: Vec<String>,
 
     /// Working directory inside the container [default: /]
-    #[arg(short, long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR", value_parser = super::values::workdir_parser())]
     pub workdir: Option<PathBuf>,
 
     /// Run as this host user (name or uid) and group, with the user's supplementary groups

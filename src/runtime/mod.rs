@@ -489,6 +489,17 @@ fn user_layers(spec: &Spec, lowers: &[PathBuf]) -> Result<Vec<mounts::Tree>, Set
     let Some((uid, gid)) = userns::user_layer_ids(spec) else {
         return mounts::open_layers(lowers, None);
     };
+    // Only an image whose root directory is root's (a registry's or a site's image) is
+    // idmapped. One the user unpacked as themselves (Enroot's way) already is the user's, and
+    // through the idmapping its files (the user's own id, which the mapping leaves out) would
+    // become nobody's, where not even root can make a mount point.
+    let root_owned = lowers
+        .first()
+        .and_then(|top| std::fs::metadata(top).ok())
+        .is_some_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
+    if !root_owned {
+        return mounts::open_layers(lowers, None);
+    }
     let idmapped = userns::create(&userns::layer_map(uid), &userns::layer_map(gid))
         .map_err(SetupError::new)
         .and_then(|ns| mounts::open_layers(lowers, Some(ns.as_fd())));

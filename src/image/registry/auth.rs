@@ -801,6 +801,46 @@ mod tests {
     }
 
     #[test]
+    fn a_site_wide_file_is_read_as_root_only_when_root_controls_its_path() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // root only: the point is what root reads for another user
+        }
+        let nobody = UserIds {
+            uid: 65534,
+            gid: 65534,
+            ..UserIds::default()
+        };
+        let dir = tempfile::tempdir().unwrap(); // root's, 0700, under /tmp (sticky)
+        let site = dir.path().join("site");
+        std::fs::write(&site, "machine h login a password b").unwrap();
+        std::fs::set_permissions(&site, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let file = |path: &Path, site: bool| CredentialFile {
+            path: path.to_path_buf(),
+            kind: FileKind::Netrc,
+            site,
+        };
+        let c = Credentials::load(vec![file(&site, true)], &nobody).unwrap();
+        assert_eq!(c.logins.len(), 1);
+        // The same file named by a user (not the admin's site file) is opened as the user.
+        let err = Credentials::load(vec![file(&site, false)], &nobody).unwrap_err();
+        assert!(err.contains("Permission denied"), "{err}");
+        // In a directory others may write, the admin's path is no longer trusted as root's.
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let moved = open.join("site");
+        std::fs::copy(&site, &moved).unwrap();
+        std::fs::set_permissions(&moved, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let err = Credentials::load(vec![file(&moved, true)], &nobody).unwrap_err();
+        assert!(err.contains("Permission denied"), "{err}");
+        // A symlink as the site file is not followed as root.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&site, &link).unwrap();
+        assert!(Credentials::load(vec![file(&link, true)], &nobody).is_err());
+    }
+
+    #[test]
     fn challenges() {
         assert_eq!(
             parse_challenge(
