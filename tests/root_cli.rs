@@ -303,6 +303,8 @@ fn verbs_that_need_root_tell_a_user_in_one_line_before_touching_anything() {
     let missing = dir.path().join("no-such.toml");
     let r = rootfs().to_str().unwrap();
     let cfg = config().to_str().unwrap();
+    // In the test's own directory: a refused export must not leave a file anywhere shared.
+    let out = dir.path().join("x.sqsh").to_str().unwrap().to_string();
     for (args, line) in [
         (vec!["run", "--rootfs", r, "--", "true"], "run needs root"),
         (vec!["run", "busybox", "true"], "run needs root"),
@@ -313,7 +315,7 @@ fn verbs_that_need_root_tell_a_user_in_one_line_before_touching_anything() {
         (vec!["images", "ls"], "images ls needs root"),
         (vec!["images", "gc"], "images gc needs root"),
         (
-            vec!["export", "abc", "-o", "/tmp/x.sqsh"],
+            vec!["export", "abc", "-o", out.as_str()],
             "export needs root",
         ),
         (
@@ -332,6 +334,7 @@ fn verbs_that_need_root_tell_a_user_in_one_line_before_touching_anything() {
             assert!(stderr(&o).contains("(you are uid "), "{}", stderr(&o));
         }
     }
+    assert!(!Path::new(&out).exists(), "a refused export left {out}");
     // exec and rm look the container up first: a missing one, like another user's, is not
     // there (root_security checks the two read alike).
     let o = as_user(&["--config", cfg, "exec", "no-such-c", "--", "true"]);
