@@ -24,7 +24,10 @@ pub enum FormatArg {
 /// SOURCE is the id of a running container (its root as the container sees it, including what it
 /// wrote, without /proc, /sys, /dev, /tmp and bind mounts), or a .sqsh/.squashfs/.sif file
 /// (copied without recompressing). --rootfs DIR exports a root file system directory instead.
-/// Owners, modes, times and extended attributes are kept. The file is written under a temporary
+/// Modes, times and extended attributes are kept, and owners as the image has them: in a
+/// container whose image files were mapped to its user (`--remap-root`, or a user's writable
+/// container), what that user owns is saved as root's, as Enroot's export does. The file is
+/// written under a temporary
 /// name and renamed when complete. Compression comes from the [squashfs] config section.
 #[derive(Debug, Args)]
 pub struct ExportArgs {
