@@ -973,6 +973,33 @@ fn post_beat(c: &Cluster, i: usize, node: &str, ok: bool) -> Option<u16> {
     Some(r.status().as_u16())
 }
 
+/// The controller that exited (the failpoint), with its exit code.
+fn exited(c: &mut Cluster) -> Option<(usize, Option<i32>)> {
+    (0..c.controllers.len()).find_map(|i| {
+        let p = c.controllers[i].as_mut()?;
+        p.child.try_wait().unwrap().map(|st| (i, st.code()))
+    })
+}
+
+/// Sends a heartbeat until a leader commits it (200): a leader that exits at the failpoint
+/// while it is in flight leaves its fate unknown, so it goes again to the next leader. The
+/// failpoint is disarmed as soon as a controller exited, so the next leader applies.
+fn post_until_committed(c: &mut Cluster, node: &str, ok: bool, failpoint: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        let gone = exited(c).map(|(i, _)| i);
+        if gone.is_some() {
+            let _ = std::fs::remove_file(failpoint);
+        }
+        let leader = c.leader(gone);
+        if post_beat(c, leader, node, ok) == Some(200) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("no leader committed a heartbeat of {node} within 30 s");
+}
+
 /// Nodes drained in the fake Slurm.
 fn slurm_drained(c: &Cluster, nodes: &[String]) -> Vec<String> {
     nodes
@@ -999,48 +1026,58 @@ fn ten_leader_kills_and_the_commit_apply_failpoint_lose_no_decision() {
     let mut expected = std::collections::BTreeSet::new();
     let mut fired = 0;
     for k in 0..10 {
-        let leader = c.leader(None);
-        // Two drains for one reason (one grouped call) and, from round 2 on, one resume of a
-        // node drained before (3 passes).
+        // Two drains for one reason (one grouped call) and, on odd rounds from 3 on, one resume
+        // of a node drained before (3 passes).
         let a = &names[k % names.len()];
         let b = &names[(k + 5) % names.len()];
-        // On even rounds the failpoint: the leader exits right before it would apply.
-        if k % 2 == 0 {
+        // On even rounds the failpoint: the leader exits right before it would apply, maybe
+        // while a heartbeat is in flight (then it is sent again until a leader commits it;
+        // a failing heartbeat sent twice decides the same).
+        let armed = k % 2 == 0;
+        if armed {
             write(&failpoint, "");
         }
         for n in [a, b] {
-            if post_beat(&c, leader, n, false) == Some(200) {
-                expected.insert(n.clone());
-            }
+            post_until_committed(&mut c, n, false, &failpoint);
+            expected.insert(n.clone());
         }
-        if k >= 2 {
+        if !armed && k >= 3 {
             let r = &names[(k + 9) % names.len()];
-            if !([a, b].contains(&r)) && expected.contains(r) {
-                let ok = (0..3).all(|_| post_beat(&c, leader, r, true) == Some(200));
-                if ok {
-                    expected.remove(r);
+            if ![a, b].contains(&r) && expected.contains(r) {
+                let leader = c.leader(None);
+                for _ in 0..3 {
+                    assert_eq!(post_beat(&c, leader, r, true), Some(200), "round {k}");
                 }
+                expected.remove(r);
             }
         }
-        let proc = c.controllers[leader].as_mut().unwrap();
-        if k % 2 == 0 {
+        let victim = if armed {
             // The failpoint fires at the leader's next reconciliation.
             let deadline = Instant::now() + Duration::from_secs(10);
-            while proc.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+            let mut gone = exited(&mut c);
+            while gone.is_none() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
+                gone = exited(&mut c);
             }
-            std::fs::remove_file(&failpoint).unwrap();
-            if let Some(st) = proc.child.try_wait().unwrap() {
-                assert_eq!(st.code(), Some(86), "round {k}");
-                fired += 1;
+            let _ = std::fs::remove_file(&failpoint);
+            match gone {
+                Some((i, code)) => {
+                    assert_eq!(code, Some(86), "round {k}");
+                    fired += 1;
+                    i
+                }
+                None => c.leader(None),
             }
-        }
+        } else {
+            c.leader(None)
+        };
+        let proc = c.controllers[victim].as_mut().unwrap();
         if proc.child.try_wait().unwrap().is_none() {
             proc.signal(nix::sys::signal::Signal::SIGKILL);
         }
-        c.controllers[leader] = None;
-        c.leader(Some(leader));
-        c.controllers[leader] = Some(c.start(leader));
+        c.controllers[victim] = None;
+        c.leader(Some(victim));
+        c.controllers[victim] = Some(c.start(victim));
     }
     assert!(fired >= 3, "the failpoint fired in {fired} of 5 rounds");
     // Healed: all three run. The new leader applies what was committed and not applied.

@@ -185,6 +185,9 @@ struct SimArgs {
     /// Sending threads
     #[arg(long, default_value_t = 32)]
     threads: usize,
+    /// Seconds after the start when the failing share starts failing (each sends at once)
+    #[arg(long, default_value_t = 0)]
+    fail_after_s: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -306,6 +309,7 @@ fn main() {
                 failing_percent: args.failing_percent.min(100),
                 duration: std::time::Duration::from_secs(args.duration_s),
                 threads: args.threads,
+                fail_after: std::time::Duration::from_secs(args.fail_after_s),
             });
             println!("{summary}");
         }),

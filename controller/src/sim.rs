@@ -19,6 +19,9 @@ pub struct SimOptions {
     pub failing_percent: u32,
     pub duration: Duration,
     pub threads: usize,
+    /// When the failing share starts failing (until then every agent passes); at that moment
+    /// each failing agent sends at once, as `berth agent` does when a check changes status.
+    pub fail_after: Duration,
 }
 
 #[derive(Default)]
@@ -90,50 +93,63 @@ pub fn run(o: SimOptions) -> serde_json::Value {
             let mut leader = 0usize;
             let mut local = Tally::default();
             let mut round = 0u64;
+            let fails =
+                |a: usize| (a as u64 * 100) < u64::from(o.failing_percent) * o.agents as u64;
+            let mut flipped = o.failing_percent == 0;
             while start.elapsed() < o.duration && !stop.load(Ordering::Relaxed) {
                 for (k, &a) in mine.iter().enumerate() {
                     // Agent a's slot in the round: spread over the interval.
                     let due = o.interval.mul_f64(round as f64)
                         + o.interval.mul_f64(a as f64 / o.agents as f64);
+                    // Wake for the flip too: the change goes out at once, not at the slot.
+                    let due = if flipped { due } else { due.min(o.fail_after) };
                     if let Some(wait) = due.checked_sub(start.elapsed()) {
                         std::thread::sleep(wait);
                     }
                     if start.elapsed() >= o.duration {
                         break;
                     }
-                    let failing = (a as u64 * 100) < u64::from(o.failing_percent) * o.agents as u64;
-                    let hb = Heartbeat {
-                        node: format!("sim{a:05}"),
-                        boot_id: "sim".into(),
-                        version: "sim".into(),
-                        checks: vec![CheckResult {
-                            name: "gpu-count".into(),
-                            status: if failing { Status::Fail } else { Status::Ok },
-                            severity: Severity::Hard,
-                            recoverable: true,
-                            message: if failing {
-                                "7 of 8".into()
-                            } else {
-                                "8 of 8".into()
-                            },
-                        }],
-                        versions: Default::default(),
-                        images: Vec::new(),
-                        leftovers: Vec::new(),
-                        cause: None,
-                    };
-                    let body = serde_json::to_vec(&hb).expect("serializes");
-                    let t0 = Instant::now();
-                    match send(&agent, &o, &mut leader, &body) {
-                        Some(term) => {
-                            local.latencies_us.push(t0.elapsed().as_micros() as u64);
-                            local.terms.insert(term);
-                            missed[k] = 0;
-                        }
-                        None => {
-                            local.failed += 1;
-                            missed[k] += 1;
-                            local.max_missed_in_row = local.max_missed_in_row.max(missed[k]);
+                    let mut burst: Vec<usize> = Vec::new();
+                    if !flipped && start.elapsed() >= o.fail_after {
+                        flipped = true;
+                        burst.extend(mine.iter().copied().filter(|a| fails(*a)));
+                    }
+                    burst.push(a);
+                    for a in burst {
+                        let failing = flipped && fails(a);
+                        let hb = Heartbeat {
+                            node: format!("sim{a:05}"),
+                            boot_id: "sim".into(),
+                            version: "sim".into(),
+                            checks: vec![CheckResult {
+                                name: "gpu-count".into(),
+                                status: if failing { Status::Fail } else { Status::Ok },
+                                severity: Severity::Hard,
+                                recoverable: true,
+                                message: if failing {
+                                    "7 of 8".into()
+                                } else {
+                                    "8 of 8".into()
+                                },
+                            }],
+                            versions: Default::default(),
+                            images: Vec::new(),
+                            leftovers: Vec::new(),
+                            cause: None,
+                        };
+                        let body = serde_json::to_vec(&hb).expect("serializes");
+                        let t0 = Instant::now();
+                        match send(&agent, &o, &mut leader, &body) {
+                            Some(term) => {
+                                local.latencies_us.push(t0.elapsed().as_micros() as u64);
+                                local.terms.insert(term);
+                                missed[k] = 0;
+                            }
+                            None => {
+                                local.failed += 1;
+                                missed[k] += 1;
+                                local.max_missed_in_row = local.max_missed_in_row.max(missed[k]);
+                            }
                         }
                     }
                 }
@@ -158,8 +174,14 @@ pub fn run(o: SimOptions) -> serde_json::Value {
         let i = ((all.latencies_us.len() as f64 - 1.0) * p).round() as usize;
         all.latencies_us[i] as f64 / 1000.0
     };
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+        - start.elapsed().as_secs_f64();
     serde_json::json!({
         "agents": o.agents,
+        "failing_percent": o.failing_percent,
+        "failing_since_unix": started_unix + o.fail_after.as_secs_f64(),
         "interval_ms": o.interval.as_millis() as u64,
         "seconds": start.elapsed().as_secs_f64(),
         "heartbeats": all.latencies_us.len(),

@@ -130,17 +130,40 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
                     json_of(&serde_json::to_value(&nodes).expect("serializes"))
                 );
             } else {
-                outln!("{:<20} {:<8} {:>8}  REASON", "NODE", "STATE", "HB AGE");
+                outln!(
+                    "{:<20} {:<8} {:>8} {:>5}  REASON",
+                    "NODE",
+                    "STATE",
+                    "HB AGE",
+                    "LEFT"
+                );
                 for n in nodes {
                     let age = n
                         .heartbeat_age_s
                         .map_or_else(|| "-".to_string(), |a| format!("{a:.1}s"));
-                    let why = n
+                    let mut why = n
                         .reason
                         .clone()
                         .or_else(|| n.suppressed.as_ref().map(|s| format!("(held back) {s}")))
                         .unwrap_or_default();
-                    outln!("{:<20} {:<8} {:>8}  {why}", n.node, n.desired, age);
+                    // Checks that could not say: never a drain, but an admin wants to know.
+                    if !n.unknown.is_empty() {
+                        let names: Vec<&str> = n
+                            .unknown
+                            .iter()
+                            .map(|u| u.split(':').next().unwrap_or(u))
+                            .collect();
+                        why = format!("{why} [unknown: {}]", names.join(", "))
+                            .trim_start()
+                            .to_string();
+                    }
+                    outln!(
+                        "{:<20} {:<8} {:>8} {:>5}  {why}",
+                        n.node,
+                        n.desired,
+                        age,
+                        n.leftovers.len()
+                    );
                 }
             }
         }

@@ -222,7 +222,7 @@ fn auth_key_host(key: &str) -> Option<String> {
     if host.is_empty() || !(path.is_empty() || path == "v1" || path == "v2") {
         return None;
     }
-    Some(host.to_ascii_lowercase())
+    Some(host.to_string())
 }
 
 /// Parses netrc text. `default` entries and `macdef` blocks are skipped: a registry login
