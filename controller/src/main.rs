@@ -220,7 +220,8 @@ struct ServeArgs {
     #[arg(long)]
     heartbeat_interval_s: Option<u64>,
     /// Tests only: exit, as a crash would, when this file exists as the leader is about to
-    /// apply committed decisions to Slurm (the failpoint between commit and apply)
+    /// apply committed decisions to Slurm (the failpoint between commit and apply; it removes
+    /// the file, so one arming fires once)
     #[arg(long, hide = true, value_name = "PATH")]
     failpoint_file: Option<PathBuf>,
 }

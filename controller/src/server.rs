@@ -760,10 +760,11 @@ fn group(actions: Vec<Action>, per_call: usize) -> Vec<Call> {
 /// The test-only failpoint between commit and apply (`serve --failpoint-file PATH`, a hidden
 /// flag no configuration file sets): when PATH exists as the leader is about to apply committed
 /// decisions to Slurm, the process exits at once, as a crash would, leaving them committed and
-/// not applied for the next leader.
+/// not applied for the next leader. It fires once per arming: the controller that fires removes
+/// PATH (only one can), so the next leader applies.
 fn failpoint(app: &App) {
     if let Some(path) = &app.s.failpoint_file
-        && path.exists()
+        && std::fs::remove_file(path).is_ok()
     {
         eprintln!(
             "berth-controller: failpoint {}: exiting between commit and apply",

@@ -258,6 +258,10 @@ fn kmsg_seq(config: &Config) -> Option<u64> {
 const SMALL_FILE: u64 = 4096;
 const LIST_MAX: usize = 1000;
 
+/// How often the inventory (versions, images, leftovers) is gathered: it changes slowly, and
+/// judging scratch asks slurmctld (`squeue`), which a thousand nodes must not do every second.
+const INVENTORY_EVERY: Duration = Duration::from_secs(60);
+
 fn small_file(path: &Path) -> Option<String> {
     let mut s = String::new();
     std::fs::File::open(path)
@@ -609,6 +613,7 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
     };
     let mut last_checks: Vec<CheckResult> = Vec::new();
     let mut inv = Inventory::default();
+    let mut inv_at: Option<Instant> = None;
     // The statuses the controller last took, and when the next regular heartbeat is due.
     let mut sent_statuses: Option<Vec<(String, Status)>> = None;
     let mut next_beat = Instant::now();
@@ -617,9 +622,14 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
         let started = Instant::now();
         checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
         let (c, after) = (config.clone(), xid_after);
+        let gather = inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY);
         let results = match checker.run(move || Round {
             checks: checks(&c, after),
-            inventory: inventory(&c),
+            inventory: if gather {
+                inventory(&c)
+            } else {
+                Inventory::default()
+            },
             // XIDs count once: the next round judges only those logged after this one's.
             kmsg_seq: kmsg_seq(&c),
         }) {
@@ -627,7 +637,10 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
                 if r.kmsg_seq.is_some() {
                     xid_after = r.kmsg_seq;
                 }
-                inv = r.inventory;
+                if gather {
+                    inv = r.inventory;
+                    inv_at = Some(Instant::now());
+                }
                 last_checks = r.checks.clone();
                 r.checks
             }
