@@ -47,7 +47,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Dest, How, Kind, MARKER, Marker, Options, Report, StageError, as_user, fsops, open_dest,
-    open_source, parallel, tree, walk, with_progress, write_marker,
+    open_source, parallel, progress::with_progress, tree, walk, write_marker,
 };
 use crate::spec::user::UserIds;
 

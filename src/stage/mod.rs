@@ -22,12 +22,13 @@
 pub mod cache;
 mod fsops;
 pub mod job;
+mod progress;
 pub mod retain;
 pub mod scratch;
 pub(crate) mod tree;
 
 use std::ffi::CString;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -615,99 +616,6 @@ where
     }
 }
 
-struct Progress {
-    files: AtomicU64,
-    bytes: AtomicU64,
-}
-
-/// Reports `progress` on `out` until `done`: a line rewritten in place every half second on a
-/// terminal (`tty`), else a line every `interval`.
-fn progress_thread<'s>(
-    scope: &'s std::thread::Scope<'s, '_>,
-    progress: &'s Progress,
-    done: &'s AtomicBool,
-    (total_files, total_bytes): (u64, u64),
-    interval: Duration,
-    tty: bool,
-    mut out: impl Write + Send + 's,
-) {
-    let interval = if tty {
-        Duration::from_millis(500)
-    } else {
-        interval
-    };
-    scope.spawn(move || {
-        let start = Instant::now();
-        let mut last = Instant::now();
-        while !done.load(Ordering::Relaxed) {
-            std::thread::sleep(Duration::from_millis(100).min(interval));
-            if last.elapsed() < interval {
-                continue;
-            }
-            last = Instant::now();
-            let (f, b) = (
-                progress.files.load(Ordering::Relaxed),
-                progress.bytes.load(Ordering::Relaxed),
-            );
-            let rate = b as f64 / start.elapsed().as_secs_f64();
-            let eta = if rate > 0.0 {
-                format!("{:.0} s", total_bytes.saturating_sub(b) as f64 / rate)
-            } else {
-                "?".into()
-            };
-            let line = format!(
-                "staging: {f}/{total_files} files, {:.2}/{:.2} GB, {:.2} GB/s, ETA {eta}",
-                b as f64 / 1e9,
-                total_bytes as f64 / 1e9,
-                rate / 1e9
-            );
-            // Progress is best effort: a closed stderr does not fail the stage.
-            let _ = if tty {
-                write!(out, "\r{line}\x1b[K")
-            } else {
-                writeln!(out, "{line}")
-            };
-        }
-        if tty {
-            let _ = write!(out, "\r\x1b[K");
-        }
-    });
-}
-
-/// Runs `f` with progress counters, reported while it runs when `opts.progress` asks for it:
-/// `files` is (already done, total), `bytes` the total to copy.
-fn with_progress<R>(
-    opts: &Options,
-    files: (u64, u64),
-    bytes: u64,
-    f: impl FnOnce(&Progress) -> R,
-) -> R {
-    let progress = Progress {
-        files: AtomicU64::new(files.0),
-        bytes: AtomicU64::new(0),
-    };
-    let done = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        if opts.progress {
-            let err = std::io::stderr();
-            let tty = err.is_terminal();
-            let totals = (files.1, bytes);
-            progress_thread(
-                s,
-                &progress,
-                &done,
-                totals,
-                opts.progress_interval,
-                tty,
-                err,
-            );
-        }
-        let r = f(&progress);
-        done.store(true, Ordering::Relaxed);
-        r
-    })
-}
-
 /// The destination of a stage, open: its root directory, and whether it was there before (a
 /// directory the stage did not make keeps its mode and owner: only what a stage makes gets the
 /// source's modes).
@@ -993,7 +901,7 @@ fn stage_into(
     phase(format_args!("{} copy tasks ready", tasks.len()));
 
     let way = fsops::CopyWay::default();
-    with_progress(
+    progress::with_progress(
         opts,
         (report.files_unchanged, report.files),
         report.bytes_copied,
@@ -1334,62 +1242,6 @@ mod tests {
             workers: 4,
             chunk_size: 1 << 20,
             ..Options::default()
-        }
-    }
-
-    /// A writer the test can read back.
-    #[derive(Clone, Default)]
-    struct Sink(std::sync::Arc<Mutex<Vec<u8>>>);
-    impl Write for Sink {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    #[test]
-    fn progress_is_reported_while_work_goes_on_as_lines_or_in_place() {
-        for tty in [false, true] {
-            let sink = Sink::default();
-            let progress = Progress {
-                files: AtomicU64::new(3),
-                bytes: AtomicU64::new(0),
-            };
-            let done = AtomicBool::new(false);
-            std::thread::scope(|s| {
-                let every = Duration::from_millis(20);
-                progress_thread(
-                    s,
-                    &progress,
-                    &done,
-                    (10, 2_000_000_000),
-                    every,
-                    tty,
-                    sink.clone(),
-                );
-                progress.files.store(5, Ordering::Relaxed);
-                progress.bytes.store(1_000_000_000, Ordering::Relaxed);
-                // Long enough for several lines, and for the terminal's half-second period.
-                std::thread::sleep(Duration::from_millis(700));
-                done.store(true, Ordering::Relaxed);
-            });
-            let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
-            assert!(
-                text.contains("staging: 5/10 files, 1.00/2.00 GB, "),
-                "{text:?}"
-            );
-            assert!(text.contains(" GB/s, ETA "), "{text:?}");
-            if tty {
-                assert!(
-                    !text.contains('\n') && text.ends_with("\r\x1b[K"),
-                    "{text:?}"
-                );
-            } else {
-                assert!(text.lines().count() >= 5, "{text:?}");
-            }
         }
     }
 
