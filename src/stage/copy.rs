@@ -139,51 +139,12 @@ pub(super) fn stage_into(
         "walked {} entries and compared them with the destination",
         plan.entries.len()
     ));
-    let src_path = |rel: &Path| {
-        if plan.single_file {
-            plan.source.clone()
-        } else {
-            plan.source.join(rel)
-        }
-    };
-    // Every directory already has its final mode and mtime (a completed stage's state); the
-    // root's mtime is not the source's: the marker, written last, changed it.
-    let mut dirs_exact = plan.dirs_exact;
-    if let Some(e) = plan.entries.first().filter(|e| e.kind == Kind::Dir) {
-        let st = fsops::fstat(root).map_err(|err| dest_err("inspect", Path::new(""), err))?;
-        let root = Entry {
-            mtime: (st.st_mtime, st.st_mtime_nsec),
-            ..e.clone()
-        };
-        // A destination directory that was there keeps its mode: only its contents count.
-        dirs_exact &= existed || dir_exact(&root, &st, e.mode | 0o700);
-    }
+    let dirs_exact = dirs_exact(&plan, root, existed, &dest_path)?;
 
     // Absolute in the report and the marker: `stage status` must name the source whatever the
     // directory it runs in.
     let source_abs = std::path::absolute(source).unwrap_or_else(|_| source.to_path_buf());
-    let mut report = Report {
-        source: source_abs.clone(),
-        dest: dest_path.clone(),
-        skipped_special: plan.skipped_special,
-        ..Report::default()
-    };
-    for (e, &copy) in plan.entries.iter().zip(&plan.copy) {
-        match e.kind {
-            Kind::Dir => report.dirs += 1,
-            Kind::Symlink => report.symlinks += 1,
-            Kind::File => {
-                report.files += 1;
-                report.bytes += e.size;
-                if copy {
-                    report.files_copied += 1;
-                    report.bytes_copied += e.size;
-                } else {
-                    report.files_unchanged += 1;
-                }
-            }
-        }
-    }
+    let mut report = tally(&plan, &source_abs, &dest_path);
 
     // A completed stage of this very source, and nothing changed since: done, without the
     // syncfs and the marker rewrite (the fixed cost of an unchanged re-stage).
@@ -205,23 +166,165 @@ pub(super) fn stage_into(
     // A stage in progress is never complete, whatever an earlier stage left.
     fsops::unlink_beneath(root, Path::new(MARKER))
         .map_err(|e| dest_err("remove", Path::new(MARKER), e))?;
+    check_space(root, opts.cap, report.bytes_copied, &dest_path)?;
+    make_dirs(&plan, root, existed, &dest_path, made)?;
 
-    // Space: the bytes to copy must fit both the filesystem and the per-job cap.
-    let free = fsops::available_bytes(root).map_err(|e| dest_err("inspect", Path::new(""), e))?;
-    let (available, limit) = match opts.cap {
+    let chunk = opts.chunk_size.max(1 << 20);
+    let (tasks, chunks_left) = copy_tasks(&plan, root, chunk, &dest_path)?;
+    phase(format_args!("{} copy tasks ready", tasks.len()));
+    let way = fsops::CopyWay::default();
+    progress::with_progress(
+        opts,
+        (report.files_unchanged, report.files),
+        report.bytes_copied,
+        |progress| {
+            parallel(tasks.len(), opts.workers, |t| {
+                let (i, off, len) = tasks[t];
+                let e = &plan.entries[i];
+                let to = Target {
+                    root,
+                    dest: &dest_path,
+                    src: plan.src_path(&e.rel),
+                    entry: e,
+                };
+                match e.kind {
+                    Kind::Symlink => {
+                        copy_symlink(&to)?;
+                        progress.files.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Kind::File => {
+                        if copy_chunk(&to, (off, len), &chunks_left[i], &way, opts.xattrs)? {
+                            progress.files.fetch_add(1, Ordering::Relaxed);
+                        }
+                        progress.bytes.fetch_add(len, Ordering::Relaxed);
+                    }
+                    Kind::Dir => {}
+                }
+                Ok(())
+            })
+        },
+    )?;
+    phase(format_args!("copied"));
+    finish_dirs(&plan, root, existed, opts.xattrs, &dest_path)?;
+
+    if opts.verify {
+        verify(&plan, root, &dest_path, opts.workers)?;
+        report.verified = true;
+    }
+    // Data on disk before the marker says it is there.
+    fsops::syncfs(root).map_err(|e| dest_err("sync", Path::new(""), e))?;
+    phase(format_args!("synced"));
+    write_marker(
+        root,
+        &Marker {
+            source: source_abs,
+            files: report.files,
+            bytes: report.bytes,
+            completed_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            verified: report.verified,
+        },
+    )
+    .map_err(|e| dest_err("write", Path::new(MARKER), e))?;
+    report.seconds = start.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+impl Plan {
+    /// The source path of the entry `rel`.
+    fn src_path(&self, rel: &Path) -> PathBuf {
+        if self.single_file {
+            self.source.clone()
+        } else {
+            self.source.join(rel)
+        }
+    }
+}
+
+/// Whether every directory already has its final mode and mtime (a completed stage's state);
+/// the root's mtime is not the source's: the marker, written last, changed it.
+fn dirs_exact(
+    plan: &Plan,
+    root: &OwnedFd,
+    existed: bool,
+    dest_path: &Path,
+) -> Result<bool, StageError> {
+    let mut dirs_exact = plan.dirs_exact;
+    if let Some(e) = plan.entries.first().filter(|e| e.kind == Kind::Dir) {
+        let st =
+            fsops::fstat(root).map_err(|err| dest_err("inspect", dest_path, Path::new(""), err))?;
+        let root = Entry {
+            mtime: (st.st_mtime, st.st_mtime_nsec),
+            ..e.clone()
+        };
+        // A destination directory that was there keeps its mode: only its contents count.
+        dirs_exact &= existed || dir_exact(&root, &st, e.mode | 0o700);
+    }
+    Ok(dirs_exact)
+}
+
+/// The report's counts for `plan`: what the source has and what is to be copied.
+fn tally(plan: &Plan, source_abs: &Path, dest_path: &Path) -> Report {
+    let mut report = Report {
+        source: source_abs.to_path_buf(),
+        dest: dest_path.to_path_buf(),
+        skipped_special: plan.skipped_special,
+        ..Report::default()
+    };
+    for (e, &copy) in plan.entries.iter().zip(&plan.copy) {
+        match e.kind {
+            Kind::Dir => report.dirs += 1,
+            Kind::Symlink => report.symlinks += 1,
+            Kind::File => {
+                report.files += 1;
+                report.bytes += e.size;
+                if copy {
+                    report.files_copied += 1;
+                    report.bytes_copied += e.size;
+                } else {
+                    report.files_unchanged += 1;
+                }
+            }
+        }
+    }
+    report
+}
+
+/// Space: the bytes to copy must fit both the filesystem and the per-job cap.
+fn check_space(
+    root: &OwnedFd,
+    cap: Option<u64>,
+    needed: u64,
+    dest_path: &Path,
+) -> Result<(), StageError> {
+    let free = fsops::available_bytes(root)
+        .map_err(|e| dest_err("inspect", dest_path, Path::new(""), e))?;
+    let (available, limit) = match cap {
         Some(cap) if cap < free => (cap, "per-job scratch cap"),
         _ => (free, "free space"),
     };
-    if report.bytes_copied > available {
+    if needed > available {
         return Err(StageError::NoSpace {
-            dest: dest_path,
-            needed: report.bytes_copied,
+            dest: dest_path.to_path_buf(),
+            needed,
             available,
             limit,
         });
     }
+    Ok(())
+}
 
-    // Directories first (parents before children), writable by their owner until the end.
+/// Directories first (parents before children), writable by their owner until the end; those
+/// made are recorded in `made`.
+fn make_dirs(
+    plan: &Plan,
+    root: &OwnedFd,
+    existed: bool,
+    dest_path: &Path,
+    made: &mut Vec<PathBuf>,
+) -> Result<(), StageError> {
+    let dest_err = |op, rel: &Path, source| dest_err(op, dest_path, rel, source);
     for (e, _) in plan
         .entries
         .iter()
@@ -257,11 +360,22 @@ pub(super) fn stage_into(
             Err(err) => return Err(dest_err("create", &e.rel, err)),
         }
     }
+    Ok(())
+}
 
-    // Tasks: one per small file or symlink, one per chunk of a large file.
-    let chunk = opts.chunk_size.max(1 << 20);
-    let mut tasks: Vec<(usize, u64, u64)> = Vec::new();
-    // Chunks still to copy, per entry; 0 for a file copied whole.
+/// A copy task: (entry, offset, length).
+type Task = (usize, u64, u64);
+
+/// Tasks: one per small file or symlink, one per chunk of a large file (created and sized here),
+/// with the chunks still to copy per entry (0 for a file copied whole).
+fn copy_tasks(
+    plan: &Plan,
+    root: &OwnedFd,
+    chunk: u64,
+    dest_path: &Path,
+) -> Result<(Vec<Task>, Vec<AtomicU64>), StageError> {
+    let dest_err = |op, rel: &Path, source| dest_err(op, dest_path, rel, source);
+    let mut tasks: Vec<Task> = Vec::new();
     let chunks_left: Vec<AtomicU64> = plan.entries.iter().map(|_| AtomicU64::new(0)).collect();
     for (i, (e, &copy)) in plan.entries.iter().zip(&plan.copy).enumerate() {
         if !copy || e.kind == Kind::Dir {
@@ -297,78 +411,85 @@ pub(super) fn stage_into(
             t.1,
         )
     });
-    phase(format_args!("{} copy tasks ready", tasks.len()));
+    Ok((tasks, chunks_left))
+}
 
-    let way = fsops::CopyWay::default();
-    progress::with_progress(
-        opts,
-        (report.files_unchanged, report.files),
-        report.bytes_copied,
-        |progress| {
-            parallel(tasks.len(), opts.workers, |t| {
-                let (i, off, len) = tasks[t];
-                let e = &plan.entries[i];
-                match e.kind {
-                    Kind::Symlink => {
-                        let src = src_path(&e.rel);
-                        let target =
-                            std::fs::read_link(&src).map_err(|err| StageError::Source {
-                                path: src.clone(),
-                                source: err,
-                            })?;
-                        remove_nondir(root, &e.rel)
-                            .map_err(|err| dest_err("remove", &e.rel, err))?;
-                        fsops::symlink_beneath(root, &target, &e.rel)
-                            .map_err(|err| dest_err("create", &e.rel, err))?;
-                        fsops::set_mtime_beneath(root, &e.rel, e.mtime)
-                            .map_err(|err| dest_err("set the mtime of", &e.rel, err))?;
-                        progress.files.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Kind::File => {
-                        let src = src_path(&e.rel);
-                        let sfd = open_source(&src)?;
-                        let whole = chunks_left[i].load(Ordering::Relaxed) == 0;
-                        let dfd = if whole {
-                            create_file(root, &e.rel)
-                        } else {
-                            fsops::open_beneath(root, &e.rel, libc::O_WRONLY, 0)
-                        }
-                        .map_err(|err| dest_err("create", &e.rel, err))?;
-                        fsops::copy_data(&sfd, &dfd, off, len, e.size, &way).map_err(|err| {
-                            match err.kind() {
-                                std::io::ErrorKind::UnexpectedEof => StageError::Source {
-                                    path: src.clone(),
-                                    source: err,
-                                },
-                                _ => dest_err("write", &e.rel, err),
-                            }
-                        })?;
-                        // The last chunk of a file completes it (mode and mtime set last).
-                        if whole || chunks_left[i].fetch_sub(1, Ordering::AcqRel) == 1 {
-                            if opts.xattrs {
-                                fsops::copy_xattrs(&sfd, &dfd)
-                                    .map_err(|err| dest_err(XATTRS_OP, &e.rel, err))?;
-                            }
-                            finish_file(&dfd, e)
-                                .map_err(|err| dest_err("set the mode of", &e.rel, err))?;
-                            progress.files.fetch_add(1, Ordering::Relaxed);
-                        }
-                        progress.bytes.fetch_add(len, Ordering::Relaxed);
-                    }
-                    Kind::Dir => {}
-                }
-                Ok(())
-            })
+/// One entry a copy task writes: where it comes from and where it goes.
+struct Target<'a> {
+    root: &'a OwnedFd,
+    dest: &'a Path,
+    src: PathBuf,
+    entry: &'a Entry,
+}
+
+impl Target<'_> {
+    fn err(&self, op: &'static str, source: std::io::Error) -> StageError {
+        dest_err(op, self.dest, &self.entry.rel, source)
+    }
+}
+
+/// Recreates a symlink as a symlink, with the source's mtime.
+fn copy_symlink(to: &Target) -> Result<(), StageError> {
+    let (root, e) = (to.root, to.entry);
+    let target = std::fs::read_link(&to.src).map_err(|err| StageError::Source {
+        path: to.src.clone(),
+        source: err,
+    })?;
+    remove_nondir(root, &e.rel).map_err(|err| to.err("remove", err))?;
+    fsops::symlink_beneath(root, &target, &e.rel).map_err(|err| to.err("create", err))?;
+    fsops::set_mtime_beneath(root, &e.rel, e.mtime).map_err(|err| to.err("set the mtime of", err))
+}
+
+/// Copies `(off, len)` of a file (the whole file when `chunks_left` is 0); `true` when this
+/// completed the file (its mode and mtime set last).
+fn copy_chunk(
+    to: &Target,
+    (off, len): (u64, u64),
+    chunks_left: &AtomicU64,
+    way: &fsops::CopyWay,
+    xattrs: bool,
+) -> Result<bool, StageError> {
+    let (root, e) = (to.root, to.entry);
+    let sfd = open_source(&to.src)?;
+    let whole = chunks_left.load(Ordering::Relaxed) == 0;
+    let dfd = if whole {
+        create_file(root, &e.rel)
+    } else {
+        fsops::open_beneath(root, &e.rel, libc::O_WRONLY, 0)
+    }
+    .map_err(|err| to.err("create", err))?;
+    fsops::copy_data(&sfd, &dfd, off, len, e.size, way).map_err(|err| match err.kind() {
+        std::io::ErrorKind::UnexpectedEof => StageError::Source {
+            path: to.src.clone(),
+            source: err,
         },
-    )?;
-    phase(format_args!("copied"));
-    // Directory modes and mtimes last, deepest first: creating entries changed their mtimes.
+        _ => to.err("write", err),
+    })?;
+    // The last chunk of a file completes it (mode and mtime set last).
+    if !(whole || chunks_left.fetch_sub(1, Ordering::AcqRel) == 1) {
+        return Ok(false);
+    }
+    if xattrs {
+        fsops::copy_xattrs(&sfd, &dfd).map_err(|err| to.err(XATTRS_OP, err))?;
+    }
+    finish_file(&dfd, e).map_err(|err| to.err("set the mode of", err))?;
+    Ok(true)
+}
+
+/// Directory modes and mtimes last, deepest first: creating entries changed their mtimes.
+fn finish_dirs(
+    plan: &Plan,
+    root: &OwnedFd,
+    existed: bool,
+    xattrs: bool,
+    dest_path: &Path,
+) -> Result<(), StageError> {
+    let dest_err = |op, rel: &Path, source| dest_err(op, dest_path, rel, source);
     for e in plan.entries.iter().rev().filter(|e| e.kind == Kind::Dir) {
         let fd = fsops::open_beneath(root, &e.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
             .map_err(|err| dest_err("open", &e.rel, err))?;
-        if opts.xattrs {
-            let src = src_path(&e.rel);
-            let sfd = open_source(&src)?;
+        if xattrs {
+            let sfd = open_source(&plan.src_path(&e.rel))?;
             fsops::copy_xattrs(&sfd, &fd).map_err(|err| dest_err(XATTRS_OP, &e.rel, err))?;
         }
         if existed && e.rel.as_os_str().is_empty() {
@@ -384,29 +505,7 @@ pub(super) fn stage_into(
         };
         fsops::fchmod(&fd, mode).map_err(|err| dest_err("chmod", &e.rel, err))?;
     }
-
-    if opts.verify {
-        verify(&plan, root, &dest_path, opts.workers)?;
-        report.verified = true;
-    }
-    // Data on disk before the marker says it is there.
-    fsops::syncfs(root).map_err(|e| dest_err("sync", Path::new(""), e))?;
-    phase(format_args!("synced"));
-    write_marker(
-        root,
-        &Marker {
-            source: source_abs,
-            files: report.files,
-            bytes: report.bytes,
-            completed_at: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            verified: report.verified,
-        },
-    )
-    .map_err(|e| dest_err("write", Path::new(MARKER), e))?;
-    report.seconds = start.elapsed().as_secs_f64();
-    Ok(report)
+    Ok(())
 }
 
 pub(super) fn open_source(path: &Path) -> Result<OwnedFd, StageError> {
@@ -470,11 +569,7 @@ pub(super) fn verify(
         .collect();
     parallel(files.len(), workers, |i| {
         let e = files[i];
-        let src = if plan.single_file {
-            plan.source.clone()
-        } else {
-            plan.source.join(&e.rel)
-        };
+        let src = plan.src_path(&e.rel);
         let a = hash_fd(open_source(&src)?).map_err(|source| StageError::Source {
             path: src.clone(),
             source,
