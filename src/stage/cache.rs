@@ -37,7 +37,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::Ordering;
@@ -235,10 +235,10 @@ impl Cache {
         let fd = crate::privfs::root_dir(dir, 0o700).map_err(StageError::CacheDir)?;
         for sub in [c"entries", c"locks", c"tmp"] {
             let p = dir.join(sub.to_string_lossy().as_ref());
-            // SAFETY: `fd` is an open directory and `sub` a valid C string of one component.
-            let r = unsafe { libc::mkdirat(fd.as_raw_fd(), sub.as_ptr(), 0o700) };
-            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
-                return Err(cache_err("create", &p)(std::io::Error::last_os_error()));
+            let mode = nix::sys::stat::Mode::from_bits_retain(0o700);
+            match nix::sys::stat::mkdirat(&fd, sub, mode) {
+                Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+                Err(e) => return Err(cache_err("create", &p)(e.into())),
             }
             // A directory, not a symlink in its place.
             tree::open_dir_at(&fd, sub).map_err(cache_err("open", &p))?;
@@ -587,20 +587,15 @@ fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let ca = std::ffi::CString::new(a.as_os_str().as_bytes())?;
     let cb = std::ffi::CString::new(b.as_os_str().as_bytes())?;
-    // SAFETY: both are valid C strings; renameat2 only reads them.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            ca.as_ptr(),
-            libc::AT_FDCWD,
-            cb.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    use nix::fcntl::{AT_FDCWD, RenameFlags};
+    nix::fcntl::renameat2(
+        AT_FDCWD,
+        ca.as_c_str(),
+        AT_FDCWD,
+        cb.as_c_str(),
+        RenameFlags::RENAME_EXCHANGE,
+    )
+    .map_err(std::io::Error::from)
 }
 
 /// Stages the directory `canon` (canonical, under a cache prefix) into `base/rel` for `user`

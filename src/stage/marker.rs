@@ -51,18 +51,5 @@ pub(super) fn write_marker(root: &OwnedFd, marker: &Marker) -> std::io::Result<(
     f.sync_all()?;
     let tmp = std::ffi::CString::new(MARKER_TMP).expect("no NUL");
     let fin = std::ffi::CString::new(MARKER).expect("no NUL");
-    use std::os::fd::AsRawFd;
-    // SAFETY: `root` is an open directory; both names are valid C strings of plain file names.
-    let r = unsafe {
-        libc::renameat(
-            root.as_raw_fd(),
-            tmp.as_ptr(),
-            root.as_raw_fd(),
-            fin.as_ptr(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    nix::fcntl::renameat(root, tmp.as_c_str(), root, fin.as_c_str()).map_err(std::io::Error::from)
 }

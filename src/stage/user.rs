@@ -70,13 +70,11 @@ where
                 .map(|_| {
                     // After the credential change, which clears the parent-death signal; and if
                     // the parent is already gone, nobody waits for this stage.
-                    // SAFETY: prctl with PR_SET_PDEATHSIG and a signal number has no memory effects.
-                    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                    let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
                     // The user must not ptrace this child or reach its pipe through /proc: root
                     // trusts what it reports (the dataset cache serves by its manifest). The
                     // kernel clears the flag on the uid change already; this does not rely on it.
-                    // SAFETY: as above.
-                    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) };
+                    let _ = nix::sys::prctl::set_dumpable(false);
                     if nix::unistd::getppid() != parent {
                         // SAFETY: exiting the child without running the parent's exit handlers.
                         unsafe { libc::_exit(1) }
