@@ -37,19 +37,22 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Dest, How, Kind, MARKER, Marker, Options, Report, StageError, as_user, fsops, open_dest,
-    open_source, parallel, tree, walk, with_progress, write_marker,
+    Kind, Options, Report, StageError, as_user, fsops, open_source, parallel,
+    progress::with_progress, tree, walk,
 };
 use crate::spec::user::UserIds;
+
+mod link;
+use self::link::{link_into, verify};
 
 /// Where the cache lives and what it covers (`[stage] cache_*`).
 #[derive(Clone, Debug, PartialEq)]
@@ -232,10 +235,10 @@ impl Cache {
         let fd = crate::privfs::root_dir(dir, 0o700).map_err(StageError::CacheDir)?;
         for sub in [c"entries", c"locks", c"tmp"] {
             let p = dir.join(sub.to_string_lossy().as_ref());
-            // SAFETY: `fd` is an open directory and `sub` a valid C string of one component.
-            let r = unsafe { libc::mkdirat(fd.as_raw_fd(), sub.as_ptr(), 0o700) };
-            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
-                return Err(cache_err("create", &p)(std::io::Error::last_os_error()));
+            let mode = nix::sys::stat::Mode::from_bits_retain(0o700);
+            match nix::sys::stat::mkdirat(&fd, sub, mode) {
+                Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+                Err(e) => return Err(cache_err("create", &p)(e.into())),
             }
             // A directory, not a symlink in its place.
             tree::open_dir_at(&fd, sub).map_err(cache_err("open", &p))?;
@@ -584,20 +587,15 @@ fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let ca = std::ffi::CString::new(a.as_os_str().as_bytes())?;
     let cb = std::ffi::CString::new(b.as_os_str().as_bytes())?;
-    // SAFETY: both are valid C strings; renameat2 only reads them.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            ca.as_ptr(),
-            libc::AT_FDCWD,
-            cb.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    use nix::fcntl::{AT_FDCWD, RenameFlags};
+    nix::fcntl::renameat2(
+        AT_FDCWD,
+        ca.as_c_str(),
+        AT_FDCWD,
+        cb.as_c_str(),
+        RenameFlags::RENAME_EXCHANGE,
+    )
+    .map_err(std::io::Error::from)
 }
 
 /// Stages the directory `canon` (canonical, under a cache prefix) into `base/rel` for `user`
@@ -676,389 +674,6 @@ pub(super) fn stage_cached(
     drop(lock);
     report.seconds = start.elapsed().as_secs_f64();
     Ok(report)
-}
-
-/// Puts the entry's files into `base/rel` for `user`: hardlinks, or clones or copies when the
-/// cache is on another filesystem. Directories, symlinks and copies are given to the user.
-fn link_into(
-    data_path: &Path,
-    m: &Manifest,
-    base: &Path,
-    rel: &Path,
-    user: &UserIds,
-    opts: &Options,
-) -> Result<Report, StageError> {
-    let dest_path = base.join(rel);
-    // The destination is the user's: opened (its missing directories made) as the user, then
-    // worked on beneath that fd only.
-    let dest =
-        crate::privfs::as_user(user, || open_dest(base, rel)).map_err(|e| StageError::Dest {
-            op: "open",
-            path: dest_path.clone(),
-            source: e,
-        })??;
-    let mut made = Vec::new();
-    let result = link_into_dest(data_path, m, &dest_path, user, opts, &dest, &mut made);
-    if result.is_err() {
-        // The directories this stage made go again, by fd beneath their parents.
-        dest.remove_made(&made);
-    }
-    result
-}
-
-/// [`link_into`] the opened `dest`; the directories it creates are recorded in `made`.
-fn link_into_dest(
-    data_path: &Path,
-    m: &Manifest,
-    dest_path: &Path,
-    user: &UserIds,
-    opts: &Options,
-    dest: &Dest,
-    made: &mut Vec<PathBuf>,
-) -> Result<Report, StageError> {
-    let (uid, gid) = (user.uid, user.gid);
-    let (root, existed) = (&dest.fd, dest.existed);
-    let dest_err = |op, rel: &Path| {
-        let path = dest_path.join(rel);
-        move |source| StageError::Dest { op, path, source }
-    };
-    fsops::unlink_beneath(root, Path::new(MARKER))
-        .map_err(dest_err("remove", Path::new(MARKER)))?;
-    let data = open_dir(data_path).map_err(cache_err("open", data_path))?;
-
-    // Space, before anything is put there: what is not in place yet counts against the job's
-    // cap (as the scratch's usage counts every file, links too), and must fit the destination's
-    // filesystem when the cache is on another one (links take no room there). With neither, the
-    // destination is not inspected twice.
-    let groups = super::sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
-    let dest_st = fsops::fstat(root).map_err(dest_err("inspect", Path::new("")))?;
-    let cache_st = fsops::fstat(&data).map_err(cache_err("inspect", data_path))?;
-    let free = if dest_st.st_dev != cache_st.st_dev {
-        fsops::available_bytes(root).map_err(dest_err("inspect", Path::new("")))?
-    } else {
-        u64::MAX
-    };
-    let (available, limit) = match opts.cap {
-        Some(cap) if cap < free => (cap, "per-job scratch cap"),
-        _ => (free, "free space"),
-    };
-    let needed = if available < u64::MAX {
-        missing_bytes(
-            m,
-            &groups,
-            (&data, data_path),
-            (root, dest_path),
-            uid,
-            opts.workers,
-        )?
-    } else {
-        0
-    };
-    if needed > available {
-        return Err(StageError::NoSpace {
-            dest: dest_path.to_path_buf(),
-            needed,
-            available,
-            limit,
-        });
-    }
-
-    let mut report = Report {
-        source: m.source.clone(),
-        dest: dest_path.to_path_buf(),
-        ..Report::default()
-    };
-    for i in m.items.iter().filter(|i| i.kind == Kind::Dir) {
-        report.dirs += 1;
-        if i.rel.as_os_str().is_empty() {
-            continue;
-        }
-        let made_here = match fsops::mkdir_beneath(root, &i.rel, 0o700) {
-            Ok(()) => {
-                made.push(i.rel.clone());
-                true
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                let st = fsops::lstat_beneath(root, &i.rel).map_err(dest_err("inspect", &i.rel))?;
-                if st.is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR) {
-                    // A file or symlink where the source has a directory: replace it.
-                    fsops::unlink_beneath(root, &i.rel).map_err(dest_err("remove", &i.rel))?;
-                    fsops::mkdir_beneath(root, &i.rel, 0o700)
-                        .map_err(dest_err("create", &i.rel))?;
-                    true
-                } else {
-                    false
-                }
-            }
-            Err(e) => return Err(dest_err("create", &i.rel)(e)),
-        };
-        if made_here {
-            let fd = fsops::open_beneath(root, &i.rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
-                .map_err(dest_err("open", &i.rel))?;
-            fsops::fchown(&fd, uid, gid).map_err(dest_err("chown", &i.rel))?;
-        }
-    }
-
-    let how = Putting {
-        owner: (uid, gid),
-        other_fs: AtomicBool::new(false),
-        way: fsops::CopyWay::default(),
-        xattrs: m.xattrs,
-    };
-    // Files put each way, indexed by `Put`.
-    let puts: [AtomicU64; 4] = Default::default();
-    // One task per directory's files: its directory in the cache and in the destination opened
-    // once, then a few calls on plain names per file.
-    let files = m.files().count() as u64;
-    with_progress(opts, (0, files), needed, |progress| {
-        parallel(groups.len(), opts.workers, |g| {
-            let (first, end) = groups[g];
-            let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
-            let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
-            let cdir = fsops::open_beneath(&data, parent, dir_flags, 0)
-                .map_err(cache_err("open", &data_path.join(parent)))?;
-            let ddir = fsops::open_beneath(root, parent, dir_flags, 0)
-                .map_err(dest_err("open", parent))?;
-            for i in &m.items[first..end] {
-                let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
-                match i.kind {
-                    Kind::Dir => {}
-                    Kind::Symlink => {
-                        let target = i.target.as_deref().unwrap_or(Path::new(""));
-                        fsops::unlink_at(&ddir, &name).map_err(dest_err("remove", &i.rel))?;
-                        fsops::symlink_at(&ddir, &name, target, Some((uid, gid)), i.mtime)
-                            .map_err(dest_err("create", &i.rel))?;
-                    }
-                    Kind::File => {
-                        let put =
-                            link_file(i, &name, &cdir, &ddir, &how).map_err(
-                                |(op, e)| match op {
-                                    "conflict" => StageError::Conflict {
-                                        path: dest_path.join(&i.rel),
-                                        message:
-                                            "a directory where the dataset has a file; remove it"
-                                                .into(),
-                                    },
-                                    "cache" => cache_err("read", &data_path.join(&i.rel))(e),
-                                    op => dest_err(op, &i.rel)(e),
-                                },
-                            )?;
-                        puts[put as usize].fetch_add(1, Ordering::Relaxed);
-                        progress.files.fetch_add(1, Ordering::Relaxed);
-                        if put == Put::Copied {
-                            progress.bytes.fetch_add(i.size, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }
-            Ok(())
-        })
-    })?;
-    // Directory modes and mtimes last, deepest first.
-    for i in m.items.iter().rev().filter(|i| i.kind == Kind::Dir) {
-        let flags = libc::O_RDONLY | libc::O_DIRECTORY;
-        let fd = fsops::open_beneath(root, &i.rel, flags, 0).map_err(dest_err("open", &i.rel))?;
-        // Root changes only the user's directories (those it made were given to the user); a
-        // destination directory that was there keeps its mode and mtime.
-        let st = fsops::fstat(&fd).map_err(dest_err("inspect", &i.rel))?;
-        if st.st_uid != uid {
-            continue;
-        }
-        if m.xattrs {
-            let cfd = fsops::open_beneath(&data, &i.rel, flags, 0)
-                .map_err(cache_err("open", &data_path.join(&i.rel)))?;
-            fsops::copy_xattrs(&cfd, &fd).map_err(dest_err(super::XATTRS_OP, &i.rel))?;
-        }
-        let root_dir = i.rel.as_os_str().is_empty();
-        if root_dir && existed {
-            continue;
-        }
-        fsops::set_mtime_fd(&fd, i.mtime).map_err(dest_err("set the mtime of", &i.rel))?;
-        let mode = if root_dir { i.mode | 0o700 } else { i.mode };
-        fsops::fchmod(&fd, mode).map_err(dest_err("chmod", &i.rel))?;
-    }
-    let [unchanged, linked, cloned, copied] = puts.map(AtomicU64::into_inner);
-    // Links are metadata, committed with the marker's fsync on a journaling filesystem; copied
-    // or cloned data must reach the disk before the marker says it is there.
-    if copied + cloned > 0 {
-        fsops::syncfs(root).map_err(dest_err("sync", Path::new("")))?;
-    }
-    report.files = m.files().count() as u64;
-    report.bytes = m.bytes();
-    report.symlinks = m.items.iter().filter(|i| i.kind == Kind::Symlink).count() as u64;
-    report.files_unchanged = unchanged;
-    report.files_from_cache = linked + cloned + copied;
-    report.how = if copied > 0 {
-        How::CopiedFromCache
-    } else if cloned > 0 {
-        How::ReflinkedFromCache
-    } else {
-        How::LinkedFromCache
-    };
-    write_marker(
-        root,
-        &Marker {
-            source: m.source.clone(),
-            files: report.files,
-            bytes: report.bytes,
-            completed_at: SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            verified: false,
-        },
-    )
-    .map_err(dest_err("write", Path::new(MARKER)))?;
-    fsops::lchown_beneath(root, Path::new(MARKER), uid, gid)
-        .map_err(dest_err("chown", Path::new(MARKER)))?;
-    Ok(report)
-}
-
-/// Bytes of the files of `m` that are not in place in the destination yet (neither the cached
-/// inode nor an earlier copy of it), grouped by directory as `groups` says.
-fn missing_bytes(
-    m: &Manifest,
-    groups: &[(usize, usize)],
-    (data, data_path): (&OwnedFd, &Path),
-    (root, dest_path): (&OwnedFd, &Path),
-    uid: u32,
-    workers: usize,
-) -> Result<u64, StageError> {
-    let dest_err = |op, rel: &Path| {
-        let path = dest_path.join(rel);
-        move |source| StageError::Dest { op, path, source }
-    };
-    let needed = AtomicU64::new(0);
-    parallel(groups.len(), workers, |g| {
-        let (first, end) = groups[g];
-        let parent = m.items[first].rel.parent().unwrap_or(Path::new(""));
-        let dir_flags = libc::O_PATH | libc::O_DIRECTORY;
-        let cdir = fsops::open_beneath(data, parent, dir_flags, 0)
-            .map_err(cache_err("open", &data_path.join(parent)))?;
-        let ddir = fsops::open_dir_if_any(root, parent).map_err(dest_err("open", parent))?;
-        for i in m.items[first..end].iter().filter(|i| i.kind == Kind::File) {
-            let name = fsops::name_of(&i.rel).map_err(dest_err("open", &i.rel))?;
-            let cached = fsops::lstat_at(&cdir, &name)
-                .map_err(cache_err("read", &data_path.join(&i.rel)))?;
-            let dest = match &ddir {
-                Some(d) => fsops::lstat_at(d, &name).map_err(dest_err("inspect", &i.rel))?,
-                None => None,
-            };
-            let there = matches!((&cached, &dest), (Some(c), Some(d)) if in_place(i, c, d, uid));
-            if !there {
-                needed.fetch_add(i.size, Ordering::Relaxed);
-            }
-        }
-        Ok(())
-    })?;
-    Ok(needed.into_inner())
-}
-
-/// Whether the destination's `dest` already is the cached file `cached` of item `i`: the same
-/// inode, or a copy made earlier (cache on another filesystem) that is the user's, by the
-/// engine's rule (size and mtime).
-fn in_place(i: &Item, cached: &libc::stat, dest: &libc::stat, uid: u32) -> bool {
-    (dest.st_dev, dest.st_ino) == (cached.st_dev, cached.st_ino)
-        || (dest.st_mode & libc::S_IFMT == libc::S_IFREG
-            && dest.st_uid == uid
-            && (dest.st_size as u64, (dest.st_mtime, dest.st_mtime_nsec)) == (i.size, i.mtime))
-}
-
-/// How one file got into the destination (in this order, it indexes `link_into`'s counts).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Put {
-    Unchanged,
-    Linked,
-    Cloned,
-    Copied,
-}
-
-/// How [`link_file`] puts files into one destination.
-struct Putting {
-    /// The job's user and group: the owner of copies.
-    owner: (u32, u32),
-    /// Set once a hardlink fails with EXDEV: the cache is on another filesystem.
-    other_fs: AtomicBool,
-    way: fsops::CopyWay,
-    /// Copies get the cached file's `user.*` extended attributes.
-    xattrs: bool,
-}
-
-/// Puts the cached file `name` (in `cdir`) into `ddir`: already there (the same inode, or an
-/// earlier copy of the same size and mtime), a hardlink, or a clone or copy of the user's own
-/// once `other_fs` says hardlinks cannot cross. Errors carry the operation that failed.
-fn link_file(
-    i: &Item,
-    name: &std::ffi::CStr,
-    cdir: &OwnedFd,
-    ddir: &OwnedFd,
-    how: &Putting,
-) -> Result<Put, (&'static str, std::io::Error)> {
-    let ((uid, gid), other_fs) = (how.owner, &how.other_fs);
-    let missing = || std::io::Error::from(std::io::ErrorKind::NotFound);
-    let cached = fsops::lstat_at(cdir, name)
-        .map_err(|e| ("cache", e))?
-        .ok_or_else(|| ("cache", missing()))?;
-    match fsops::lstat_at(ddir, name).map_err(|e| ("inspect", e))? {
-        Some(st) if in_place(i, &cached, &st, uid) => return Ok(Put::Unchanged),
-        Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
-            return Err(("conflict", missing()));
-        }
-        Some(_) => fsops::unlink_at(ddir, name).map_err(|e| ("remove", e))?,
-        None => {}
-    }
-    if !other_fs.load(Ordering::Relaxed) {
-        match fsops::link_at(cdir, ddir, name) {
-            Ok(()) => return Ok(Put::Linked),
-            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                other_fs.store(true, Ordering::Relaxed)
-            }
-            // EMLINK: this inode's link count is full; this one file is copied.
-            Err(e) if e.raw_os_error() == Some(libc::EMLINK) => {}
-            Err(e) => return Err(("link", e)),
-        }
-    }
-    // A copy of the user's own: created new (never through what is there), with the source's
-    // mode.
-    let cfd = fsops::open_at(cdir, name, libc::O_RDONLY, 0).map_err(|e| ("cache", e))?;
-    let dfd = fsops::open_at(
-        ddir,
-        name,
-        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
-        0o600,
-    )
-    .map_err(|e| ("create", e))?;
-    fsops::fchown(&dfd, uid, gid).map_err(|e| ("chown", e))?;
-    let put = if fsops::reflink(&cfd, &dfd).is_ok() {
-        Put::Cloned
-    } else {
-        fsops::copy_data(&cfd, &dfd, 0, i.size, i.size, &how.way).map_err(|e| ("write", e))?;
-        Put::Copied
-    };
-    if how.xattrs {
-        fsops::copy_xattrs(&cfd, &dfd).map_err(|e| (super::XATTRS_OP, e))?;
-    }
-    fsops::fchmod(&dfd, i.mode).map_err(|e| ("chmod", e))?;
-    fsops::set_mtime_fd(&dfd, i.mtime).map_err(|e| ("set the mtime of", e))?;
-    Ok(put)
-}
-
-/// Compares every file of `m` at its source and in `dest` by hash (run as the user).
-fn verify(m: &Manifest, dest: &Path) -> Result<(), StageError> {
-    for i in m.files() {
-        let (s, d) = (m.source.join(&i.rel), dest.join(&i.rel));
-        let hs = super::hash_fd(open_source(&s)?).map_err(|source| StageError::Source {
-            path: s.clone(),
-            source,
-        })?;
-        let hd = super::hash_fd(open_source(&d)?).map_err(|source| StageError::Source {
-            path: d.clone(),
-            source,
-        })?;
-        if hs != hd {
-            return Err(StageError::Verify { path: d });
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -4,10 +4,31 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::{Mode, UtimensatFlags};
+use nix::sys::time::TimeSpec;
+use nix::unistd::{Gid, Uid, UnlinkatFlags};
+
+/// The `std::io::Error` of a failed nix call: the same raw OS error the libc call returned.
+fn os(e: Errno) -> io::Error {
+    io::Error::from(e)
+}
+
+/// Open flags as given (`libc::O_*` bits), every bit kept.
+fn oflag(flags: i32) -> OFlag {
+    OFlag::from_bits_retain(flags)
+}
+
+/// A file mode as given, every bit kept.
+fn mode_of(mode: u32) -> Mode {
+    Mode::from_bits_retain(mode)
+}
 
 fn cstr(path: &Path) -> io::Result<CString> {
     // An empty relative path names the root itself.
@@ -22,33 +43,22 @@ fn cstr(path: &Path) -> io::Result<CString> {
 /// Opens `rel` beneath `root`; never follows a symlink, never leaves `root`.
 pub fn open_beneath(root: &OwnedFd, rel: &Path, flags: i32, mode: u32) -> io::Result<OwnedFd> {
     let path = cstr(rel)?;
-    // SAFETY: open_how is plain data; all-zero is its documented "no options" value.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    let mut how = OpenHow::new()
+        .flags(oflag(flags | libc::O_CLOEXEC))
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        );
     if flags & libc::O_CREAT != 0 {
-        how.mode = mode as u64;
+        how = how.mode(mode_of(mode));
     }
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
     loop {
-        // SAFETY: `path` is a valid C string and `how` a properly sized open_how that outlive the
-        // call; the kernel returns a new descriptor or -1.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                root.as_raw_fd(),
-                path.as_ptr(),
-                &how as *const libc::open_how,
-                std::mem::size_of::<libc::open_how>(),
-            )
-        };
-        if fd >= 0 {
-            // SAFETY: the kernel just handed us this descriptor; nothing else owns it.
-            return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
-        }
-        let err = io::Error::last_os_error();
-        // openat2 returns EAGAIN when a concurrent rename raced the RESOLVE_BENEATH check.
-        if err.raw_os_error() != Some(libc::EAGAIN) {
-            return Err(err);
+        match nix::fcntl::openat2(root, path.as_c_str(), how) {
+            Ok(fd) => return Ok(fd),
+            // openat2 returns EAGAIN when a concurrent rename raced the RESOLVE_BENEATH check.
+            Err(Errno::EAGAIN) => continue,
+            Err(e) => return Err(os(e)),
         }
     }
 }
@@ -74,11 +84,7 @@ fn check(ret: libc::c_int) -> io::Result<()> {
 }
 
 pub fn fstat(fd: &OwnedFd) -> io::Result<libc::stat> {
-    // SAFETY: an all-zero stat is a valid value for fstat to overwrite.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open and `st` is a valid out pointer.
-    check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
-    Ok(st)
+    nix::sys::stat::fstat(fd).map_err(os)
 }
 
 /// lstat of `rel` beneath `root`, or `None` when it does not exist.
@@ -92,18 +98,13 @@ pub fn lstat_beneath(root: &OwnedFd, rel: &Path) -> io::Result<Option<libc::stat
 
 pub fn mkdir_beneath(root: &OwnedFd, rel: &Path, mode: u32) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
-    // SAFETY: `dir` is an open directory and `name` a valid C string.
-    check(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) })
+    nix::sys::stat::mkdirat(&dir, name.as_c_str(), mode_of(mode)).map_err(os)
 }
 
 /// Removes the non-directory `rel` beneath `root` (a missing entry is not an error).
 pub fn unlink_beneath(root: &OwnedFd, rel: &Path) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
-    // SAFETY: `dir` is an open directory and `name` a valid C string.
-    match check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) }) {
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        other => other,
-    }
+    unlink_at(&dir, &name)
 }
 
 /// Removes the directory `rel` beneath `root` if it is empty; `Ok(false)` when it is not
@@ -111,62 +112,52 @@ pub fn unlink_beneath(root: &OwnedFd, rel: &Path) -> io::Result<()> {
 /// the name removed from it (unlinkat with AT_REMOVEDIR never follows a final symlink either).
 pub fn rmdir_beneath(root: &OwnedFd, rel: &Path) -> io::Result<bool> {
     let (dir, name) = parent_beneath(root, rel)?;
-    // SAFETY: `dir` is an open directory and `name` a valid C string.
-    match check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) }) {
+    match nix::unistd::unlinkat(&dir, name.as_c_str(), UnlinkatFlags::RemoveDir) {
         Ok(()) => Ok(true),
-        Err(e)
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::ENOENT | libc::ENOTEMPTY | libc::EEXIST | libc::ENOTDIR)
-            ) =>
-        {
-            Ok(false)
-        }
-        Err(e) => Err(e),
+        Err(Errno::ENOENT | Errno::ENOTEMPTY | Errno::EEXIST | Errno::ENOTDIR) => Ok(false),
+        Err(e) => Err(os(e)),
     }
 }
 
 pub fn symlink_beneath(root: &OwnedFd, target: &Path, rel: &Path) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
-    let target = CString::new(target.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: `dir` is an open directory; both strings are valid C strings.
-    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })
+    symlinkat(target, &dir, &name)
 }
 
-fn timespecs(mtime: (i64, i64)) -> [libc::timespec; 2] {
-    let t = libc::timespec {
-        tv_sec: mtime.0 as libc::time_t,
-        tv_nsec: mtime.1 as libc::c_long,
-    };
+/// `symlinkat(target, dir, name)`: the link `name` in `dir`, never following anything.
+fn symlinkat(target: &Path, dir: &OwnedFd, name: &CStr) -> io::Result<()> {
+    let target = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    nix::unistd::symlinkat(target.as_c_str(), dir, name).map_err(os)
+}
+
+/// The `(atime, mtime)` pair for a source mtime.
+fn timespecs(mtime: (i64, i64)) -> (TimeSpec, TimeSpec) {
+    let t = TimeSpec::new(mtime.0 as libc::time_t, mtime.1 as libc::c_long);
     // atime is set to the source's mtime too: the source's atime is not worth a syscall.
-    [t, t]
+    (t, t)
+}
+
+/// Sets the mtime of `name` itself in `dir` (a symlink is not followed).
+fn set_mtime_at(dir: &OwnedFd, name: &CStr, mtime: (i64, i64)) -> io::Result<()> {
+    let (atime, mtime) = timespecs(mtime);
+    nix::sys::stat::utimensat(dir, name, &atime, &mtime, UtimensatFlags::NoFollowSymlink)
+        .map_err(os)
 }
 
 /// Sets the mtime of `rel` itself (a symlink is not followed).
 pub fn set_mtime_beneath(root: &OwnedFd, rel: &Path, mtime: (i64, i64)) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
-    let ts = timespecs(mtime);
-    // SAFETY: `dir` is open, `name` a C string, `ts` two valid timespecs.
-    check(unsafe {
-        libc::utimensat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            ts.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })
+    set_mtime_at(&dir, &name, mtime)
 }
 
 pub fn set_mtime_fd(fd: &OwnedFd, mtime: (i64, i64)) -> io::Result<()> {
-    let ts = timespecs(mtime);
-    // SAFETY: `fd` is open and `ts` two valid timespecs.
-    check(unsafe { libc::futimens(fd.as_raw_fd(), ts.as_ptr()) })
+    let (atime, mtime) = timespecs(mtime);
+    nix::sys::stat::futimens(fd, &atime, &mtime).map_err(os)
 }
 
 pub fn fchmod(fd: &OwnedFd, mode: u32) -> io::Result<()> {
-    // SAFETY: `fd` is an open descriptor.
-    check(unsafe { libc::fchmod(fd.as_raw_fd(), mode) })
+    nix::sys::stat::fchmod(fd, mode_of(mode)).map_err(os)
 }
 
 /// Copies the `user.*` extended attributes of `src` to `dst`. Only that namespace: the others
@@ -174,6 +165,7 @@ pub fn fchmod(fd: &OwnedFd, mode: u32) -> io::Result<()> {
 /// access rules meant for the source's filesystem (ACLs). A destination that keeps no extended
 /// attributes fails with EOPNOTSUPP.
 pub fn copy_xattrs(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
+    // nix has no xattr calls: flistxattr, fgetxattr and fsetxattr stay raw.
     let names = xattr_buf(|buf| {
         // SAFETY: `src` is open; `buf` is valid for `buf.len()` bytes (with length 0 the call
         // only returns the size).
@@ -197,6 +189,7 @@ pub fn copy_xattrs(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
             Err(e) if e.raw_os_error() == Some(libc::ENODATA) => continue,
             Err(e) => return Err(e),
         };
+        // nix has no xattr calls.
         // SAFETY: `dst` is open; `name` a valid C string; `value` valid for its length.
         check(unsafe {
             libc::fsetxattr(
@@ -233,17 +226,13 @@ fn xattr_buf(mut call: impl FnMut(&mut [u8]) -> libc::ssize_t) -> io::Result<Vec
 }
 
 pub fn syncfs(fd: &OwnedFd) -> io::Result<()> {
-    // SAFETY: `fd` is an open descriptor.
-    check(unsafe { libc::syncfs(fd.as_raw_fd()) })
+    nix::unistd::syncfs(fd).map_err(os)
 }
 
 /// Bytes an unprivileged writer may still use on the filesystem holding `fd`.
 pub fn available_bytes(fd: &OwnedFd) -> io::Result<u64> {
-    // SAFETY: an all-zero statvfs is a valid value for fstatvfs to overwrite.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open and `st` a valid out pointer.
-    check(unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut st) })?;
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    let st = nix::sys::statvfs::fstatvfs(fd).map_err(os)?;
+    Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
 }
 
 /// Copies `len` bytes at `offset` from `src` to `dst`: `copy_file_range` (in-kernel, a reflink on
@@ -264,29 +253,22 @@ pub fn copy_range(
         let mut off_in = (offset + done) as libc::loff_t;
         let mut off_out = off_in;
         let want = (len - done).min(1 << 30) as usize;
-        // SAFETY: both descriptors are open; the offsets are valid in/out pointers.
-        let n = unsafe {
-            libc::copy_file_range(
-                src.as_raw_fd(),
-                &mut off_in,
-                dst.as_raw_fd(),
-                &mut off_out,
-                want,
-                0,
-            )
+        let n = match nix::fcntl::copy_file_range(
+            src,
+            Some(&mut off_in),
+            dst,
+            Some(&mut off_out),
+            want,
+        ) {
+            Ok(n) => n,
+            Err(
+                Errno::EXDEV | Errno::EOPNOTSUPP | Errno::EINVAL | Errno::ENOSYS | Errno::EPERM,
+            ) if done == 0 => {
+                way.read_write.store(true, Ordering::Relaxed);
+                return copy_range_rw(src, dst, offset, len);
+            }
+            Err(e) => return Err(os(e)),
         };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            return match err.raw_os_error() {
-                Some(
-                    libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS | libc::EPERM,
-                ) if done == 0 => {
-                    way.read_write.store(true, Ordering::Relaxed);
-                    copy_range_rw(src, dst, offset, len)
-                }
-                _ => Err(err),
-            };
-        }
         if n == 0 {
             return Err(shrunk());
         }
@@ -329,10 +311,7 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
         while done < len {
             let want = (len - done).min(buf.len() as u64) as usize;
             let at = (offset + done) as libc::off_t;
-            // SAFETY: `src` is open and `buf` is writable for `want` bytes.
-            let n = retrying(|| unsafe {
-                libc::pread(src.as_raw_fd(), buf.as_mut_ptr().cast(), want, at)
-            })?;
+            let n = retrying(|| nix::sys::uio::pread(src, &mut buf[..want], at))?;
             if n == 0 {
                 return Err(shrunk());
             }
@@ -340,10 +319,7 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
             while put < n {
                 let at = (offset + done) as libc::off_t + put as libc::off_t;
                 let rest = &buf[put..n];
-                // SAFETY: `dst` is open and `rest` is a valid buffer of its length.
-                match retrying(|| unsafe {
-                    libc::pwrite(dst.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at)
-                })? {
+                match retrying(|| nix::sys::uio::pwrite(dst, rest, at))? {
                     0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                     w => put += w,
                 }
@@ -355,22 +331,17 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
 }
 
 /// Runs a read or write call again when a signal interrupted it.
-fn retrying(mut call: impl FnMut() -> libc::ssize_t) -> io::Result<usize> {
+fn retrying(mut call: impl FnMut() -> nix::Result<usize>) -> io::Result<usize> {
     loop {
-        let n = call();
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match call() {
+            Err(Errno::EINTR) => continue,
+            other => return other.map_err(os),
         }
     }
 }
 
 pub fn fchown(fd: &OwnedFd, uid: u32, gid: u32) -> io::Result<()> {
-    // SAFETY: `fd` is an open descriptor.
-    check(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) })
+    nix::unistd::fchown(fd, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid))).map_err(os)
 }
 
 /// The directory `rel` beneath `root` (O_PATH), or `None` when there is none: missing, or a file
@@ -392,21 +363,11 @@ pub fn open_dir_if_any(root: &OwnedFd, rel: &Path) -> io::Result<Option<OwnedFd>
 
 /// lstat of the plain name `name` in the open directory `dir` (one syscall: no path walk, and a
 /// single component cannot lead through a symlink), or `None` when it does not exist.
-pub fn lstat_at(dir: &OwnedFd, name: &std::ffi::CStr) -> io::Result<Option<libc::stat>> {
-    // SAFETY: an all-zero stat is a valid value for fstatat to overwrite.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `dir` is open, `name` a valid C string and `st` a valid out pointer.
-    match check(unsafe {
-        libc::fstatat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            &mut st,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    }) {
-        Ok(()) => Ok(Some(st)),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
-        Err(e) => Err(e),
+pub fn lstat_at(dir: &OwnedFd, name: &CStr) -> io::Result<Option<libc::stat>> {
+    match nix::sys::stat::fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) => Ok(Some(st)),
+        Err(Errno::ENOENT) => Ok(None),
+        Err(e) => Err(os(e)),
     }
 }
 
@@ -420,41 +381,50 @@ pub fn link_beneath(
 ) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
     let from = cstr(from)?;
-    // SAFETY: both descriptors are open directories and both names valid C strings; flags 0:
-    // a symlink at `from` is linked itself, never followed.
-    check(unsafe {
-        libc::linkat(
-            from_root.as_raw_fd(),
-            from.as_ptr(),
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            0,
-        )
-    })
+    // No flags: a symlink at `from` is linked itself, never followed.
+    nix::unistd::linkat(
+        from_root,
+        from.as_c_str(),
+        &dir,
+        name.as_c_str(),
+        AtFlags::empty(),
+    )
+    .map_err(os)
+}
+
+/// Changes the owner of `name` itself in `dir` (a symlink is not followed).
+fn lchown_at(dir: &OwnedFd, name: &CStr, uid: u32, gid: u32) -> io::Result<()> {
+    nix::unistd::fchownat(
+        dir,
+        name,
+        Some(Uid::from_raw(uid)),
+        Some(Gid::from_raw(gid)),
+        AtFlags::AT_SYMLINK_NOFOLLOW,
+    )
+    .map_err(os)
 }
 
 /// Changes the owner of `rel` itself beneath `root` (a symlink is not followed).
 pub fn lchown_beneath(root: &OwnedFd, rel: &Path, uid: u32, gid: u32) -> io::Result<()> {
     let (dir, name) = parent_beneath(root, rel)?;
-    // SAFETY: `dir` is an open directory and `name` a valid C string.
-    check(unsafe {
-        libc::fchownat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            uid,
-            gid,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })
+    lchown_at(&dir, &name, uid, gid)
 }
 
 /// Clones all of `src` into `dst` (FICLONE): shared extents, no data written. Fails with
 /// EXDEV or EOPNOTSUPP where the filesystems cannot share extents.
 pub fn reflink(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
-    // _IOW(0x94, 9, int), from linux/fs.h; the libc crate does not define it.
-    const FICLONE: libc::c_ulong = 0x4004_9409;
-    // SAFETY: both descriptors are open; FICLONE takes the source descriptor as its argument.
-    check(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) })
+    // FICLONE is _IOW(0x94, 9, int) in linux/fs.h (0x40049409).
+    nix::ioctl_write_int!(ficlone, 0x94, 9);
+    // SAFETY: both descriptors are open; FICLONE takes the source descriptor as its argument
+    // (by value: no memory is passed).
+    unsafe {
+        ficlone(
+            dst.as_raw_fd(),
+            src.as_raw_fd() as nix::sys::ioctl::ioctl_param_type,
+        )
+    }
+    .map(drop)
+    .map_err(os)
 }
 
 /// Clones `len` bytes at `offset` of `src` to the same offset of `dst` (FICLONERANGE): shared
@@ -469,16 +439,19 @@ pub fn reflink_range(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io:
         src_length: u64,
         dest_offset: u64,
     }
-    // _IOW(0x94, 13, struct file_clone_range); the libc crate does not define it.
-    const FICLONERANGE: libc::c_ulong = 0x4020_940d;
+    // FICLONERANGE is _IOW(0x94, 13, struct file_clone_range) in linux/fs.h (0x4020940d).
+    nix::ioctl_write_ptr!(ficlonerange, 0x94, 13, FileCloneRange);
     let range = FileCloneRange {
         src_fd: src.as_raw_fd().into(),
         src_offset: offset,
         src_length: len,
         dest_offset: offset,
     };
-    // SAFETY: both descriptors are open; `range` is a valid file_clone_range the kernel reads.
-    check(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONERANGE, &range) })
+    // SAFETY: both descriptors are open; `range` is a valid file_clone_range the kernel only
+    // reads, alive for the call.
+    unsafe { ficlonerange(dst.as_raw_fd(), &range) }
+        .map(drop)
+        .map_err(os)
 }
 
 /// Below this, a copy goes through `copy_file_range` (the page cache); at or above it, through
@@ -523,33 +496,24 @@ pub fn copy_data(
     }
 }
 
-/// A zeroed, page-aligned buffer (O_DIRECT needs aligned memory, offsets and lengths).
+/// A zeroed, page-aligned buffer (O_DIRECT needs aligned memory, offsets and lengths): a
+/// slightly larger vector, used from its first aligned byte.
 struct Aligned {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
 }
 
 impl Aligned {
     fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, DIRECT_ALIGN).expect("valid layout");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Self { ptr, layout }
+        let buf = vec![0u8; len + DIRECT_ALIGN];
+        let start = buf.as_ptr().align_offset(DIRECT_ALIGN);
+        assert!(start < DIRECT_ALIGN, "a byte buffer can be aligned");
+        Self { buf, start, len }
     }
 
     fn as_mut(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` points to `layout.size()` initialized bytes owned by this value.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this very layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+        &mut self.buf[self.start..self.start + self.len]
     }
 }
 
@@ -569,28 +533,21 @@ pub fn copy_range_direct(
 ) -> io::Result<()> {
     // O_DIRECT is a property of the open file description; the caller's `dst` is its own (one
     // open per copy task).
-    // SAFETY: F_GETFL/F_SETFL on an open descriptor have no memory effects.
-    let flags = unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(dst.as_raw_fd(), libc::F_SETFL, flags | libc::O_DIRECT) } < 0 {
-        return match io::Error::last_os_error().raw_os_error() {
-            Some(libc::EINVAL | libc::EOPNOTSUPP) => copy_range(src, dst, offset, len, way),
-            _ => Err(io::Error::last_os_error()),
-        };
+    use nix::fcntl::FcntlArg;
+    let flags = nix::fcntl::fcntl(dst, FcntlArg::F_GETFL).map_err(os)?;
+    match nix::fcntl::fcntl(dst, FcntlArg::F_SETFL(oflag(flags | libc::O_DIRECT))) {
+        Ok(_) => {}
+        Err(Errno::EINVAL | Errno::EOPNOTSUPP) => return copy_range(src, dst, offset, len, way),
+        Err(e) => return Err(os(e)),
     }
     let direct = std::fs::File::from(dst.try_clone()?);
-    // SAFETY: POSIX_FADV_SEQUENTIAL is advice; it has no memory effects.
-    unsafe {
-        libc::posix_fadvise(
-            src.as_raw_fd(),
-            offset as libc::off_t,
-            len as libc::off_t,
-            libc::POSIX_FADV_SEQUENTIAL,
-        )
-    };
+    // Advice only: its result does not matter.
+    let _ = nix::fcntl::posix_fadvise(
+        src,
+        offset as libc::off_t,
+        len as libc::off_t,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
+    );
     use std::os::unix::fs::FileExt;
     let src = std::fs::File::from(src.try_clone()?);
     let mut buf = Aligned::new(DIRECT_BUF);
@@ -635,43 +592,26 @@ pub fn name_of(rel: &Path) -> io::Result<CString> {
 
 /// Opens `name` in `dir`, never following a symlink there.
 pub fn open_at(dir: &OwnedFd, name: &CStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
-    // SAFETY: `dir` is open and `name` a valid C string; the kernel returns a new descriptor.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            mode,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just handed us this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    nix::fcntl::openat(
+        dir,
+        name,
+        oflag(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC),
+        mode_of(mode),
+    )
+    .map_err(os)
 }
 
 /// Removes the non-directory `name` in `dir` (a missing one is not an error).
 pub fn unlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<()> {
-    // SAFETY: `dir` is open and `name` a valid C string.
-    match check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) }) {
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        other => other,
+    match nix::unistd::unlinkat(dir, name, UnlinkatFlags::NoRemoveDir) {
+        Ok(()) | Err(Errno::ENOENT) => Ok(()),
+        Err(e) => Err(os(e)),
     }
 }
 
 /// Hardlinks `name` in `from` to the same name in `to` (a symlink is linked, not followed).
 pub fn link_at(from: &OwnedFd, to: &OwnedFd, name: &CStr) -> io::Result<()> {
-    // SAFETY: both descriptors are open directories and `name` a valid C string.
-    check(unsafe {
-        libc::linkat(
-            from.as_raw_fd(),
-            name.as_ptr(),
-            to.as_raw_fd(),
-            name.as_ptr(),
-            0,
-        )
-    })
+    nix::unistd::linkat(from, name, to, name, AtFlags::empty()).map_err(os)
 }
 
 /// Creates the symlink `name` → `target` in `dir`, owned by `uid:gid`, with the mtime `mtime`.
@@ -682,30 +622,9 @@ pub fn symlink_at(
     owner: Option<(u32, u32)>,
     mtime: (i64, i64),
 ) -> io::Result<()> {
-    let target = CString::new(target.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: `dir` is open; both strings are valid C strings.
-    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+    symlinkat(target, dir, name)?;
     if let Some((uid, gid)) = owner {
-        // SAFETY: as above; AT_SYMLINK_NOFOLLOW changes the link itself.
-        check(unsafe {
-            libc::fchownat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                uid,
-                gid,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        })?;
+        lchown_at(dir, name, uid, gid)?;
     }
-    let ts = timespecs(mtime);
-    // SAFETY: `dir` is open, `name` a C string, `ts` two valid timespecs.
-    check(unsafe {
-        libc::utimensat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            ts.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })
+    set_mtime_at(dir, name, mtime)
 }

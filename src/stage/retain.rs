@@ -4,7 +4,6 @@
 //! not a timestamp the user could change, decides expiry.
 
 use std::ffi::CString;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use super::scratch::{self, ScratchError};
@@ -63,21 +62,14 @@ pub fn retain(root: &Path, job_id: &str, dir: &Path, now: u64) -> Result<PathBuf
             ));
         }
     }
-    // SAFETY: both are open directories; both names valid C strings of one component.
-    let r = unsafe {
-        libc::renameat2(
-            rfd.as_raw_fd(),
-            from_c.as_ptr(),
-            area.as_raw_fd(),
-            to_c.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if r < 0 {
-        return Err(io("move the job's scratch into", dir)(
-            std::io::Error::last_os_error(),
-        ));
-    }
+    nix::fcntl::renameat2(
+        &rfd,
+        from_c.as_c_str(),
+        &area,
+        to_c.as_c_str(),
+        nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+    )
+    .map_err(|e| io("move the job's scratch into", dir)(e.into()))?;
     Ok(to)
 }
 

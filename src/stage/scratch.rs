@@ -11,7 +11,7 @@
 
 use std::ffi::CString;
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use super::{fsops, tree};
@@ -110,10 +110,9 @@ fn create_once(root: &Path, job_id: &str, uid: u32, gid: u32) -> Result<PathBuf,
     };
     let mut adopt = false;
     if !kept {
-        // SAFETY: `rfd` is an open directory and `name` a valid C string of one component.
-        let r = unsafe { libc::mkdirat(rfd.as_raw_fd(), name.as_ptr(), 0o700) };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
+        let mode = nix::sys::stat::Mode::from_bits_retain(0o700);
+        if let Err(e) = nix::sys::stat::mkdirat(&rfd, name.as_c_str(), mode) {
+            let e = std::io::Error::from(e);
             // Another Prolog of this job made it between our look and mkdir (two slurmd of one
             // host, or a Prolog run twice at once): the directory is then root's or already
             // the user's, and only root can make either in the root-owned scratch root.
@@ -161,21 +160,14 @@ pub fn set_aside(root: &Path, job_id: &str, now: u64) -> Result<PathBuf, Scratch
     let to_name = format!("{job_id}.kept-{now}");
     let to = c_name(&to_name)?;
     let rfd = open_root(root)?;
-    // SAFETY: `rfd` is an open directory; both names are valid C strings of one component.
-    let r = unsafe {
-        libc::renameat2(
-            rfd.as_raw_fd(),
-            from.as_ptr(),
-            rfd.as_raw_fd(),
-            to.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if r < 0 {
-        return Err(io("move aside", &root.join(job_id))(
-            std::io::Error::last_os_error(),
-        ));
-    }
+    nix::fcntl::renameat2(
+        &rfd,
+        from.as_c_str(),
+        &rfd,
+        to.as_c_str(),
+        nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+    )
+    .map_err(|e| io("move aside", &root.join(job_id))(e.into()))?;
     Ok(root.join(to_name))
 }
 
@@ -227,19 +219,8 @@ pub fn record_failure(root: &Path, job_id: &str, line: &str) -> Result<(), Scrat
     std::fs::File::from(fd)
         .write_all(format!("{line}\n").as_bytes())
         .map_err(io("write", &dest))?;
-    // SAFETY: `rfd` is an open directory; both names are valid C strings of one component.
-    let r = unsafe {
-        libc::renameat(
-            rfd.as_raw_fd(),
-            tmp.as_ptr(),
-            rfd.as_raw_fd(),
-            name.as_ptr(),
-        )
-    };
-    if r < 0 {
-        return Err(io("rename", &dest)(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    nix::fcntl::renameat(&rfd, tmp.as_c_str(), &rfd, name.as_c_str())
+        .map_err(|e| io("rename", &dest)(e.into()))
 }
 
 /// The recorded reason the job's stage-in failed, if it did (one line, read bounded).

@@ -10,7 +10,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use super::fsops;
 
@@ -20,34 +20,25 @@ const MAX_OPEN: usize = 64;
 /// How often one removal retries names the user keeps changing under it before giving up.
 const MAX_RETRIES: usize = 100_000;
 
-fn check(ret: libc::c_int) -> io::Result<()> {
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
 fn unlinkat(dir: &OwnedFd, name: &CStr, flags: libc::c_int) -> io::Result<()> {
-    // SAFETY: `dir` is an open directory and `name` a valid C string of one component.
-    check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) })
+    let flags = if flags & libc::AT_REMOVEDIR != 0 {
+        nix::unistd::UnlinkatFlags::RemoveDir
+    } else {
+        nix::unistd::UnlinkatFlags::NoRemoveDir
+    };
+    nix::unistd::unlinkat(dir, name, flags).map_err(io::Error::from)
 }
 
 /// Opens the directory `name` in `dir`, never through a symlink.
 pub fn open_dir_at(dir: &OwnedFd, name: &CStr) -> io::Result<OwnedFd> {
-    // SAFETY: `dir` is open and `name` a valid C string; the kernel returns a new descriptor.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just handed us this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    use nix::fcntl::OFlag;
+    nix::fcntl::openat(
+        dir,
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(io::Error::from)
 }
 
 /// The names in the open directory `dir` (without `.` and `..`).
@@ -154,18 +145,16 @@ pub fn remove_at(parent: &OwnedFd, name: &CStr) -> io::Result<()> {
                         aside += 1;
                         let to = CString::new(format!(".berth-removing-{aside}"))
                             .expect("no NUL in the name");
-                        // SAFETY: both are open directories and both names valid C strings of
-                        // one component; RENAME_NOREPLACE never replaces what is there.
-                        let r = unsafe {
-                            libc::renameat2(
-                                stack[stack.len() - 1].fd.as_raw_fd(),
-                                n.as_ptr(),
-                                top.as_raw_fd(),
-                                to.as_ptr(),
-                                libc::RENAME_NOREPLACE,
-                            )
-                        };
-                        match check(r) {
+                        // RENAME_NOREPLACE never replaces what is there.
+                        let r = nix::fcntl::renameat2(
+                            &stack[stack.len() - 1].fd,
+                            n.as_c_str(),
+                            top,
+                            to.as_c_str(),
+                            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+                        )
+                        .map_err(io::Error::from);
+                        match r {
                             Ok(()) => break Some(to),
                             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
                             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break None,
