@@ -100,7 +100,7 @@ fn set_memory(policy: MemPolicy, nodes: &[u32]) -> io::Result<()> {
         mask[(n / bits) as usize] |= 1 << (n % bits);
     }
     // The kernel reads maxnode - 1 bits.
-    let maxnode = mask.len() as libc::c_ulong * bits as libc::c_ulong + 1;
+    let maxnode = mask.len() as libc::c_ulong * libc::c_ulong::from(bits) + 1;
     let call = |mode: libc::c_int, mask: &[libc::c_ulong]| -> io::Result<()> {
         // SAFETY: set_mempolicy reads `maxnode - 1` bits from `mask`, which holds that many
         // and is alive for the call.

@@ -202,10 +202,10 @@ mod tests {
     fn env_and_hostname() {
         assert_eq!(env_pair("A=b=c").unwrap(), ("A".into(), "b=c".into()));
         assert_eq!(env_pair("A=").unwrap(), ("A".into(), String::new()));
-        assert!(env_pair("=x").is_err());
-        assert!(env_pair("novalue").is_err());
+        env_pair("=x").unwrap_err();
+        env_pair("novalue").unwrap_err();
         assert_eq!(hostname("node-1.local").unwrap(), "node-1.local");
-        assert!(hostname("bad host").is_err());
-        assert!(hostname("").is_err());
+        hostname("bad host").unwrap_err();
+        hostname("").unwrap_err();
     }
 }

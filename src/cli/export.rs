@@ -248,7 +248,7 @@ mod tests {
     #[test]
     fn arguments() {
         assert!(parse(&["-o", "x.sqsh"]).is_err(), "a source is required");
-        assert!(parse(&["c1", "--rootfs", "/r", "-o", "x"]).is_err());
+        parse(&["c1", "--rootfs", "/r", "-o", "x"]).unwrap_err();
         assert!(parse(&["c1"]).is_err(), "-o is required");
         let a = parse(&["--rootfs", "/r", "-o", "x.sif", "--format", "sqsh", "-f"]).unwrap();
         assert_eq!(a.format, Some(FormatArg::Sqsh));

@@ -504,13 +504,13 @@ mod tests {
         let a = run_args(&["run", "--entrypoint", "--arch", "arm64", "ubuntu"]);
         assert_eq!(a.container.image.as_deref(), Some("ubuntu"));
         assert!(a.command.is_empty() && a.container.entrypoint);
-        assert!(parse(&["run", "--rootfs", "/r", "--image", "x", "--", "true"]).is_err());
+        parse(&["run", "--rootfs", "/r", "--image", "x", "--", "true"]).unwrap_err();
         let Command::Create(c) = parse(&["create", "--name", "n", "ubuntu"]).unwrap().command
         else {
             panic!()
         };
         assert_eq!(c.container.image.as_deref(), Some("ubuntu"));
-        assert!(parse(&["create", "--image", "a", "b"]).is_err());
+        parse(&["create", "--image", "a", "b"]).unwrap_err();
     }
 
     #[test]

@@ -1447,8 +1447,8 @@ mod tests {
             parse_local("dockerd://busybox").unwrap().unwrap(),
             Reference::Dockerd("busybox".into())
         );
-        assert!(parse_local("oci:").unwrap().is_err());
-        assert!(parse_local("podman://").unwrap().is_err());
+        parse_local("oci:").unwrap().unwrap_err();
+        parse_local("podman://").unwrap().unwrap_err();
         assert!(parse_local("ubuntu:22.04").is_none());
     }
 

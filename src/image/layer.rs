@@ -671,7 +671,7 @@ fn check_checksum(block: &[u8; BLOCK as usize]) -> Result<(), String> {
             if (148..156).contains(&i) {
                 32
             } else {
-                *b as u32
+                u32::from(*b)
             }
         })
         .sum();
@@ -682,7 +682,7 @@ fn check_checksum(block: &[u8; BLOCK as usize]) -> Result<(), String> {
             if (148..156).contains(&i) {
                 32
             } else {
-                *b as i8 as i32
+                i32::from(*b as i8)
             }
         })
         .sum();
@@ -747,7 +747,7 @@ fn parse_pax_time(v: &[u8]) -> Result<(i64, u32), String> {
     }
     let mut nanos = 0u32;
     for (i, d) in frac.bytes().take(9).enumerate() {
-        nanos += (d - b'0') as u32 * 10u32.pow(8 - i as u32);
+        nanos += u32::from(d - b'0') * 10u32.pow(8 - i as u32);
     }
     Ok((secs, nanos))
 }
@@ -1311,7 +1311,7 @@ impl Extractor {
 }
 
 fn timespec((secs, nanos): (i64, u32)) -> TimeSpec {
-    TimeSpec::new(secs, nanos as _)
+    TimeSpec::new(secs, nanos.into())
 }
 
 #[cfg(test)]

@@ -593,7 +593,7 @@ fn new_id() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        bytes.copy_from_slice(&(nanos as u64 ^ std::process::id() as u64).to_le_bytes()[..6]);
+        bytes.copy_from_slice(&(nanos as u64 ^ u64::from(std::process::id())).to_le_bytes()[..6]);
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -145,7 +145,7 @@ pub fn install() -> std::io::Result<()> {
     let rc = unsafe {
         libc::prctl(
             libc::PR_SET_SECCOMP,
-            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+            libc::c_ulong::from(libc::SECCOMP_MODE_FILTER),
             &prog as *const libc::sock_fprog,
         )
     };

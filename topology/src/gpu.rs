@@ -299,7 +299,7 @@ impl GpuBackend for Nvml {
                     values
                         .into_iter()
                         .map(|v| match v.ok().and_then(|s| s.value.ok()) {
-                            Some(SampleValue::U32(n)) => Some(n as u64),
+                            Some(SampleValue::U32(n)) => Some(u64::from(n)),
                             Some(SampleValue::U64(n)) => Some(n),
                             Some(SampleValue::I64(n)) => Some(n.max(0) as u64),
                             _ => None,
