@@ -37,6 +37,11 @@ pub fn cpus(text: &str, period_us: u64) -> Result<i64, SpecError> {
     if !value.is_finite() || value <= 0.0 || value > 65536.0 {
         return Err(bad());
     }
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "value is at most 65536 (checked above) and callers pass CPU_PERIOD_US \
+                  (100 000 µs): the quota is below 2^33; float-to-int `as` saturates anyway"
+    )]
     let quota = (value * period_us as f64).round() as i64;
     // The kernel refuses quotas under 1 ms.
     if quota < 1000 {

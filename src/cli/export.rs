@@ -303,7 +303,7 @@ mod tests {
         // A container whose berth is gone is not exported.
         let record = Record {
             id: "c1".into(),
-            owner_pid: std::process::id() as i32,
+            owner_pid: i32::try_from(std::process::id()).unwrap(),
             owner_start: 1,
             cgroup: dir.path().join("no-cgroup"),
             init_pid: 0,

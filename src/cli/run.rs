@@ -163,6 +163,7 @@ fn flag<T>(
 
 /// Validates the arguments against the host and builds the request.
 /// A container request and the image it stacks (whose in-use mark lives as long as it).
+#[derive(Debug)]
 pub struct Prepared {
     pub request: Request,
     pub image: super::image::Resolved,

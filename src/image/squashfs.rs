@@ -385,6 +385,14 @@ pub struct SquashfsFiles {
     path: PathBuf,
 }
 
+impl std::fmt::Debug for SquashfsFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SquashfsFiles")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
 impl SquashfsFiles {
     pub fn open(path: &Path, offset: u64) -> Result<Self, SquashfsError> {
         let file = File::open(path).map_err(|source| SquashfsError::Io {
@@ -813,7 +821,7 @@ mod tests {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                x as u8
+                x.to_le_bytes()[0]
             })
             .collect();
         std::fs::write(tree.join("noise"), noise).unwrap();

@@ -469,8 +469,9 @@ mod tests {
     fn unknown_options_and_bad_values_are_refused() {
         // As `berth step create` reads it (the protocol's parser).
         StepRequest::parse(
-                r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-imag":"x"}}"#
-            ).unwrap_err();
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-imag":"x"}}"#,
+        )
+        .unwrap_err();
         let bad = step(
             r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-unshare":"pid"}}"#,
         );

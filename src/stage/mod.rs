@@ -25,7 +25,8 @@
     clippy::cast_sign_loss,
     clippy::cast_possible_wrap,
     clippy::cast_lossless,
-    clippy::ptr_as_ptr
+    clippy::ptr_as_ptr,
+    clippy::assertions_on_result_states
 )]
 
 pub mod cache;

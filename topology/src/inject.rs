@@ -950,7 +950,7 @@ mod tests {
         std::os::unix::fs::symlink(dir.path().join("bottom/etc"), top.join("etc")).unwrap();
         let got = read_image_loader_cache(&layers).unwrap();
         assert_ne!(got.as_deref(), Some(&b"host secret"[..]));
-        assert!(read_image_loader_cache(&[dir.path().join("missing")]).is_err());
+        read_image_loader_cache(&[dir.path().join("missing")]).unwrap_err();
         assert_eq!(read_image_loader_cache(&[]).unwrap(), None);
     }
 
