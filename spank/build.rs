@@ -135,7 +135,7 @@ fn enum_items(text: &str, head: &str) -> Option<Vec<(String, i64)>> {
             continue;
         }
         let (name, value) = match member.split_once('=') {
-            Some((n, v)) => (n.trim(), parse_number(v.trim())? as i64),
+            Some((n, v)) => (n.trim(), parse_number(v.trim())?.cast_signed()),
             None => (member, next),
         };
         if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
@@ -161,7 +161,7 @@ fn enum_run(text: &str, prefix: &str) -> Option<Vec<(String, i64)>> {
             break;
         }
         let (name, value) = match line.split_once('=') {
-            Some((n, v)) => (n.trim(), parse_number(v.trim())? as i64),
+            Some((n, v)) => (n.trim(), parse_number(v.trim())?.cast_signed()),
             None => (line, items.last()?.1 + 1),
         };
         items.push((name.to_string(), value));

@@ -505,8 +505,8 @@ mod tests {
         assert_eq!(c.log.level, LogLevel::Info);
         assert_eq!(c.log.syslog_socket, PathBuf::from("/run/x.sock"));
         assert_eq!(Config::default().log.target, LogTarget::Both);
-        assert!(Config::parse("[log]\ntarget = \"file\"\n").is_err());
-        assert!(Config::parse("[log]\nlevel = \"loud\"\n").is_err());
+        Config::parse("[log]\ntarget = \"file\"\n").unwrap_err();
+        Config::parse("[log]\nlevel = \"loud\"\n").unwrap_err();
     }
 
     #[test]
@@ -521,7 +521,7 @@ mod tests {
         assert!(hub.fallback);
         assert!(!c.registry.mirrors["ghcr.io"].fallback);
         assert!(c.registry.auth_files);
-        assert!(Config::parse("[registry.mirrors.\"x\"]\nmirror = []\n").is_err());
+        Config::parse("[registry.mirrors.\"x\"]\nmirror = []\n").unwrap_err();
     }
 
     #[test]
@@ -534,7 +534,7 @@ mod tests {
     fn missing_default_file_means_defaults_but_explicit_is_an_error() {
         let missing = Path::new("/nonexistent/berth.toml");
         assert_eq!(Config::load(missing, false).unwrap(), Config::default());
-        assert!(Config::load(missing, true).is_err());
+        Config::load(missing, true).unwrap_err();
     }
 
     #[test]
@@ -545,7 +545,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.squashfs.mount_dir, PathBuf::from("/var/lib/berth/mnt"));
         assert_eq!(c.squashfs.compression, Compression::Gzip);
-        assert!(c.squashfs.check().is_ok());
+        c.squashfs.check().unwrap();
         assert!(!c.squashfs.enroot_entrypoint);
         let bad = Config::parse("[squashfs]\ncompression_level = 23\n").unwrap();
         let err = bad.squashfs.check().unwrap_err();
@@ -555,7 +555,7 @@ mod tests {
             lz4.unwrap().squashfs.check().is_ok(),
             "lz4 has no level to check"
         );
-        assert!(Config::parse("[squashfs]\ncompression = \"brotli\"\n").is_err());
+        Config::parse("[squashfs]\ncompression = \"brotli\"\n").unwrap_err();
     }
 
     #[test]
@@ -573,7 +573,7 @@ mod tests {
         assert_eq!(c.topology.expected_gpus, Some(8));
         assert!(c.topology.epilog_health, "on unless turned off");
         assert_eq!(c.topology.cdi_dirs, TopologyConfig::default().cdi_dirs);
-        assert!(Config::parse("[topology]\nbind = \"nearest\"\n").is_err());
+        Config::parse("[topology]\nbind = \"nearest\"\n").unwrap_err();
     }
 }
 

@@ -196,6 +196,10 @@ pub fn format_rfc3164(severity: Severity, time: SystemTime, pid: u32, message: &
         "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
     ];
     let secs = time.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    #[expect(
+        clippy::cast_possible_wrap,
+        reason = "u64 seconds / 86 400 is below 2^48"
+    )]
     let (_, month, day) = civil_from_days((secs / 86_400) as i64);
     let rem = secs % 86_400;
     let mut out = format!(
@@ -217,6 +221,11 @@ pub fn format_rfc3164(severity: Severity, time: SystemTime, pid: u32, message: &
 }
 
 /// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (H. Hinnant's algorithm).
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "doy is 0..=365 and mp 0..=11, so day is 1..=31 and month 1..=12"
+)]
 fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);

@@ -28,7 +28,7 @@ struct Proc {
 
 impl Proc {
     fn pid(&self) -> i32 {
-        self.child.id() as i32
+        i32::try_from(self.child.id()).unwrap()
     }
     fn signal(&self, sig: nix::sys::signal::Signal) {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
@@ -273,9 +273,9 @@ done
                 .collect();
             if let Some(Some((l, _))) = views.first()
                 && views.iter().all(|v| *v == views[0])
-                && Some(*l as usize - 1) != exclude
+                && Some(usize::try_from(*l).unwrap() - 1) != exclude
             {
-                return *l as usize - 1;
+                return usize::try_from(*l).unwrap() - 1;
             }
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -31,7 +31,7 @@ struct Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
         let _ = self.child.wait();
     }

@@ -25,7 +25,7 @@ fn repo() -> PathBuf {
 fn checkout_hash() -> u32 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::hash::Hash::hash(env!("CARGO_MANIFEST_DIR"), &mut h);
-    std::hash::Hasher::finish(&h) as u32
+    u32::try_from(std::hash::Hasher::finish(&h) & u64::from(u32::MAX)).unwrap()
 }
 
 fn work_dir(name: &str) -> PathBuf {

@@ -23,7 +23,7 @@ fn repo() -> &'static Path {
 fn checkout_hash() -> u32 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::hash::Hash::hash(&(env!("CARGO_MANIFEST_DIR"), "root_pyxis"), &mut h);
-    std::hash::Hasher::finish(&h) as u32
+    u32::try_from(std::hash::Hasher::finish(&h) & u64::from(u32::MAX)).unwrap()
 }
 
 fn state_path() -> PathBuf {
@@ -129,7 +129,7 @@ fn cluster() -> &'static Cluster {
             let pid = REGISTRY_PID.load(std::sync::atomic::Ordering::Relaxed);
             if pid > 0 {
                 // SAFETY: killing the registry this process started.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                unsafe { libc::kill(i32::try_from(pid).unwrap(), libc::SIGKILL) };
             }
             let _ = Command::new("bash")
                 .arg(repo().join("integration/slurm/stop.sh"))

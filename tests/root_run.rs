@@ -287,7 +287,7 @@ fn signals_are_forwarded_to_the_command() {
         std::io::Read::read_exact(&mut stdout, &mut buf).unwrap();
         assert_eq!(&buf, b"ready\n");
         // SAFETY: signalling the child we spawned.
-        unsafe { libc::kill(child.id() as i32, sig) };
+        unsafe { libc::kill(i32::try_from(child.id()).unwrap(), sig) };
         let deadline = Instant::now() + Duration::from_secs(30);
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -489,7 +489,7 @@ fn container_processes_are_tracked_in_their_cgroup() {
         "init, sh and two sleeps expected: {procs}"
     );
     // SAFETY: signalling the child we spawned.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) };
     child.wait().unwrap();
     assert!(leftover_cgroups().is_empty());
 }

@@ -522,8 +522,10 @@ fn bad_sif_files_are_refused_in_one_line_without_leaking_loop_devices() {
     // A valid superblock over garbage tables: the kernel refuses it, and the device is freed.
     let mut b = bytes.clone();
     let sb = 36864;
-    let inode_table = u64::from_le_bytes(b[sb + 64..sb + 72].try_into().unwrap()) as usize;
-    let used = u64::from_le_bytes(b[sb + 40..sb + 48].try_into().unwrap()) as usize;
+    let inode_table =
+        usize::try_from(u64::from_le_bytes(b[sb + 64..sb + 72].try_into().unwrap())).unwrap();
+    let used =
+        usize::try_from(u64::from_le_bytes(b[sb + 40..sb + 48].try_into().unwrap())).unwrap();
     for x in &mut b[sb + inode_table..sb + used] {
         *x = 0x5a;
     }
@@ -546,7 +548,7 @@ struct Background(Child);
 impl Drop for Background {
     fn drop(&mut self) {
         // SAFETY: signalling a child this test started and has not reaped.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(i32::try_from(self.0.id()).unwrap(), libc::SIGTERM) };
         let _ = self.0.wait();
     }
 }

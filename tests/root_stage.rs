@@ -150,12 +150,12 @@ fn restaging_copies_only_what_changed() {
     let w = workdir();
     let dest = scratch_for_user(&w.path().join("scratch"));
     let src = w.path().join("src");
-    for d in 0..5 {
+    for d in 0u8..5 {
         std::fs::create_dir_all(src.join(format!("d{d}"))).unwrap();
-        for f in 0..20 {
+        for f in 0usize..20 {
             std::fs::write(
                 src.join(format!("d{d}/f{f}")),
-                vec![d as u8 ^ f as u8; 4096 + f],
+                vec![d ^ f.to_le_bytes()[0]; 4096 + f],
             )
             .unwrap();
         }
@@ -229,7 +229,7 @@ fn a_killed_stage_is_incomplete_and_resumes_to_an_identical_tree() {
     // 6 x 96 MiB of distinct data, copied 1 MiB at a time by one worker: slow enough to kill.
     for i in 0..6u8 {
         let data: Vec<u8> = (0..96u32 << 20)
-            .map(|j| (j.wrapping_mul(31) >> 7) as u8 ^ i)
+            .map(|j| (j.wrapping_mul(31) >> 7).to_le_bytes()[0] ^ i)
             .collect();
         std::fs::write(src.join(format!("part{i}")), data).unwrap();
     }
@@ -469,7 +469,7 @@ fn dataset(dir: &Path, files: usize, size: usize) {
         } else {
             format!("sub/f{f}")
         };
-        std::fs::write(dir.join(rel), vec![f as u8; size + f]).unwrap();
+        std::fs::write(dir.join(rel), vec![f.to_le_bytes()[0]; size + f]).unwrap();
     }
     std::os::unix::fs::symlink("f0", dir.join("link")).unwrap();
 }
@@ -665,7 +665,7 @@ fn big_dataset(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     for i in 0..6u8 {
         let data: Vec<u8> = (0..64u32 << 20)
-            .map(|j| (j.wrapping_mul(31) >> 7) as u8 ^ i)
+            .map(|j| (j.wrapping_mul(31) >> 7).to_le_bytes()[0] ^ i)
             .collect();
         std::fs::write(dir.join(format!("part{i}")), data).unwrap();
     }
@@ -995,11 +995,15 @@ fn on_a_filesystem_that_shares_extents_staging_clones_instead_of_copying() {
     let src = mnt.join("data");
     std::fs::create_dir(&src).unwrap();
     let big: Vec<u8> = (0..96u32 << 20)
-        .map(|j| (j.wrapping_mul(131) >> 9) as u8)
+        .map(|j| (j.wrapping_mul(131) >> 9).to_le_bytes()[0])
         .collect();
     std::fs::write(src.join("big"), &big).unwrap();
-    for i in 0..8 {
-        std::fs::write(src.join(format!("small{i}")), vec![i as u8; 5000 + i]).unwrap();
+    for i in 0usize..8 {
+        std::fs::write(
+            src.join(format!("small{i}")),
+            vec![i.to_le_bytes()[0]; 5000 + i],
+        )
+        .unwrap();
     }
     let dest = scratch_for_user(&mnt.join("scratch"));
     Command::new("sync").status().unwrap();

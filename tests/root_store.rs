@@ -521,7 +521,7 @@ fn every_archive_form_imports_and_shares_layers() {
         "{e}"
     );
     let t = env.import_ok(&format!("docker-archive:{multi}:test/tiny:v2"));
-    assert!(std::fs::read(env.layer(&small.diff_ids[0]).join("tiny")).is_ok());
+    std::fs::read(env.layer(&small.diff_ids[0]).join("tiny")).unwrap();
     let out = env.import(&format!("docker-archive:{multi}:test/none:v3"));
     assert!(
         stderr(&out).contains("no image named 'test/none:v3'"),
@@ -776,7 +776,7 @@ fn a_killed_import_leaves_nothing_partial_and_a_reimport_succeeds() {
     }
     std::thread::sleep(Duration::from_millis(30));
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGKILL) };
     child.wait().unwrap();
 
     // Nothing partial is visible: no image, and any published layer is complete.

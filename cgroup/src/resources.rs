@@ -694,7 +694,7 @@ mod tests {
             .block_io(b)
             .build()
             .unwrap();
-        assert!(plan_writes(&r).is_err());
+        plan_writes(&r).unwrap_err();
         let b = LinuxBlockIoBuilder::default()
             .throttle_read_bps_device(vec![
                 LinuxThrottleDeviceBuilder::default()
@@ -710,7 +710,7 @@ mod tests {
             .block_io(b)
             .build()
             .unwrap();
-        assert!(plan_writes(&r).is_err());
+        plan_writes(&r).unwrap_err();
     }
 
     #[test]

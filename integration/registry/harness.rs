@@ -485,7 +485,7 @@ fn percent_decode(s: &str) -> String {
             && i + 2 < b.len()
             && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
         {
-            out.push((h * 16 + l) as u8);
+            out.push(u8::try_from(h * 16 + l).unwrap());
             i += 3;
             continue;
         }

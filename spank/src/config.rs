@@ -193,8 +193,8 @@ mod tests {
             scratch_root(Some("[scratch]\nroot = \"/nvme/scratch\"\n")).unwrap(),
             PathBuf::from("/nvme/scratch")
         );
-        assert!(scratch_root(Some("[scratch]\nroot = \"rel\"\n")).is_err());
-        assert!(scratch_root(Some("[scratch\n")).is_err());
+        scratch_root(Some("[scratch]\nroot = \"rel\"\n")).unwrap_err();
+        scratch_root(Some("[scratch\n")).unwrap_err();
         let e =
             job_scratch_root(Some(std::path::Path::new("/nonexistent/berth.toml"))).unwrap_err();
         assert!(

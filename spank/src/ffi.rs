@@ -224,7 +224,7 @@ pub fn getenv(sp: spank_t, name: &str) -> Option<String> {
             spank_getenv(
                 sp,
                 n.as_ptr(),
-                buf.as_mut_ptr() as *mut c_char,
+                buf.as_mut_ptr().cast::<c_char>(),
                 c_int::try_from(len).unwrap_or(c_int::MAX),
             )
         };

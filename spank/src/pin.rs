@@ -76,13 +76,14 @@ pub fn apply(rank: &RankBinding, policy: MemPolicy) -> Pinned {
 fn set_cpus(cpus: &[u32]) -> io::Result<()> {
     // SAFETY: an all-zero cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let max = 8 * std::mem::size_of::<libc::cpu_set_t>() as u32;
+    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
     for &c in cpus {
+        let c = c as usize;
         if c >= max {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         // SAFETY: `c` is below the set's size, checked above.
-        unsafe { libc::CPU_SET(c as usize, &mut set) };
+        unsafe { libc::CPU_SET(c, &mut set) };
     }
     // SAFETY: sched_setaffinity reads `size_of::<cpu_set_t>()` bytes from `set`, alive here.
     let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
@@ -100,7 +101,7 @@ fn set_memory(policy: MemPolicy, nodes: &[u32]) -> io::Result<()> {
         mask[(n / bits) as usize] |= 1 << (n % bits);
     }
     // The kernel reads maxnode - 1 bits.
-    let maxnode = mask.len() as libc::c_ulong * bits as libc::c_ulong + 1;
+    let maxnode = mask.len() as libc::c_ulong * libc::c_ulong::from(bits) + 1;
     let call = |mode: libc::c_int, mask: &[libc::c_ulong]| -> io::Result<()> {
         // SAFETY: set_mempolicy reads `maxnode - 1` bits from `mask`, which holds that many
         // and is alive for the call.

@@ -155,19 +155,12 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
             container: None,
         });
         if register {
-            for (i, flag) in FLAGS.iter().enumerate() {
+            for (i, flag) in (0..).zip(FLAGS.iter()) {
                 if flag.key.is_container() && !container_options {
                     continue;
                 }
-                ffi::register_option(
-                    sp,
-                    flag.name,
-                    flag.arginfo,
-                    flag.usage,
-                    i as c_int,
-                    option_callback,
-                )
-                .map_err(|e| {
+                ffi::register_option(sp, flag.name, flag.arginfo, flag.usage, i, option_callback)
+                    .map_err(|e| {
                     berth_line(format!(
                         "cannot register --{}: {e}: another plugin in plugstack.conf (Pyxis?) \
                          may define it; keep one of them",

@@ -117,7 +117,11 @@ fn child_setup() -> io::Result<()> {
         }
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        check(libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut()) as libc::c_long)?;
+        check(libc::c_long::from(libc::sigprocmask(
+            libc::SIG_SETMASK,
+            &set,
+            std::ptr::null_mut(),
+        )))?;
         const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
         if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC) < 0 {
             // Kernels before 5.11: walk the descriptor table up to the soft limit.

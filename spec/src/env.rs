@@ -145,7 +145,7 @@ mod tests {
             max_bytes: 10,
         };
         let pairs = [("A".to_string(), "1".to_string())];
-        assert!(limits.check("x", &pairs).is_ok());
+        limits.check("x", &pairs).unwrap();
         let three = ["A=1".to_string(), "B=2".to_string(), "C=3".to_string()];
         let e = limits.check("the image's config", &three).unwrap_err();
         assert!(

@@ -474,6 +474,12 @@ fn cgroup_mounts(view: &[BindMount]) -> Result<Vec<Mount>, SpecError> {
 
 /// Cgroup limits and the device allow-list: deny everything, then allow exactly the devices the
 /// container has, plus the pty pair (devpts's ptmx and the pts slaves).
+/// A byte count as OCI's signed field; one past i64::MAX is refused as the size `given` that led
+/// to it.
+fn oci_bytes(bytes: u64, given: u64) -> Result<i64, SpecError> {
+    i64::try_from(bytes).map_err(|_| SpecError::Size(given.to_string()))
+}
+
 fn resources(limits: &Limits, devices: &[LinuxDevice]) -> Result<LinuxResources, SpecError> {
     let rule = |typ, major: Option<i64>, minor: Option<i64>| {
         let mut b = LinuxDeviceCgroupBuilder::default()
@@ -502,10 +508,10 @@ fn resources(limits: &Limits, devices: &[LinuxDevice]) -> Result<LinuxResources,
 
     let mut res = LinuxResourcesBuilder::default().devices(rules);
     if let Some(limit) = limits.memory {
-        let mut mem = LinuxMemoryBuilder::default().limit(limit as i64);
+        let mut mem = LinuxMemoryBuilder::default().limit(oci_bytes(limit, limit)?);
         if let Some(swap) = limits.memory_swap {
             // OCI's swap is memory plus swap (the cgroup v1 meaning).
-            mem = mem.swap(limit.saturating_add(swap) as i64);
+            mem = mem.swap(oci_bytes(limit.saturating_add(swap), swap)?);
         }
         res = res.memory(mem.build()?);
     }

@@ -248,7 +248,7 @@ mod tests {
     #[test]
     fn arguments() {
         assert!(parse(&["-o", "x.sqsh"]).is_err(), "a source is required");
-        assert!(parse(&["c1", "--rootfs", "/r", "-o", "x"]).is_err());
+        parse(&["c1", "--rootfs", "/r", "-o", "x"]).unwrap_err();
         assert!(parse(&["c1"]).is_err(), "-o is required");
         let a = parse(&["--rootfs", "/r", "-o", "x.sif", "--format", "sqsh", "-f"]).unwrap();
         assert_eq!(a.format, Some(FormatArg::Sqsh));
@@ -303,7 +303,7 @@ mod tests {
         // A container whose berth is gone is not exported.
         let record = Record {
             id: "c1".into(),
-            owner_pid: std::process::id() as i32,
+            owner_pid: i32::try_from(std::process::id()).unwrap(),
             owner_start: 1,
             cgroup: dir.path().join("no-cgroup"),
             init_pid: 0,

@@ -14,6 +14,7 @@ use crate::spec::UserIds;
 use crate::spec::image::ImageDefaults;
 
 /// An image ready to stack: overlay lowers, topmost first, and its config's defaults.
+#[derive(Debug)]
 pub struct Resolved {
     pub lowers: Vec<PathBuf>,
     pub defaults: ImageDefaults,
@@ -114,6 +115,7 @@ fn detached_tree(dir: &std::fs::File) -> std::io::Result<std::os::fd::OwnedFd> {
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    let fd = i32::try_from(fd).map_err(std::io::Error::other)?;
     // SAFETY: the kernel just returned this fd, owned by nobody else.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }

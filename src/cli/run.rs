@@ -163,6 +163,7 @@ fn flag<T>(
 
 /// Validates the arguments against the host and builds the request.
 /// A container request and the image it stacks (whose in-use mark lives as long as it).
+#[derive(Debug)]
 pub struct Prepared {
     pub request: Request,
     pub image: super::image::Resolved,
@@ -516,8 +517,8 @@ fn host_device(path: &std::path::Path, user: &spec::UserIds) -> Result<HostDevic
     Ok(HostDevice {
         path: path.to_path_buf(),
         block: ft.is_block_device(),
-        major: libc::major(rdev) as i64,
-        minor: libc::minor(rdev) as i64,
+        major: i64::from(libc::major(rdev)),
+        minor: i64::from(libc::minor(rdev)),
         mode: meta.mode() & 0o7777,
         uid: meta.uid(),
         gid: meta.gid(),
@@ -639,8 +640,8 @@ mod tests {
             parse_timeout(&Some("1.5".into())).unwrap(),
             Some(Duration::from_millis(1500))
         );
-        assert!(parse_timeout(&Some("0".into())).is_err());
-        assert!(parse_timeout(&Some("x".into())).is_err());
+        parse_timeout(&Some("0".into())).unwrap_err();
+        parse_timeout(&Some("x".into())).unwrap_err();
         for huge in [
             "99999999999999999999999999",
             "18446744073709551616",

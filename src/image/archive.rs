@@ -192,7 +192,7 @@ impl Read for RangeReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         use std::os::unix::fs::FileExt;
         let left = self.end.saturating_sub(self.pos);
-        let n = (buf.len() as u64).min(left) as usize;
+        let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
         if n == 0 {
             return Ok(0);
         }
@@ -255,7 +255,8 @@ impl TarInput for FileInput<'_> {
 
     fn skip(&mut self, n: u64) -> io::Result<u64> {
         let n = n.min(self.len.saturating_sub(self.pos));
-        self.r.seek_relative(n as i64)?;
+        self.r
+            .seek_relative(i64::try_from(n).map_err(io::Error::other)?)?;
         self.pos += n;
         Ok(n)
     }
@@ -1447,8 +1448,8 @@ mod tests {
             parse_local("dockerd://busybox").unwrap().unwrap(),
             Reference::Dockerd("busybox".into())
         );
-        assert!(parse_local("oci:").unwrap().is_err());
-        assert!(parse_local("podman://").unwrap().is_err());
+        parse_local("oci:").unwrap().unwrap_err();
+        parse_local("podman://").unwrap().unwrap_err();
         assert!(parse_local("ubuntu:22.04").is_none());
     }
 

@@ -319,7 +319,7 @@ fn write_temp(
     if format == Format::Sif {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
+            .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
             .unwrap_or(0);
         let mut writer = sif::Writer::new(&mut file);
         let partition = ObjectKind::Partition(Partition {
@@ -620,6 +620,10 @@ fn squash_container(
             // before missed a bind whose parent directory the user had just renamed, and root
             // read the host's files there into the image.)
             check(libc::setns(ns_fd, libc::CLONE_NEWNS))?;
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "open_tree returns an int (an fd or -1), widened to syscall()'s long"
+            )]
             let bare = libc::syscall(
                 libc::SYS_open_tree,
                 container_fd,

@@ -120,6 +120,7 @@ impl Opened {
 
 /// Who asks for an image: credentials come from this user's home, and a private image in the
 /// cache is only handed out once the registry confirms this user's access.
+#[derive(Debug)]
 pub struct Requester<'a> {
     pub uid: u32,
     pub home: Option<&'a Path>,

@@ -51,6 +51,8 @@ use sha2::{Digest as _, Sha256};
 use tar::{EntryType, Header};
 
 const BLOCK: u64 = 512;
+/// [`BLOCK`] as a buffer length.
+const BLOCK_LEN: usize = 512;
 /// Long names and PAX headers larger than this are refused (a hostile size would be allocated).
 const MAX_META: u64 = 1 << 20;
 
@@ -330,7 +332,9 @@ impl TarInput for HashingInput<'_> {
             if left == 0 {
                 break Ok(n);
             }
-            let want = left.min(scratch.len() as u64) as usize;
+            let want = usize::try_from(left)
+                .unwrap_or(usize::MAX)
+                .min(scratch.len());
             match self.read_some(&mut scratch[..want]) {
                 Ok(0) => break Ok(n - left),
                 Ok(got) => left -= got as u64,
@@ -454,7 +458,9 @@ impl<I: TarInput> TarReader<I> {
         if self.data_left == 0 || buf.is_empty() {
             return Ok(0);
         }
-        let want = (buf.len() as u64).min(self.data_left) as usize;
+        let want = usize::try_from(self.data_left)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
         let n = self.input.fill(&mut buf[..want]).map_err(TarError::Io)?;
         if n == 0 {
             return Err(self.bad(format!(
@@ -470,6 +476,10 @@ impl<I: TarInput> TarReader<I> {
         if size > MAX_META {
             return Err(self.bad(format!("extension header of {size} bytes is too large")));
         }
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "size is at most MAX_META (1 MiB), checked above"
+        )]
         let mut data = vec![0; size as usize];
         let n = self.input.fill(&mut data).map_err(TarError::Io)?;
         if n < data.len() {
@@ -511,7 +521,7 @@ impl<I: TarInput> TarReader<I> {
                 return Ok(None);
             }
             let header_offset = self.input.position();
-            let mut block = [0u8; BLOCK as usize];
+            let mut block = [0u8; BLOCK_LEN];
             let n = self.input.fill(&mut block).map_err(TarError::Io)?;
             if n == 0 {
                 // No end-of-archive blocks: accepted (umoci insert writes such layers).
@@ -631,7 +641,15 @@ impl<I: TarInput> TarReader<I> {
                 },
                 mtime: match ext.mtime {
                     Some(m) => m,
-                    None => (field(header.mtime(), &old.mtime, "mtime")? as i64, 0),
+                    None => (
+                        i64::try_from(field(header.mtime(), &old.mtime, "mtime")?).map_err(
+                            |_| TarError::Format {
+                                offset: header_offset,
+                                why: "bad mtime field: out of range".into(),
+                            },
+                        )?,
+                        0,
+                    ),
                 },
                 dev,
                 xattrs: std::mem::take(&mut ext.xattrs),
@@ -652,7 +670,7 @@ fn trim_nul(data: &mut Vec<u8>) {
     }
 }
 
-fn check_checksum(block: &[u8; BLOCK as usize]) -> Result<(), String> {
+fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
     let field = &block[148..156];
     let text: Vec<u8> = field
         .iter()
@@ -671,7 +689,7 @@ fn check_checksum(block: &[u8; BLOCK as usize]) -> Result<(), String> {
             if (148..156).contains(&i) {
                 32
             } else {
-                *b as u32
+                u32::from(*b)
             }
         })
         .sum();
@@ -682,11 +700,11 @@ fn check_checksum(block: &[u8; BLOCK as usize]) -> Result<(), String> {
             if (148..156).contains(&i) {
                 32
             } else {
-                *b as i8 as i32
+                i32::from(b.cast_signed())
             }
         })
         .sum();
-    if stored == unsigned || stored as i32 == signed {
+    if stored == unsigned || i64::from(stored) == i64::from(signed) {
         Ok(())
     } else {
         Err("header checksum mismatch (not a tar stream, or a corrupt one)".into())
@@ -746,8 +764,8 @@ fn parse_pax_time(v: &[u8]) -> Result<(i64, u32), String> {
         return Err(bad());
     }
     let mut nanos = 0u32;
-    for (i, d) in frac.bytes().take(9).enumerate() {
-        nanos += (d - b'0') as u32 * 10u32.pow(8 - i as u32);
+    for (i, d) in (0u32..).zip(frac.bytes().take(9)) {
+        nanos += u32::from(d - b'0') * 10u32.pow(8 - i);
     }
     Ok((secs, nanos))
 }
@@ -778,6 +796,14 @@ fn join(comps: &[&[u8]]) -> Vec<u8> {
 fn cstr(bytes: &[u8]) -> CString {
     // Components never contain NUL: `components` refuses such names.
     CString::new(bytes).unwrap_or_default()
+}
+
+/// A tar entry's uid or gid as the kernel's 32-bit id; a larger one is refused.
+fn id32(id: u64, what: &str, rel: &[u8]) -> Result<u32, LayerError> {
+    u32::try_from(id).map_err(|_| LayerError::Refused {
+        path: String::from_utf8_lossy(rel).into_owned(),
+        why: format!("{what} {id} is out of range (ids are 32-bit)"),
+    })
 }
 
 fn io_err(e: Errno) -> io::Error {
@@ -1010,8 +1036,8 @@ impl Extractor {
         rel: &[u8],
     ) -> Result<(), LayerError> {
         let (uid, gid) = (
-            Some(Uid::from_raw(e.uid as u32)),
-            Some(Gid::from_raw(e.gid as u32)),
+            Some(Uid::from_raw(id32(e.uid, "uid", rel)?)),
+            Some(Gid::from_raw(id32(e.gid, "gid", rel)?)),
         );
         let r = match name {
             None => fchown(fd, uid, gid),
@@ -1156,7 +1182,9 @@ impl Extractor {
                 let mut left = e.size;
                 let mut hasher = Sha256::new();
                 while left > 0 {
-                    let want = left.min(self.buf.len() as u64) as usize;
+                    let want = usize::try_from(left)
+                        .unwrap_or(usize::MAX)
+                        .min(self.buf.len());
                     let n = reader
                         .read_data(&mut self.buf[..want])
                         .map_err(LayerError::from)?;
@@ -1311,7 +1339,7 @@ impl Extractor {
 }
 
 fn timespec((secs, nanos): (i64, u32)) -> TimeSpec {
-    TimeSpec::new(secs, nanos as _)
+    TimeSpec::new(secs, nanos.into())
 }
 
 #[cfg(test)]
@@ -1821,7 +1849,7 @@ mod tests {
         };
         // tmpfs before 6.6 has no user xattrs: then the attribute is noted as skipped.
         if n >= 0 {
-            assert_eq!(&value[..n as usize], b"berth");
+            assert_eq!(&value[..usize::try_from(n).unwrap()], b"berth");
         } else {
             assert!(x.skipped.iter().any(|s| s.contains("user.origin")));
         }

@@ -194,6 +194,10 @@ impl LoopDevice {
             .map_err(LoopError::Control)?;
         let flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
         for _ in 0..ATTACH_ATTEMPTS {
+            #[expect(
+                clippy::cast_sign_loss,
+                reason = "ioctl_ptr turns a negative result into an error"
+            )]
             let n = ioctl_ptr::<u8>(&control, LOOP_CTL_GET_FREE, std::ptr::null())
                 .map_err(LoopError::NoFree)? as u32;
             let path = device_node(n)?;
@@ -206,7 +210,8 @@ impl LoopDevice {
                     source,
                 })?;
             let config = LoopConfig {
-                fd: backing.as_raw_fd() as u32,
+                // An open file's fd is never negative.
+                fd: backing.as_raw_fd().cast_unsigned(),
                 block_size: 0,
                 info: info(file, offset, size, flags),
                 reserved: [0; 8],
@@ -235,7 +240,8 @@ impl LoopDevice {
             match ioctl_ptr::<u8>(
                 &device,
                 LOOP_SET_FD,
-                backing.as_raw_fd() as usize as *const u8,
+                // The fd is passed as the ioctl's argument; an open file's fd is never negative.
+                backing.as_raw_fd().cast_unsigned() as usize as *const u8,
             ) {
                 Ok(_) => {}
                 Err(Errno::EBUSY) => continue,

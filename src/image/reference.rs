@@ -826,7 +826,7 @@ mod tests {
         ] {
             assert!(!path_component_ok(bad), "{bad}");
         }
-        assert!(check_tag(&"t".repeat(128)).is_ok());
+        check_tag(&"t".repeat(128)).unwrap();
         assert!(check_tag(&"t".repeat(129)).is_err());
     }
 

@@ -378,7 +378,7 @@ pub fn parse_header(b: &[u8], file_len: u64) -> Result<Header, Fault> {
             header.descriptors_total
         )));
     }
-    if header.descriptors_offset < HEADER_LEN as i64 {
+    if !u64::try_from(header.descriptors_offset).is_ok_and(|o| o >= HEADER_LEN as u64) {
         return Err(Fault::Corrupt(format!(
             "the descriptor table starts at byte {}, inside the header",
             header.descriptors_offset
@@ -396,6 +396,10 @@ pub fn parse_header(b: &[u8], file_len: u64) -> Result<Header, Fault> {
 
 impl Header {
     /// Byte offset and length of the descriptor table (validated by [`parse_header`]).
+    #[expect(
+        clippy::cast_sign_loss,
+        reason = "parse_header refuses an offset below HEADER_LEN and a count outside 0..=MAX_DESCRIPTORS"
+    )]
     pub fn table_extent(&self) -> (u64, u64) {
         (
             self.descriptors_offset as u64,
@@ -418,7 +422,7 @@ pub fn parse_descriptor(b: &[u8], file_len: u64) -> Result<Option<Descriptor>, F
             "object {id} has a negative offset or size"
         )));
     }
-    let (offset, size) = (raw_offset as u64, raw_size as u64);
+    let (offset, size) = (raw_offset.unsigned_abs(), raw_size.unsigned_abs());
     if offset.checked_add(size).is_none_or(|end| end > file_len) {
         return Err(Fault::Truncated(format!(
             "object {id} ({data_type:?}) spans bytes {offset}..{} but the file has {file_len} bytes",
@@ -432,7 +436,7 @@ pub fn parse_descriptor(b: &[u8], file_len: u64) -> Result<Option<Descriptor>, F
         link: u32_at(b, 13),
         offset,
         size,
-        size_with_padding: i64_at(b, 33).max(0) as u64,
+        size_with_padding: u64::try_from(i64_at(b, 33)).unwrap_or(0),
         created: i64_at(b, 41),
         modified: i64_at(b, 49),
         name: cstr(&b[73..73 + NAME_LEN]),
@@ -447,7 +451,10 @@ impl Sif {
         let header = parse_header(bytes, file_len)?;
         let (start, len) = header.table_extent();
         let table = bytes
-            .get(start as usize..(start + len) as usize)
+            .get(
+                usize::try_from(start).unwrap_or(usize::MAX)
+                    ..usize::try_from(start + len).unwrap_or(usize::MAX),
+            )
             .ok_or_else(|| Fault::Truncated("the descriptor table is incomplete".into()))?;
         Sif::with_table(header, table, file_len)
     }
@@ -479,11 +486,16 @@ impl Sif {
         };
         let mut file = File::open(path).map_err(io)?;
         let file_len = file.metadata().map_err(io)?.len();
-        let mut head = vec![0u8; HEADER_LEN.min(file_len as usize)];
+        let mut head =
+            vec![0u8; usize::try_from(file_len).map_or(HEADER_LEN, |n| HEADER_LEN.min(n))];
         file.read_exact(&mut head).map_err(io)?;
         let header = parse_header(&head, file_len).map_err(fault)?;
         // Only the table is read: its offset comes from the file and may be anywhere in it.
         let (start, len) = header.table_extent();
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "parse_header caps the table at MAX_DESCRIPTORS * DESCRIPTOR_LEN bytes (2.4 MB)"
+        )]
         let mut table = vec![0u8; len as usize];
         file.seek(SeekFrom::Start(start)).map_err(io)?;
         file.read_exact(&mut table).map_err(io)?;
@@ -558,6 +570,7 @@ impl ObjectKind {
 /// Writes a SIF file: objects first (each at the next offset its alignment allows), then the
 /// descriptor table and the header, so a reader never sees a header whose objects are missing.
 /// Every object goes into group 1, as `apptainer build` does.
+#[derive(Debug)]
 pub struct Writer<W: Write + Seek> {
     out: W,
     descriptors: Vec<Descriptor>,
@@ -627,7 +640,7 @@ impl<W: Write + Seek> Writer<W> {
         {
             self.arch = p.arch.clone();
         }
-        let id = self.descriptors.len() as u32 + 1;
+        let id = u32::try_from(self.descriptors.len()).map_err(std::io::Error::other)? + 1;
         self.descriptors.push(Descriptor {
             data_type: kind.data_type(),
             id,
@@ -647,6 +660,11 @@ impl<W: Write + Seek> Writer<W> {
 
     /// Writes the descriptor table and the header; `time` is the creation time (Unix seconds)
     /// and `id` the image UUID.
+    #[expect(
+        clippy::cast_possible_wrap,
+        reason = "offsets and sizes are of the file being written, which the kernel caps at i64::MAX \
+                  (off_t); the rest are small constants"
+    )]
     pub fn finish(mut self, time: i64, id: [u8; 16]) -> std::io::Result<W> {
         let mut table = vec![0u8; DESCRIPTORS_CAPACITY * DESCRIPTOR_LEN];
         for (d, raw) in self
@@ -707,12 +725,17 @@ pub fn random_id() -> [u8; 16] {
     // images, it protects nothing.
     // SAFETY: getrandom writes at most id.len() bytes into the buffer it is given.
     let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) };
-    if n != id.len() as isize {
+    if usize::try_from(n).ok() != Some(id.len()) {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()
             .as_nanos();
-        id[..8].copy_from_slice(&(t as u64).to_le_bytes());
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "only the low 64 bits of the time are wanted: the id only needs to differ"
+        )]
+        let t = t as u64;
+        id[..8].copy_from_slice(&t.to_le_bytes());
         id[8..12].copy_from_slice(&std::process::id().to_le_bytes());
     }
     id[6] = (id[6] & 0x0f) | 0x40;
@@ -759,7 +782,7 @@ mod tests {
         assert_eq!(sif.header.descriptors_total, 48);
         assert_eq!(sif.header.descriptors_free, 48);
         assert_eq!(sif.header.descriptors_offset, 4096);
-        assert_eq!(sif.header.data_offset as u64, DATA_OFFSET);
+        assert_eq!(u64::try_from(sif.header.data_offset).unwrap(), DATA_OFFSET);
         assert_eq!(sif.header.created, -62135596800);
         assert!(sif.descriptors.is_empty());
         let err = sif.primary_partition().unwrap_err();
@@ -816,7 +839,7 @@ mod tests {
         let p = second.partition().unwrap();
         assert_eq!((p.fs_type, p.part_type), (FsType::Ext3, PartType::System));
         // The ext2/3 superblock magic 0xEF53 sits 1080 bytes into the partition.
-        let magic = second.offset as usize + 1080;
+        let magic = usize::try_from(second.offset).unwrap() + 1080;
         assert_eq!(&bytes[magic..magic + 2], &[0x53, 0xef]);
         assert_eq!(sif.primary_partition().unwrap().id, 2);
     }
@@ -970,7 +993,7 @@ mod tests {
             );
         }
         assert_eq!(
-            sif.header.data_size as u64,
+            u64::try_from(sif.header.data_size).unwrap(),
             sif.descriptors
                 .iter()
                 .map(|d| d.size_with_padding)
@@ -978,7 +1001,7 @@ mod tests {
         );
         let root = sif.primary_partition().unwrap();
         assert_eq!(
-            &bytes[root.offset as usize..][..root.size as usize],
+            &bytes[usize::try_from(root.offset).unwrap()..][..usize::try_from(root.size).unwrap()],
             b"hsqs-and-more"
         );
         assert_eq!(&bytes[..LAUNCH.len()], LAUNCH);

@@ -385,6 +385,14 @@ pub struct SquashfsFiles {
     path: PathBuf,
 }
 
+impl std::fmt::Debug for SquashfsFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SquashfsFiles")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
 impl SquashfsFiles {
     pub fn open(path: &Path, offset: u64) -> Result<Self, SquashfsError> {
         let file = File::open(path).map_err(|source| SquashfsError::Io {
@@ -581,7 +589,7 @@ mod tests {
     #[test]
     fn probe_finds_the_sif_partition_and_rejects_other_bytes() {
         let path = testdata("one-group.sif");
-        assert!(probe_squashfs_magic(&path, 36864).is_ok());
+        probe_squashfs_magic(&path, 36864).unwrap();
         let err = probe_squashfs_magic(&path, 32768).unwrap_err();
         assert!(matches!(
             err,
@@ -813,7 +821,7 @@ mod tests {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                x as u8
+                x.to_le_bytes()[0]
             })
             .collect();
         std::fs::write(tree.join("noise"), noise).unwrap();

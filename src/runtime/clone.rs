@@ -39,9 +39,11 @@ pub enum Forked {
 /// The caller must be single-threaded: the child continues as a copy of this one thread.
 pub fn clone_into(flags: libc::c_int, cgroup: BorrowedFd<'_>) -> Result<Forked, Errno> {
     let args = CloneArgs {
-        flags: flags as u64 | CLONE_INTO_CGROUP,
-        exit_signal: libc::SIGCHLD as u64,
-        cgroup: cgroup.as_raw_fd() as u64,
+        // Sign-extended as the C ABI widens an int: the flags' bits unchanged.
+        flags: i64::from(flags).cast_unsigned() | CLONE_INTO_CGROUP,
+        exit_signal: libc::SIGCHLD.unsigned_abs().into(),
+        // An open fd is never negative.
+        cgroup: cgroup.as_raw_fd().unsigned_abs().into(),
         ..Default::default()
     };
     // SAFETY: clone3 with no stack behaves like fork: the child gets a copy of this
@@ -56,7 +58,7 @@ pub fn clone_into(flags: libc::c_int, cgroup: BorrowedFd<'_>) -> Result<Forked, 
     match ret {
         0 => Ok(Forked::Child),
         pid if pid > 0 => Ok(Forked::Parent {
-            pid: Pid::from_raw(pid as i32),
+            pid: Pid::from_raw(int_of(pid)),
             in_cgroup: true,
         }),
         _ => match Errno::last() {
@@ -71,7 +73,7 @@ fn clone_plain(flags: libc::c_int) -> Result<Forked, Errno> {
     let ret = unsafe {
         libc::syscall(
             libc::SYS_clone,
-            (flags | libc::SIGCHLD) as libc::c_ulong,
+            i64::from(flags | libc::SIGCHLD).cast_unsigned(),
             0usize,
             0usize,
             0usize,
@@ -81,7 +83,7 @@ fn clone_plain(flags: libc::c_int) -> Result<Forked, Errno> {
     match ret {
         0 => Ok(Forked::Child),
         pid if pid > 0 => Ok(Forked::Parent {
-            pid: Pid::from_raw(pid as i32),
+            pid: Pid::from_raw(int_of(pid)),
             in_cgroup: false,
         }),
         _ => Err(Errno::last()),
@@ -96,5 +98,14 @@ pub fn pidfd_open(pid: Pid) -> Result<OwnedFd, Errno> {
         return Err(Errno::last());
     }
     // SAFETY: the kernel just returned this fd and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { OwnedFd::from_raw_fd(int_of(fd)) })
+}
+
+/// A pid or fd that a syscall returned: an int that `syscall()` widens to a long.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "the kernel's pids and fds are ints (pid_max is at most 2^22)"
+)]
+fn int_of(ret: libc::c_long) -> libc::c_int {
+    ret as libc::c_int
 }

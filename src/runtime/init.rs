@@ -297,7 +297,7 @@ fn supervise(command: Pid, sfd: &SignalFd, lifeline: &OwnedFd) -> i32 {
             return 137;
         }
         if let Ok(Some(info)) = sfd.read_signal() {
-            let sig = info.ssi_signo as i32;
+            let sig = info.ssi_signo.cast_signed();
             if sig != libc::SIGCHLD
                 && let Ok(sig) = Signal::try_from(sig)
             {
@@ -326,7 +326,7 @@ fn detach_stdio() -> Result<(), SetupError> {
 fn hold(sfd: &SignalFd) -> i32 {
     loop {
         match sfd.read_signal() {
-            Ok(Some(info)) if info.ssi_signo as i32 == libc::SIGCHLD => {
+            Ok(Some(info)) if info.ssi_signo.cast_signed() == libc::SIGCHLD => {
                 while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                     if status == WaitStatus::StillAlive {
                         break;
@@ -335,7 +335,7 @@ fn hold(sfd: &SignalFd) -> i32 {
             }
             Ok(Some(info))
                 if [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT]
-                    .contains(&(info.ssi_signo as i32)) =>
+                    .contains(&(info.ssi_signo.cast_signed())) =>
             {
                 return 0;
             }
@@ -344,6 +344,10 @@ fn hold(sfd: &SignalFd) -> i32 {
         }
     }
 }
+
+/// IFF_UP as ifreq's flags field holds it.
+#[expect(clippy::cast_possible_truncation, reason = "IFF_UP is 1")]
+const IFF_UP: libc::c_short = libc::IFF_UP as libc::c_short;
 
 /// Brings `lo` up in a new network namespace (it starts down).
 fn loopback_up() -> Result<(), SetupError> {
@@ -358,14 +362,14 @@ fn loopback_up() -> Result<(), SetupError> {
     // SAFETY: ifreq is plain data; all-zero is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
+        *dst = libc::c_char::from_ne_bytes([*src]);
     }
     // SAFETY: SIOCGIFFLAGS fills `req.ifr_ifru.ifru_flags` for the named interface.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
         return Err(fail(Errno::last()));
     }
     // SAFETY: the union's flags member was just set by the kernel.
-    unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    unsafe { req.ifr_ifru.ifru_flags |= IFF_UP };
     // SAFETY: SIOCSIFFLAGS reads `req` for the named interface.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
         return Err(fail(Errno::last()));

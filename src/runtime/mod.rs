@@ -176,7 +176,7 @@ fn start(
 
     let id = new_id();
     let hierarchy = Hierarchy::open(&opts.cgroup_root, &cgroup::required_controllers(&resources))?;
-    let me = std::process::id() as i32;
+    let me = nix::unistd::getpid().as_raw();
     let mut record = state::Record {
         id: id.clone(),
         owner_pid: me,
@@ -404,8 +404,10 @@ fn wait(
                 if left.is_zero() {
                     return Ok(None);
                 }
-                PollTimeout::try_from(left.as_millis().min(i32::MAX as u128 - 1) as i32 + 1)
-                    .unwrap_or(PollTimeout::MAX)
+                PollTimeout::try_from(
+                    i32::try_from(left.as_millis()).map_or(i32::MAX, |ms| ms.min(i32::MAX - 1) + 1),
+                )
+                .unwrap_or(PollTimeout::MAX)
             }
         };
         let mut fds = [
@@ -422,7 +424,7 @@ fn wait(
             }
         }
         while let Ok(Some(info)) = sfd.read_signal() {
-            if let Ok(sig) = Signal::try_from(info.ssi_signo as i32) {
+            if let Ok(sig) = Signal::try_from(info.ssi_signo.cast_signed()) {
                 let _ = kill(pid, sig);
             }
         }
@@ -588,12 +590,17 @@ fn new_id() -> String {
     let mut bytes = [0u8; 6];
     // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer.
     let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if n != bytes.len() as isize {
+    if usize::try_from(n).ok() != Some(bytes.len()) {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        bytes.copy_from_slice(&(nanos as u64 ^ std::process::id() as u64).to_le_bytes()[..6]);
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "only the low bits of the time are wanted: the id only needs to differ"
+        )]
+        let nanos = nanos as u64;
+        bytes.copy_from_slice(&(nanos ^ u64::from(std::process::id())).to_le_bytes()[..6]);
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -70,6 +70,15 @@ pub fn overlay_escape(path: &Path) -> String {
     out
 }
 
+/// An fd that `syscall()` returned (an int widened to a long).
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "the kernel's fds are ints, widened to syscall()'s long"
+)]
+fn raw_fd(ret: libc::c_long) -> std::os::fd::RawFd {
+    ret as std::os::fd::RawFd
+}
+
 /// The `/proc/self/fd/N` path through which mount(2) reaches an already-resolved target.
 pub fn fd_path(fd: &impl AsRawFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
@@ -215,6 +224,7 @@ pub fn ensure_in_root(
 /// A copy of a host mount tree, taken with open_tree(2) on an opened source before the
 /// container's namespaces exist, so neither a path swapped since nor the container's own mounts
 /// can end up in it; attached in the container with move_mount(2).
+#[derive(Debug)]
 pub struct Tree {
     fd: OwnedFd,
     is_dir: bool,
@@ -355,7 +365,7 @@ impl Tree {
             ));
         }
         // SAFETY: the kernel just returned this fd and nothing else owns it.
-        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw_fd(fd)) };
         let tree = Tree {
             fd,
             is_dir,
@@ -375,7 +385,8 @@ impl Tree {
         let userns = match idmap {
             Some(fd) => {
                 attr_set |= MOUNT_ATTR_IDMAP;
-                fd.as_raw_fd() as u64
+                // An open fd is never negative.
+                u64::from(fd.as_raw_fd().unsigned_abs())
             }
             None => 0,
         };
@@ -412,7 +423,7 @@ impl Tree {
                 libc::SYS_mount_setattr,
                 self.fd.as_raw_fd(),
                 c"".as_ptr(),
-                at as libc::c_uint,
+                at.cast_unsigned(),
                 &attr as *const MountAttr,
                 std::mem::size_of::<MountAttr>(),
             )
@@ -552,12 +563,12 @@ mod tests {
         .unwrap();
         let mut made = Made::default();
         made.add(root.as_fd()).unwrap();
-        assert!(ensure_in_root(&root, Path::new("/evil/x"), false, &made).is_err());
+        ensure_in_root(&root, Path::new("/evil/x"), false, &made).unwrap_err();
         ensure_in_root(&root, Path::new("/slash/w"), false, &made).unwrap();
         ensure_in_root(&root, Path::new("/etc/up/y/z"), false, &made).unwrap();
         ensure_in_root(&root, Path::new("/etc/hosts"), true, &made).unwrap();
         // Nothing is created on a mount that is not berth's.
-        assert!(ensure_in_root(&root, Path::new("/new"), false, &Made::default()).is_err());
+        ensure_in_root(&root, Path::new("/new"), false, &Made::default()).unwrap_err();
         assert!(!root_path.join("new").exists());
         assert!(
             !outside.join("x").exists(),

@@ -369,8 +369,16 @@ fn create_devices(
             _ => SFlag::S_IFCHR,
         };
         let mode = Mode::from_bits_truncate(dev.file_mode().unwrap_or(0o600));
-        let rdev = makedev(dev.major() as u64, dev.minor() as u64);
         let fail = |e| SetupError::new(format!("creating device {}: {e}", path.display()));
+        let number = |n: i64| {
+            u64::try_from(n).map_err(|_| {
+                SetupError::new(format!(
+                    "creating device {}: negative device number {n}",
+                    path.display()
+                ))
+            })
+        };
+        let rdev = makedev(number(dev.major())?, number(dev.minor())?);
         mknodat(dir.as_fd(), name, kind, mode, rdev).map_err(fail)?;
         // mknod applies the umask; the Spec's mode is what the container must see.
         nix::sys::stat::fchmodat(

@@ -264,6 +264,7 @@ fn open_container(base: &impl AsFd, id: &str) -> Option<(OwnedFd, Record)> {
 }
 
 /// A container's state directory; removed on drop unless kept.
+#[derive(Debug)]
 pub struct StateDir {
     pub path: PathBuf,
     base: OwnedFd,
@@ -612,7 +613,7 @@ mod tests {
 
     #[test]
     fn own_process_is_alive_and_a_stale_record_is_not() {
-        let me = std::process::id() as i32;
+        let me = nix::unistd::getpid().as_raw();
         let start = process_start(me).unwrap();
         let mut rec = Record {
             id: "x".into(),
@@ -634,7 +635,7 @@ mod tests {
     #[test]
     fn reclaim_removes_dead_owners_only() {
         let dir = tempfile::tempdir().unwrap();
-        let me = std::process::id() as i32;
+        let me = nix::unistd::getpid().as_raw();
         let live = Record {
             id: "live".into(),
             owner_pid: me,
@@ -666,7 +667,7 @@ mod tests {
     fn state_files_are_private_and_written_through_no_symlink() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
-        let me = std::process::id() as i32;
+        let me = nix::unistd::getpid().as_raw();
         let rec = Record {
             id: "c1".into(),
             owner_pid: me,
@@ -689,14 +690,14 @@ mod tests {
         assert_eq!(std::fs::read(state.path.join("x.json")).unwrap(), b"new");
         // Reads follow no symlink either.
         std::os::unix::fs::symlink(&target, state.path.join("y")).unwrap();
-        assert!(read_at(&state.dir, OsStr::new("y"), 10).is_err());
+        read_at(&state.dir, OsStr::new("y"), 10).unwrap_err();
         // A bad id never names a path outside.
         for bad in ["..", "a/b", ".hidden", "users", ""] {
             let r = Record {
                 id: bad.into(),
                 ..live_clone(&rec)
             };
-            assert!(StateDir::create_in(open(dir.path()), dir.path(), &r).is_err());
+            StateDir::create_in(open(dir.path()), dir.path(), &r).unwrap_err();
         }
     }
 

@@ -195,8 +195,8 @@ mod tests {
         // Ranges neither overlap inside nor outside, and the last id is (uid_t)-2.
         let last = map.last().unwrap();
         assert_eq!(
-            last.inside as u64 + last.size as u64 - 1,
-            u32::MAX as u64 - 1
+            u64::from(last.inside) + u64::from(last.size) - 1,
+            u64::from(u32::MAX) - 1
         );
         assert_eq!(map_text(&layer_map(1)), "0 1 1\n2 2 4294967293\n");
         assert_eq!(layer_map(0).len(), 1);

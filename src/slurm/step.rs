@@ -468,12 +468,10 @@ mod tests {
     #[test]
     fn unknown_options_and_bad_values_are_refused() {
         // As `berth step create` reads it (the protocol's parser).
-        assert!(
-            StepRequest::parse(
-                r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-imag":"x"}}"#
-            )
-            .is_err()
-        );
+        StepRequest::parse(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-imag":"x"}}"#,
+        )
+        .unwrap_err();
         let bad = step(
             r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-unshare":"pid"}}"#,
         );
@@ -645,9 +643,9 @@ mod tests {
         assert_eq!(parse_name("dev:exec").unwrap().1, NameMode::Exec);
         assert_eq!(parse_name("dev:create").unwrap().1, NameMode::Create);
         assert_eq!(parse_name("dev:no_exec").unwrap().1, NameMode::Auto);
-        assert!(parse_name("dev:bogus").is_err());
-        assert!(parse_name("a/b").is_err());
-        assert!(parse_name("").is_err());
+        parse_name("dev:bogus").unwrap_err();
+        parse_name("a/b").unwrap_err();
+        parse_name("").unwrap_err();
     }
 
     #[test]

@@ -346,8 +346,8 @@ mod tests {
         std::os::unix::fs::symlink("/etc", dir.path().join("up")).unwrap();
         let d = File::open(dir.path()).unwrap();
         let ro = OFlag::O_RDONLY;
-        assert!(open_beneath(&d, Path::new("etc/real"), ro, 0, false).is_ok());
-        assert!(open_beneath(&d, Path::new("/etc/real"), ro, 0, false).is_ok());
+        open_beneath(&d, Path::new("etc/real"), ro, 0, false).unwrap();
+        open_beneath(&d, Path::new("/etc/real"), ro, 0, false).unwrap();
         for bad in ["etc/link", "up/passwd", "../x", "etc/../../x"] {
             assert!(
                 open_beneath(&d, Path::new(bad), ro, 0, false).is_err(),

@@ -76,6 +76,10 @@ pub const ALLOW: u32 = libc::SECCOMP_RET_ALLOW;
 /// SECCOMP_RET_ERRNO with errno 0: the call returns 0 without running.
 pub const SUCCEED: u32 = libc::SECCOMP_RET_ERRNO;
 
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "BPF opcodes are 16-bit; libc declares the BPF_* constants they are built from as u32"
+)]
 fn stmt(code: u32, k: u32) -> libc::sock_filter {
     libc::sock_filter {
         code: code as u16,
@@ -85,6 +89,10 @@ fn stmt(code: u32, k: u32) -> libc::sock_filter {
     }
 }
 
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "BPF opcodes are 16-bit; libc declares the BPF_* constants they are built from as u32"
+)]
 fn jeq(k: u32, jt: usize, jf: usize) -> libc::sock_filter {
     libc::sock_filter {
         code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
@@ -137,7 +145,7 @@ pub fn install() -> std::io::Result<()> {
     };
     let filter = program(table);
     let prog = libc::sock_fprog {
-        len: filter.len() as u16,
+        len: u16::try_from(filter.len()).map_err(std::io::Error::other)?,
         filter: filter.as_ptr().cast_mut(),
     };
     // SAFETY: prctl(PR_SET_SECCOMP) reads the sock_fprog and the instructions it points to,
@@ -145,7 +153,7 @@ pub fn install() -> std::io::Result<()> {
     let rc = unsafe {
         libc::prctl(
             libc::PR_SET_SECCOMP,
-            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+            libc::c_ulong::from(libc::SECCOMP_MODE_FILTER),
             &prog as *const libc::sock_fprog,
         )
     };

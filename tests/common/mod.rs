@@ -25,7 +25,7 @@ pub fn cgroup_root() -> &'static str {
         std::hash::Hash::hash(env!("CARGO_MANIFEST_DIR"), &mut h);
         format!(
             "/sys/fs/cgroup/unified/berth-test-{:08x}",
-            std::hash::Hasher::finish(&h) as u32
+            u32::try_from(std::hash::Hasher::finish(&h) & u64::from(u32::MAX)).unwrap()
         )
     })
 }
@@ -230,7 +230,7 @@ pub fn get_xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
     let mut buf = vec![0u8; 256];
     // SAFETY: NUL-terminated path and name; `buf` is writable for its length.
     let rc = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    (rc >= 0).then(|| buf[..rc as usize].to_vec())
+    usize::try_from(rc).ok().map(|n| buf[..n].to_vec())
 }
 
 fn c_path(path: &Path) -> std::ffi::CString {

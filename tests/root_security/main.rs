@@ -114,6 +114,7 @@ pub fn berth_with_stdin(args: &[&str], input: &str) -> Output {
 /// A process of the attacker's that swaps `a` and `b` (renameat2 RENAME_EXCHANGE) as fast as it
 /// can until dropped: what a user racing a path check does. Killed and reaped on drop, with its
 /// whole process group, so nothing outlives the test.
+#[derive(Debug)]
 pub struct Swapper(Child);
 
 pub fn swapper(a: &Path, b: &Path) -> Swapper {
@@ -133,7 +134,7 @@ pub fn swapper(a: &Path, b: &Path) -> Swapper {
 impl Drop for Swapper {
     fn drop(&mut self) {
         // SAFETY: signalling the swapper's own process group, which it leads.
-        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
+        unsafe { libc::kill(-i32::try_from(self.0.id()).unwrap(), libc::SIGKILL) };
         let _ = self.0.wait();
     }
 }

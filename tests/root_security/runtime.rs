@@ -268,7 +268,7 @@ fn a_step_mount_source_swapped_during_the_check_is_never_mounted() {
     let (src, decoy, secret) = swap_setup(&dir);
     let started = Instant::now();
     let wins = race(&src, &decoy, secret, |i| {
-        let job = 4700 + i as u32;
+        let job = 4700 + u32::try_from(i).unwrap();
         let o = berth_with_stdin(
             &["step", "create"],
             &step_request(job, rootfs(), &format!("{}:/m", src.display()), ""),

@@ -26,6 +26,10 @@ const MPOL_BIND: i32 = 2;
 const MPOL_PREFERRED_MANY: i32 = 5;
 
 /// The calling thread's CPU affinity.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "CpuSet::count() is CPU_SETSIZE (1024)"
+)]
 pub fn affinity() -> Result<CpuSet, TopologyError> {
     let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).map_err(|source| {
         TopologyError::Sys {

@@ -442,7 +442,10 @@ pub fn apply(
             });
             let (major, minor) = match (d.major, d.minor, from_host) {
                 (Some(a), Some(b), _) => (a, b),
-                (_, _, Some(m)) => (libc::major(m.rdev()) as i64, libc::minor(m.rdev()) as i64),
+                (_, _, Some(m)) => (
+                    i64::from(libc::major(m.rdev())),
+                    i64::from(libc::minor(m.rdev())),
+                ),
                 _ => {
                     return Err(CdiError::Device {
                         name: d.path.clone(),

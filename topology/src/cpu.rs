@@ -97,8 +97,8 @@ pub fn scan(host: &Host) -> Result<Cpus, TopologyError> {
             .unwrap_or_else(|| [cpu].into_iter().collect());
         let package = read_attr(&topo.join("physical_package_id"))
             .and_then(|p| p.parse::<i64>().ok())
-            .filter(|p| *p >= 0)
-            .unwrap_or(0) as u32;
+            .and_then(|p| u32::try_from(p).ok())
+            .unwrap_or(0);
         seen = seen.union(&siblings);
         cores.push(Core {
             package,

@@ -60,9 +60,13 @@ impl CpuSet {
         for (i, group) in groups.iter().rev().enumerate() {
             let bits = u32::from_str_radix(group.trim(), 16)
                 .map_err(|_| format!("invalid CPU mask '{}'", text.trim()))?;
+            let base = u32::try_from(i)
+                .ok()
+                .and_then(|i| i.checked_mul(32))
+                .ok_or_else(|| format!("invalid CPU mask '{}': too many groups", text.trim()))?;
             for bit in 0..32 {
                 if bits & (1 << bit) != 0 {
-                    set.insert(i as u32 * 32 + bit);
+                    set.insert(base + bit);
                 }
             }
         }
@@ -195,6 +199,6 @@ mod tests {
         assert_eq!(set.to_mask(1), "80000001,0000000f");
         assert_eq!(CpuSet::parse_mask("80000001,0000000f").unwrap(), set);
         assert_eq!(CpuSet::new().to_mask(2), "00000000,00000000");
-        assert!(CpuSet::parse_mask("xyz").is_err());
+        CpuSet::parse_mask("xyz").unwrap_err();
     }
 }

@@ -122,6 +122,10 @@ pub fn pci(a: &PciDevice, numa_a: Option<u32>, b: &PciDevice, numa_b: Option<u32
 
 /// NVLinks between two GPUs: direct links, or, when both reach NVSwitches, the smaller of their
 /// switch link counts (every GPU on an NVSwitch fabric reaches every other at that width).
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "counts a GPU's NVLinks: NVML reports at most NVML_NVLINK_MAX_LINKS (18)"
+)]
 pub fn nvlinks(a: &NvmlGpu, b: &NvmlGpu) -> u32 {
     let direct = a
         .nvlinks

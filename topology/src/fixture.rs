@@ -11,6 +11,7 @@ use super::Host;
 use super::gpu::{Ecc, NvLinkInfo, NvLinkRemote, NvmlGpu, NvmlSnapshot, PcieState, RemappedRows};
 use super::pci::Bdf;
 
+#[derive(Debug)]
 pub struct Fixture {
     pub dir: tempfile::TempDir,
     /// Each PCI device's directory relative to sys/devices.
@@ -33,7 +34,7 @@ fn symlink(target: &str, link: &Path) {
 }
 
 /// Attributes of a PCI function.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct Pci {
     pub class: u32,
     pub vendor: u16,
@@ -159,7 +160,8 @@ impl Fixture {
                 &format!("sys/devices/system/node/node{i}/distance"),
                 &format!("{}\n", dist.join(" ")),
             );
-            self.node_cpus.insert(i as i32, list.to_string());
+            self.node_cpus
+                .insert(i32::try_from(i).unwrap(), list.to_string());
         }
         self.write(
             "sys/devices/system/node/online",
@@ -370,6 +372,11 @@ impl Fixture {
     }
 }
 
+/// A fixture's index as the u32 the topology types take (fixtures have a handful of devices).
+fn idx(i: usize) -> u32 {
+    u32::try_from(i).unwrap()
+}
+
 pub fn uuid(i: u32) -> String {
     format!("GPU-{i:08x}-0000-4000-8000-00000000000{i:x}")
 }
@@ -462,7 +469,7 @@ pub fn dgx_h100() -> (Fixture, NvmlSnapshot) {
             &format!("ibp{}s0", r + 3),
             uverbs,
         );
-        gpus.push((gpu, i as u32, uuid(i as u32)));
+        gpus.push((gpu, idx(i), uuid(idx(i))));
         let links = (0..18)
             .map(|l| NvLinkInfo {
                 link: l,
@@ -472,7 +479,7 @@ pub fn dgx_h100() -> (Fixture, NvmlSnapshot) {
             })
             .collect();
         nvml.push(nvml_gpu(
-            i as u32,
+            idx(i),
             gpu,
             "NVIDIA H100 80GB HBM3",
             links,
@@ -542,12 +549,12 @@ pub fn pix_box() -> (Fixture, NvmlSnapshot) {
             nic,
             &[HDR],
             &format!("ibp{}s0", r + 5),
-            numa as u32,
+            u32::try_from(numa).unwrap(),
         );
     }
     let mut nvml = Vec::new();
     for (i, &b) in buses.iter().enumerate() {
-        gpus.push((b, i as u32, uuid(i as u32)));
+        gpus.push((b, idx(i), uuid(idx(i))));
         let peer = buses[i ^ 1];
         let links = (0..12)
             .map(|l| NvLinkInfo {
@@ -557,13 +564,7 @@ pub fn pix_box() -> (Fixture, NvmlSnapshot) {
                 remote: NvLinkRemote::Gpu,
             })
             .collect();
-        nvml.push(nvml_gpu(
-            i as u32,
-            b,
-            "NVIDIA A100 80GB PCIe",
-            links,
-            (4, 16),
-        ));
+        nvml.push(nvml_gpu(idx(i), b, "NVIDIA A100 80GB PCIe", links, (4, 16)));
     }
     f.nvidia_driver(&gpus, "NVIDIA A100 80GB PCIe");
     f.rdma_cm();
@@ -599,7 +600,7 @@ pub fn pcie_box() -> Fixture {
             &format!("{rc}/0000:{r:02x}:01.0/0000:{:02x}:00.0", r + 1),
             A100,
         );
-        gpus.push((g, minors[i], uuid(i as u32)));
+        gpus.push((g, minors[i], uuid(idx(i))));
     }
     let ib0 = f.pci("pci0000:00/0000:00:02.0/0000:02:00.0", CX6);
     f.rdma("mlx5_0", ib0, &[HDR], "ibp2s0", 0);
@@ -640,7 +641,7 @@ pub fn mixed_box() -> Fixture {
     let gpus: Vec<(Bdf, u32, String)> = [g0, g1, g2, g3]
         .into_iter()
         .enumerate()
-        .map(|(i, b)| (b, i as u32, uuid(i as u32)))
+        .map(|(i, b)| (b, idx(i), uuid(idx(i))))
         .collect();
     f.nvidia_driver(&gpus, "NVIDIA A100 80GB PCIe");
     f.rdma_cm();

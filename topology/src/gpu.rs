@@ -213,6 +213,7 @@ pub trait GpuBackend {
 
 /// The live NVML library, loaded at run time from `library` (a name the dynamic loader
 /// resolves, or a path).
+#[derive(Debug)]
 pub struct Nvml {
     pub library: PathBuf,
 }
@@ -299,9 +300,9 @@ impl GpuBackend for Nvml {
                     values
                         .into_iter()
                         .map(|v| match v.ok().and_then(|s| s.value.ok()) {
-                            Some(SampleValue::U32(n)) => Some(n as u64),
+                            Some(SampleValue::U32(n)) => Some(u64::from(n)),
                             Some(SampleValue::U64(n)) => Some(n),
-                            Some(SampleValue::I64(n)) => Some(n.max(0) as u64),
+                            Some(SampleValue::I64(n)) => Some(u64::try_from(n).unwrap_or(0)),
                             _ => None,
                         })
                         .collect::<Vec<_>>()
@@ -372,6 +373,7 @@ impl GpuBackend for Nvml {
 }
 
 /// A recorded snapshot: the JSON `berth topo nvml` prints, or "no driver".
+#[derive(Debug)]
 pub struct Recorded {
     snapshot: Result<NvmlSnapshot, GpuUnavailable>,
 }

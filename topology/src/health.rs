@@ -85,7 +85,7 @@ pub fn check(node: &Node, xids: Result<&[Xid], String>, opts: &Options) -> Repor
 
     // GPU count and driver.
     let mut p = Vec::new();
-    let on_bus = node.gpus.len() as u32;
+    let on_bus = u32::try_from(node.gpus.len()).unwrap_or(u32::MAX);
     if let Some(e) = opts.expected_gpus
         && on_bus != e
     {

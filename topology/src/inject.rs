@@ -129,8 +129,8 @@ fn device_node(host: &Host, path: &str, expected: Option<(u32, u32)>) -> Option<
         Ok(m) if m.file_type().is_char_device() => {
             return Some(DeviceNode {
                 path: PathBuf::from(path),
-                major: libc::major(m.rdev()) as i64,
-                minor: libc::minor(m.rdev()) as i64,
+                major: i64::from(libc::major(m.rdev())),
+                minor: i64::from(libc::minor(m.rdev())),
                 mode: m.mode() & 0o7777,
                 uid: m.uid(),
                 gid: m.gid(),
@@ -140,8 +140,8 @@ fn device_node(host: &Host, path: &str, expected: Option<(u32, u32)>) -> Option<
     }
     expected.map(|(major, minor)| DeviceNode {
         path: PathBuf::from(path),
-        major: major as i64,
-        minor: minor as i64,
+        major: i64::from(major),
+        minor: i64::from(minor),
         mode: 0o666,
         uid: 0,
         gid: 0,
@@ -950,7 +950,7 @@ mod tests {
         std::os::unix::fs::symlink(dir.path().join("bottom/etc"), top.join("etc")).unwrap();
         let got = read_image_loader_cache(&layers).unwrap();
         assert_ne!(got.as_deref(), Some(&b"host secret"[..]));
-        assert!(read_image_loader_cache(&[dir.path().join("missing")]).is_err());
+        read_image_loader_cache(&[dir.path().join("missing")]).unwrap_err();
         assert_eq!(read_image_loader_cache(&[]).unwrap(), None);
     }
 

@@ -184,7 +184,10 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Job, TopologyErr
         }
         Some(n) => n,
         // Outside Slurm: one rank per listed GPU, or one rank.
-        None if !in_slurm => gpus.as_ref().map(|g| g.len().max(1) as u32).unwrap_or(0),
+        None if !in_slurm => gpus
+            .as_ref()
+            .map(|g| u32::try_from(g.len().max(1)).unwrap_or(u32::MAX))
+            .unwrap_or(0),
         None => 1,
     };
     Ok(Job {
@@ -252,8 +255,8 @@ mod tests {
         assert_eq!(tasks_on_node("V", "4(x2),2", 0).unwrap(), 4);
         assert_eq!(tasks_on_node("V", "4(x2),2", 1).unwrap(), 4);
         assert_eq!(tasks_on_node("V", "4(x2),2", 2).unwrap(), 2);
-        assert!(tasks_on_node("V", "4(x2),2", 3).is_err());
-        assert!(tasks_on_node("V", "4(x", 0).is_err());
+        tasks_on_node("V", "4(x2),2", 3).unwrap_err();
+        tasks_on_node("V", "4(x", 0).unwrap_err();
         let job = from_env(&env(&[
             ("SLURM_JOB_ID", "1"),
             ("SLURM_NTASKS_PER_NODE", "8"),
@@ -274,6 +277,6 @@ mod tests {
         assert!(!job.in_slurm);
         let job = from_env(&env(&[("CUDA_VISIBLE_DEVICES", "1,3")])).unwrap();
         assert_eq!(job.tasks, 2);
-        assert!(from_env(&env(&[("SLURM_LOCALID", "x")])).is_err());
+        from_env(&env(&[("SLURM_LOCALID", "x")])).unwrap_err();
     }
 }

@@ -48,9 +48,9 @@ impl FromStr for Bdf {
         };
         Ok(Bdf {
             domain: hex(domain, 0xffff_ffff)?,
-            bus: hex(bus, 0xff)? as u8,
-            device: hex(device, 0x1f)? as u8,
-            function: hex(function, 0x7)? as u8,
+            bus: u8::try_from(hex(bus, 0xff)?).map_err(|_| bad())?,
+            device: u8::try_from(hex(device, 0x1f)?).map_err(|_| bad())?,
+            function: u8::try_from(hex(function, 0x7)?).map_err(|_| bad())?,
         })
     }
 }
@@ -137,6 +137,11 @@ impl PciDevice {
     }
 }
 
+/// A 16-bit PCI id (vendor, device); `None` for a value that is not one.
+fn id16(v: u32) -> Option<u16> {
+    u16::try_from(v).ok()
+}
+
 fn hex_attr(dir: &Path, name: &str) -> Option<u32> {
     let text = read_attr(&dir.join(name))?;
     u32::from_str_radix(text.trim_start_matches("0x"), 16).ok()
@@ -189,8 +194,7 @@ pub fn read_device(host: &Host, bdf: Bdf) -> Result<PciDevice, TopologyError> {
     let dir = real.as_path();
     let numa_node = read_attr(&dir.join("numa_node"))
         .and_then(|n| n.parse::<i64>().ok())
-        .filter(|n| *n >= 0)
-        .map(|n| n as u32);
+        .and_then(|n| u32::try_from(n).ok());
     let local_cpus = read_attr(&dir.join("local_cpulist"))
         .and_then(|l| CpuSet::parse(&l).ok())
         .or_else(|| read_attr(&dir.join("local_cpus")).and_then(|m| CpuSet::parse_mask(&m).ok()));
@@ -200,10 +204,10 @@ pub fn read_device(host: &Host, bdf: Bdf) -> Result<PciDevice, TopologyError> {
     Ok(PciDevice {
         bdf,
         class: hex_attr(dir, "class").unwrap_or(0),
-        vendor: hex_attr(dir, "vendor").unwrap_or(0) as u16,
-        device: hex_attr(dir, "device").unwrap_or(0) as u16,
-        subsystem_vendor: hex_attr(dir, "subsystem_vendor").map(|v| v as u16),
-        subsystem_device: hex_attr(dir, "subsystem_device").map(|v| v as u16),
+        vendor: hex_attr(dir, "vendor").and_then(id16).unwrap_or(0),
+        device: hex_attr(dir, "device").and_then(id16).unwrap_or(0),
+        subsystem_vendor: hex_attr(dir, "subsystem_vendor").and_then(id16),
+        subsystem_device: hex_attr(dir, "subsystem_device").and_then(id16),
         numa_node,
         local_cpus,
         current_link: link(dir, "current"),

@@ -198,12 +198,20 @@ fn share<T: Clone>(items: &[T], k: usize, s: usize) -> Vec<T> {
 pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, TopologyError> {
     let mut warnings = Vec::new();
     let alloc = allocated_gpus(node, job)?;
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "counts the GPUs allocated on one node (a few dozen at most)"
+    )]
     let tasks = if job.tasks == 0 {
         alloc.len().max(1) as u32
     } else {
         job.tasks
     };
     let pairs = pairing(node);
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "pos indexes the GPUs allocated on one node (a few dozen at most)"
+    )]
     let plan_gpu = |g: &Gpu, pos: usize| PlanGpu {
         index: g.index,
         visible: match opts.numbering {
@@ -332,7 +340,7 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
     };
     let mut gpuless_seen: Vec<u32> = Vec::new();
     let mut ranks = Vec::with_capacity(t);
-    for r in 0..t {
+    for (rank, r) in (0..tasks).zip(0..t) {
         let my_gpus: Vec<&Gpu> = rank_gpus[r].iter().map(|&i| alloc[i]).collect();
         let mut nics: Vec<PlanNic> = Vec::new();
         if my_gpus.is_empty() {
@@ -398,7 +406,7 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
             ));
         }
         ranks.push(RankPlan {
-            rank: r as u32,
+            rank,
             gpus: rank_gpus[r].iter().map(|&i| gpus[i].clone()).collect(),
             nics,
             cpus: cpus[r].clone(),

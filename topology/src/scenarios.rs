@@ -170,7 +170,7 @@ fn dgx_discovery() {
         n.nic("mlx5_1").unwrap().device.ports[0].link_layer,
         "Ethernet"
     );
-    assert!(n.driver.nvml.is_ok());
+    n.driver.nvml.as_ref().unwrap();
     assert_eq!(n.driver.kernel_module.as_deref(), Some("550.54.15"));
     assert!(n.warnings.is_empty(), "{:?}", n.warnings);
 }
@@ -446,7 +446,7 @@ fn pcie_box_with_nics_on_one_socket() {
     let minors: Vec<Option<u32>> = n.gpus.iter().map(|g| g.minor).collect();
     assert_eq!(minors, [Some(2), Some(3), Some(0), Some(1)]);
     assert_eq!(n.gpus[0].uuid.as_deref(), Some(fixture::uuid(0).as_str()));
-    assert!(n.driver.nvml.is_err());
+    n.driver.nvml.as_ref().unwrap_err();
     assert_eq!(n.cpus.cores[1].threads, CpuSet::parse("2-3").unwrap());
     let roles: Vec<String> = n
         .nics

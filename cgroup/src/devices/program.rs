@@ -205,7 +205,7 @@ mod tests {
         for _ in 0..100_000 {
             let i = prog[pc];
             let (dst, src) = (usize::from(i.regs & 0x0f), usize::from(i.regs >> 4));
-            let imm64 = i64::from(i.imm) as u64;
+            let imm64 = i64::from(i.imm).cast_unsigned();
             let mut next = pc + 1;
             match i.code {
                 c if c == BPF_LDX | BPF_MEM | BPF_W => {
@@ -215,10 +215,10 @@ mod tests {
                     regs[dst] = u64::from(ctx[off / 4]);
                 }
                 c if c == BPF_ALU | BPF_AND | BPF_K => {
-                    regs[dst] = u64::from((regs[dst] as u32) & (i.imm as u32));
+                    regs[dst] &= u64::from(i.imm.cast_unsigned());
                 }
                 c if c == BPF_ALU | BPF_RSH | BPF_K => {
-                    regs[dst] = u64::from((regs[dst] as u32) >> (i.imm as u32));
+                    regs[dst] = (regs[dst] & 0xffff_ffff) >> i.imm.cast_unsigned();
                 }
                 c if c == BPF_ALU64 | BPF_MOV | BPF_X => regs[dst] = regs[src],
                 c if c == BPF_ALU64 | BPF_MOV | BPF_K => regs[dst] = imm64,
@@ -230,7 +230,8 @@ mod tests {
                         op => panic!("unsupported jump op {op:#x} at {pc}"),
                     };
                     if taken {
-                        next = usize::try_from(pc as i64 + 1 + i64::from(i.off)).unwrap();
+                        next = usize::try_from(i64::try_from(pc).unwrap() + 1 + i64::from(i.off))
+                            .unwrap();
                     }
                 }
                 c if c == BPF_JMP | BPF_EXIT => return regs[0],
@@ -290,9 +291,10 @@ mod tests {
             assert!(pc + 1 < prog.len(), "falls off the end at {pc}");
             stack.push(pc + 1);
             if i.code & 0x07 == BPF_JMP {
-                let target = pc as i64 + 1 + i64::from(i.off);
-                assert!((0..prog.len() as i64).contains(&target), "jump out at {pc}");
-                stack.push(target as usize);
+                let target = i64::try_from(pc).unwrap() + 1 + i64::from(i.off);
+                let target = usize::try_from(target).unwrap();
+                assert!(target < prog.len(), "jump out at {pc}");
+                stack.push(target);
             }
         }
         assert!(reachable.iter().all(|&r| r), "unreachable instructions");
@@ -378,11 +380,11 @@ mod tests {
     #[test]
     fn random_rule_lists_match_the_emulator() {
         let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = |n: u64| {
+        let mut next = |n: u64| -> usize {
             seed = seed
                 .wrapping_mul(6_364_136_223_846_793_005)
                 .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) % n
+            usize::try_from((seed >> 33) % n).unwrap()
         };
         let types = ["a", "b", "c"];
         let majors = ["*", "1", "8", "10"];
@@ -395,10 +397,10 @@ mod tests {
                     format!(
                         "{} {} {}:{} {}",
                         if next(2) == 0 { "allow" } else { "deny" },
-                        types[next(3) as usize],
-                        majors[next(4) as usize],
-                        minors[next(4) as usize],
-                        accesses[next(7) as usize],
+                        types[next(3)],
+                        majors[next(4)],
+                        minors[next(4)],
+                        accesses[next(7)],
                     )
                 })
                 .collect();

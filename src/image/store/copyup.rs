@@ -124,13 +124,11 @@ fn copy_xattrs(from: &OwnedFd, to: &OwnedFd) {
     let mut names = vec![0u8; 64 * 1024];
     // SAFETY: from is open; names is a writable buffer of names.len() bytes.
     let n = unsafe { libc::flistxattr(from.as_raw_fd(), names.as_mut_ptr().cast(), names.len()) };
-    if n <= 0 {
-        return;
-    }
-    for name in names[..n as usize]
-        .split(|b| *b == 0)
-        .filter(|n| !n.is_empty())
-    {
+    let n = match usize::try_from(n) {
+        Ok(n) if n > 0 => n,
+        _ => return,
+    };
+    for name in names[..n].split(|b| *b == 0).filter(|n| !n.is_empty()) {
         if name.starts_with(b"trusted.overlay.") || name == b"security.selinux" {
             continue;
         }
@@ -147,16 +145,16 @@ fn copy_xattrs(from: &OwnedFd, to: &OwnedFd) {
                 value.len(),
             )
         };
-        if len < 0 {
+        let Ok(len) = usize::try_from(len) else {
             continue;
-        }
+        };
         // SAFETY: to is open, cname NUL-terminated, value readable for len bytes.
         unsafe {
             libc::fsetxattr(
                 to.as_raw_fd(),
                 cname.as_ptr(),
                 value.as_ptr().cast(),
-                len as usize,
+                len,
                 0,
             )
         };

@@ -365,8 +365,8 @@ mod tests {
             .push((b"x y".to_vec(), b"usr/bin/z".to_vec()));
         let back = LayerRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back, rec);
-        assert!(LayerRecord::decode(b"garbage").is_err());
-        assert!(LayerRecord::decode(b"berth-layer-record 1 0\nE f\n").is_err());
+        LayerRecord::decode(b"garbage").unwrap_err();
+        LayerRecord::decode(b"berth-layer-record 1 0\nE f\n").unwrap_err();
     }
 
     #[test]

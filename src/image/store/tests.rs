@@ -56,10 +56,10 @@ fn layout_image(dir: &Path, files: &[(&str, &[u8])]) -> (Reference, String) {
 
 #[test]
 fn digests_must_be_sha256_hex() {
-    assert!(digest_hex(&format!("sha256:{}", "a".repeat(64))).is_ok());
-    assert!(digest_hex("sha256:../../etc").is_err());
-    assert!(digest_hex(&format!("sha256:{}", "A".repeat(64))).is_err());
-    assert!(digest_hex(&format!("sha512:{}", "a".repeat(64))).is_err());
+    digest_hex(&format!("sha256:{}", "a".repeat(64))).unwrap();
+    digest_hex("sha256:../../etc").unwrap_err();
+    digest_hex(&format!("sha256:{}", "A".repeat(64))).unwrap_err();
+    digest_hex(&format!("sha512:{}", "a".repeat(64))).unwrap_err();
 }
 
 #[test]
@@ -69,9 +69,9 @@ fn durations() {
     assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604800));
     assert_eq!(parse_duration("2w").unwrap(), Duration::from_secs(1209600));
     assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
-    assert!(parse_duration("7y").is_err());
-    assert!(parse_duration("m").is_err());
-    assert!(parse_duration("-1h").is_err());
+    parse_duration("7y").unwrap_err();
+    parse_duration("m").unwrap_err();
+    parse_duration("-1h").unwrap_err();
 }
 
 #[test]
