@@ -4,17 +4,6 @@
 //! Slurm with `scontrol`. Raft is openraft (0.9), its log and state machine in one redb file
 //! under the data directory. See README.md, "Cluster controller".
 
-// TODO(lint wall): being reworked in parallel; fixed on merge
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless,
-    clippy::ptr_as_ptr,
-    clippy::exit,
-    missing_debug_implementations
-)]
-
 mod network;
 mod server;
 mod sim;

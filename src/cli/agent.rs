@@ -10,17 +10,6 @@
 //! Also home of [`Client`], the controller client `berth cluster` shares: it sends the shared
 //! key, tries each configured controller, and follows a follower's answer to the leader.
 
-// TODO(lint wall): being reworked in parallel; fixed on merge
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless,
-    clippy::ptr_as_ptr,
-    missing_debug_implementations,
-    clippy::assertions_on_result_states
-)]
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

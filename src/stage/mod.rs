@@ -19,16 +19,6 @@
 //! cache's prefixes goes through the dataset cache instead ([`cache`]): the user's child only
 //! walks and opens the source, and root links the cached copy into the destination.
 
-// TODO(lint wall): being reworked in parallel; fixed on merge
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless,
-    clippy::ptr_as_ptr,
-    clippy::assertions_on_result_states
-)]
-
 pub mod cache;
 mod copy;
 mod fsops;

@@ -13,17 +13,6 @@
 //! manifest names) is said in one warning line naming the mirror, and the next source is tried;
 //! layers fetch from the source the manifest came from, falling back the same way.
 
-// TODO(lint wall): being reworked in parallel; fixed on merge
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless,
-    clippy::ptr_as_ptr,
-    missing_debug_implementations,
-    clippy::assertions_on_result_states
-)]
-
 pub mod auth;
 mod blob;
 mod http;
