@@ -137,7 +137,7 @@ fn error(code: StatusCode, msg: impl Into<String>) -> Response {
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl App {
@@ -407,14 +407,14 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     leader.set(i64::from(m.state == ServerState::Leader));
     reg.register("is_leader", "1 on the Raft leader", leader);
     let leader_id: Gauge = Gauge::default();
-    leader_id.set(m.current_leader.map_or(0, |l| l as i64));
+    leader_id.set(m.current_leader.map_or(0, gauge));
     reg.register(
         "leader_id",
         "The Raft id of the leader this controller knows; 0 when it knows none",
         leader_id,
     );
     let term: Gauge = Gauge::default();
-    term.set(m.current_term as i64);
+    term.set(gauge(m.current_term));
     reg.register("term", "The Raft term", term);
     let changes: Counter = Counter::default();
     changes.inc_by(app.leader_changes.load(Ordering::Relaxed));
@@ -445,7 +445,9 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
                     .nodes
                     .values()
                     .filter(|n| n.desired.word() == desired)
-                    .count() as i64,
+                    .count()
+                    .try_into()
+                    .unwrap_or(i64::MAX),
             );
     }
     reg.register("nodes", "Nodes by desired state", nodes);
@@ -484,7 +486,7 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
             age.get_or_create(&vec![("node".into(), node.clone())])
                 .set(b.at.elapsed().as_secs_f64());
             left.get_or_create(&vec![("node".into(), node.clone())])
-                .set(b.leftovers.len() as i64);
+                .set(b.leftovers.len().try_into().unwrap_or(i64::MAX));
         }
         reg.register(
             "leftovers",
@@ -497,7 +499,11 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
             age,
         );
         let lost: Gauge = Gauge::default();
-        lost.set(lost_nodes(&app, &state, &beats) as i64);
+        lost.set(
+            lost_nodes(&app, &state, &beats)
+                .try_into()
+                .unwrap_or(i64::MAX),
+        );
         reg.register(
             "nodes_lost",
             "Nodes without a heartbeat for 3 intervals (an alert, never a drain)",
@@ -757,11 +763,20 @@ fn group(actions: Vec<Action>, per_call: usize) -> Vec<Call> {
     out
 }
 
+/// A count or id as a gauge's value (i64), saturating: a metric must never wrap negative.
+fn gauge(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
 /// The test-only failpoint between commit and apply (`serve --failpoint-file PATH`, a hidden
 /// flag no configuration file sets): when PATH exists as the leader is about to apply committed
 /// decisions to Slurm, the process exits at once, as a crash would, leaving them committed and
 /// not applied for the next leader. It fires once per arming: the controller that fires removes
 /// PATH (only one can), so the next leader applies.
+#[expect(
+    clippy::exit,
+    reason = "the failpoint stands for a crash between commit and apply: the process ends there"
+)]
 fn failpoint(app: &App) {
     if let Some(path) = &app.s.failpoint_file
         && std::fs::remove_file(path).is_ok()

@@ -141,7 +141,9 @@ pub fn run(o: SimOptions) -> serde_json::Value {
                         let t0 = Instant::now();
                         match send(&agent, &o, &mut leader, &body) {
                             Some(term) => {
-                                local.latencies_us.push(t0.elapsed().as_micros() as u64);
+                                local.latencies_us.push(
+                                    u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX),
+                                );
                                 local.terms.insert(term);
                                 missed[k] = 0;
                             }
@@ -167,12 +169,14 @@ pub fn run(o: SimOptions) -> serde_json::Value {
     }
     let mut all = tally.lock().unwrap_or_else(|p| p.into_inner());
     all.latencies_us.sort_unstable();
-    let pct = |p: f64| -> f64 {
-        if all.latencies_us.is_empty() {
+    // The nearest-rank percentile, `permille` of the sorted latencies.
+    let pct = |permille: usize| -> f64 {
+        let n = all.latencies_us.len();
+        if n == 0 {
             return 0.0;
         }
-        let i = ((all.latencies_us.len() as f64 - 1.0) * p).round() as usize;
-        all.latencies_us[i] as f64 / 1000.0
+        let i = ((n - 1) * permille + 500) / 1000;
+        Duration::from_micros(all.latencies_us[i]).as_secs_f64() * 1000.0
     };
     let started_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -182,12 +186,12 @@ pub fn run(o: SimOptions) -> serde_json::Value {
         "agents": o.agents,
         "failing_percent": o.failing_percent,
         "failing_since_unix": started_unix + o.fail_after.as_secs_f64(),
-        "interval_ms": o.interval.as_millis() as u64,
+        "interval_ms": u64::try_from(o.interval.as_millis()).unwrap_or(u64::MAX),
         "seconds": start.elapsed().as_secs_f64(),
         "heartbeats": all.latencies_us.len(),
         "failed": all.failed,
-        "latency_ms_p50": pct(0.5),
-        "latency_ms_p99": pct(0.99),
+        "latency_ms_p50": pct(500),
+        "latency_ms_p99": pct(990),
         "max_missed_in_a_row": all.max_missed_in_row,
         "terms_seen": all.terms.iter().collect::<Vec<_>>(),
     })

@@ -50,6 +50,7 @@ const REPLY_MAX: u64 = 16 << 20;
 const MAX_HOPS: usize = 3;
 
 /// A client of the cluster controllers.
+#[derive(Debug)]
 pub struct Client {
     agent: ureq::Agent,
     controllers: Vec<String>,
@@ -581,7 +582,7 @@ fn answer(mut conn: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
 fn jitter_fraction(round: u64) -> f64 {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos() as u64);
+        .map_or(0, |d| u64::from(d.subsec_nanos()));
     let mut x =
         nanos ^ (u64::from(std::process::id()) << 32) ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     x ^= x >> 33;
@@ -682,8 +683,8 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
             let interval = config.agent.interval_ms.max(100) as f64;
             let spread = interval * f64::from(config.agent.jitter_percent.min(100)) / 100.0;
             next_beat = Instant::now()
-                + Duration::from_millis(
-                    (interval - spread / 2.0 + spread * jitter_fraction(round)) as u64,
+                + Duration::from_secs_f64(
+                    (interval - spread / 2.0 + spread * jitter_fraction(round)).max(0.0) / 1000.0,
                 );
         }
         let every = Duration::from_millis(
@@ -825,7 +826,7 @@ mod tests {
 
     #[test]
     fn key_file_rule_is_the_controllers() {
-        assert!(key_file_ok(0, 0o100600, 0).is_ok());
+        key_file_ok(0, 0o100600, 0).unwrap();
         assert!(
             key_file_ok(0, 0o100644, 0)
                 .unwrap_err()

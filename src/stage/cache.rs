@@ -554,7 +554,8 @@ fn fill_file(
     let seen = (
         st.st_dev,
         st.st_ino,
-        st.st_size as u64,
+        // A size the kernel reports is never negative.
+        st.st_size.cast_unsigned(),
         (st.st_mtime, st.st_mtime_nsec),
     );
     if seen != (i.dev, i.ino, i.size, i.mtime) {

@@ -204,6 +204,17 @@ pub fn copy_xattrs(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
     Ok(())
 }
 
+/// `v` as a file offset: beyond `off_t` (2^63 - 1, the kernel's limit on a file's size) it is
+/// EOVERFLOW, as the kernel says of such an offset.
+fn file_offset(v: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(v).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))
+}
+
+/// `n` bytes, at most `cap` (a buffer's length): what one call moves of what is left.
+fn bounded(n: u64, cap: usize) -> usize {
+    usize::try_from(n).map_or(cap, |n| n.min(cap))
+}
+
 /// Calls a size-returning xattr call with a buffer of the right size (asking for it first;
 /// again if it grew in between).
 fn xattr_buf(mut call: impl FnMut(&mut [u8]) -> libc::ssize_t) -> io::Result<Vec<u8>> {
@@ -212,10 +223,10 @@ fn xattr_buf(mut call: impl FnMut(&mut [u8]) -> libc::ssize_t) -> io::Result<Vec
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
-        let mut buf = vec![0u8; n as usize];
+        let mut buf = vec![0u8; n.unsigned_abs()];
         let got = call(&mut buf);
         if got >= 0 {
-            buf.truncate(got as usize);
+            buf.truncate(got.unsigned_abs());
             return Ok(buf);
         }
         let e = io::Error::last_os_error();
@@ -250,9 +261,9 @@ pub fn copy_range(
     }
     let mut done = 0u64;
     while done < len {
-        let mut off_in = (offset + done) as libc::loff_t;
+        let mut off_in = file_offset(offset + done)?;
         let mut off_out = off_in;
-        let want = (len - done).min(1 << 30) as usize;
+        let want = bounded(len - done, 1 << 30);
         let n = match nix::fcntl::copy_file_range(
             src,
             Some(&mut off_in),
@@ -303,21 +314,21 @@ fn copy_range_rw(src: &OwnedFd, dst: &OwnedFd, offset: u64, len: u64) -> io::Res
     // Large buffers: fewer syscalls, and full pages for the destination's page cache.
     const MAX: usize = 4 << 20;
     RW_BUF.with_borrow_mut(|buf| {
-        let size = (len as usize).clamp(1, MAX);
+        let size = bounded(len, MAX).max(1);
         if buf.len() < size {
             buf.resize(size, 0);
         }
         let mut done = 0u64;
         while done < len {
-            let want = (len - done).min(buf.len() as u64) as usize;
-            let at = (offset + done) as libc::off_t;
+            let want = bounded(len - done, buf.len());
+            let at = file_offset(offset + done)?;
             let n = retrying(|| nix::sys::uio::pread(src, &mut buf[..want], at))?;
             if n == 0 {
                 return Err(shrunk());
             }
             let mut put = 0;
             while put < n {
-                let at = (offset + done) as libc::off_t + put as libc::off_t;
+                let at = file_offset(offset + done + put as u64)?;
                 let rest = &buf[put..n];
                 match retrying(|| nix::sys::uio::pwrite(dst, rest, at))? {
                     0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
@@ -420,7 +431,8 @@ pub fn reflink(src: &OwnedFd, dst: &OwnedFd) -> io::Result<()> {
     unsafe {
         ficlone(
             dst.as_raw_fd(),
-            src.as_raw_fd() as nix::sys::ioctl::ioctl_param_type,
+            // An fd is never negative: the bits are the descriptor's number.
+            nix::sys::ioctl::ioctl_param_type::from(src.as_raw_fd().cast_unsigned()),
         )
     }
     .map(drop)
@@ -544,8 +556,8 @@ pub fn copy_range_direct(
     // Advice only: its result does not matter.
     let _ = nix::fcntl::posix_fadvise(
         src,
-        offset as libc::off_t,
-        len as libc::off_t,
+        file_offset(offset)?,
+        file_offset(len)?,
         nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
     );
     use std::os::unix::fs::FileExt;
@@ -554,7 +566,7 @@ pub fn copy_range_direct(
     let buf = buf.as_mut();
     let mut done = 0u64;
     while done < len {
-        let want = (len - done).min(DIRECT_BUF as u64) as usize;
+        let want = bounded(len - done, DIRECT_BUF);
         // Fill the block completely (a short read mid-file would misalign the next write).
         let mut got = 0;
         while got < want {

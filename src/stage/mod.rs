@@ -265,7 +265,7 @@ impl Entry {
         Some(Self {
             rel,
             kind,
-            size: st.st_size as u64,
+            size: st.st_size.cast_unsigned(),
             // setuid/setgid bits are dropped: a staged copy never gains privilege.
             mode: st.st_mode & 0o1777,
             mtime: (st.st_mtime, st.st_mtime_nsec),
@@ -354,7 +354,7 @@ mod tests {
         std::fs::write(dir.join("a/small"), b"hello").unwrap();
         std::fs::write(dir.join("a/b/empty"), b"").unwrap();
         let big: Vec<u8> = (0..5 * (1 << 20) + 123)
-            .map(|i| (i * 7 % 251) as u8)
+            .map(|i| u8::try_from(i * 7 % 251).unwrap())
             .collect();
         std::fs::write(dir.join("big"), &big).unwrap();
         std::fs::write(dir.join("ro/file"), b"ro").unwrap();
@@ -554,7 +554,9 @@ mod tests {
         std::fs::create_dir(&src).unwrap();
         // Unaligned sizes: the padded tail must be cut back exactly.
         for (name, len) in [("whole", (9 << 20) + 123), ("chunked", (20 << 20) + 77)] {
-            let data: Vec<u8> = (0..len).map(|i: usize| (i * 13 % 251) as u8).collect();
+            let data: Vec<u8> = (0..len)
+                .map(|i: usize| u8::try_from(i * 13 % 251).unwrap())
+                .collect();
             std::fs::write(src.join(name), data).unwrap();
         }
         for chunk in [64 << 20, 8 << 20] {

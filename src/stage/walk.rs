@@ -264,5 +264,7 @@ pub(super) fn same(entry: &Entry, st: &libc::stat) -> bool {
         Kind::Symlink => fmt == libc::S_IFLNK,
         Kind::Dir => return fmt == libc::S_IFDIR,
     };
-    kind_ok && st.st_size as u64 == entry.size && (st.st_mtime, st.st_mtime_nsec) == entry.mtime
+    kind_ok
+        && st.st_size.cast_unsigned() == entry.size
+        && (st.st_mtime, st.st_mtime_nsec) == entry.mtime
 }

@@ -758,9 +758,9 @@ mod tests {
         assert!(c.find("empty.example", None).is_none());
         let plain = parse_auth_file("{}", Path::new("/a")).unwrap();
         assert!(!plain.helpers && plain.logins.is_empty());
-        assert!(parse_auth_file("[]", Path::new("/a")).is_err());
-        assert!(parse_auth_file(r#"{"auths": 3}"#, Path::new("/a")).is_err());
-        assert!(parse_auth_file("{", Path::new("/a")).is_err());
+        parse_auth_file("[]", Path::new("/a")).unwrap_err();
+        parse_auth_file(r#"{"auths": 3}"#, Path::new("/a")).unwrap_err();
+        parse_auth_file("{", Path::new("/a")).unwrap_err();
     }
 
     #[test]
@@ -785,7 +785,7 @@ mod tests {
         assert!(c.json_files);
         assert!(c.files_text().contains("podman login"));
         let big = dir.path().join("big");
-        std::fs::write(&big, vec![b' '; FILE_LIMIT as usize + 1]).unwrap();
+        std::fs::write(&big, vec![b' '; usize::try_from(FILE_LIMIT).unwrap() + 1]).unwrap();
         let err = Credentials::load(vec![CredentialFile::netrc(big)], &me).unwrap_err();
         assert!(err.contains("larger than"), "{err}");
         let err =
@@ -837,7 +837,7 @@ mod tests {
         // A symlink as the site file is not followed as root.
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&site, &link).unwrap();
-        assert!(Credentials::load(vec![file(&link, true)], &nobody).is_err());
+        Credentials::load(vec![file(&link, true)], &nobody).unwrap_err();
     }
 
     #[test]

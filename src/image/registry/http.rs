@@ -59,6 +59,18 @@ pub struct Transport {
     used_login: AtomicBool,
 }
 
+/// Without the credentials and the cached `Authorization` headers: a debug line or a log must
+/// never show a user's login.
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("insecure", &self.insecure)
+            .field("retries", &self.retries)
+            .field("backoff", &self.backoff)
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Method {
     Get,

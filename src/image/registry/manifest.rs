@@ -283,9 +283,9 @@ mod tests {
             platforms(&index),
             "linux/arm/v6, linux/arm/v7, linux/arm64/v8, linux/amd64, linux/ppc64le"
         );
-        assert!(Wanted::parse("").is_err());
-        assert!(Wanted::parse("arm64/").is_err());
-        assert!(Wanted::parse("a b").is_err());
+        Wanted::parse("").unwrap_err();
+        Wanted::parse("arm64/").unwrap_err();
+        Wanted::parse("a b").unwrap_err();
     }
 
     #[test]
@@ -304,8 +304,8 @@ mod tests {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
-                    let at = (state % doc.len() as u64) as usize;
-                    doc[at] = (state >> 32) as u8;
+                    let at = usize::try_from(state % doc.len() as u64).unwrap();
+                    doc[at] = (state >> 32).to_le_bytes()[0];
                 }
                 if let Ok(Manifest::Index(entries)) = parse(&doc, None) {
                     let _ = select(&entries, &Wanted::host());

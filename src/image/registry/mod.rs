@@ -210,6 +210,7 @@ impl Resolved {
 }
 
 /// A registry client for one user (whose credentials it reads) and one pull or check.
+#[derive(Debug)]
 pub struct Client {
     transport: Transport,
     parallel: usize,

@@ -360,7 +360,10 @@ fn in_place(i: &Item, cached: &libc::stat, dest: &libc::stat, uid: u32) -> bool 
     (dest.st_dev, dest.st_ino) == (cached.st_dev, cached.st_ino)
         || (dest.st_mode & libc::S_IFMT == libc::S_IFREG
             && dest.st_uid == uid
-            && (dest.st_size as u64, (dest.st_mtime, dest.st_mtime_nsec)) == (i.size, i.mtime))
+            && (
+                dest.st_size.cast_unsigned(),
+                (dest.st_mtime, dest.st_mtime_nsec),
+            ) == (i.size, i.mtime))
 }
 
 /// How one file got into the destination (in this order, it indexes `link_into`'s counts).
