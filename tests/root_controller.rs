@@ -766,6 +766,40 @@ fn a_partitioned_leader_makes_no_scontrol_call() {
     assert_eq!(c.slurm("n1").split('|').next(), Some("drained"));
 }
 
+/// A squashfs mounted at `<dir>/mnt/<hex>` as berth mounts images, unmounted on drop.
+struct LeftMount(PathBuf);
+
+impl LeftMount {
+    fn new(dir: &Path, hex: &str) -> Self {
+        let src = dir.join("left-image");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("file"), "x").unwrap();
+        let sqsh = dir.join("left.sqsh");
+        let made = Command::new("mksquashfs")
+            .args([&src, &sqsh])
+            .args(["-quiet", "-no-progress", "-noappend"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(made.success(), "mksquashfs failed");
+        let target = dir.join("mnt").join(hex);
+        std::fs::create_dir_all(&target).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "squashfs", "-o", "loop,ro"])
+            .args([&sqsh, &target])
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mounting {}", target.display());
+        LeftMount(target)
+    }
+}
+
+impl Drop for LeftMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
 fn agent_heartbeats_carry_the_node_changes_go_at_once_and_a_hung_check_is_unknown() {
@@ -778,11 +812,19 @@ fn agent_heartbeats_carry_the_node_changes_go_at_once_and_a_hung_check_is_unknow
     write(&d.join(format!("store/images/{hex}.json")), "{}");
     std::fs::create_dir_all(d.join("scratch/424242")).unwrap();
     executable(&d.join("bin/squeue"), "#!/bin/sh\necho '1 RUNNING'\n");
+    // A container's cgroup whose record is gone, and an image left mounted that no container
+    // uses (a real squashfs, unmounted when the test ends).
+    std::fs::create_dir_all(d.join("cgroup/0123456789ab")).unwrap();
+    let mounted = "cd".repeat(32);
+    let _mount = LeftMount::new(d, &mounted);
     let sections = format!(
-        "[store]\nroot = \"{}\"\n[scratch]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n",
+        "[store]\nroot = \"{}\"\n[scratch]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n\
+         [cgroup]\nroot = \"{}\"\n[squashfs]\nmount_dir = \"{}\"\n",
         d.join("store").display(),
         d.join("scratch").display(),
-        d.join("run").display()
+        d.join("run").display(),
+        d.join("cgroup").display(),
+        d.join("mnt").display()
     );
     // A heartbeat a minute, checks every 200 ms: only a change sent at once drains n1 soon.
     let slow = |expected_gpus| Opts {
@@ -809,13 +851,17 @@ fn agent_heartbeats_carry_the_node_changes_go_at_once_and_a_hung_check_is_unknow
     );
     assert_eq!(
         n1["leftovers"],
-        serde_json::json!(["scratch 424242"]),
+        serde_json::json!([
+            "cgroup 0123456789ab",
+            format!("mount sha256:{mounted}"),
+            "scratch 424242"
+        ]),
         "{n1}"
     );
     let metrics = c.text(&c.addrs[0], "/metrics").unwrap();
     assert_eq!(
         metric(&metrics, "berth_controller_leftovers{node=\"n1\"}"),
-        Some(1.0),
+        Some(3.0),
         "{metrics}"
     );
 

@@ -348,10 +348,34 @@ fn inventory(config: &Config) -> Inventory {
         .map(|h| format!("sha256:{h}"))
         .collect();
     let mut leftovers = Vec::new();
-    if nix::unistd::geteuid().is_root() && config.runtime.state_dir.is_dir() {
-        for r in crate::runtime::state::list(&config.runtime.state_dir) {
-            if !crate::runtime::state::owner_alive(&r) {
-                leftovers.push(format!("container {}", r.id));
+    let root = nix::unistd::geteuid().is_root();
+    let records = if root && config.runtime.state_dir.is_dir() {
+        crate::runtime::state::list(&config.runtime.state_dir)
+    } else {
+        Vec::new()
+    };
+    for r in records
+        .iter()
+        .filter(|r| !crate::runtime::state::owner_alive(r))
+    {
+        leftovers.push(format!("container {}", r.id));
+    }
+    if root {
+        // A container's cgroup (named by its id) with no record left: its berth died before
+        // removing it.
+        for id in dir_names(&config.cgroup.root())
+            .into_iter()
+            .filter(|n| n.len() == 12 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+            .filter(|n| !records.iter().any(|r| &r.id == n))
+        {
+            leftovers.push(format!("cgroup {id}"));
+        }
+        // An image mount no container uses (the Epilog and `berth gc` release them).
+        if let Ok(store) = crate::image::store::Store::open(&config.store) {
+            for digest in
+                crate::image::mount::unused_mounts(&config.squashfs.mount_dir, |d| store.in_use(d))
+            {
+                leftovers.push(format!("mount {digest}"));
             }
         }
     }

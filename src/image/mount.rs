@@ -529,25 +529,10 @@ pub fn release_unused(config: &crate::config::Config) {
     }
 }
 
-/// Unmounts every image under `mount_root` for which `in_use(digest)` is false (`digest` as
-/// `sha256:<hex>`), and removes its directory; returns the digests unmounted. An image still
-/// busy on the host (a shell inside it) is left mounted and logged.
-pub fn unmount_unused(
-    mount_root: &Path,
-    in_use: impl Fn(&str) -> bool,
-) -> Result<Vec<String>, MountError> {
-    let root = match std::fs::canonicalize(mount_root) {
-        Ok(root) => root,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => {
-            return Err(MountError::Io {
-                what: "resolving",
-                path: mount_root.to_path_buf(),
-                source,
-            });
-        }
-    };
-    detach_orphan_directories(&root);
+/// The image directories under the (canonical) mount root: (directory, digest hex, lock name)
+/// for the shared mounts and each user's own (`u<uid>/`), sorted.
+fn image_dirs(root: &Path) -> Result<Vec<(PathBuf, String, String)>, MountError> {
+    let root = root.to_path_buf();
     let entries = std::fs::read_dir(&root).map_err(|source| MountError::Io {
         what: "listing",
         path: root.clone(),
@@ -579,6 +564,48 @@ pub fn unmount_unused(
         }
     }
     names.sort();
+    Ok(names)
+}
+
+/// The digests of images mounted under `mount_root` that no container uses (what
+/// [`unmount_unused`] would release): leftovers of ended jobs, for `berth agent`'s report. Only
+/// looks; unmounts nothing.
+pub fn unused_mounts(mount_root: &Path, in_use: impl Fn(&str) -> bool) -> Vec<String> {
+    let Ok(root) = std::fs::canonicalize(mount_root) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (dir, hex, _) in image_dirs(&root).unwrap_or_default() {
+        let digest = format!("sha256:{hex}");
+        let mounted =
+            mounted_at(&dir.join(&hex)).is_ok_and(|m| m.is_some_and(|m| m.fstype == "squashfs"));
+        if mounted && !in_use(&digest) && !out.contains(&digest) {
+            out.push(digest);
+        }
+    }
+    out
+}
+
+/// Unmounts every image under `mount_root` for which `in_use(digest)` is false (`digest` as
+/// `sha256:<hex>`), and removes its directory; returns the digests unmounted. An image still
+/// busy on the host (a shell inside it) is left mounted and logged.
+pub fn unmount_unused(
+    mount_root: &Path,
+    in_use: impl Fn(&str) -> bool,
+) -> Result<Vec<String>, MountError> {
+    let root = match std::fs::canonicalize(mount_root) {
+        Ok(root) => root,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(MountError::Io {
+                what: "resolving",
+                path: mount_root.to_path_buf(),
+                source,
+            });
+        }
+    };
+    detach_orphan_directories(&root);
+    let names = image_dirs(&root)?;
     let mut unmounted = Vec::new();
     for (dir, hex, lock_name) in names {
         let digest = format!("sha256:{hex}");
