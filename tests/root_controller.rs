@@ -33,6 +33,13 @@ impl Proc {
     fn signal(&self, sig: nix::sys::signal::Signal) {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
     }
+    /// Whether the process still runs (one that exited is a zombie until reaped).
+    fn alive(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).is_ok_and(|st| {
+            st.rsplit_once(") ")
+                .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+        })
+    }
 }
 
 impl Drop for Proc {
@@ -258,14 +265,36 @@ done
         self.get(i, "/v1/status")
     }
 
+    /// Each controller's status (or why there is none) and the end of its log: the test's
+    /// directory is gone once a failing test unwinds.
+    fn diagnosis(&self) -> String {
+        let mut out = String::new();
+        for i in 0..self.addrs.len() {
+            let running = self.controllers[i].is_some();
+            let status = self.status(i).map_or("no answer".into(), |v| v.to_string());
+            let log = std::fs::read_to_string(self.path().join(format!("controller{}.log", i + 1)))
+                .unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(12)..].join("\n    ");
+            out += &format!(
+                "controller {} (running: {running}): {status}\n    {tail}\n",
+                i + 1
+            );
+        }
+        out
+    }
+
     /// Waits (bounded) until every running controller (but `exclude`) names the same leader
     /// in the same term, the leader included; returns its index. (One controller's word alone
     /// may be stale: a leader deposed a moment ago still says it leads.)
     fn leader(&self, exclude: Option<usize>) -> usize {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
+            // A controller that exits meanwhile (the failpoint) has no say.
             let views: Vec<Option<(u64, u64)>> = (0..self.addrs.len())
-                .filter(|i| Some(*i) != exclude && self.controllers[*i].is_some())
+                .filter(|i| {
+                    Some(*i) != exclude && self.controllers[*i].as_ref().is_some_and(Proc::alive)
+                })
                 .map(|i| {
                     let s = self.status(i)?;
                     Some((s["leader"].as_u64()?, s["term"].as_u64()?))
@@ -279,7 +308,7 @@ done
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("no leader within 30 s; logs in {}", self.path().display());
+        panic!("no leader within 30 s:\n{}", self.diagnosis());
     }
 
     fn calls(&self) -> Vec<String> {

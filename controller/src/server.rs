@@ -773,10 +773,6 @@ fn gauge(v: u64) -> i64 {
 /// decisions to Slurm, the process exits at once, as a crash would, leaving them committed and
 /// not applied for the next leader. It fires once per arming: the controller that fires removes
 /// PATH (only one can), so the next leader applies.
-#[expect(
-    clippy::exit,
-    reason = "the failpoint stands for a crash between commit and apply: the process ends there"
-)]
 fn failpoint(app: &App) {
     if let Some(path) = &app.s.failpoint_file
         && std::fs::remove_file(path).is_ok()
@@ -785,7 +781,11 @@ fn failpoint(app: &App) {
             "berth-controller: failpoint {}: exiting between commit and apply",
             path.display()
         );
-        std::process::exit(86);
+        // A crash ends the process at once: no exit handlers, no flushing, no waiting for the
+        // runtime's threads (std's exit could hang here, on a lock another thread held, and
+        // leave a controller that neither serves nor is gone).
+        // SAFETY: _exit ends the process; nothing runs after it, so no state is left half-used.
+        unsafe { libc::_exit(86) };
     }
 }
 
