@@ -3,26 +3,9 @@
 
 mod common;
 
-use std::io::Write;
 use std::process::{Command, Stdio};
 
 use common::*;
-
-fn step_create(json: &str) -> std::process::Output {
-    let mut child = berth(&["step", "create"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(json.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
 
 /// Whether a process runs (a zombie waiting for its reaper does not).
 fn running(pid: i64) -> bool {
@@ -32,10 +15,6 @@ fn running(pid: i64) -> bool {
             state != 'Z' && state != 'X'
         })
         .unwrap_or(false)
-}
-
-fn json(out: &str) -> serde_json::Value {
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
 }
 
 #[test]

@@ -5,32 +5,11 @@
 
 mod common;
 
-use std::io::Write;
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 use common::*;
 
 const VERSION: u32 = berth_proto::VERSION;
-
-fn step_create(json: &str) -> Output {
-    let mut child = berth(&["step", "create"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(json.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
-
-fn json(out: &str) -> serde_json::Value {
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
-}
 
 fn destroy(job: u32, step: u32, node: Option<&str>) {
     let (job, step) = (job.to_string(), step.to_string());

@@ -446,13 +446,8 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
     }
     let request = request::create_request(&step, &options.to_json(), &st.config, &job_env)
         .map_err(berth_line)?;
-    st.node = berth_proto::step::node_from_env(&|k| {
-        let prefix = format!("{k}=");
-        job_env
-            .iter()
-            .rev()
-            .find_map(|e| e.strip_prefix(&prefix).map(str::to_string))
-    });
+    st.node = request.node.clone();
+    let request = request.to_json();
     if let Some(dir) = &st.config.debug_request_dir {
         let path = dir.join(format!("{}.{}.json", step.job_id, step.step_id));
         if let Err(e) = std::fs::write(&path, &request) {

@@ -22,14 +22,14 @@ pub struct Step {
     pub local_task_count: u32,
 }
 
-/// The request for `berth step create`, as one JSON document of the protocol's current
-/// version, with the node this slurmstepd runs on (from the job's environment).
+/// The request for `berth step create` in the protocol's current version, with the node this
+/// slurmstepd runs on (from the job's environment); `to_json` gives the document to send.
 pub fn create_request(
     step: &Step,
     options: &Map<String, Value>,
     config: &PluginConfig,
     job_env: &[String],
-) -> Result<String, String> {
+) -> Result<StepRequest, String> {
     let options = Options::from_json(Value::Object(options.clone()))
         .map_err(|e| format!("the plugin's options do not fit the protocol: {e}"))?;
     let mut request = StepRequest::new(step.job_id.into(), step.step_id.into(), step.uid, step.gid);
@@ -42,7 +42,7 @@ pub fn create_request(
     };
     request.job_env = job_env.to_vec();
     request.node = request.node_name();
-    Ok(request.to_json())
+    Ok(request)
 }
 
 /// A namespace a task joins, in the order the task joins them.
@@ -220,9 +220,12 @@ mod tests {
         };
         let env = vec!["SLURM_JOB_ID=12".to_string(), "A=b=c".to_string()];
         let env = [env, vec!["SLURM_TOPOLOGY_ADDR=n1".to_string()]].concat();
-        let json: Value =
-            serde_json::from_str(&create_request(&step(), &options, &config, &env).unwrap())
-                .unwrap();
+        let json: Value = serde_json::from_str(
+            &create_request(&step(), &options, &config, &env)
+                .unwrap()
+                .to_json(),
+        )
+        .unwrap();
         assert_eq!(
             json,
             serde_json::json!({
@@ -238,9 +241,12 @@ mod tests {
             runtime_path: Some("/run/pyxis".into()),
             ..PluginConfig::default()
         };
-        let json: Value =
-            serde_json::from_str(&create_request(&step(), &options, &config, &env).unwrap())
-                .unwrap();
+        let json: Value = serde_json::from_str(
+            &create_request(&step(), &options, &config, &env)
+                .unwrap()
+                .to_json(),
+        )
+        .unwrap();
         assert_eq!(json["plugin"].as_object().unwrap().len(), 3);
         // An option the protocol does not define is the plugin's bug, named before berth runs.
         options.insert("container-nonsense".into(), true.into());

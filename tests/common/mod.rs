@@ -88,6 +88,29 @@ pub fn berth(args: &[&str]) -> Command {
     cmd
 }
 
+/// `berth step create` with `json` on stdin, as the SPANK plugin runs it.
+pub fn step_create(json: &str) -> Output {
+    use std::io::Write;
+    let mut child = berth(&["step", "create"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(json.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// `out` (a command's stdout) as JSON, or a panic showing it.
+pub fn json(out: &str) -> serde_json::Value {
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
 /// `berth run --rootfs <busybox> EXTRA... -- sh -c SCRIPT`
 pub fn run_sh(extra: &[&str], script: &str) -> Output {
     let rootfs = rootfs().to_str().unwrap().to_string();
