@@ -6,6 +6,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+pub use berth_image::config::{
+    Compression, MirrorConfig, RegistryConfig, SquashfsConfig, StoreConfig,
+};
+
 pub const DEFAULT_PATH: &str = "/etc/berth/berth.toml";
 
 #[derive(Debug, thiserror::Error)]
@@ -75,208 +79,6 @@ impl Default for RuntimeConfig {
             entrypoint_timeout_s: 60,
             step_unshare: Vec::new(),
         }
-    }
-}
-
-/// How images are pulled from OCI distribution registries (`image::registry`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct RegistryConfig {
-    /// berth's own netrc-style credentials file (`machine HOST login USER password PASS`); `~`
-    /// is the home of the user who asked for the image. Read before Enroot's file.
-    pub credentials: String,
-    /// Also read Enroot's credentials file, `$ENROOT_CONFIG_PATH/.credentials`
-    /// (default `~/.config/enroot/.credentials`), so Pyxis users keep their logins.
-    pub enroot_credentials: bool,
-    /// PEM files of extra certificate authorities trusted for registries, on top of the system's.
-    pub ca_files: Vec<PathBuf>,
-    /// Registries (`HOST[:PORT]`, exactly as in image references) spoken to over plain HTTP.
-    /// Every other registry must use TLS.
-    pub insecure: Vec<String>,
-    /// Layers downloaded at once per image.
-    pub parallel_downloads: usize,
-    /// Seconds to wait for a TCP (and TLS) connection.
-    pub connect_timeout_s: u64,
-    /// Seconds a response may stall (no byte received) before the transfer is retried.
-    pub read_timeout_s: u64,
-    /// Attempts per request on server errors (5xx, 429) and dropped connections; a dropped layer
-    /// download resumes where it stopped.
-    pub retries: u32,
-    /// Delay before the first retry in milliseconds; it doubles with each further attempt.
-    pub retry_backoff_ms: u64,
-    /// Also read the user's docker and podman login files (`$REGISTRY_AUTH_FILE` or
-    /// `$XDG_RUNTIME_DIR/containers/auth.json`, `~/.config/containers/auth.json`,
-    /// `$DOCKER_CONFIG/config.json` or `~/.docker/config.json`), after the netrc files.
-    pub auth_files: bool,
-    /// Mirrors per registry (`HOST[:PORT]` as in image references, `docker.io` for Docker Hub),
-    /// tried in order before the registry itself.
-    pub mirrors: std::collections::BTreeMap<String, MirrorConfig>,
-}
-
-/// `[registry.mirrors."HOST"]`: where images of one registry are pulled from first.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct MirrorConfig {
-    /// `HOST[:PORT][/PREFIX]`, in order: `mirror.example/dockerhub` serves `library/ubuntu` as
-    /// `dockerhub/library/ubuntu`. Plain HTTP only where the mirror's host is in `insecure`.
-    pub mirrors: Vec<String>,
-    /// Pull from the registry itself when every mirror failed; `false` for air-gapped sites.
-    pub fallback: bool,
-}
-
-impl Default for MirrorConfig {
-    fn default() -> Self {
-        Self {
-            mirrors: Vec::new(),
-            fallback: true,
-        }
-    }
-}
-
-impl Default for RegistryConfig {
-    fn default() -> Self {
-        Self {
-            credentials: "~/.config/berth/credentials".to_string(),
-            enroot_credentials: true,
-            ca_files: Vec::new(),
-            insecure: Vec::new(),
-            parallel_downloads: 8,
-            connect_timeout_s: 30,
-            read_timeout_s: 60,
-            retries: 5,
-            retry_backoff_ms: 500,
-            auth_files: true,
-            mirrors: std::collections::BTreeMap::new(),
-        }
-    }
-}
-
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct StoreConfig {
-    /// The node's image store (layers, image records, references), shared by all users.
-    pub root: PathBuf,
-    /// Layers an archive or layout import decompresses and extracts at once.
-    pub parallel_layers: usize,
-    /// Most `Env` entries an image config, a command line or a step may give a container.
-    pub max_env_entries: usize,
-    /// Most bytes (`KEY=VALUE`, all entries together) of such an environment.
-    pub max_env_bytes: u64,
-    /// Most layers an image may have (overlayfs stacks about 500 lower layers at most).
-    pub max_layers: usize,
-    /// Most uncompressed bytes of one layer (a small gzip layer can expand a thousandfold).
-    pub max_layer_bytes: u64,
-    /// Most uncompressed bytes of all layers of one image together.
-    pub max_image_bytes: u64,
-    /// Free bytes an import leaves on the store's file system: extraction stops before.
-    pub reserve_bytes: u64,
-}
-
-impl StoreConfig {
-    /// The bounds `store.max_env_entries` and `store.max_env_bytes` put on an environment.
-    pub fn env_limits(&self) -> crate::spec::env::EnvLimits {
-        crate::spec::env::EnvLimits {
-            max_entries: self.max_env_entries,
-            max_bytes: self.max_env_bytes,
-        }
-    }
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        Self {
-            root: PathBuf::from("/var/lib/berth"),
-            parallel_layers: 4,
-            max_env_entries: crate::spec::env::DEFAULT_MAX_ENTRIES,
-            max_env_bytes: crate::spec::env::DEFAULT_MAX_BYTES,
-            max_layers: 500,
-            max_layer_bytes: 64 << 30,
-            max_image_bytes: 128 << 30,
-            reserve_bytes: 1 << 30,
-        }
-    }
-}
-
-/// Squashfs and SIF images: where they are mounted, and how `berth export` compresses.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct SquashfsConfig {
-    /// Where squashfs and SIF images are loop-mounted, once per node: one directory per image
-    /// digest, used as the overlay lower layer of every container of that image.
-    pub mount_dir: PathBuf,
-    /// mksquashfs compression for `berth export`.
-    pub compression: Compression,
-    /// Compression level for zstd (1-22) and gzip (1-9); the other compressors have none.
-    pub compression_level: u32,
-    /// Run an Enroot image's /etc/rc as its entrypoint (what Pyxis --container-entrypoint does).
-    pub enroot_entrypoint: bool,
-}
-
-impl Default for SquashfsConfig {
-    fn default() -> Self {
-        Self {
-            mount_dir: PathBuf::from("/run/berth/images"),
-            compression: Compression::Zstd,
-            compression_level: 3,
-            enroot_entrypoint: false,
-        }
-    }
-}
-
-impl SquashfsConfig {
-    /// Checks values serde cannot: the level's range for the compressor.
-    pub fn check(&self) -> Result<(), String> {
-        if let Some(range) = self.compression.levels()
-            && !range.contains(&self.compression_level)
-        {
-            return Err(format!(
-                "[squashfs] compression_level = {}: {} takes {}-{}",
-                self.compression_level,
-                self.compression.name(),
-                range.start(),
-                range.end()
-            ));
-        }
-        Ok(())
-    }
-}
-
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Compression {
-    Zstd,
-    Gzip,
-    Lz4,
-    Xz,
-    Lzo,
-    /// Uncompressed: fastest to write and read, largest.
-    None,
-}
-
-impl Compression {
-    /// The name mksquashfs knows it by.
-    pub fn name(self) -> &'static str {
-        match self {
-            Compression::Zstd => "zstd",
-            Compression::Gzip => "gzip",
-            Compression::Lz4 => "lz4",
-            Compression::Xz => "xz",
-            Compression::Lzo => "lzo",
-            Compression::None => "none",
-        }
-    }
-
-    /// The levels `-Xcompression-level` accepts, for compressors whose level berth sets.
-    pub fn levels(self) -> Option<std::ops::RangeInclusive<u32>> {
-        match self {
-            Compression::Zstd => Some(1..=22),
-            Compression::Gzip => Some(1..=9),
-            _ => None,
-        }
-    }
-
-    pub fn takes_level(self) -> bool {
-        self.levels().is_some()
     }
 }
 
@@ -427,6 +229,15 @@ impl LogLevel {
 }
 
 impl Config {
+    /// The sections the image crate reads.
+    pub fn image(&self) -> berth_image::config::Settings<'_> {
+        berth_image::config::Settings {
+            registry: &self.registry,
+            store: &self.store,
+            squashfs: &self.squashfs,
+        }
+    }
+
     /// Loads `path`; when `path` is the default location and absent, the defaults apply.
     pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
         match std::fs::read_to_string(path) {

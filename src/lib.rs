@@ -3,14 +3,14 @@
 
 pub mod cli;
 pub mod config;
-pub mod image;
 pub mod log;
-pub mod runtime;
 pub mod slurm;
-pub mod stage;
 
 // The lower crates of the workspace, under the names the rest of berth has always used.
 pub use berth_cgroup as cgroup;
+pub use berth_image as image;
+pub use berth_runtime as runtime;
 pub use berth_spec as spec;
+pub use berth_stage as stage;
 pub use berth_sys::{privfs, time};
 pub use berth_topology as topology;

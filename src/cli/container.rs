@@ -249,7 +249,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
             }
         }
     }
-    crate::image::mount::release_unused(config);
+    crate::image::mount::release_unused(&config.image());
     Ok(code)
 }
 

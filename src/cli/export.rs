@@ -188,8 +188,15 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, Failure> {
     } else {
         None
     };
-    let image = get_or_import(&store, &reference, opened.as_ref(), config, &who, &progress)
-        .map_err(super::import::failure)?;
+    let image = get_or_import(
+        &store,
+        &reference,
+        opened.as_ref(),
+        &config.image(),
+        &who,
+        &progress,
+    )
+    .map_err(super::import::failure)?;
     Ok(match image.rootfs {
         Rootfs::Layers(layers) => Source::Layers(layers),
         Rootfs::Squashfs { file, offset, size } => Source::Squashfs { file, offset, size },

@@ -91,10 +91,18 @@ pub fn resolve(
         arch,
     };
     let progress = |line: &str| tracing::info!("{line}");
-    let image = import::get_or_import(&store, &reference, opened.as_ref(), config, &who, &progress)
-        .map_err(failure)?;
+    let image = import::get_or_import(
+        &store,
+        &reference,
+        opened.as_ref(),
+        &config.image(),
+        &who,
+        &progress,
+    )
+    .map_err(failure)?;
     let in_use = store.use_image(&image.digest).map_err(failure)?;
-    let lowers = import::lowers(&image, opened.as_ref(), &store, config).map_err(failure)?;
+    let lowers =
+        import::lowers(&image, opened.as_ref(), &store, &config.image()).map_err(failure)?;
     Ok(Resolved {
         lowers,
         defaults: ImageDefaults::from_config(&image.config),

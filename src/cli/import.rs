@@ -55,7 +55,7 @@ pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
         home: user.home.as_deref(),
         arch: args.arch.clone(),
     };
-    let image = crate::image::import::import(&store, &reference, config, &who, &progress)
+    let image = crate::image::import::import(&store, &reference, &config.image(), &who, &progress)
         .map_err(failure)?;
     outln!("{}", image.digest);
     Ok(0)

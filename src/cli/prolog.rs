@@ -145,7 +145,7 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
             reclaimed.len()
         );
     }
-    crate::image::mount::release_unused(config);
+    crate::image::mount::release_unused(&config.image());
     let root = &config.scratch.root;
     let mut keep_scratch = false;
     let stage_in_failed = crate::stage::scratch::failure(root, &job).is_some();

@@ -581,7 +581,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     // The image's lease ends with the container: a squashfs no other container uses goes now.
     drop(ld_cache);
     drop(prepared);
-    crate::image::mount::release_unused(config);
+    crate::image::mount::release_unused(&config.image());
     let outcome = outcome?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));

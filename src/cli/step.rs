@@ -490,7 +490,7 @@ fn destroy(args: &DestroyArgs, config: &Config) -> Result<i32, Failure> {
             runtime::remove(&opts, &record.id).map_err(runtime_failure)?;
         }
     }
-    crate::image::mount::release_unused(config);
+    crate::image::mount::release_unused(&config.image());
     failure.map_or(Ok(0), Err)
 }
 

@@ -1,11 +1,14 @@
 //! The lowest layer of berth: privileged file work on paths users influence ([`privfs`]), the
 //! identity a command runs as ([`UserIds`]), deadlines from user-chosen durations ([`time`]) and
-//! how errors quote user input ([`text`]). Every other berth crate may use it; it uses none.
+//! how errors quote user input ([`text`]), user namespaces with chosen mappings ([`userns`])
+//! and the small helpers of the new mount API both the image and the runtime use ([`mount`]). Every other berth crate may use it; it uses none.
 
+pub mod mount;
 pub mod privfs;
 pub mod seccomp;
 pub mod text;
 pub mod time;
+pub mod userns;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,1924 @@
+//! Importing images from files and local engines: OCI image layouts (`oci:DIR[:REF]`), tars of
+//! them (`oci-archive:FILE[:REF]`), `docker save`/`podman save` archives
+//! (`docker-archive:FILE[:REF]`), and the local Podman store or Docker daemon (`podman://`,
+//! `dockerd://`, saved to a temporary archive in the store's `tmp/` first).
+//!
+//! Archives are read in place: the tar is indexed once (header by header, seeking over the
+//! data) and each blob is read by seeking to it, so nothing is unpacked to disk but the layers
+//! themselves. Each layer is streamed through its decompressor (gzip, zstd, or none; Docker's
+//! media types included, and sniffed from the magic bytes for docker-archive) into the layer
+//! extractor, several layers at once (`store.parallel_layers`). The compressed blob's sha256 is
+//! checked against the manifest, and the extracted stream's against the config's
+//! `rootfs.diff_ids`; a mismatch discards the layer. A docker-archive has no manifest digest: its
+//! image is named by its config's digest (Docker's image ID).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+
+use super::layer::{Kind, TarInput, TarReader};
+use super::store::{self, Progress, Store, digest_hex, human_size, reference_key};
+use super::{Image, ImageError, LayerSink, Reference, Rootfs};
+
+/// JSON documents (index, manifest, config) larger than this are refused.
+const MAX_JSON: u64 = 32 << 20;
+
+/// Archive and layout failures, each naming the archive (as the user wrote it).
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    #[error("{what}: {path}: {source}")]
+    Io {
+        what: String,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("{what}: {why}")]
+    Invalid { what: String, why: String },
+    #[error(
+        "{what}: blob {digest} is corrupt: its content has digest {actual}; nothing was kept: re-create or re-download the archive"
+    )]
+    BlobMismatch {
+        what: String,
+        digest: String,
+        actual: String,
+    },
+    #[error("{what}: no image named '{name}' in it (it has: {names})")]
+    NoSuchName {
+        what: String,
+        name: String,
+        names: String,
+    },
+    #[error("{what} holds several images ({names}): add one of the names, e.g. {what}:{example}")]
+    Ambiguous {
+        what: String,
+        names: String,
+        example: String,
+    },
+    #[error("{what}: {tool} is not installed: install it or import an archive file instead")]
+    NoTool { what: String, tool: String },
+    #[error("{what}: {command} failed: {message}")]
+    Tool {
+        what: String,
+        command: String,
+        message: String,
+    },
+}
+
+impl From<ArchiveError> for ImageError {
+    fn from(e: ArchiveError) -> Self {
+        ImageError::Format(e.to_string())
+    }
+}
+
+fn invalid(what: &str, why: impl Into<String>) -> ArchiveError {
+    ArchiveError::Invalid {
+        what: what.to_string(),
+        why: why.into(),
+    }
+}
+
+/// Parses the archive and local-engine reference forms (`oci:`, `oci-archive:`,
+/// `docker-archive:`, `podman://`, `dockerd://`); `None` for anything else. Relative paths are
+/// made absolute. As in skopeo, the path ends at the first `:`.
+pub fn parse_local(text: &str) -> Option<Result<Reference, ImageError>> {
+    let bad = |why: &str| ImageError::Reference(text.to_string(), why.to_string());
+    let path_and_name = |rest: &str| -> Result<(PathBuf, Option<String>), ImageError> {
+        let (path, name) = match rest.split_once(':') {
+            Some((p, n)) if !n.is_empty() => (p, Some(n.to_string())),
+            Some((p, _)) => (p, None),
+            None => (rest, None),
+        };
+        if path.is_empty() {
+            return Err(bad("the path is missing"));
+        }
+        let abs = std::path::absolute(path).map_err(|e| bad(&e.to_string()))?;
+        Ok((std::fs::canonicalize(&abs).unwrap_or(abs), name))
+    };
+    let engine = |rest: &str| {
+        if rest.is_empty() || rest.contains(char::is_whitespace) {
+            Err(bad("the image name is missing or has spaces"))
+        } else {
+            Ok(rest.to_string())
+        }
+    };
+    Some(if let Some(rest) = text.strip_prefix("oci-archive:") {
+        path_and_name(rest).map(|(file, name)| Reference::OciArchive { file, name })
+    } else if let Some(rest) = text.strip_prefix("docker-archive:") {
+        path_and_name(rest).map(|(file, name)| Reference::DockerArchive { file, name })
+    } else if let Some(rest) = text.strip_prefix("oci:") {
+        path_and_name(rest).map(|(dir, name)| Reference::OciLayout { dir, name })
+    } else if let Some(rest) = text.strip_prefix("podman://") {
+        engine(rest).map(Reference::Podman)
+    } else if let Some(rest) = text.strip_prefix("dockerd://") {
+        engine(rest).map(Reference::Dockerd)
+    } else {
+        return None;
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where blobs come from
+
+trait Blobs: Sync {
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError>;
+    fn size(&self, name: &str) -> Option<u64>;
+}
+
+/// An OCI layout directory, opened as the user who named it. Each blob is opened beneath it with
+/// that user's credentials and without following any symlink (a blob linked to a file of
+/// someone else's is refused), never blocking on a FIFO.
+struct DirBlobs {
+    dir: File,
+    /// Who opens the blobs: the user who named the layout (root when root named it).
+    user: Option<berth_spec::UserIds>,
+    what: String,
+}
+
+impl DirBlobs {
+    fn open_file(&self, name: &str) -> io::Result<File> {
+        let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK;
+        let open = || berth_sys::privfs::open_beneath(&self.dir, Path::new(name), flags, 0, true);
+        let fd = match &self.user {
+            Some(user) => berth_sys::privfs::as_user(user, open)??,
+            None => open()?,
+        };
+        let file = File::from(fd);
+        if !file.metadata()?.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        nix::fcntl::fcntl(
+            &file,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+        )?;
+        Ok(file)
+    }
+}
+
+impl Blobs for DirBlobs {
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
+        let f = self.open_file(name).map_err(|source| ArchiveError::Io {
+            what: self.what.clone(),
+            path: PathBuf::from(name),
+            source,
+        })?;
+        Ok(Box::new(BufReader::with_capacity(256 * 1024, f)))
+    }
+
+    fn size(&self, name: &str) -> Option<u64> {
+        self.open_file(name).ok()?.metadata().ok().map(|m| m.len())
+    }
+}
+
+/// Reads `len` bytes of a shared file from `offset` with `pread`, so several threads read one
+/// open file at once without sharing a file position.
+struct RangeReader<'a> {
+    file: &'a File,
+    pos: u64,
+    end: u64,
+}
+
+impl Read for RangeReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let left = self.end.saturating_sub(self.pos);
+        let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+        if n == 0 {
+            return Ok(0);
+        }
+        let got = self.file.read_at(&mut buf[..n], self.pos)?;
+        self.pos += got as u64;
+        Ok(got)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Member {
+    offset: u64,
+    size: u64,
+    kind: Kind,
+    link: String,
+}
+
+impl Seek for RangeReader<'_> {
+    fn seek(&mut self, to: SeekFrom) -> io::Result<u64> {
+        let base = match to {
+            SeekFrom::Start(n) => Some(n),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+            SeekFrom::End(d) => self.end.checked_add_signed(d),
+        };
+        self.pos = base.ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        Ok(self.pos)
+    }
+}
+
+/// A tar file read in place, through the one fd opened for it (as the user who named it): an
+/// index of its members, and a positioned reader per blob (so layers can be read by several
+/// threads at once).
+struct TarBlobs {
+    file: File,
+    what: String,
+    members: HashMap<String, Member>,
+}
+
+/// A seekable file as tar input: skipping data is a seek.
+struct FileInput<'a> {
+    r: BufReader<RangeReader<'a>>,
+    pos: u64,
+    len: u64,
+}
+
+impl TarInput for FileInput<'_> {
+    fn fill(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.r.read(&mut buf[done..]) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.pos += done as u64;
+        Ok(done)
+    }
+
+    fn skip(&mut self, n: u64) -> io::Result<u64> {
+        let n = n.min(self.len.saturating_sub(self.pos));
+        self.r
+            .seek_relative(i64::try_from(n).map_err(io::Error::other)?)?;
+        self.pos += n;
+        Ok(n)
+    }
+
+    fn position(&self) -> u64 {
+        self.pos
+    }
+}
+
+/// Normalises a member name: no leading `/` or `./`, `..` resolved lexically (`None` if it
+/// climbs out of the archive).
+fn member_name(raw: &str) -> Option<String> {
+    let mut parts: Vec<&str> = Vec::new();
+    for c in raw.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop()?;
+            }
+            c => parts.push(c),
+        }
+    }
+    Some(parts.join("/"))
+}
+
+impl TarBlobs {
+    fn index(file: File, what: &str) -> Result<Self, ArchiveError> {
+        let io_err = |e: io::Error| invalid(what, format!("cannot read the archive: {e}"));
+        let meta = file.metadata().map_err(io_err)?;
+        if !meta.is_file() {
+            return Err(invalid(what, "the archive is not a regular file"));
+        }
+        let len = meta.len();
+        let mut reader = TarReader::new(FileInput {
+            r: BufReader::with_capacity(
+                64 * 1024,
+                RangeReader {
+                    file: &file,
+                    pos: 0,
+                    end: len,
+                },
+            ),
+            pos: 0,
+            len,
+        });
+        let mut members = HashMap::new();
+        loop {
+            let entry = match reader.next_entry() {
+                Ok(Some(e)) => e,
+                Ok(None) => break,
+                Err(e) => return Err(invalid(what, format!("not a readable tar archive: {e}"))),
+            };
+            let Some(name) = member_name(&String::from_utf8_lossy(&entry.path)) else {
+                continue;
+            };
+            if matches!(entry.kind, Kind::File | Kind::Symlink | Kind::Hardlink) {
+                members.insert(
+                    name,
+                    Member {
+                        offset: entry.data_offset,
+                        size: if entry.kind == Kind::File {
+                            entry.size
+                        } else {
+                            0
+                        },
+                        kind: entry.kind,
+                        link: String::from_utf8_lossy(&entry.link).into_owned(),
+                    },
+                );
+            }
+        }
+        drop(reader);
+        Ok(Self {
+            file,
+            what: what.to_string(),
+            members,
+        })
+    }
+
+    /// The regular file a name leads to, following symlinks and hardlinks inside the archive.
+    fn resolve(&self, name: &str) -> Option<&Member> {
+        let mut name = member_name(name)?;
+        for _ in 0..16 {
+            let m = self.members.get(&name)?;
+            name = match m.kind {
+                Kind::File => return Some(m),
+                Kind::Hardlink => member_name(&m.link)?,
+                Kind::Symlink => {
+                    let base = name.rsplit_once('/').map(|(d, _)| d).unwrap_or("");
+                    if m.link.starts_with('/') {
+                        member_name(&m.link)?
+                    } else {
+                        member_name(&format!("{base}/{}", m.link))?
+                    }
+                }
+                _ => return None,
+            };
+        }
+        None
+    }
+}
+
+impl Blobs for TarBlobs {
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
+        let m = self
+            .resolve(name)
+            .ok_or_else(|| invalid(&self.what, format!("'{name}' is missing from the archive")))?;
+        Ok(Box::new(BufReader::with_capacity(
+            256 * 1024,
+            RangeReader {
+                file: &self.file,
+                pos: m.offset,
+                end: m.offset.saturating_add(m.size),
+            },
+        )))
+    }
+
+    fn size(&self, name: &str) -> Option<u64> {
+        self.resolve(name).map(|m| m.size)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Manifests
+
+#[derive(Clone, Debug, Deserialize)]
+struct Descriptor {
+    #[serde(rename = "mediaType", default)]
+    media_type: String,
+    digest: String,
+    #[serde(default)]
+    size: Option<u64>,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    platform: Option<Platform>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct Platform {
+    #[serde(default)]
+    architecture: String,
+    #[serde(default)]
+    os: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct Index {
+    #[serde(default)]
+    manifests: Vec<Descriptor>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Manifest {
+    config: Descriptor,
+    #[serde(default)]
+    layers: Vec<Descriptor>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ConfigRootfs {
+    rootfs: RootfsJson,
+}
+
+#[derive(Debug, Deserialize)]
+struct RootfsJson {
+    #[serde(default)]
+    diff_ids: Vec<String>,
+}
+
+const REF_NAME: &str = "org.opencontainers.image.ref.name";
+
+fn is_index(media_type: &str) -> bool {
+    media_type == "application/vnd.oci.image.index.v1+json"
+        || media_type == "application/vnd.docker.distribution.manifest.list.v2+json"
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Compression {
+    None,
+    Gzip,
+    Zstd,
+    /// Decided by the first bytes (docker-archive layers carry no media type).
+    Sniff,
+}
+
+fn compression(media_type: &str) -> Option<Compression> {
+    let base = media_type
+        .strip_prefix("application/")
+        .unwrap_or(media_type);
+    match base {
+        "vnd.oci.image.layer.v1.tar"
+        | "vnd.oci.image.layer.nondistributable.v1.tar"
+        | "vnd.docker.image.rootfs.diff.tar" => Some(Compression::None),
+        "vnd.oci.image.layer.v1.tar+gzip"
+        | "vnd.oci.image.layer.nondistributable.v1.tar+gzip"
+        | "vnd.docker.image.rootfs.diff.tar.gzip"
+        | "vnd.docker.image.rootfs.foreign.diff.tar.gzip" => Some(Compression::Gzip),
+        "vnd.oci.image.layer.v1.tar+zstd"
+        | "vnd.oci.image.layer.nondistributable.v1.tar+zstd"
+        | "vnd.docker.image.rootfs.diff.tar.zstd" => Some(Compression::Zstd),
+        _ => None,
+    }
+}
+
+/// The platform an image index entry must have to run here.
+fn host_platform() -> (&'static str, &'static str) {
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "powerpc64" => "ppc64le",
+        other => other,
+    };
+    ("linux", arch)
+}
+
+/// `busybox` → `busybox:latest`; `docker.io/library/busybox:1` → `busybox:1`; `localhost/x` →
+/// `x:latest`: names as people write them compare equal.
+fn normalise_name(name: &str) -> String {
+    let mut n = name;
+    for prefix in [
+        "docker.io/library/",
+        "docker.io/",
+        "index.docker.io/library/",
+        "localhost/",
+    ] {
+        if let Some(rest) = n.strip_prefix(prefix) {
+            n = rest;
+            break;
+        }
+    }
+    let last = n.rsplit('/').next().unwrap_or(n);
+    if last.contains(':') || last.contains('@') {
+        n.to_string()
+    } else {
+        format!("{n}:latest")
+    }
+}
+
+fn names_match(have: &str, want: &str) -> bool {
+    have == want || normalise_name(have) == normalise_name(want)
+}
+
+/// One layer to import: where its blob is and what it must hash to.
+#[derive(Clone, Debug)]
+struct LayerJob {
+    blob: String,
+    /// The compressed blob's digest, when the manifest gives one.
+    digest: Option<String>,
+    size: Option<u64>,
+    compression: Compression,
+    diff_id: String,
+}
+
+#[derive(Debug)]
+struct Plan {
+    digest: String,
+    config: oci_spec::image::ImageConfiguration,
+    layers: Vec<LayerJob>,
+}
+
+fn blob_path(what: &str, digest: &str) -> Result<String, ArchiveError> {
+    let hex = digest_hex(digest).map_err(|_| {
+        invalid(
+            what,
+            format!("unsupported or invalid blob digest '{digest}' (berth reads sha256 blobs)"),
+        )
+    })?;
+    Ok(format!("blobs/sha256/{hex}"))
+}
+
+fn read_all(blobs: &dyn Blobs, name: &str, what: &str) -> Result<Vec<u8>, ArchiveError> {
+    if blobs.size(name).is_some_and(|s| s > MAX_JSON) {
+        return Err(invalid(
+            what,
+            format!("'{name}' is too large for a JSON document"),
+        ));
+    }
+    let mut data = Vec::new();
+    blobs
+        .open(name)?
+        .take(MAX_JSON + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| invalid(what, format!("reading '{name}': {e}")))?;
+    if data.len() as u64 > MAX_JSON {
+        return Err(invalid(
+            what,
+            format!("'{name}' is too large for a JSON document"),
+        ));
+    }
+    Ok(data)
+}
+
+/// Reads a blob and checks its digest.
+fn read_blob(blobs: &dyn Blobs, digest: &str, what: &str) -> Result<Vec<u8>, ArchiveError> {
+    let data = read_all(blobs, &blob_path(what, digest)?, what)?;
+    let actual = format!("sha256:{:x}", Sha256::digest(&data));
+    if actual != digest {
+        return Err(ArchiveError::BlobMismatch {
+            what: what.to_string(),
+            digest: digest.to_string(),
+            actual,
+        });
+    }
+    Ok(data)
+}
+
+fn json<T: serde::de::DeserializeOwned>(
+    data: &[u8],
+    what: &str,
+    doc: &str,
+) -> Result<T, ArchiveError> {
+    serde_json::from_slice(data).map_err(|e| invalid(what, format!("{doc} is not valid: {e}")))
+}
+
+/// Chooses the manifest of an OCI layout's index.json: by ref name when given, else the only
+/// one (or the host platform's when the entries are per-platform).
+fn choose<'a>(
+    manifests: &'a [Descriptor],
+    name: Option<&str>,
+    what: &str,
+) -> Result<&'a Descriptor, ArchiveError> {
+    let names: Vec<&str> = manifests
+        .iter()
+        .filter_map(|d| d.annotations.get(REF_NAME).map(String::as_str))
+        .collect();
+    let listed = || {
+        if names.is_empty() {
+            "no named images".to_string()
+        } else {
+            names.join(", ")
+        }
+    };
+    if let Some(want) = name {
+        let exact = manifests
+            .iter()
+            .find(|d| d.annotations.get(REF_NAME).is_some_and(|n| n == want));
+        return exact
+            .or_else(|| {
+                manifests.iter().find(|d| {
+                    d.annotations
+                        .get(REF_NAME)
+                        .is_some_and(|n| names_match(n, want))
+                        || d.annotations
+                            .get("io.containerd.image.name")
+                            .is_some_and(|n| names_match(n, want))
+                })
+            })
+            .ok_or_else(|| ArchiveError::NoSuchName {
+                what: what.to_string(),
+                name: want.to_string(),
+                names: listed(),
+            });
+    }
+    match manifests {
+        [] => Err(invalid(what, "index.json lists no images")),
+        [only] => Ok(only),
+        many if names.is_empty() && many.iter().all(|d| d.platform.is_some()) => {
+            by_platform(many, what)
+        }
+        _ => Err(ArchiveError::Ambiguous {
+            what: what.to_string(),
+            names: listed(),
+            example: names.first().copied().unwrap_or("NAME").to_string(),
+        }),
+    }
+}
+
+fn by_platform<'a>(
+    manifests: &'a [Descriptor],
+    what: &str,
+) -> Result<&'a Descriptor, ArchiveError> {
+    let (os, arch) = host_platform();
+    manifests
+        .iter()
+        .find(|d| {
+            d.platform
+                .as_ref()
+                .is_some_and(|p| p.os == os && p.architecture == arch)
+        })
+        .ok_or_else(|| {
+            let have: Vec<String> = manifests
+                .iter()
+                .filter_map(|d| {
+                    d.platform
+                        .as_ref()
+                        .map(|p| format!("{}/{}", p.os, p.architecture))
+                })
+                .collect();
+            invalid(
+                what,
+                format!("no image for {os}/{arch} (it has: {})", have.join(", ")),
+            )
+        })
+}
+
+fn oci_plan(blobs: &dyn Blobs, name: Option<&str>, what: &str) -> Result<Plan, ArchiveError> {
+    let index: Index = json(&read_all(blobs, "index.json", what)?, what, "index.json")?;
+    let mut desc = choose(&index.manifests, name, what)?.clone();
+    let mut manifest_bytes = read_blob(blobs, &desc.digest, what)?;
+    // Nested indexes (per-platform manifests) down to one manifest.
+    for _ in 0..4 {
+        let nested = is_index(&desc.media_type)
+            || (desc.media_type.is_empty()
+                && serde_json::from_slice::<serde_json::Value>(&manifest_bytes)
+                    .is_ok_and(|v| v.get("manifests").is_some()));
+        if !nested {
+            break;
+        }
+        let index: Index = json(&manifest_bytes, what, "an image index")?;
+        desc = by_platform(&index.manifests, what)?.clone();
+        manifest_bytes = read_blob(blobs, &desc.digest, what)?;
+    }
+    let manifest: Manifest = json(&manifest_bytes, what, &format!("manifest {}", desc.digest))?;
+    let config_bytes = read_blob(blobs, &manifest.config.digest, what)?;
+    let (config, diff_ids) = parse_config(&config_bytes, what)?;
+    if diff_ids.len() != manifest.layers.len() {
+        return Err(invalid(
+            what,
+            format!(
+                "the manifest lists {} layers but the config {} diff_ids",
+                manifest.layers.len(),
+                diff_ids.len()
+            ),
+        ));
+    }
+    let mut layers = Vec::new();
+    for (l, diff_id) in manifest.layers.iter().zip(diff_ids) {
+        let compression = compression(&l.media_type).ok_or_else(|| {
+            invalid(
+                what,
+                format!(
+                    "layer {} has unsupported media type '{}'",
+                    l.digest, l.media_type
+                ),
+            )
+        })?;
+        layers.push(LayerJob {
+            blob: blob_path(what, &l.digest)?,
+            digest: Some(l.digest.clone()),
+            size: l.size,
+            compression,
+            diff_id,
+        });
+    }
+    Ok(Plan {
+        digest: desc.digest,
+        config,
+        layers,
+    })
+}
+
+fn parse_config(
+    bytes: &[u8],
+    what: &str,
+) -> Result<(oci_spec::image::ImageConfiguration, Vec<String>), ArchiveError> {
+    let config: oci_spec::image::ImageConfiguration = json(bytes, what, "the image config")?;
+    let rootfs: ConfigRootfs = json(bytes, what, "the image config")?;
+    for d in &rootfs.rootfs.diff_ids {
+        digest_hex(d)
+            .map_err(|_| invalid(what, format!("the config has an invalid diff_id '{d}'")))?;
+    }
+    Ok((config, rootfs.rootfs.diff_ids))
+}
+
+#[derive(Debug, Deserialize)]
+struct DockerEntry {
+    #[serde(rename = "Config")]
+    config: String,
+    #[serde(rename = "RepoTags", default)]
+    repo_tags: Option<Vec<String>>,
+    #[serde(rename = "Layers", default)]
+    layers: Vec<String>,
+}
+
+fn docker_plan(blobs: &dyn Blobs, name: Option<&str>, what: &str) -> Result<Plan, ArchiveError> {
+    let entries: Vec<DockerEntry> = json(
+        &read_all(blobs, "manifest.json", what)?,
+        what,
+        "manifest.json",
+    )?;
+    let tags = |e: &DockerEntry| e.repo_tags.clone().unwrap_or_default();
+    let all_names: Vec<String> = entries.iter().flat_map(tags).collect();
+    let listed = || {
+        if all_names.is_empty() {
+            "no named images".into()
+        } else {
+            all_names.join(", ")
+        }
+    };
+    let entry = match name {
+        Some(n) if n.starts_with('@') => n[1..]
+            .parse::<usize>()
+            .ok()
+            .and_then(|i| entries.get(i))
+            .ok_or_else(|| ArchiveError::NoSuchName {
+                what: what.to_string(),
+                name: n.to_string(),
+                names: format!("@0 to @{}", entries.len().saturating_sub(1)),
+            })?,
+        Some(n) => entries
+            .iter()
+            .find(|e| tags(e).iter().any(|t| t == n))
+            .or_else(|| {
+                entries
+                    .iter()
+                    .find(|e| tags(e).iter().any(|t| names_match(t, n)))
+            })
+            .ok_or_else(|| ArchiveError::NoSuchName {
+                what: what.to_string(),
+                name: n.to_string(),
+                names: listed(),
+            })?,
+        None => match entries.as_slice() {
+            [] => return Err(invalid(what, "manifest.json lists no images")),
+            [only] => only,
+            _ => {
+                return Err(ArchiveError::Ambiguous {
+                    what: what.to_string(),
+                    names: listed(),
+                    example: all_names.first().cloned().unwrap_or_else(|| "@0".into()),
+                });
+            }
+        },
+    };
+    let config_bytes = read_all(blobs, &entry.config, what)?;
+    let digest = format!("sha256:{:x}", Sha256::digest(&config_bytes));
+    let (config, diff_ids) = parse_config(&config_bytes, what)?;
+    if diff_ids.len() != entry.layers.len() {
+        return Err(invalid(
+            what,
+            format!(
+                "manifest.json lists {} layers but the config {} diff_ids",
+                entry.layers.len(),
+                diff_ids.len()
+            ),
+        ));
+    }
+    let layers = entry
+        .layers
+        .iter()
+        .zip(diff_ids)
+        .map(|(blob, diff_id)| LayerJob {
+            blob: blob.clone(),
+            digest: None,
+            size: blobs.size(blob),
+            compression: Compression::Sniff,
+            diff_id,
+        })
+        .collect();
+    Ok(Plan {
+        digest,
+        config,
+        layers,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming layers into the store
+
+/// Hashes and counts a blob as it is read; fails fast once another layer has failed.
+struct Hashed<'a, R> {
+    inner: R,
+    hasher: Sha256,
+    bytes: u64,
+    cancel: &'a AtomicBool,
+}
+
+impl<R: Read> Read for Hashed<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.cancel.load(Ordering::Relaxed) {
+            return Err(io::Error::other(
+                "cancelled: another layer of the import failed",
+            ));
+        }
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+}
+
+fn sniff(head: &[u8]) -> Compression {
+    if head.starts_with(&[0x1f, 0x8b]) {
+        Compression::Gzip
+    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        Compression::Zstd
+    } else {
+        Compression::None
+    }
+}
+
+fn short(digest: &str) -> &str {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    &hex[..hex.len().min(12)]
+}
+
+/// Decompresses, extracts and verifies one layer, then publishes it.
+fn import_layer(
+    store: &Store,
+    blobs: &dyn Blobs,
+    job: &LayerJob,
+    what: &str,
+    cancel: &AtomicBool,
+) -> Result<(PathBuf, Option<(u64, u64)>), ImageError> {
+    // A layer the store already has is still read (and only hashed, see Store::stage): a digest
+    // is no proof that whoever names this file could read the layer.
+    let mut hashed = Hashed {
+        inner: blobs.open(&job.blob)?,
+        hasher: Sha256::new(),
+        bytes: 0,
+        cancel,
+    };
+    let staged = {
+        let mut buffered = BufReader::with_capacity(128 * 1024, &mut hashed);
+        let kind = match job.compression {
+            Compression::Sniff => sniff(buffered.fill_buf().map_err(|e| read_error(what, job, e))?),
+            other => other,
+        };
+        let mut decoder: Box<dyn Read + '_> = match kind {
+            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buffered)),
+            Compression::Zstd => Box::new(
+                zstd::stream::read::Decoder::with_buffer(buffered)
+                    .map_err(|e| read_error(what, job, e))?,
+            ),
+            Compression::None | Compression::Sniff => Box::new(buffered),
+        };
+        store.stage(&job.diff_id, &mut decoder)
+    };
+    // Read what the decompressor left (trailers, padding) so the digest covers the whole blob.
+    let drained = io::copy(&mut hashed, &mut io::sink());
+    let actual = format!("sha256:{:x}", hashed.hasher.clone().finalize());
+    // A corrupt blob usually also breaks decompression; its digest is the clearer error.
+    if let Some(expected) = &job.digest
+        && drained.is_ok()
+        && &actual != expected
+    {
+        return Err(ArchiveError::BlobMismatch {
+            what: what.to_string(),
+            digest: expected.clone(),
+            actual,
+        }
+        .into());
+    }
+    let staged = staged.map_err(|e| ImageError::Store(format!("{what}: {e}")))?;
+    drained.map_err(|e| read_error(what, job, e))?;
+    if let Some(size) = job.size
+        && size != hashed.bytes
+    {
+        return Err(invalid(
+            what,
+            format!(
+                "layer {} is {} bytes, the manifest says {size}",
+                job.blob, hashed.bytes
+            ),
+        )
+        .into());
+    }
+    let extracted = staged
+        .extracted()
+        .then(|| (staged.size(), staged.tar_bytes()));
+    let dir = staged
+        .publish_layer()
+        .map_err(|e| ImageError::Store(format!("{what}: {e}")))?;
+    Ok((dir, extracted))
+}
+
+fn read_error(what: &str, job: &LayerJob, e: io::Error) -> ImageError {
+    ImageError::Format(format!("{what}: reading layer {}: {e}", job.blob))
+}
+
+/// Imports the layers, `store.parallel_layers()` at a time; returns their directories in order.
+fn import_layers(
+    store: &Store,
+    blobs: &dyn Blobs,
+    jobs: &[LayerJob],
+    what: &str,
+    progress: Progress<'_>,
+) -> Result<Vec<PathBuf>, ImageError> {
+    let next = AtomicUsize::new(0);
+    let cancel = AtomicBool::new(false);
+    let failure: Mutex<Option<ImageError>> = Mutex::new(None);
+    let dirs: Mutex<Vec<Option<PathBuf>>> = Mutex::new(vec![None; jobs.len()]);
+    let workers = store.parallel_layers().min(jobs.len()).max(1);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= jobs.len() || cancel.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let job = &jobs[i];
+                    let started = Instant::now();
+                    match import_layer(store, blobs, job, what, &cancel) {
+                        Ok((dir, extracted)) => {
+                            let line = match extracted {
+                                Some((size, _)) => format!(
+                                    "layer {}/{} {}: extracted layer ({}) in {:.1} s",
+                                    i + 1,
+                                    jobs.len(),
+                                    short(&job.diff_id),
+                                    human_size(size),
+                                    started.elapsed().as_secs_f64()
+                                ),
+                                None => format!(
+                                    "layer {}/{} {}: already in the store",
+                                    i + 1,
+                                    jobs.len(),
+                                    short(&job.diff_id)
+                                ),
+                            };
+                            progress(&line);
+                            dirs.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(dir);
+                        }
+                        Err(e) => {
+                            let mut slot = failure.lock().unwrap_or_else(|p| p.into_inner());
+                            if slot.is_none() {
+                                *slot = Some(e);
+                            }
+                            cancel.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(dirs
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .flatten()
+        .collect())
+}
+
+/// Bytes an import of these layers may need: compressed sizes × [`store::COMPRESSED_GROWTH`],
+/// uncompressed ones + 10%.
+fn estimate(jobs: &[&LayerJob]) -> u64 {
+    jobs.iter()
+        .map(|j| {
+            let size = j.size.unwrap_or(0);
+            let compressed = match j.compression {
+                Compression::Gzip | Compression::Zstd => true,
+                Compression::None => false,
+                Compression::Sniff => !(j.blob.ends_with(".tar") || j.blob.starts_with("blobs/")),
+            };
+            if compressed {
+                size.saturating_mul(store::COMPRESSED_GROWTH)
+            } else {
+                size + size / 10
+            }
+        })
+        .sum()
+}
+
+fn run_plan(
+    store: &Store,
+    blobs: &dyn Blobs,
+    plan: Plan,
+    reference: &Reference,
+    stamp: Option<&store::FileStamp>,
+    progress: Progress<'_>,
+) -> Result<Image, ImageError> {
+    let what = reference_key(reference);
+    let Plan {
+        digest,
+        config,
+        layers,
+    } = plan;
+    // Before anything is extracted: an image with more layers than overlayfs stacks can never
+    // run.
+    store.check_layers(&what, layers.len())?;
+    store.import_stamped(&digest, reference, stamp, progress, |store| {
+        let missing: Vec<&LayerJob> = layers
+            .iter()
+            .filter(|j| store.existing_layer(&j.diff_id).is_none())
+            .collect();
+        let needed = estimate(&missing);
+        store.check_space(&what, needed)?;
+        progress(&format!(
+            "importing {what} as {digest}: {} layer{}, {} to extract (about {})",
+            layers.len(),
+            if layers.len() == 1 { "" } else { "s" },
+            missing.len(),
+            human_size(needed)
+        ));
+        let dirs = import_layers(store, blobs, &layers, &what, progress)?;
+        Ok(Image {
+            digest: digest.clone(),
+            source: reference.clone(),
+            rootfs: Rootfs::Layers(store::dedup_layers(dirs)),
+            config,
+            anonymous: true,
+        })
+    })
+}
+
+/// Runs a local engine's save command into a file; its last stderr line on failure.
+fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), ArchiveError> {
+    let out = Command::new(tool).args(args).output().map_err(|e| {
+        if e.kind() == io::ErrorKind::NotFound {
+            ArchiveError::NoTool {
+                what: what.to_string(),
+                tool: tool.to_string(),
+            }
+        } else {
+            ArchiveError::Tool {
+                what: what.to_string(),
+                command: label.to_string(),
+                message: e.to_string(),
+            }
+        }
+    })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let message = stderr
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("no error message")
+        .trim_start_matches("Error: ")
+        .trim_start_matches("Error response from daemon: ")
+        .to_string();
+    Err(ArchiveError::Tool {
+        what: what.to_string(),
+        command: label.to_string(),
+        message,
+    })
+}
+
+/// Imports an archive, layout, Podman or Docker image (see the module's header). A file or
+/// layout is opened with this process's own credentials; see [`import_opened`] for one a user
+/// named.
+pub fn import(
+    store: &Store,
+    reference: &Reference,
+    progress: Progress<'_>,
+) -> Result<Image, ImageError> {
+    if store::is_local_path(reference) {
+        let opened = super::import::Opened::open(reference, None)?;
+        return import_opened(store, reference, Some(&opened), progress);
+    }
+    import_opened(store, reference, None, progress)
+}
+
+/// [`import`] of a file or layout already opened (as the user who named it): root reads only
+/// through that fd, and a layout's blobs are opened beneath it as that user.
+pub fn import_opened(
+    store: &Store,
+    reference: &Reference,
+    opened: Option<&super::import::Opened>,
+    progress: Progress<'_>,
+) -> Result<Image, ImageError> {
+    let what = reference_key(reference);
+    let opened_file = || -> Result<&super::import::Opened, ImageError> {
+        opened.ok_or_else(|| {
+            ImageError::Store(format!(
+                "internal error: {what} was not opened before import"
+            ))
+        })
+    };
+    match reference {
+        Reference::OciLayout { name, .. } => {
+            let o = opened_file()?;
+            let blobs = DirBlobs {
+                dir: o
+                    .file
+                    .try_clone()
+                    .map_err(|e| invalid(&what, e.to_string()))?,
+                user: o.user.clone(),
+                what: what.clone(),
+            };
+            let plan = oci_plan(&blobs, name.as_deref(), &what)?;
+            run_plan(store, &blobs, plan, reference, Some(&o.stamp), progress)
+        }
+        Reference::OciArchive { name, .. } => {
+            let o = opened_file()?;
+            let file = o
+                .file
+                .try_clone()
+                .map_err(|e| invalid(&what, e.to_string()))?;
+            let blobs = TarBlobs::index(file, &what)?;
+            let plan = oci_plan(&blobs, name.as_deref(), &what)?;
+            run_plan(store, &blobs, plan, reference, Some(&o.stamp), progress)
+        }
+        Reference::DockerArchive { name, .. } => {
+            let o = opened_file()?;
+            let file = o
+                .file
+                .try_clone()
+                .map_err(|e| invalid(&what, e.to_string()))?;
+            let blobs = TarBlobs::index(file, &what)?;
+            let plan = docker_plan(&blobs, name.as_deref(), &what)?;
+            run_plan(store, &blobs, plan, reference, Some(&o.stamp), progress)
+        }
+        Reference::Podman(image) | Reference::Dockerd(image) => {
+            let podman = matches!(reference, Reference::Podman(_));
+            let ws = store.workspace()?;
+            let tmp = ws.path(if podman { "podman-save" } else { "docker-save" });
+            let tmp_text = tmp.display().to_string();
+            progress(&format!("saving {what} to a temporary archive"));
+            let saved = if podman {
+                save_with(
+                    "podman",
+                    "podman image save",
+                    &[
+                        "image",
+                        "save",
+                        "--format",
+                        "oci-archive",
+                        "-o",
+                        &tmp_text,
+                        image,
+                    ],
+                    &what,
+                )
+            } else {
+                save_with(
+                    "docker",
+                    "docker save",
+                    &["save", "-o", &tmp_text, image],
+                    &what,
+                )
+            };
+            let result = saved.map_err(ImageError::from).and_then(|()| {
+                let file = File::open(&tmp).map_err(|e| invalid(&what, e.to_string()))?;
+                let blobs = TarBlobs::index(file, &what)?;
+                let plan = if podman {
+                    oci_plan(&blobs, None, &what)?
+                } else {
+                    docker_plan(&blobs, None, &what)?
+                };
+                run_plan(store, &blobs, plan, reference, None, progress)
+            });
+            let _ = std::fs::remove_file(&tmp);
+            result
+        }
+        other => Err(ImageError::Format(format!(
+            "{}: not an archive, layout or local engine reference",
+            reference_key(other)
+        ))),
+    }
+}
+
+/// Builders of test images (layer tars, OCI layouts, archives) in memory and in temp dirs.
+#[cfg(test)]
+pub(crate) mod test_images {
+    use super::*;
+    use std::io::Write;
+
+    pub fn sha(bytes: &[u8]) -> String {
+        format!("sha256:{:x}", Sha256::digest(bytes))
+    }
+
+    /// A layer tar holding `files` (path, content); directories are implied.
+    pub fn layer(files: &[(&str, &[u8])]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, data) in files {
+            let mut h = tar::Header::new_ustar();
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_mtime(0);
+            b.append_data(&mut h, path, *data).unwrap();
+        }
+        b.into_inner().unwrap()
+    }
+
+    pub fn gzip(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    pub fn zstd(data: &[u8]) -> Vec<u8> {
+        zstd::stream::encode_all(data, 3).unwrap()
+    }
+
+    #[derive(Clone, Copy)]
+    pub enum Comp {
+        None,
+        Gzip,
+        Zstd,
+    }
+
+    fn write_blob(dir: &Path, bytes: &[u8]) -> String {
+        let digest = sha(bytes);
+        let blobs = dir.join("blobs/sha256");
+        std::fs::create_dir_all(&blobs).unwrap();
+        std::fs::write(blobs.join(&digest[7..]), bytes).unwrap();
+        digest
+    }
+
+    pub fn config(diff_ids: &[String]) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }))
+        .unwrap()
+    }
+
+    /// Adds an image to the OCI layout in `dir` (index.json rewritten); returns its manifest
+    /// digest.
+    pub fn add_to_layout(dir: &Path, name: Option<&str>, layers: &[(Vec<u8>, Comp)]) -> String {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+        let diff_ids: Vec<String> = layers.iter().map(|(t, _)| sha(t)).collect();
+        let cfg = config(&diff_ids);
+        let cfg_digest = write_blob(dir, &cfg);
+        let descs: Vec<serde_json::Value> = layers
+            .iter()
+            .map(|(tar, comp)| {
+                let (blob, mt) = match comp {
+                    Comp::None => (tar.clone(), "application/vnd.oci.image.layer.v1.tar"),
+                    Comp::Gzip => (gzip(tar), "application/vnd.oci.image.layer.v1.tar+gzip"),
+                    Comp::Zstd => (zstd(tar), "application/vnd.oci.image.layer.v1.tar+zstd"),
+                };
+                let d = write_blob(dir, &blob);
+                serde_json::json!({"mediaType": mt, "digest": d, "size": blob.len()})
+            })
+            .collect();
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg_digest, "size": cfg.len()},
+            "layers": descs,
+        }))
+        .unwrap();
+        let m_digest = write_blob(dir, &manifest);
+        let index_path = dir.join("index.json");
+        let mut index: serde_json::Value = std::fs::read(&index_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_else(|| serde_json::json!({"schemaVersion": 2, "manifests": []}));
+        let mut desc = serde_json::json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": m_digest,
+            "size": manifest.len(),
+        });
+        if let Some(n) = name {
+            desc["annotations"] = serde_json::json!({REF_NAME: n});
+        }
+        index["manifests"].as_array_mut().unwrap().push(desc);
+        std::fs::write(&index_path, serde_json::to_vec(&index).unwrap()).unwrap();
+        m_digest
+    }
+
+    /// A tar of a directory (an oci-archive of a layout).
+    pub fn tar_dir(dir: &Path) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_dir_all(".", dir).unwrap();
+        b.into_inner().unwrap()
+    }
+
+    /// A `docker save` archive with the given images (tags, layer tars); the second copy of a
+    /// layer is a symlink to the first, as Docker writes them. Returns the config digests.
+    pub fn docker_archive(path: &Path, images: &[(&[&str], &[Vec<u8>])]) -> Vec<String> {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut manifest = Vec::new();
+        let mut written: BTreeMap<String, String> = BTreeMap::new();
+        let mut digests = Vec::new();
+        let add = |b: &mut tar::Builder<Vec<u8>>, name: &str, data: &[u8]| {
+            let mut h = tar::Header::new_ustar();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_entry_type(tar::EntryType::Regular);
+            b.append_data(&mut h, name, data).unwrap();
+        };
+        for (i, (tags, layers)) in images.iter().enumerate() {
+            // A gzip layer's diff_id is the digest of the tar inside.
+            let diff_ids: Vec<String> = layers
+                .iter()
+                .map(|t| {
+                    if t.starts_with(&[0x1f, 0x8b]) {
+                        let mut plain = Vec::new();
+                        flate2::read::GzDecoder::new(&t[..])
+                            .read_to_end(&mut plain)
+                            .unwrap();
+                        sha(&plain)
+                    } else {
+                        sha(t)
+                    }
+                })
+                .collect();
+            let cfg = config(&diff_ids);
+            let cfg_name = format!("{}.json", &sha(&cfg)[7..]);
+            digests.push(sha(&cfg));
+            add(&mut b, &cfg_name, &cfg);
+            let mut names = Vec::new();
+            for (j, tar) in layers.iter().enumerate() {
+                let name = format!("img{i}-layer{j}/layer.tar");
+                let id = sha(tar);
+                if let Some(first) = written.get(&id) {
+                    let mut h = tar::Header::new_ustar();
+                    h.set_entry_type(tar::EntryType::Symlink);
+                    h.set_size(0);
+                    b.append_link(&mut h, &name, format!("../{first}")).unwrap();
+                } else {
+                    add(&mut b, &name, tar);
+                    written.insert(id, name.clone());
+                }
+                names.push(name);
+            }
+            manifest
+                .push(serde_json::json!({"Config": cfg_name, "RepoTags": tags, "Layers": names}));
+        }
+        add(
+            &mut b,
+            "manifest.json",
+            &serde_json::to_vec(&manifest).unwrap(),
+        );
+        std::fs::write(path, b.into_inner().unwrap()).unwrap();
+        digests
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_images::*;
+    use super::*;
+    use crate::store::quiet;
+
+    fn store(dir: &Path) -> Store {
+        Store::open_at(&dir.join("store"), 3).unwrap()
+    }
+
+    fn layers_in(store: &Store) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(store.root().join("layers"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn tmp_is_clean(store: &Store) -> bool {
+        // Only this process's own (empty) workspace may remain.
+        std::fs::read_dir(store.root().join("tmp"))
+            .unwrap()
+            .flatten()
+            .all(|e| !e.path().is_dir() || std::fs::read_dir(e.path()).unwrap().count() == 0)
+    }
+
+    #[test]
+    fn local_references_parse_like_skopeo() {
+        let r = parse_local("oci-archive:/x/a.tar:v1").unwrap().unwrap();
+        assert_eq!(
+            r,
+            Reference::OciArchive {
+                file: "/x/a.tar".into(),
+                name: Some("v1".into())
+            }
+        );
+        let r = parse_local("docker-archive:/x/d.tar:busybox:latest")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            r,
+            Reference::DockerArchive {
+                file: "/x/d.tar".into(),
+                name: Some("busybox:latest".into())
+            }
+        );
+        let r = parse_local("oci:/x/layout").unwrap().unwrap();
+        assert_eq!(
+            r,
+            Reference::OciLayout {
+                dir: "/x/layout".into(),
+                name: None
+            }
+        );
+        let r = parse_local("oci:rel").unwrap().unwrap();
+        assert!(matches!(r, Reference::OciLayout { dir, .. } if dir.is_absolute()));
+        assert_eq!(
+            parse_local("podman://localhost/img:1").unwrap().unwrap(),
+            Reference::Podman("localhost/img:1".into())
+        );
+        assert_eq!(
+            parse_local("dockerd://busybox").unwrap().unwrap(),
+            Reference::Dockerd("busybox".into())
+        );
+        parse_local("oci:").unwrap().unwrap_err();
+        parse_local("podman://").unwrap().unwrap_err();
+        assert!(parse_local("ubuntu:22.04").is_none());
+    }
+
+    #[test]
+    fn names_compare_as_people_write_them() {
+        assert!(names_match("docker.io/library/busybox:latest", "busybox"));
+        assert!(names_match("localhost/test:v1", "test:v1"));
+        assert!(!names_match("test:v1", "test:v2"));
+        assert_eq!(
+            member_name("./blobs/sha256/ab"),
+            Some("blobs/sha256/ab".into())
+        );
+        assert_eq!(member_name("a/../../x"), None);
+        assert_eq!(member_name("a/b/../c"), Some("a/c".into()));
+    }
+
+    fn desc(name: Option<&str>, platform: Option<(&str, &str)>) -> Descriptor {
+        Descriptor {
+            media_type: String::new(),
+            digest: format!("sha256:{}", "0".repeat(64)),
+            size: None,
+            annotations: name
+                .map(|n| [(REF_NAME.to_string(), n.to_string())].into())
+                .unwrap_or_default(),
+            platform: platform.map(|(os, arch)| Platform {
+                os: os.into(),
+                architecture: arch.into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn manifests_are_chosen_by_name_or_platform() {
+        let two = [desc(Some("v1"), None), desc(Some("v2"), None)];
+        assert!(std::ptr::eq(
+            choose(&two, Some("v2"), "x").unwrap(),
+            &two[1]
+        ));
+        let e = choose(&two, None, "oci:/l").unwrap_err().to_string();
+        assert!(e.contains("v1, v2") && e.contains("oci:/l:v1"), "{e}");
+        let e = choose(&two, Some("v3"), "oci:/l").unwrap_err().to_string();
+        assert!(
+            e.contains("no image named 'v3'") && e.contains("v1, v2"),
+            "{e}"
+        );
+        let plat = [
+            desc(None, Some(("linux", "arm64"))),
+            desc(None, Some(("linux", host_platform().1))),
+        ];
+        assert!(std::ptr::eq(choose(&plat, None, "x").unwrap(), &plat[1]));
+        let other = [
+            desc(None, Some(("linux", "s390x"))),
+            desc(None, Some(("windows", "amd64"))),
+        ];
+        let e = choose(&other, None, "x").unwrap_err().to_string();
+        assert!(e.contains("linux/s390x, windows/amd64"), "{e}");
+    }
+
+    #[test]
+    fn layer_media_types_oci_and_docker() {
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar"),
+            Some(Compression::None)
+        );
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar+gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar+zstd"),
+            Some(Compression::Zstd)
+        );
+        assert_eq!(
+            compression("application/vnd.docker.image.rootfs.diff.tar.gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            compression("application/vnd.docker.image.rootfs.foreign.diff.tar.gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            compression("application/vnd.oci.image.layer.v1.tar+bzip2"),
+            None
+        );
+        assert_eq!(sniff(&[0x1f, 0x8b, 8]), Compression::Gzip);
+        assert_eq!(sniff(&[0x28, 0xb5, 0x2f, 0xfd]), Compression::Zstd);
+        assert_eq!(sniff(b"etc/"), Compression::None);
+    }
+
+    #[test]
+    fn a_nested_index_resolves_to_the_host_platform() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let arm = add_to_layout(&layout, None, &[(layer(&[("arch", b"arm64")]), Comp::Gzip)]);
+        let host = add_to_layout(&layout, None, &[(layer(&[("arch", b"host")]), Comp::Gzip)]);
+        let size = |d: &str| {
+            std::fs::metadata(layout.join("blobs/sha256").join(&d[7..]))
+                .unwrap()
+                .len()
+        };
+        let nested = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "manifests": [
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": arm, "size": size(&arm),
+                 "platform": {"os": "linux", "architecture": "arm64"}},
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": host, "size": size(&host),
+                 "platform": {"os": "linux", "architecture": host_platform().1}},
+            ],
+        }))
+        .unwrap();
+        let nested_digest = sha(&nested);
+        std::fs::write(
+            layout.join("blobs/sha256").join(&nested_digest[7..]),
+            &nested,
+        )
+        .unwrap();
+        let index = serde_json::json!({"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.index.v1+json", "digest": nested_digest,
+            "size": nested.len(), "annotations": {REF_NAME: "multi"}}]});
+        std::fs::write(
+            layout.join("index.json"),
+            serde_json::to_vec(&index).unwrap(),
+        )
+        .unwrap();
+        let s = store(t.path());
+        let r = Reference::OciLayout {
+            dir: layout,
+            name: Some("multi".into()),
+        };
+        let image = import(&s, &r, &quiet).unwrap();
+        assert_eq!(image.digest, host, "the host platform's manifest");
+        let Rootfs::Layers(dirs) = &image.rootfs else {
+            panic!()
+        };
+        assert_eq!(std::fs::read(dirs[0].join("arch")).unwrap(), b"host");
+    }
+
+    #[test]
+    fn layouts_and_oci_archives_import_with_every_compression() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let l1 = layer(&[("bin/tool", b"v1"), ("etc/a", b"a")]);
+        let l2 = layer(&[("etc/b", b"b")]);
+        let l3 = layer(&[("etc/c", b"c")]);
+        let digest = add_to_layout(
+            &layout,
+            Some("v1"),
+            &[
+                (l1.clone(), Comp::Gzip),
+                (l2.clone(), Comp::Zstd),
+                (l3.clone(), Comp::None),
+            ],
+        );
+        let s = store(t.path());
+        let r = Reference::OciLayout {
+            dir: layout.clone(),
+            name: None,
+        };
+        let image = import(&s, &r, &quiet).unwrap();
+        assert_eq!(image.digest, digest);
+        let Rootfs::Layers(dirs) = &image.rootfs else {
+            panic!()
+        };
+        assert_eq!(dirs.len(), 3);
+        assert_eq!(
+            dirs[0],
+            s.layer_dir(&sha(&l1)).unwrap(),
+            "bottom layer first"
+        );
+        assert_eq!(std::fs::read(dirs[0].join("bin/tool")).unwrap(), b"v1");
+        assert_eq!(std::fs::read(dirs[1].join("etc/b")).unwrap(), b"b");
+        assert_eq!(std::fs::read(dirs[2].join("etc/c")).unwrap(), b"c");
+        assert_eq!(
+            image
+                .config
+                .config()
+                .as_ref()
+                .unwrap()
+                .cmd()
+                .as_ref()
+                .unwrap()[0],
+            "/bin/sh"
+        );
+        assert_eq!(s.get_local(&r), Some(image.clone()));
+
+        let archive = t.path().join("a.tar");
+        std::fs::write(&archive, tar_dir(&layout)).unwrap();
+        let r2 = Reference::OciArchive {
+            file: archive.clone(),
+            name: Some("v1".into()),
+        };
+        let again = import(&s, &r2, &quiet).unwrap();
+        assert_eq!(again.digest, digest, "same manifest, same image");
+        assert_eq!(s.get_local(&r2).unwrap().digest, digest);
+        assert!(tmp_is_clean(&s));
+
+        // A rewritten archive is a different file: the cached reference is not used for it.
+        std::fs::write(&archive, tar_dir(&layout)).unwrap();
+        let f = File::options().append(true).open(&archive).unwrap();
+        f.set_len(f.metadata().unwrap().len() + 512).unwrap();
+        assert_eq!(s.get_local(&r2), None);
+    }
+
+    #[test]
+    fn a_corrupt_blob_is_a_digest_error_and_nothing_is_published() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let l1 = layer(&[("data", &big)]);
+        add_to_layout(&layout, None, &[(l1.clone(), Comp::Gzip)]);
+        // Flip one byte in the middle of the layer blob.
+        let path = layout.join("blobs/sha256").join(&sha(&gzip(&l1))[7..]);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        let s = store(t.path());
+        let e = import(
+            &s,
+            &Reference::OciLayout {
+                dir: layout,
+                name: None,
+            },
+            &quiet,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("is corrupt: its content has digest"), "{e}");
+        assert!(!e.contains('\n'));
+        assert!(layers_in(&s).is_empty(), "{:?}", layers_in(&s));
+        assert!(s.list().is_empty());
+        assert!(tmp_is_clean(&s));
+    }
+
+    #[test]
+    fn a_wrong_diff_id_is_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let l1 = layer(&[("a", b"a")]);
+        add_to_layout(&layout, None, &[(l1, Comp::None)]);
+        // Rewrite the config with another diff_id (and the manifest and index to match).
+        let other = sha(b"something else");
+        let cfg = config(std::slice::from_ref(&other));
+        let index: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
+        let m_digest = index["manifests"][0]["digest"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let mut manifest: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(layout.join("blobs/sha256").join(&m_digest[7..])).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(layout.join("blobs/sha256").join(&sha(&cfg)[7..]), &cfg).unwrap();
+        manifest["config"]["digest"] = sha(&cfg).into();
+        manifest["config"]["size"] = cfg.len().into();
+        let mbytes = serde_json::to_vec(&manifest).unwrap();
+        std::fs::write(
+            layout.join("blobs/sha256").join(&sha(&mbytes)[7..]),
+            &mbytes,
+        )
+        .unwrap();
+        let index = serde_json::json!({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": sha(&mbytes), "size": mbytes.len()}]});
+        std::fs::write(
+            layout.join("index.json"),
+            serde_json::to_vec(&index).unwrap(),
+        )
+        .unwrap();
+        let s = store(t.path());
+        let e = import(
+            &s,
+            &Reference::OciLayout {
+                dir: layout,
+                name: None,
+            },
+            &quiet,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("not the expected diff_id"), "{e}");
+        assert!(layers_in(&s).is_empty());
+    }
+
+    #[test]
+    fn docker_archives_single_multi_and_ambiguous() {
+        let t = tempfile::tempdir().unwrap();
+        let base = layer(&[("bin/sh", b"sh")]);
+        let app = layer(&[("app", b"app")]);
+        let path = t.path().join("d.tar");
+        let cfgs = docker_archive(
+            &path,
+            &[
+                (&["base:1"], std::slice::from_ref(&base)),
+                (
+                    &["localhost/app:2", "app:latest"],
+                    &[base.clone(), gzip(&app)],
+                ),
+            ],
+        );
+        let s = store(t.path());
+        let what = |name: Option<&str>| Reference::DockerArchive {
+            file: path.clone(),
+            name: name.map(String::from),
+        };
+        let e = import(&s, &what(None), &quiet).unwrap_err().to_string();
+        assert!(
+            e.contains("holds several images (base:1, localhost/app:2, app:latest)"),
+            "{e}"
+        );
+        let e = import(&s, &what(Some("nope:1")), &quiet)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no image named 'nope:1'") && e.contains("base:1"),
+            "{e}"
+        );
+
+        let img = import(&s, &what(Some("app:2")), &quiet).unwrap();
+        assert_eq!(
+            img.digest, cfgs[1],
+            "a docker-archive image is named by its config digest"
+        );
+        let Rootfs::Layers(dirs) = &img.rootfs else {
+            panic!()
+        };
+        assert_eq!(std::fs::read(dirs[0].join("bin/sh")).unwrap(), b"sh");
+        // The gzip layer was recognised by its magic bytes; its diff_id is of the tar inside.
+        assert_eq!(std::fs::read(dirs[1].join("app")).unwrap(), b"app");
+        let img0 = import(&s, &what(Some("@0")), &quiet).unwrap();
+        assert_eq!(img0.digest, cfgs[0]);
+        assert_eq!(
+            layers_in(&s).len(),
+            6,
+            "two layers and their size and file records"
+        );
+    }
+
+    #[test]
+    fn many_layers_in_parallel_keep_their_order() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let layers: Vec<(Vec<u8>, Comp)> = (0..7)
+            .map(|i| {
+                (
+                    layer(&[(&format!("f{i}"), format!("{i}").as_bytes())]),
+                    Comp::Gzip,
+                )
+            })
+            .collect();
+        add_to_layout(&layout, None, &layers);
+        let s = store(t.path());
+        let lines = Mutex::new(Vec::new());
+        let progress = |l: &str| lines.lock().unwrap().push(l.to_string());
+        let image = import(
+            &s,
+            &Reference::OciLayout {
+                dir: layout.clone(),
+                name: None,
+            },
+            &progress,
+        )
+        .unwrap();
+        let Rootfs::Layers(dirs) = &image.rootfs else {
+            panic!()
+        };
+        for (i, d) in dirs.iter().enumerate() {
+            assert!(d.join(format!("f{i}")).is_file());
+        }
+        let extracted = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains("extracted layer"))
+            .count();
+        assert_eq!(extracted, 7);
+    }
+
+    #[test]
+    fn repeated_layers_are_stacked_once() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        let empty = layer(&[]);
+        let a = layer(&[("a", b"a")]);
+        add_to_layout(
+            &layout,
+            None,
+            &[
+                (empty.clone(), Comp::None),
+                (a, Comp::None),
+                (empty, Comp::None),
+            ],
+        );
+        let s = store(t.path());
+        let image = import(
+            &s,
+            &Reference::OciLayout {
+                dir: layout,
+                name: None,
+            },
+            &quiet,
+        )
+        .unwrap();
+        let Rootfs::Layers(dirs) = &image.rootfs else {
+            panic!()
+        };
+        assert_eq!(dirs.len(), 2, "{dirs:?}");
+    }
+
+    #[test]
+    fn not_enough_space_is_one_line_before_anything_is_written() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = t.path().join("layout");
+        add_to_layout(&layout, None, &[(layer(&[("a", b"a")]), Comp::None)]);
+        let s = store(t.path());
+        let e = s
+            .check_space("oci:/x", u64::MAX / 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("not enough space in the image store"), "{e}");
+        assert!(
+            e.contains("needs about") && e.contains("are free") && !e.contains('\n'),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_engines_and_files_are_one_line_errors() {
+        let t = tempfile::tempdir().unwrap();
+        let s = store(t.path());
+        let e = import(
+            &s,
+            &Reference::DockerArchive {
+                file: t.path().join("none.tar"),
+                name: None,
+            },
+            &quiet,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("cannot open") && !e.contains('\n'), "{e}");
+        let e = import(
+            &s,
+            &Reference::OciLayout {
+                dir: t.path().to_path_buf(),
+                name: None,
+            },
+            &quiet,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("not an OCI image layout"), "{e}");
+        let e = save_with(
+            "berth-no-such-tool",
+            "x save",
+            &["save", "-o", "x"],
+            "dockerd://x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("berth-no-such-tool is not installed"), "{e}");
+        let e = save_with(
+            "sh",
+            "sh save",
+            &["-c", "echo 'Error: boom' >&2; exit 3"],
+            "podman://x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "podman://x: sh save failed: boom");
+    }
+}

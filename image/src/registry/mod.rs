@@ -1,0 +1,1177 @@
+//! The OCI distribution (registry v2) client: resolves a reference to one platform's manifest,
+//! fetches and verifies its config, and streams every layer into a [`LayerSink`] — download,
+//! sha256 of the compressed blob, decompression (gzip, zstd or none) and extraction in one pass,
+//! several layers at once. A layer is published only when both its blob digest (checked here)
+//! and its diff_id (checked by the sink) match.
+//!
+//! Blocking I/O on std threads (ureq with rustls): a pull is a handful of long transfers, and
+//! keeping an async runtime out of berth keeps it out of code that later forks into namespaces.
+//!
+//! Mirrors (`registry.mirrors`): an image of a registry with mirrors is looked up on each mirror
+//! in order, then on the registry itself unless `fallback = false`. Whatever fails on a source
+//! (unreachable, no such image, a login refused, a blob whose sha256 is not the digest the
+//! manifest names) is said in one warning line naming the mirror, and the next source is tried;
+//! layers fetch from the source the manifest came from, falling back the same way.
+
+pub mod auth;
+mod blob;
+mod http;
+pub mod manifest;
+mod progress;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use oci_spec::image::ImageConfiguration;
+use ureq::http::StatusCode;
+
+pub use self::auth::{Credentials, Login, UserEnv};
+use self::http::{Method, Target, Transport};
+use self::manifest::{Descriptor, Manifest, Wanted};
+pub use self::progress::ProgressMode;
+use super::{ImageError, LayerSink, RegistryRef, StagedLayer};
+use crate::config::{MirrorConfig, RegistryConfig};
+use berth_spec::UserIds;
+
+/// Registry failures, each one line naming the image and registry and saying what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error(
+        "pulling {image}: {registry} requires a login: add 'machine {host} login USER password \
+         PASS' to {files}"
+    )]
+    CredentialsRequired {
+        image: String,
+        registry: String,
+        host: String,
+        files: String,
+    },
+    #[error(
+        "pulling {image}: {registry} rejected the login '{login}' from {}: check the \
+         credentials in that file", file.display()
+    )]
+    LoginRejected {
+        image: String,
+        registry: String,
+        login: String,
+        file: PathBuf,
+    },
+    #[error(
+        "pulling {image}: no login '{user}' for {registry} in {files}: add one or drop '{user}@'"
+    )]
+    NoSuchLogin {
+        image: String,
+        registry: String,
+        user: String,
+        files: String,
+    },
+    #[error("image {image} not found: {detail}")]
+    NotFound { image: String, detail: String },
+    #[error("pulling {image}: {registry} has no blob {digest} that the manifest lists")]
+    BlobMissing {
+        image: String,
+        registry: String,
+        digest: String,
+    },
+    #[error("pulling {image}: TLS connection to {registry} failed: {detail}; {hint}")]
+    Tls {
+        image: String,
+        registry: String,
+        detail: String,
+        hint: String,
+    },
+    #[error(
+        "pulling {image}: {registry} unreachable after {attempts} attempt(s): {detail}; check \
+         the registry and network, then retry"
+    )]
+    Unreachable {
+        image: String,
+        registry: String,
+        attempts: u32,
+        detail: String,
+    },
+    /// The registry answered, with a server error (5xx) or 429, every time it was asked.
+    #[error(
+        "pulling {image}: {registry} answered {status}{said} to each of {attempts} attempt(s): \
+         the registry failed, not the network; retry later or ask its administrators"
+    )]
+    ServerError {
+        image: String,
+        registry: String,
+        attempts: u32,
+        status: String,
+        said: String,
+    },
+    #[error(
+        "pulling {image}: {what} {expected} from {registry} has sha256 {actual} ({size} bytes): \
+         the registry served corrupt data; nothing was stored"
+    )]
+    DigestMismatch {
+        image: String,
+        registry: String,
+        what: &'static str,
+        expected: String,
+        actual: String,
+        size: u64,
+    },
+    #[error("pulling {image}: unexpected answer from {registry}: {detail}")]
+    Protocol {
+        image: String,
+        registry: String,
+        detail: String,
+    },
+    #[error("pulling {image}: {detail}")]
+    Image { image: String, detail: String },
+    #[error("image {image} has no {want} variant (it has {have}): choose one with --arch")]
+    NoPlatform {
+        image: String,
+        want: String,
+        have: String,
+    },
+    #[error("pulling {image}: storing layer {digest}: {source}")]
+    Layer {
+        image: String,
+        digest: String,
+        source: ImageError,
+    },
+    #[error("registry configuration: {detail}")]
+    Config { detail: String },
+    /// The last source was a mirror and the registry itself is not to be tried.
+    #[error(
+        "{source} (registry mirror {mirror} of {origin}; registry.mirrors.\"{origin}\" has \
+         fallback = false, so {origin} itself was not tried)"
+    )]
+    Mirror {
+        mirror: String,
+        origin: String,
+        source: Box<RegistryError>,
+    },
+    /// Another layer of the same pull failed first.
+    #[error("pull aborted")]
+    Aborted,
+}
+
+impl From<RegistryError> for ImageError {
+    fn from(e: RegistryError) -> Self {
+        ImageError::Registry(e.to_string())
+    }
+}
+
+/// What to pull besides the reference.
+#[derive(Clone, Debug, Default)]
+pub struct PullOptions {
+    /// `--arch`: the platform to pick from a multi-platform image; the host's when `None`.
+    pub arch: Option<String>,
+    pub progress: ProgressMode,
+}
+
+/// A pulled image: every layer is in the store.
+#[derive(Clone, Debug)]
+pub struct Pulled {
+    /// Digest of the image manifest (the chosen platform's, for a multi-platform image).
+    pub manifest_digest: String,
+    /// Digest of the index or manifest list the image was chosen from, if any.
+    pub index_digest: Option<String>,
+    pub config_digest: String,
+    pub config: ImageConfiguration,
+    /// The store's layer directories, bottom layer first.
+    pub layers: Vec<PathBuf>,
+    /// No login was sent: the image is public, any user may be given it from the cache.
+    pub anonymous: bool,
+}
+
+/// An image whose manifest and config have been fetched and checked; its layers not yet.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    target: Target,
+    /// The sources left to fetch layers from if `target` fails (mirrors, then the origin).
+    fallbacks: Vec<Target>,
+    pub manifest_digest: String,
+    pub index_digest: Option<String>,
+    pub config_digest: String,
+    pub config: ImageConfiguration,
+    layers: Vec<Descriptor>,
+    diff_ids: Vec<String>,
+}
+
+impl Resolved {
+    /// Compressed bytes of all layers, as the manifest lists them.
+    pub fn download_size(&self) -> u64 {
+        self.layers.iter().map(|l| l.size).sum()
+    }
+
+    /// Layers the manifest lists (checked against `store.max_layers` before any is fetched).
+    pub fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+/// A registry client for one user (whose credentials it reads) and one pull or check.
+#[derive(Debug)]
+pub struct Client {
+    transport: Transport,
+    parallel: usize,
+    /// `registry.mirrors`, keyed by the registry's canonical name ([`mirror_key`]).
+    mirrors: BTreeMap<String, Mirrors>,
+}
+
+/// The mirrors of one registry, parsed.
+#[derive(Clone, Debug)]
+struct Mirrors {
+    /// `(HOST[:PORT], PREFIX)`, in order.
+    hosts: Vec<(String, String)>,
+    fallback: bool,
+}
+
+impl Client {
+    /// A client for the user running berth, with this process's environment
+    /// (`$ENROOT_CONFIG_PATH`, `$REGISTRY_AUTH_FILE`, …). `user_home` is the home of that user:
+    /// `~` in `registry.credentials` and the default login files resolve there.
+    pub fn new(config: &RegistryConfig, user_home: Option<&Path>) -> Result<Self, RegistryError> {
+        let user = current_user(user_home)?;
+        Self::for_user(config, &user, &UserEnv::of_this_process())
+    }
+
+    /// [`Client::new`] with the user's `$ENROOT_CONFIG_PATH` given explicitly and none of the
+    /// other variables taken from this process's environment.
+    pub fn with_enroot_config(
+        config: &RegistryConfig,
+        user_home: Option<&Path>,
+        enroot_config_path: Option<&Path>,
+    ) -> Result<Self, RegistryError> {
+        let user = current_user(user_home)?;
+        let env = UserEnv {
+            enroot_config_path: enroot_config_path.map(Path::to_path_buf),
+            ..UserEnv::default()
+        };
+        Self::for_user(config, &user, &env)
+    }
+
+    /// A client for the user `uid` (whose home is `home`): berth's own environment when that is
+    /// the user running berth, the default file locations for anyone else (berth acting as root
+    /// for a job's user must not take that user's paths from its own environment).
+    pub fn for_uid(
+        config: &RegistryConfig,
+        uid: u32,
+        home: Option<&Path>,
+    ) -> Result<Self, RegistryError> {
+        if uid == nix::unistd::getuid().as_raw() {
+            return Self::new(config, home);
+        }
+        let pw = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+            .ok()
+            .flatten();
+        let mut user = match &pw {
+            Some(pw) => berth_spec::user::by_id(uid, pw.gid.as_raw()),
+            // No passwd entry: the uid alone, in no group that could open anything.
+            None => UserIds {
+                uid,
+                gid: 65534,
+                ..UserIds::default()
+            },
+        };
+        user.home = home.map(Path::to_path_buf);
+        Self::for_user(config, &user, &UserEnv::default())
+    }
+
+    /// A client for `user`, whose login files are read as that user (never as root: see
+    /// [`auth`]), found where `env` says.
+    pub fn for_user(
+        config: &RegistryConfig,
+        user: &UserIds,
+        env: &UserEnv,
+    ) -> Result<Self, RegistryError> {
+        let files = auth::credential_files(
+            &config.credentials,
+            config.enroot_credentials,
+            config.auth_files,
+            env,
+            user.uid,
+            user.home.as_deref(),
+        );
+        let credentials =
+            Credentials::load(files, user).map_err(|detail| RegistryError::Config { detail })?;
+        let mirrors =
+            parse_mirrors(&config.mirrors).map_err(|detail| RegistryError::Config { detail })?;
+        Ok(Self {
+            transport: Transport::new(config, credentials)?,
+            parallel: config.parallel_downloads.max(1),
+            mirrors,
+        })
+    }
+
+    /// Where to get `r` from, in order: its registry's mirrors, then the registry itself unless
+    /// `fallback = false`.
+    fn sources(&self, r: &RegistryRef) -> Vec<Target> {
+        let origin = target(r);
+        let Some(m) = self.mirrors.get(&mirror_key(&r.registry)) else {
+            return vec![origin];
+        };
+        let mut out: Vec<Target> = m
+            .hosts
+            .iter()
+            .map(|(host, prefix)| Target {
+                registry: host.clone(),
+                repository: if prefix.is_empty() {
+                    r.repository.clone()
+                } else {
+                    format!("{prefix}/{}", r.repository)
+                },
+                image: origin.image.clone(),
+                // `USER@` names an account of the registry, not of its mirrors.
+                user: None,
+                mirror_of: Some(r.registry.clone()),
+            })
+            .collect();
+        if m.fallback {
+            out.push(origin);
+        }
+        out
+    }
+
+    /// The error to report when `t`, the last source, failed with `e`.
+    fn last_error(t: &Target, e: RegistryError) -> RegistryError {
+        match &t.mirror_of {
+            Some(origin) => RegistryError::Mirror {
+                mirror: t.registry.clone(),
+                origin: origin.clone(),
+                source: Box::new(e),
+            },
+            None => e,
+        }
+    }
+
+    /// Whether a failure ends the pull rather than sending it to the next source.
+    fn is_final(e: &RegistryError) -> bool {
+        matches!(
+            e,
+            RegistryError::Config { .. } | RegistryError::Aborted | RegistryError::Layer { .. }
+        )
+    }
+
+    /// Whether the user may read the image: a manifest HEAD with the user's credentials. For
+    /// deciding whether a cached private image may be handed to this user.
+    /// With mirrors, any source that lets the user read the image decides (the user could pull
+    /// it from there).
+    pub fn check_access(&self, r: &RegistryRef) -> Result<bool, RegistryError> {
+        let sources = self.sources(r);
+        let mut outcome = None;
+        for t in sources {
+            match self.check_access_at(t, r) {
+                Ok(true) => return Ok(true),
+                Ok(false) => outcome = Some(Ok(false)),
+                Err(e) => {
+                    if outcome.is_none() {
+                        outcome = Some(Err(e));
+                    }
+                }
+            }
+        }
+        outcome.unwrap_or(Ok(false))
+    }
+
+    fn check_access_at(&self, t: Target, r: &RegistryRef) -> Result<bool, RegistryError> {
+        let url = manifest_url(&self.transport, &t, r);
+        let result =
+            self.transport
+                .send(&t, Method::Head, &url, Some(manifest::ACCEPT), None, None);
+        match result {
+            Ok(resp) if resp.status().is_success() => Ok(true),
+            Ok(resp)
+                if matches!(
+                    resp.status(),
+                    StatusCode::FORBIDDEN | StatusCode::NOT_FOUND | StatusCode::UNAUTHORIZED
+                ) =>
+            {
+                Ok(false)
+            }
+            Ok(resp) => Err(RegistryError::Protocol {
+                image: t.image,
+                registry: t.registry,
+                detail: format!("manifest HEAD answered {}", resp.status()),
+            }),
+            Err(
+                RegistryError::CredentialsRequired { .. }
+                | RegistryError::LoginRejected { .. }
+                | RegistryError::NoSuchLogin { .. },
+            ) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Fetches and checks the manifest (choosing the platform from an index) and the config of
+    /// `r`, without downloading layers: the manifest digest says whether the store has the image.
+    /// With mirrors, the first source that has it (see the module header).
+    pub fn resolve(
+        &self,
+        r: &RegistryRef,
+        options: &PullOptions,
+    ) -> Result<Resolved, RegistryError> {
+        let sources = self.sources(r);
+        let mut i = 0;
+        loop {
+            let t = sources[i].clone();
+            match self.resolve_at(t.clone(), r, options) {
+                Ok(mut resolved) => {
+                    resolved.fallbacks = sources[i + 1..].to_vec();
+                    return Ok(resolved);
+                }
+                Err(e) if Self::is_final(&e) => return Err(e),
+                Err(e) if i + 1 < sources.len() => {
+                    warn_source_failed(&t, &sources[i + 1], &e);
+                    i += 1;
+                }
+                Err(e) => return Err(Self::last_error(&t, e)),
+            }
+        }
+    }
+
+    fn resolve_at(
+        &self,
+        t: Target,
+        r: &RegistryRef,
+        options: &PullOptions,
+    ) -> Result<Resolved, RegistryError> {
+        let want = match &options.arch {
+            Some(a) => Wanted::parse(a).map_err(|detail| RegistryError::Image {
+                image: t.image.clone(),
+                detail,
+            })?,
+            None => Wanted::host(),
+        };
+        let url = manifest_url(&self.transport, &t, r);
+        let (body, digest, content_type) = self.fetch_manifest(&t, &url, r.digest.as_deref())?;
+        let parsed = manifest::parse(&body, content_type.as_deref())
+            .map_err(|detail| self.image_error(&t, detail))?;
+        let (manifest_digest, index_digest, config_desc, layers) = match parsed {
+            Manifest::Image { config, layers } => (digest, None, config, layers),
+            Manifest::Index(entries) => {
+                let chosen =
+                    manifest::select(&entries, &want).ok_or_else(|| RegistryError::NoPlatform {
+                        image: t.image.clone(),
+                        want: want.to_string(),
+                        have: manifest::platforms(&entries),
+                    })?;
+                check_digest(&t, &chosen.digest)?;
+                let url = format!("{}manifests/{}", self.transport.repo_url(&t), chosen.digest);
+                let (body, child, content_type) =
+                    self.fetch_manifest(&t, &url, Some(&chosen.digest))?;
+                match manifest::parse(&body, content_type.as_deref())
+                    .map_err(|detail| self.image_error(&t, detail))?
+                {
+                    Manifest::Image { config, layers } => (child, Some(digest), config, layers),
+                    Manifest::Index(_) => {
+                        return Err(self.image_error(
+                            &t,
+                            format!("index entry {} is itself an index", chosen.digest),
+                        ));
+                    }
+                }
+            }
+        };
+        check_digest(&t, &config_desc.digest)?;
+        for l in &layers {
+            check_digest(&t, &l.digest)?;
+            if l.media_type
+                .as_deref()
+                .is_some_and(|m| m.contains("encrypted"))
+            {
+                return Err(self.image_error(
+                    &t,
+                    format!(
+                        "layer {} is encrypted, which berth does not support",
+                        l.digest
+                    ),
+                ));
+            }
+        }
+        let config_bytes = self.fetch_config(&t, &config_desc)?;
+        let config: ImageConfiguration = serde_json::from_slice(&config_bytes).map_err(|e| {
+            self.image_error(
+                &t,
+                format!("image config {} is invalid: {e}", config_desc.digest),
+            )
+        })?;
+        check_architecture(&config, &want, options.arch.is_some())
+            .map_err(|detail| self.image_error(&t, detail))?;
+        let diff_ids = config.rootfs().diff_ids().clone();
+        if diff_ids.len() != layers.len() {
+            return Err(self.image_error(
+                &t,
+                format!(
+                    "the manifest lists {} layers but the config {} diff_ids",
+                    layers.len(),
+                    diff_ids.len()
+                ),
+            ));
+        }
+        for d in &diff_ids {
+            check_digest(&t, d)?;
+        }
+        Ok(Resolved {
+            target: t,
+            fallbacks: Vec::new(),
+            manifest_digest,
+            index_digest,
+            config_digest: config_desc.digest,
+            config,
+            layers,
+            diff_ids,
+        })
+    }
+
+    /// Downloads the layers of a resolved image into `sink` (skipping those it has).
+    pub fn fetch(
+        &self,
+        resolved: Resolved,
+        options: &PullOptions,
+        sink: &dyn LayerSink,
+    ) -> Result<Pulled, RegistryError> {
+        let r = resolved;
+        let mut target = r.target.clone();
+        let mut rest = r.fallbacks.iter();
+        let paths = loop {
+            match self.fetch_layers(&target, &r.layers, &r.diff_ids, options.progress, sink) {
+                Ok(paths) => break paths,
+                Err(e) if Self::is_final(&e) => return Err(e),
+                Err(e) => match rest.next() {
+                    // Layers already verified stay in the store: the next source is asked only
+                    // for the rest, by the same digests.
+                    Some(next) => {
+                        warn_source_failed(&target, next, &e);
+                        target = next.clone();
+                    }
+                    None => return Err(Self::last_error(&target, e)),
+                },
+            }
+        };
+        Ok(Pulled {
+            manifest_digest: r.manifest_digest,
+            index_digest: r.index_digest,
+            config_digest: r.config_digest,
+            config: r.config,
+            layers: paths,
+            anonymous: !self.transport.used_login(),
+        })
+    }
+
+    /// Resolves and downloads an image: [`Client::resolve`] then [`Client::fetch`].
+    pub fn pull(
+        &self,
+        r: &RegistryRef,
+        options: &PullOptions,
+        sink: &dyn LayerSink,
+    ) -> Result<Pulled, RegistryError> {
+        let resolved = self.resolve(r, options)?;
+        self.fetch(resolved, options, sink)
+    }
+
+    fn image_error(&self, t: &Target, detail: String) -> RegistryError {
+        RegistryError::Image {
+            image: t.image.clone(),
+            detail,
+        }
+    }
+
+    /// GETs a manifest; returns its body, digest and Content-Type. With `pinned` the body must
+    /// hash to it.
+    fn fetch_manifest(
+        &self,
+        t: &Target,
+        url: &str,
+        pinned: Option<&str>,
+    ) -> Result<(Vec<u8>, String, Option<String>), RegistryError> {
+        let (body, content_type) = self.get_document(t, url, Some(manifest::ACCEPT), "manifest")?;
+        let digest = blob::sha256_of(&body);
+        if let Some(p) = pinned
+            && p != digest
+        {
+            return Err(RegistryError::DigestMismatch {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                what: "manifest",
+                expected: p.to_string(),
+                actual: digest,
+                size: body.len() as u64,
+            });
+        }
+        Ok((body, digest, content_type))
+    }
+
+    /// GETs a small document (manifest, config) and reads its body, retrying as layers are
+    /// retried when the connection drops while the body is read (`send` retries only until the
+    /// headers came). Returns the body and its Content-Type.
+    fn get_document(
+        &self,
+        t: &Target,
+        url: &str,
+        accept: Option<&str>,
+        what: &str,
+    ) -> Result<(Vec<u8>, Option<String>), RegistryError> {
+        let mut attempt = 0u32;
+        loop {
+            let resp = self
+                .transport
+                .send(t, Method::Get, url, accept, None, None)?;
+            if what == "config" && resp.status() == StatusCode::NOT_FOUND {
+                return Err(RegistryError::BlobMissing {
+                    image: t.image.clone(),
+                    registry: t.registry.clone(),
+                    digest: url.rsplit('/').next().unwrap_or_default().to_string(),
+                });
+            }
+            if !resp.status().is_success() {
+                return Err(self.not_ok(t, resp, what));
+            }
+            let content_type = resp
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            match self.transport.read_document(t, resp) {
+                Ok(body) => return Ok((body, content_type)),
+                Err(RegistryError::Unreachable { detail, .. }) => {
+                    attempt += 1;
+                    if attempt >= self.transport.retries {
+                        return Err(RegistryError::Unreachable {
+                            image: t.image.clone(),
+                            registry: t.registry.clone(),
+                            attempts: attempt,
+                            detail: format!("reading the {what}: {detail}"),
+                        });
+                    }
+                    tracing::debug!(%url, attempt, %detail, "retrying a dropped {what}");
+                    std::thread::sleep(self.transport.backoff(attempt));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn fetch_config(&self, t: &Target, d: &Descriptor) -> Result<Vec<u8>, RegistryError> {
+        let url = format!("{}blobs/{}", self.transport.repo_url(t), d.digest);
+        let (body, _) = self.get_document(t, &url, None, "config")?;
+        let actual = blob::sha256_of(&body);
+        if actual != d.digest {
+            return Err(RegistryError::DigestMismatch {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                what: "config",
+                expected: d.digest.clone(),
+                actual,
+                size: body.len() as u64,
+            });
+        }
+        Ok(body)
+    }
+
+    fn not_ok(&self, t: &Target, resp: http::Resp, what: &str) -> RegistryError {
+        let (status, mut code, message) = http::error_body(resp);
+        if status == StatusCode::NOT_FOUND && code != "NAME_UNKNOWN" && !self.repository_exists(t) {
+            // Registry 2.8 says MANIFEST_UNKNOWN for a missing repository too.
+            code = "NAME_UNKNOWN".to_string();
+        }
+        match (status, code.as_str()) {
+            (StatusCode::NOT_FOUND, "NAME_UNKNOWN") => RegistryError::NotFound {
+                image: t.image.clone(),
+                detail: format!(
+                    "{} has no repository '{}': check the image name",
+                    t.registry, t.repository
+                ),
+            },
+            (StatusCode::NOT_FOUND, _) => RegistryError::NotFound {
+                image: t.image.clone(),
+                detail: format!(
+                    "{} has no {} for {}: check the tag or digest",
+                    t.registry,
+                    what,
+                    t.image
+                        .rsplit_once('/')
+                        .map_or(t.image.as_str(), |(_, n)| n)
+                ),
+            },
+            (StatusCode::FORBIDDEN, _) => RegistryError::Protocol {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                detail: format!(
+                    "access to the {what} denied ({code} {message}): check that your login may \
+                     read this repository"
+                ),
+            },
+            _ => RegistryError::Protocol {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                detail: format!("fetching the {what} answered {status} {code} {message}"),
+            },
+        }
+    }
+
+    /// Whether the repository exists (its tag list is there); `true` when that cannot be told.
+    fn repository_exists(&self, t: &Target) -> bool {
+        let url = format!("{}tags/list", self.transport.repo_url(t));
+        match self.transport.send(t, Method::Get, &url, None, None, None) {
+            Ok(resp) => resp.status() != StatusCode::NOT_FOUND,
+            Err(_) => true,
+        }
+    }
+
+    /// Streams every layer the sink lacks into it, `parallel` at once; returns the layer
+    /// directories bottom first. On the first failure the other downloads stop; layers already
+    /// verified stay published (they are complete and content-addressed).
+    fn fetch_layers(
+        &self,
+        t: &Target,
+        layers: &[Descriptor],
+        diff_ids: &[String],
+        mode: ProgressMode,
+        sink: &dyn LayerSink,
+    ) -> Result<Vec<PathBuf>, RegistryError> {
+        let total: u64 = layers.iter().map(|l| l.size).sum();
+        let progress = progress::Progress::new(mode, &t.image, layers.len(), total);
+        // The same layer twice in one image (empty layers are common) is fetched once.
+        let mut unique: Vec<usize> = Vec::new();
+        let mut first_of: HashMap<&str, usize> = HashMap::new();
+        let mut done: Vec<Option<PathBuf>> = vec![None; layers.len()];
+        for (i, diff_id) in diff_ids.iter().enumerate() {
+            if first_of.contains_key(diff_id.as_str()) {
+                continue;
+            }
+            first_of.insert(diff_id, i);
+            match sink.existing_layer(diff_id) {
+                Some(path) => {
+                    progress.skipped(i, &layers[i].digest, layers[i].size);
+                    done[i] = Some(path);
+                }
+                None => unique.push(i),
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let abort = AtomicBool::new(false);
+        let results: Mutex<Vec<(usize, Result<PathBuf, RegistryError>)>> = Mutex::new(Vec::new());
+        let workers = self.parallel.min(unique.len());
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| {
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&i) = unique.get(k) else { break };
+                        if abort.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let lp = progress.layer(i, &layers[i].digest, layers[i].size);
+                        let r = self.fetch_layer(t, &layers[i], &diff_ids[i], sink, &abort, &lp);
+                        match &r {
+                            Ok(_) => lp.done(),
+                            Err(_) => {
+                                lp.failed();
+                                abort.store(true, Ordering::Relaxed);
+                            }
+                        }
+                        results.lock().expect("results").push((i, r));
+                    }
+                });
+            }
+        });
+        progress.finish();
+        let mut results = results.into_inner().expect("results");
+        results.sort_by_key(|(i, _)| *i);
+        let mut first_error = None;
+        for (i, r) in results {
+            match r {
+                Ok(path) => done[i] = Some(path),
+                Err(RegistryError::Aborted) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        diff_ids
+            .iter()
+            .map(|d| {
+                done[first_of[d.as_str()]]
+                    .clone()
+                    .ok_or(RegistryError::Aborted)
+            })
+            .collect()
+    }
+
+    /// Download → sha256 → decompress → sink, in one pass; publish only when the blob's digest
+    /// matched too.
+    fn fetch_layer(
+        &self,
+        t: &Target,
+        layer: &Descriptor,
+        diff_id: &str,
+        sink: &dyn LayerSink,
+        abort: &AtomicBool,
+        lp: &progress::LayerProgress,
+    ) -> Result<PathBuf, RegistryError> {
+        let on_bytes = |n: u64| lp.inc(n);
+        let mut stream = blob::BlobStream::new(
+            &self.transport,
+            t,
+            &layer.digest,
+            layer.size,
+            abort,
+            &on_bytes,
+        );
+        let staged: Option<Result<Box<dyn StagedLayer>, ImageError>> = {
+            let mut buffered = BufReader::with_capacity(1 << 20, &mut stream);
+            match buffered.fill_buf() {
+                Err(_) => None,
+                Ok(head) => {
+                    let head = head.get(..4).unwrap_or(head).to_vec();
+                    let mut reader = decompressor(&head, buffered);
+                    Some(sink.stage_layer(diff_id, &mut reader))
+                }
+            }
+        };
+        // A transfer failure explains a sink error (it saw a broken stream): report it first.
+        if let Some(e) = stream.failure.take() {
+            return Err(e);
+        }
+        // Read what the extractor left (tar padding, a corrupt tail) so the digest covers the
+        // whole blob; a corrupt blob is reported as such even when extraction failed first.
+        stream.drain()?;
+        let (actual, size) = stream.finish();
+        if actual != layer.digest || size != layer.size {
+            return Err(RegistryError::DigestMismatch {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                what: "layer",
+                expected: layer.digest.clone(),
+                actual,
+                size,
+            });
+        }
+        let layer_error = |source| RegistryError::Layer {
+            image: t.image.clone(),
+            digest: layer.digest.clone(),
+            source,
+        };
+        match staged {
+            Some(Ok(staged)) => staged.publish().map_err(layer_error),
+            Some(Err(e)) => Err(layer_error(e)),
+            None => Err(RegistryError::Aborted),
+        }
+    }
+}
+
+/// The decompressor for a layer, chosen by its first bytes rather than its media type (some
+/// registries and tools mislabel layers; the magic numbers are unambiguous).
+fn decompressor<'r, R: BufRead + 'r>(head: &[u8], reader: R) -> Box<dyn Read + 'r> {
+    if head.starts_with(&[0x1f, 0x8b]) {
+        Box::new(flate2::bufread::MultiGzDecoder::new(reader))
+    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        match zstd::stream::read::Decoder::with_buffer(reader) {
+            Ok(d) => Box::new(d),
+            Err(e) => Box::new(FailingReader(Some(e))),
+        }
+    } else {
+        Box::new(reader)
+    }
+}
+
+struct FailingReader(Option<std::io::Error>);
+
+impl Read for FailingReader {
+    fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+        Err(self
+            .0
+            .take()
+            .unwrap_or_else(|| std::io::Error::other("decompressor failed")))
+    }
+}
+
+/// Refuses an image whose config says it is built for another architecture than `want` (the
+/// host's, or `--arch`'s when `asked`): a single-platform image of another machine would only
+/// fail later with "exec format error". One line naming both architectures.
+pub fn check_architecture(
+    config: &ImageConfiguration,
+    want: &manifest::Wanted,
+    asked: bool,
+) -> Result<(), String> {
+    let have = config.architecture().to_string();
+    let normal = manifest::Wanted::parse(&have)
+        .map(|w| w.architecture)
+        .unwrap_or_else(|_| have.clone());
+    if have.is_empty() || normal == want.architecture {
+        return Ok(());
+    }
+    let have = berth_sys::text::elide(&have);
+    Err(if asked {
+        format!(
+            "the image is built for {have}, not for {} as --arch asks",
+            want.architecture
+        )
+    } else {
+        format!(
+            "the image is built for {have} and this host is {}; give --arch {have} to use it \
+             anyway",
+            want.architecture
+        )
+    })
+}
+
+fn target(r: &RegistryRef) -> Target {
+    Target {
+        registry: r.registry.clone(),
+        repository: r.repository.clone(),
+        image: r.image_name(),
+        user: r.user.clone(),
+        mirror_of: None,
+    }
+}
+
+/// The user running berth, with `home` as its home.
+fn current_user(home: Option<&Path>) -> Result<UserIds, RegistryError> {
+    let mut user = berth_spec::user::current().map_err(|e| RegistryError::Config {
+        detail: format!("who is pulling: {e}"),
+    })?;
+    user.home = home.map(Path::to_path_buf);
+    Ok(user)
+}
+
+/// One warning line: a source failed and the next is tried.
+fn warn_source_failed(failed: &Target, next: &Target, e: &RegistryError) {
+    let what = match &failed.mirror_of {
+        Some(origin) => format!("registry mirror {} of {origin}", failed.registry),
+        None => failed.registry.clone(),
+    };
+    let next = match &next.mirror_of {
+        Some(_) => format!("mirror {}", next.registry),
+        None => format!("{} itself", next.registry),
+    };
+    tracing::warn!("{what} failed, trying {next}: {e}");
+}
+
+/// The name a registry is known by in `registry.mirrors`: lower case, Docker Hub as `docker.io`
+/// whichever of its names a reference used.
+fn mirror_key(registry: &str) -> String {
+    let r = registry.to_ascii_lowercase();
+    if auth::is_docker_hub(&r) || r == "registry.hub.docker.com" {
+        "docker.io".to_string()
+    } else {
+        r
+    }
+}
+
+/// Checks and splits `registry.mirrors`: each mirror is `HOST[:PORT][/PREFIX]`.
+fn parse_mirrors(
+    config: &BTreeMap<String, MirrorConfig>,
+) -> Result<BTreeMap<String, Mirrors>, String> {
+    let mut out = BTreeMap::new();
+    for (registry, m) in config {
+        let bad = |what: &str, detail: &str| {
+            format!(
+                "registry.mirrors.\"{}\": {what} {detail}",
+                berth_sys::text::elide(registry)
+            )
+        };
+        if registry.is_empty() || registry.contains(['/', ' ']) {
+            return Err(bad(
+                "",
+                "is not a registry name: write HOST[:PORT], e.g. \"docker.io\"",
+            ));
+        }
+        let mut hosts = Vec::new();
+        for mirror in &m.mirrors {
+            if mirror.contains("://") {
+                return Err(bad(
+                    &format!("mirror '{}'", berth_sys::text::elide(mirror)),
+                    "has a scheme: write HOST[:PORT][/PREFIX] (HTTPS; list the host in \
+                     registry.insecure for plain HTTP)",
+                ));
+            }
+            let (host, prefix) = mirror.split_once('/').unwrap_or((mirror, ""));
+            let prefix = prefix.trim_matches('/');
+            let plain = |c: char| c.is_ascii_alphanumeric() || "-._:[]".contains(c);
+            let prefix_ok = prefix
+                .split('/')
+                .all(|p| p.is_empty() || p.chars().all(|c| plain(c) && c != ':'))
+                && !prefix.split('/').any(|p| p == ".." || p == ".");
+            if host.is_empty() || !host.chars().all(plain) || !prefix_ok {
+                return Err(bad(
+                    &format!("mirror '{}'", berth_sys::text::elide(mirror)),
+                    "is not HOST[:PORT][/PREFIX]",
+                ));
+            }
+            hosts.push((host.to_ascii_lowercase(), prefix.to_string()));
+        }
+        if hosts.is_empty() && !m.fallback {
+            return Err(bad(
+                "",
+                "has no mirrors and fallback = false: no image of it could be pulled",
+            ));
+        }
+        out.insert(
+            mirror_key(registry),
+            Mirrors {
+                hosts,
+                fallback: m.fallback,
+            },
+        );
+    }
+    Ok(out)
+}
+
+fn manifest_url(transport: &Transport, t: &Target, r: &RegistryRef) -> String {
+    let reference = r
+        .digest
+        .as_deref()
+        .or(r.tag.as_deref())
+        .unwrap_or(super::reference::DEFAULT_TAG);
+    format!("{}manifests/{reference}", transport.repo_url(t))
+}
+
+/// Digests from a registry go into URLs and paths: only `sha256:<64 hex>` is accepted.
+fn check_digest(t: &Target, digest: &str) -> Result<(), RegistryError> {
+    super::reference::check_digest(digest).map_err(|detail| RegistryError::Image {
+        image: t.image.clone(),
+        detail,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write as _;
+
+    #[test]
+    fn decompressor_follows_magic_bytes() {
+        let data = b"hello layer".repeat(100);
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&data).unwrap();
+        let gz = gz.finish().unwrap();
+        let zst = zstd::encode_all(&data[..], 3).unwrap();
+        for encoded in [gz, zst, data.clone()] {
+            let mut out = Vec::new();
+            decompressor(&encoded[..4], &encoded[..])
+                .read_to_end(&mut out)
+                .unwrap();
+            assert_eq!(out, data);
+        }
+    }
+
+    #[test]
+    fn mirrors_come_first_with_their_prefix_then_the_registry_unless_told_not_to() {
+        let mut config = RegistryConfig {
+            credentials: String::new(),
+            enroot_credentials: false,
+            auth_files: false,
+            ..RegistryConfig::default()
+        };
+        config.mirrors.insert(
+            "docker.io".into(),
+            MirrorConfig {
+                mirrors: vec!["Mirror.example/dockerhub/".into(), "10.0.0.5:5000".into()],
+                fallback: true,
+            },
+        );
+        config.mirrors.insert(
+            "ghcr.io".into(),
+            MirrorConfig {
+                mirrors: vec!["cache.example".into()],
+                fallback: false,
+            },
+        );
+        let client = Client::new(&config, None).unwrap();
+        let reference = |text: &str| match super::super::reference::parse(text).unwrap() {
+            super::super::Reference::Registry(r) => r,
+            other => panic!("{other:?}"),
+        };
+        let show = |ts: Vec<Target>| -> Vec<String> {
+            ts.iter()
+                .map(|t| format!("{} {} {:?}", t.registry, t.repository, t.mirror_of))
+                .collect()
+        };
+        assert_eq!(
+            show(client.sources(&reference("docker.io/ubuntu:24.04"))),
+            [
+                "mirror.example dockerhub/library/ubuntu Some(\"registry-1.docker.io\")",
+                "10.0.0.5:5000 library/ubuntu Some(\"registry-1.docker.io\")",
+                "registry-1.docker.io library/ubuntu None",
+            ]
+        );
+        assert_eq!(
+            show(client.sources(&reference("ghcr.io#org/app:1"))),
+            ["cache.example org/app Some(\"ghcr.io\")"]
+        );
+        assert_eq!(
+            show(client.sources(&reference("quay.io#org/app:1"))),
+            ["quay.io org/app None"]
+        );
+        let bad = |mirror: &str, fallback: bool| {
+            let mut c = config.clone();
+            c.mirrors.insert(
+                "x.io".into(),
+                MirrorConfig {
+                    mirrors: vec![mirror.into()],
+                    fallback,
+                },
+            );
+            match Client::new(&c, None) {
+                Ok(_) => String::new(),
+                Err(e) => e.to_string(),
+            }
+        };
+        assert!(bad("https://m.example", true).contains("has a scheme"));
+        assert!(bad("m.example/../x", true).contains("not HOST"));
+        assert!(bad("m example", true).contains("not HOST"));
+        assert_eq!(bad("m.example:5000/a/b", false), "");
+        let mut none = config.clone();
+        none.mirrors.insert(
+            "y.io".into(),
+            MirrorConfig {
+                mirrors: vec![],
+                fallback: false,
+            },
+        );
+        let err = Client::new(&none, None).err().unwrap().to_string();
+        assert!(err.contains("no mirrors and fallback = false"), "{err}");
+    }
+
+    #[test]
+    fn a_mirror_error_names_the_mirror_in_one_line() {
+        let e = Client::last_error(
+            &Target {
+                registry: "127.0.0.1:1".into(),
+                repository: "a/b".into(),
+                image: "o.example/a/b:1".into(),
+                user: None,
+                mirror_of: Some("o.example".into()),
+            },
+            RegistryError::Unreachable {
+                image: "o.example/a/b:1".into(),
+                registry: "127.0.0.1:1".into(),
+                attempts: 2,
+                detail: "connection refused".into(),
+            },
+        )
+        .to_string();
+        assert!(!e.contains('\n'), "{e}");
+        assert!(
+            e.contains("registry mirror 127.0.0.1:1 of o.example"),
+            "{e}"
+        );
+        assert!(e.contains("fallback = false"), "{e}");
+    }
+
+    #[test]
+    fn errors_convert_to_one_line() {
+        let e: ImageError = RegistryError::NotFound {
+            image: "127.0.0.1:5000/a/b:nope".into(),
+            detail: "127.0.0.1:5000 has no manifest for b:nope: check the tag or digest".into(),
+        }
+        .into();
+        let text = e.to_string();
+        assert!(!text.contains('\n'));
+        assert!(text.contains("a/b:nope"), "{text}");
+    }
+}

@@ -1,0 +1,1108 @@
+//! The node's image store (`[store] root`, default `/var/lib/berth`), shared by every user and
+//! every berth process on the node. Each image is imported once; containers stack its layers.
+//!
+//! Layout under the root:
+//! ```text
+//! layers/<hex>/        one extracted layer in overlayfs form, named by its diff_id
+//! layers/<hex>.size    its disk use in bytes
+//! layers/<hex>.files   what extraction wrote there (record.rs): `berth images verify` checks it
+//! layers/<hex>.damaged a mark left by `verify`: the layer is re-extracted by the next import
+//!                      (or removed with its images by `gc`)
+//! images/<hex>.json    an image record (crate::Image as JSON), named by its digest
+//! refs/<hex>.json      reference → digest, named by the sha256 of the canonical reference
+//! use/<hex>            "in use" lock of an image (shared flock per running container); its
+//!                      mtime is when the image was last used
+//! locks/               import locks: store (gc), image-<hex>, layer-<hex>
+//! files/               files other sources keep in the store (e.g. squashfs copies)
+//! tmp/                 per-process workspaces (see fs.rs); never read as complete entries
+//! ```
+//!
+//! Guarantees:
+//! - Publishing is a rename from `tmp/` (same file system) after the data is flushed, so a
+//!   reader sees a layer or record whole or not at all; a crash leaves only workspaces in
+//!   `tmp/`, removed by the next import or gc.
+//! - One import per image digest and per layer at a time, across processes (flock); the
+//!   others wait and reuse the result.
+//! - Imports hold the store lock shared and gc/rm hold it exclusive, so gc never removes a layer
+//!   an import is about to reference; an image whose `use/` lock is held is never removed.
+
+mod copyup;
+mod fs;
+mod gc;
+pub mod record;
+mod verify;
+
+pub use gc::{Entry, GcPolicy, GcReport, Removed, Selector, parse_duration};
+pub use verify::{LayerCheck, VerifyReport};
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use self::fs::{LockMode, Workspace};
+use super::layer::{self, LayerError};
+use super::{Digest, Image, ImageError, LayerSink, Reference, Rootfs, StagedLayer};
+use crate::config::StoreConfig;
+
+/// Compressed layers are assumed to grow this much when extracted (gzip and zstd layers of
+/// typical images inflate 2–3×), for the free-space check before an import.
+pub const COMPRESSED_GROWTH: u64 = 3;
+
+/// Progress lines for the user (`berth import` prints them on stderr).
+pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
+
+/// A progress sink that drops everything.
+pub fn quiet(_: &str) {}
+
+/// Store failures; each is one line naming the store, image or layer and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("image store {root}: {op}: {source}")]
+    Io {
+        root: PathBuf,
+        op: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "not enough space in the image store {root} for {what}: it needs about {needed} and {free} are free; remove images (berth images gc --max-size SIZE) or give the store more space"
+    )]
+    NoSpace {
+        root: PathBuf,
+        what: String,
+        needed: String,
+        free: String,
+    },
+    #[error(
+        "the image store {root} ran out of space while extracting layer {layer} ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE) or give the store more space"
+    )]
+    FullDuringExtract {
+        root: PathBuf,
+        layer: String,
+        free: String,
+    },
+    #[error("layer {layer}: {source}")]
+    Layer { layer: String, source: LayerError },
+    #[error(
+        "layer {layer}: its content has digest {actual}, not the expected diff_id: the image is corrupt; nothing was kept"
+    )]
+    DiffIdMismatch { layer: String, actual: String },
+    #[error("no image '{0}' in the store (berth images ls lists them)")]
+    NotFound(String),
+    #[error("image {0} is in use by a running container: stop it first")]
+    InUse(String),
+    #[error("'{0}' matches several images ({1}): give more of the digest")]
+    Ambiguous(String, String),
+    #[error("image record {path}: {why}: remove it with berth images rm {digest}")]
+    Corrupt {
+        path: PathBuf,
+        digest: String,
+        why: String,
+    },
+    #[error("invalid digest '{0}': expected sha256:<64 hex digits>")]
+    BadDigest(String),
+    #[error(
+        "image {what}: it has {count} layers, more than store.max_layers ({max}) allows (overlayfs stacks about 500): nothing was fetched; flatten the image, or raise store.max_layers in berth.toml"
+    )]
+    TooManyLayers {
+        what: String,
+        count: usize,
+        max: usize,
+    },
+    #[error(
+        "layer {layer}: it expands to more than store.max_layer_bytes ({max}); nothing partial was kept: raise store.max_layer_bytes in berth.toml if the image is trusted"
+    )]
+    LayerTooLarge { layer: String, max: String },
+    #[error(
+        "layer {layer}: the image's layers expand to more than store.max_image_bytes ({max}); nothing partial was kept: raise store.max_image_bytes in berth.toml if the image is trusted"
+    )]
+    ImageTooLarge { layer: String, max: String },
+    #[error(
+        "the image store {root}: {what} would leave less than store.reserve_bytes ({reserve}) free on its file system ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE), give the store more space, or lower store.reserve_bytes"
+    )]
+    Reserve {
+        root: PathBuf,
+        what: String,
+        reserve: String,
+        free: String,
+    },
+    #[error("{0}: the target is in neither this layer nor a lower one; the image is broken")]
+    HardlinkMissing(String),
+}
+
+impl From<StoreError> for ImageError {
+    fn from(e: StoreError) -> Self {
+        ImageError::Store(e.to_string())
+    }
+}
+
+/// The hex part of a `sha256:<64 hex>` digest; anything else is refused (digests become file
+/// names, so this is what keeps them inside the store).
+pub fn digest_hex(digest: &str) -> Result<&str, StoreError> {
+    digest
+        .strip_prefix("sha256:")
+        .filter(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+        .ok_or_else(|| StoreError::BadDigest(digest.to_string()))
+}
+
+/// `12.3 MiB`
+pub fn human_size(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// The canonical text of a reference: the key of its record in `refs/` and what `berth images
+/// ls` shows. The registry user (`USER@`) is not part of it: it says whose credentials pulled
+/// the image, not which image it is.
+pub fn reference_key(r: &Reference) -> String {
+    let path = |p: &Path| p.display().to_string();
+    let named = |scheme: &str, p: &Path, name: &Option<String>| match name {
+        Some(n) => format!("{scheme}:{}:{n}", path(p)),
+        None => format!("{scheme}:{}", path(p)),
+    };
+    match r {
+        Reference::Registry(x) => {
+            let mut s = format!("docker://{}/{}", x.registry, x.repository);
+            if let Some(t) = &x.tag {
+                s.push(':');
+                s.push_str(t);
+            }
+            if let Some(d) = &x.digest {
+                s.push('@');
+                s.push_str(d);
+            }
+            s
+        }
+        Reference::Squashfs(p) => path(p),
+        Reference::Sif(p) => path(p),
+        Reference::OciLayout { dir, name } => named("oci", dir, name),
+        Reference::OciArchive { file, name } => named("oci-archive", file, name),
+        Reference::DockerArchive { file, name } => named("docker-archive", file, name),
+        Reference::Podman(s) => format!("podman://{s}"),
+        Reference::Dockerd(s) => format!("dockerd://{s}"),
+    }
+}
+
+/// Whether a reference names a file or directory on the node (opened as the user who names it,
+/// see [`Opened`]).
+pub fn is_local_path(r: &Reference) -> bool {
+    matches!(
+        r,
+        Reference::Squashfs(_)
+            | Reference::Sif(_)
+            | Reference::OciArchive { .. }
+            | Reference::DockerArchive { .. }
+            | Reference::OciLayout { .. }
+    )
+}
+
+/// What identifies the file a local reference was read from: the file the user opened (its
+/// `index.json` for an OCI layout), by `fstat` of that fd. `ctime` changes on every write and no
+/// user can set it, so a file patched in place (even with its mtime put back) is a miss.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    #[serde(default)]
+    ctime_ns: i128,
+}
+
+impl FileStamp {
+    /// The stamp of an open file.
+    pub fn of_file(f: &File) -> std::io::Result<Self> {
+        let m = f.metadata()?;
+        Ok(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+        })
+    }
+}
+
+/// `refs/<sha256(key)>.json`
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RefRecord {
+    reference: String,
+    source: Reference,
+    digest: Digest,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    file: Option<FileStamp>,
+}
+
+/// A held "in use" mark on an image: while it lives, gc and rm leave the image alone. Dropping
+/// it records the time as the image's last use.
+#[derive(Debug)]
+pub struct InUse {
+    file: File,
+    digest: Digest,
+}
+
+impl InUse {
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let _ = self.file.set_modified(SystemTime::now());
+    }
+}
+
+/// Bounds on what imports write (`[store]` keys of the same names).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_layers: usize,
+    pub max_layer_bytes: u64,
+    pub max_image_bytes: u64,
+    pub reserve_bytes: u64,
+}
+
+impl Limits {
+    pub fn of(config: &StoreConfig) -> Self {
+        Self {
+            max_layers: config.max_layers,
+            max_layer_bytes: config.max_layer_bytes,
+            max_image_bytes: config.max_image_bytes,
+            reserve_bytes: config.reserve_bytes,
+        }
+    }
+}
+
+/// The image store.
+#[derive(Debug)]
+pub struct Store {
+    root: PathBuf,
+    parallel_layers: usize,
+    workspace: Mutex<Option<Arc<Workspace>>>,
+    limits: Limits,
+    /// Bytes extracted by the image import in progress (for `store.max_image_bytes`).
+    image_bytes: Mutex<Option<Arc<AtomicU64>>>,
+}
+
+impl Store {
+    /// Opens the store at `config.root`, creating its directories.
+    pub fn open(config: &StoreConfig) -> Result<Self, ImageError> {
+        Ok(Self::open_at(&config.root, config.parallel_layers)?.with_limits(Limits::of(config)))
+    }
+
+    /// Replaces the bounds (`open_at` takes the defaults of `[store]`).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn open_at(root: &Path, parallel_layers: usize) -> Result<Self, StoreError> {
+        let store = Self {
+            root: root.to_path_buf(),
+            parallel_layers: parallel_layers.max(1),
+            workspace: Mutex::new(None),
+            limits: Limits::of(&StoreConfig::default()),
+            image_bytes: Mutex::new(None),
+        };
+        // Root only: layers hold images' setuid binaries on a file system that is not
+        // necessarily nosuid, and private images' files. Containers reach them through overlay
+        // mounts made by root, which this does not hinder. Run as root, berth takes the root
+        // only if root owns it and every directory above it (privfs::root_dir); a berth run by
+        // another user keeps its own store, where it can harm only that user.
+        if nix::unistd::geteuid().is_root() {
+            berth_sys::privfs::root_dir(root, 0o700)
+                .map_err(|e| store.io("checking the store directory", std::io::Error::other(e)))?;
+        }
+        let mut builder = std::fs::DirBuilder::new();
+        builder.recursive(true).mode(0o700);
+        builder
+            .create(root)
+            .map_err(|e| store.io("creating the store directory", e))?;
+        for dir in ["layers", "images", "refs", "use", "locks", "files", "tmp"] {
+            let path = root.join(dir);
+            match std::fs::symlink_metadata(&path) {
+                Ok(m) if !m.is_dir() => {
+                    return Err(store.io(
+                        format!("checking {dir}/"),
+                        std::io::Error::other("not a directory (a symlink?): remove it"),
+                    ));
+                }
+                _ => {}
+            }
+            builder
+                .create(&path)
+                .map_err(|e| store.io(format!("creating {dir}/"), e))?;
+            let meta =
+                std::fs::metadata(&path).map_err(|e| store.io(format!("reading {dir}/"), e))?;
+            if meta.mode() & 0o077 != 0 {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
+                    .map_err(|e| store.io(format!("making {dir}/ private (mode 0700)"), e))?;
+            }
+        }
+        Ok(store)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn parallel_layers(&self) -> usize {
+        self.parallel_layers
+    }
+
+    /// Where other sources keep files that belong to the store (removed by gc once no image
+    /// references them). Write into it only inside [`Store::import_with`].
+    pub fn files_dir(&self) -> PathBuf {
+        self.root.join("files")
+    }
+
+    fn io(&self, op: impl Into<String>, source: std::io::Error) -> StoreError {
+        StoreError::Io {
+            root: self.root.clone(),
+            op: op.into(),
+            source,
+        }
+    }
+
+    fn dir(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+
+    /// The directory of layer `diff_id` (whether or not it exists).
+    pub fn layer_dir(&self, diff_id: &str) -> Result<PathBuf, StoreError> {
+        Ok(self.dir("layers").join(digest_hex(diff_id)?))
+    }
+
+    fn image_path(&self, digest: &str) -> Result<PathBuf, StoreError> {
+        Ok(self
+            .dir("images")
+            .join(format!("{}.json", digest_hex(digest)?)))
+    }
+
+    fn ref_path(&self, key: &str) -> PathBuf {
+        self.dir("refs")
+            .join(format!("{:x}.json", Sha256::digest(key.as_bytes())))
+    }
+
+    fn use_path(&self, digest: &str) -> Result<PathBuf, StoreError> {
+        Ok(self.dir("use").join(digest_hex(digest)?))
+    }
+
+    pub(crate) fn workspace(&self) -> Result<Arc<Workspace>, StoreError> {
+        let mut slot = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ws) = slot.as_ref() {
+            return Ok(ws.clone());
+        }
+        let ws = Arc::new(
+            Workspace::create(&self.dir("tmp"))
+                .map_err(|e| self.io("creating a workspace in tmp/", e))?,
+        );
+        *slot = Some(ws.clone());
+        Ok(ws)
+    }
+
+    fn lock(&self, name: &str, mode: LockMode) -> Result<File, StoreError> {
+        fs::lock(&self.dir("locks").join(name), mode, true)
+            .map_err(|e| self.io(format!("locking locks/{name}"), e))?
+            .ok_or_else(|| {
+                self.io(
+                    format!("locking locks/{name}"),
+                    std::io::Error::other("not locked"),
+                )
+            })
+    }
+
+    /// Fails with one line (naming `store.max_layers`) when an image of `count` layers could
+    /// never run; call it on the manifest, before fetching anything.
+    pub fn check_layers(&self, what: &str, count: usize) -> Result<(), StoreError> {
+        if count > self.limits.max_layers {
+            return Err(StoreError::TooManyLayers {
+                what: what.to_string(),
+                count,
+                max: self.limits.max_layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// Fails with one line when fewer than `needed` bytes (plus `store.reserve_bytes`) are free
+    /// in the store.
+    pub fn check_space(&self, what: &str, needed: u64) -> Result<(), StoreError> {
+        let free = fs::free_bytes(&self.root).map_err(|e| self.io("statvfs", e))?;
+        if needed <= free && needed.saturating_add(self.limits.reserve_bytes) > free {
+            return Err(StoreError::Reserve {
+                root: self.root.clone(),
+                what: format!("importing {what} (about {})", human_size(needed)),
+                reserve: human_size(self.limits.reserve_bytes),
+                free: human_size(free),
+            });
+        }
+        if needed > free {
+            return Err(StoreError::NoSpace {
+                root: self.root.clone(),
+                what: what.to_string(),
+                needed: human_size(needed),
+                free: human_size(free),
+            });
+        }
+        Ok(())
+    }
+
+    fn free_text(&self) -> String {
+        fs::free_bytes(&self.root)
+            .map(human_size)
+            .unwrap_or_else(|_| "unknown".into())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Reading
+
+    /// The image record for `digest`, if the store holds it whole (every layer present).
+    pub fn image(&self, digest: &str) -> Option<Image> {
+        let path = self.image_path(digest).ok()?;
+        let bytes = std::fs::read(&path).ok()?;
+        let image: Image = match serde_json::from_slice(&bytes) {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!("image record {}: {e}", path.display());
+                return None;
+            }
+        };
+        let complete = match &image.rootfs {
+            Rootfs::Layers(dirs) => dirs
+                .iter()
+                .all(|d| d.is_dir() && !d.with_extension("damaged").exists()),
+            Rootfs::Squashfs { file, .. } => file.is_file(),
+        };
+        complete.then_some(image)
+    }
+
+    fn read_ref(&self, key: &str) -> Option<RefRecord> {
+        let bytes = std::fs::read(self.ref_path(key)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// The stored image for `reference`: by digest when a registry reference pins one (only an
+    /// image pulled from a registry: a digest names no file a user could read), else through the
+    /// reference's record. A local reference is found only with the stamp of the file the user
+    /// opened for it, equal to the recorded one: a changed or other file is a miss, so its
+    /// content gets imported.
+    pub fn get(&self, reference: &Reference) -> Option<Image> {
+        self.get_stamped(reference, None)
+    }
+
+    /// [`Store::get_stamped`] for a local reference opened by this process (tests).
+    #[cfg(test)]
+    pub(crate) fn get_local(&self, reference: &Reference) -> Option<Image> {
+        let opened = super::import::Opened::open(reference, None).ok()?;
+        self.get_stamped(reference, Some(&opened.stamp))
+    }
+
+    /// [`Store::get`] with the stamp of the file the user opened for a local reference.
+    pub fn get_stamped(&self, reference: &Reference, stamp: Option<&FileStamp>) -> Option<Image> {
+        if let Reference::Registry(r) = reference
+            && let Some(d) = &r.digest
+            && let Some(image) = self.image(d)
+            && matches!(image.source, Reference::Registry(_))
+        {
+            return Some(image);
+        }
+        let rec = self.read_ref(&reference_key(reference))?;
+        if is_local_path(reference) && (rec.file.is_none() || rec.file.as_ref() != stamp) {
+            return None;
+        }
+        self.image(&rec.digest)
+    }
+
+    /// [`Store::get`] for user `uid`: an image pulled with credentials (not `anonymous`) is
+    /// given to root or to a user for whom `confirm` (e.g. a registry HEAD request with that
+    /// user's credentials) says yes. A "no" is a miss, so the caller imports with the user's
+    /// own credentials, which then succeeds or fails with the registry's answer.
+    pub fn get_for(
+        &self,
+        reference: &Reference,
+        uid: u32,
+        confirm: impl FnOnce(&Image) -> Result<bool, ImageError>,
+    ) -> Result<Option<Image>, ImageError> {
+        self.get_for_stamped(reference, None, uid, confirm)
+    }
+
+    /// [`Store::get_for`] with the stamp of the file the user opened for a local reference.
+    pub fn get_for_stamped(
+        &self,
+        reference: &Reference,
+        stamp: Option<&FileStamp>,
+        uid: u32,
+        confirm: impl FnOnce(&Image) -> Result<bool, ImageError>,
+    ) -> Result<Option<Image>, ImageError> {
+        let Some(image) = self.get_stamped(reference, stamp) else {
+            return Ok(None);
+        };
+        if image.anonymous || uid == 0 || confirm(&image)? {
+            Ok(Some(image))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Marks `digest` in use until the guard is dropped (hold it while a container runs).
+    pub fn use_image(&self, digest: &str) -> Result<InUse, ImageError> {
+        let path = self.use_path(digest)?;
+        if self.image(digest).is_none() {
+            return Err(StoreError::NotFound(digest.to_string()).into());
+        }
+        let file = fs::lock(&path, LockMode::Shared, true)
+            .map_err(|e| {
+                self.io(
+                    format!("locking use/{}", digest_hex(digest).unwrap_or("")),
+                    e,
+                )
+            })?
+            .ok_or_else(|| StoreError::NotFound(digest.to_string()))?;
+        // gc may have removed the image while we waited for the lock.
+        if self.image(digest).is_none() {
+            return Err(StoreError::NotFound(digest.to_string()).into());
+        }
+        let _ = file.set_modified(SystemTime::now());
+        Ok(InUse {
+            file,
+            digest: digest.to_string(),
+        })
+    }
+
+    fn touch_used(&self, digest: &str) {
+        if let Ok(path) = self.use_path(digest)
+            && let Ok(f) = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+        {
+            let _ = f.set_modified(SystemTime::now());
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Writing
+
+    fn write_image(&self, ws: &Workspace, image: &Image) -> Result<(), StoreError> {
+        let path = self.image_path(&image.digest)?;
+        let bytes = serde_json::to_vec_pretty(image)
+            .map_err(|e| self.io("encoding an image record", e.into()))?;
+        fs::write_atomic(ws, &path, &bytes)
+            .map_err(|e| self.write_error("writing an image record", e))
+    }
+
+    fn write_ref(
+        &self,
+        ws: &Workspace,
+        reference: &Reference,
+        digest: &str,
+        stamp: Option<&FileStamp>,
+    ) -> Result<(), StoreError> {
+        let key = reference_key(reference);
+        let rec = RefRecord {
+            reference: key.clone(),
+            source: reference.clone(),
+            digest: digest.to_string(),
+            file: stamp.cloned(),
+        };
+        let bytes = serde_json::to_vec_pretty(&rec)
+            .map_err(|e| self.io("encoding a reference", e.into()))?;
+        fs::write_atomic(ws, &self.ref_path(&key), &bytes)
+            .map_err(|e| self.write_error("writing a reference", e))
+    }
+
+    fn write_error(&self, op: &str, e: std::io::Error) -> StoreError {
+        if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
+            StoreError::NoSpace {
+                root: self.root.clone(),
+                what: op.to_string(),
+                needed: "a little".into(),
+                free: self.free_text(),
+            }
+        } else {
+            self.io(op, e)
+        }
+    }
+
+    /// Imports image `digest` once: returns the stored image if present; otherwise takes the
+    /// image's import lock (waiting for, then reusing, a concurrent import of it), runs `build`
+    /// (which stages and publishes the layers through the store's [`LayerSink`]) and records
+    /// the result and `reference`. `reference` is recorded as pointing at `digest` in all cases.
+    pub fn import_with(
+        &self,
+        digest: &str,
+        reference: &Reference,
+        progress: Progress<'_>,
+        build: impl FnOnce(&Store) -> Result<Image, ImageError>,
+    ) -> Result<Image, ImageError> {
+        self.import_stamped(digest, reference, None, progress, build)
+    }
+
+    /// [`Store::import_with`] recording `stamp`, the file the user opened for a local reference
+    /// (a local reference recorded without one is never found again by [`Store::get_stamped`]).
+    pub fn import_stamped(
+        &self,
+        digest: &str,
+        reference: &Reference,
+        stamp: Option<&FileStamp>,
+        progress: Progress<'_>,
+        build: impl FnOnce(&Store) -> Result<Image, ImageError>,
+    ) -> Result<Image, ImageError> {
+        let hex = digest_hex(digest)?.to_string();
+        let _store = self.lock("store", LockMode::Shared)?;
+        let cleaned = fs::clean_tmp(&self.dir("tmp"));
+        if cleaned > 0 {
+            tracing::info!("removed {cleaned} leftover import workspaces");
+        }
+        let ws = self.workspace()?;
+        let done = |image: Image| -> Result<Image, ImageError> {
+            self.write_ref(&ws, reference, &image.digest, stamp)?;
+            self.touch_used(&image.digest);
+            Ok(image)
+        };
+        // A local file the user opened (`stamp`) is always read: the store holding its digest
+        // is no proof that this user could read the layers (the build hashes what it has).
+        if stamp.is_none()
+            && let Some(image) = self.image(digest)
+        {
+            progress(&format!("{digest}: already in the store"));
+            return done(image);
+        }
+        let lock_path = self.dir("locks").join(format!("image-{hex}"));
+        let _lock = match fs::lock(&lock_path, LockMode::Exclusive, false)
+            .map_err(|e| self.io("locking an image", e))?
+        {
+            Some(l) => l,
+            None => {
+                progress(&format!(
+                    "{digest}: waiting for another import of it to finish"
+                ));
+                self.lock(&format!("image-{hex}"), LockMode::Exclusive)?
+            }
+        };
+        if stamp.is_none()
+            && let Some(image) = self.image(digest)
+        {
+            progress(&format!(
+                "{digest}: imported by another process; reusing it"
+            ));
+            return done(image);
+        }
+        let counter = Arc::new(AtomicU64::new(0));
+        *self.image_bytes.lock().unwrap_or_else(|p| p.into_inner()) = Some(counter);
+        let built = build(self);
+        *self.image_bytes.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let mut image = built?;
+        if let Rootfs::Layers(dirs) = &image.rootfs {
+            self.check_image_bytes(dirs)?;
+            image.rootfs = Rootfs::Layers(self.copy_up(dirs.clone())?);
+        }
+        if image.digest != digest {
+            return Err(ImageError::Store(format!(
+                "internal error: importing {digest} produced an image with digest {}",
+                image.digest
+            )));
+        }
+        self.write_image(&ws, &image)?;
+        done(image)
+    }
+
+    /// Records an image made by another source (squashfs, SIF) and its reference, replacing an
+    /// older record of the same digest.
+    pub fn record(&self, image: &Image) -> Result<(), ImageError> {
+        let hex = digest_hex(&image.digest)?.to_string();
+        let _store = self.lock("store", LockMode::Shared)?;
+        let _lock = self.lock(&format!("image-{hex}"), LockMode::Exclusive)?;
+        let ws = self.workspace()?;
+        // A local source is stamped as this process opens it (see Store::get_stamped).
+        let stamp = is_local_path(&image.source)
+            .then(|| super::import::Opened::open(&image.source, None).ok())
+            .flatten()
+            .map(|o| o.stamp);
+        self.write_image(&ws, image)?;
+        self.write_ref(&ws, &image.source, &image.digest, stamp.as_ref())?;
+        self.touch_used(&image.digest);
+        Ok(())
+    }
+
+    /// Extracts one layer stream into the workspace (or, if another import published it
+    /// meanwhile, only reads and verifies the stream). Holds the layer's lock until the result
+    /// is published or dropped.
+    pub fn stage(&self, diff_id: &str, tar: &mut dyn Read) -> Result<Staged, StoreError> {
+        let hex = digest_hex(diff_id)?.to_string();
+        let lock = self.lock(&format!("layer-{hex}"), LockMode::Exclusive)?;
+        let dest = self.layer_dir(diff_id)?;
+        let mismatch = |actual: String| StoreError::DiffIdMismatch {
+            layer: diff_id.to_string(),
+            actual,
+        };
+        // A layer marked damaged by `verify`, or extracted by an older berth (no record), is
+        // extracted again and replaces the one in place.
+        if self.layer_usable(&dest) {
+            let (actual, _) = layer::hash_only(tar).map_err(|source| StoreError::Layer {
+                layer: diff_id.to_string(),
+                source,
+            })?;
+            if actual != diff_id {
+                return Err(mismatch(actual));
+            }
+            return Ok(Staged {
+                root: self.root.clone(),
+                dest,
+                staging: None,
+                size: 0,
+                tar_bytes: 0,
+                skipped: Vec::new(),
+                record: None,
+                _lock: lock,
+                _workspace: None,
+            });
+        }
+        let ws = self.workspace()?;
+        let staging = ws.path(&format!("layer-{}", &hex[..12]));
+        std::fs::create_dir(&staging)
+            .map_err(|e| self.write_error("creating a staging directory", e))?;
+        let limits = layer::Limits {
+            max_bytes: self.limits.max_layer_bytes,
+            image_bytes: self
+                .image_bytes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            max_image_bytes: self.limits.max_image_bytes,
+            reserve_bytes: self.limits.reserve_bytes,
+        };
+        let result = layer::extract_bounded(tar, &staging, &limits);
+        let x = match result {
+            Ok(x) if x.diff_id == diff_id => x,
+            Ok(x) => {
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(mismatch(x.diff_id));
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(if let LayerError::Bound(b) = e {
+                    self.bound_error(diff_id, b)
+                } else if e.is_no_space() {
+                    StoreError::FullDuringExtract {
+                        root: self.root.clone(),
+                        layer: diff_id.to_string(),
+                        free: self.free_text(),
+                    }
+                } else {
+                    StoreError::Layer {
+                        layer: diff_id.to_string(),
+                        source: e,
+                    }
+                });
+            }
+        };
+        if !x.skipped.is_empty() {
+            let shown: Vec<&str> = x.skipped.iter().take(3).map(String::as_str).collect();
+            let more = x.skipped.len().saturating_sub(shown.len());
+            tracing::warn!(
+                "layer {diff_id}: left out {}{}",
+                shown.join("; "),
+                if more > 0 {
+                    format!("; and {more} more")
+                } else {
+                    String::new()
+                }
+            );
+        }
+        let record = record::LayerRecord {
+            tar_bytes: x.tar_bytes,
+            files: x.files,
+            external_links: x.external_links,
+        };
+        Ok(Staged {
+            root: self.root.clone(),
+            dest,
+            staging: Some(staging),
+            size: x.disk_bytes,
+            tar_bytes: x.tar_bytes,
+            skipped: x.skipped,
+            record: Some(record),
+            _lock: lock,
+            _workspace: Some(ws),
+        })
+    }
+}
+
+impl Store {
+    /// Whether the layer directory `dir` can be used as it is: present, recorded, not marked
+    /// damaged.
+    pub(crate) fn layer_usable(&self, dir: &Path) -> bool {
+        dir.is_dir()
+            && dir.with_extension("files").is_file()
+            && !dir.with_extension("damaged").exists()
+    }
+
+    fn bound_error(&self, layer: &str, b: layer::Bound) -> StoreError {
+        match b {
+            layer::Bound::Layer => StoreError::LayerTooLarge {
+                layer: layer.to_string(),
+                max: human_size(self.limits.max_layer_bytes),
+            },
+            layer::Bound::Image => StoreError::ImageTooLarge {
+                layer: layer.to_string(),
+                max: human_size(self.limits.max_image_bytes),
+            },
+            layer::Bound::Reserve(free) => StoreError::Reserve {
+                root: self.root.clone(),
+                what: format!("extracting layer {layer}"),
+                reserve: human_size(self.limits.reserve_bytes),
+                free: human_size(free),
+            },
+        }
+    }
+
+    /// `store.max_image_bytes` on the whole image, layers already in the store included (the
+    /// extraction itself stopped at the bound counting only the layers it extracted).
+    fn check_image_bytes(&self, dirs: &[PathBuf]) -> Result<(), StoreError> {
+        let mut total: u64 = 0;
+        for d in dedup_layers(dirs.to_vec()) {
+            if let Ok(Some(r)) = record::read(&d.with_extension("files")) {
+                total = total.saturating_add(r.tar_bytes);
+            }
+        }
+        if total > self.limits.max_image_bytes {
+            return Err(StoreError::ImageTooLarge {
+                layer: dirs
+                    .last()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default(),
+                max: human_size(self.limits.max_image_bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Publishes the directory `staging` as `dest` in the store at `root`: its size and record
+/// first, then the flushed directory, by rename, or by an atomic exchange with a damaged or
+/// unrecorded layer in place (removed after).
+pub(crate) fn publish_dir(
+    root: &Path,
+    ws: &Workspace,
+    staging: &Path,
+    dest: &Path,
+    size: u64,
+    rec: &record::LayerRecord,
+) -> Result<(), StoreError> {
+    {
+        let io = |op: &str, e: std::io::Error| {
+            if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
+                StoreError::FullDuringExtract {
+                    root: root.to_path_buf(),
+                    layer: dest.display().to_string(),
+                    free: fs::free_bytes(root).map(human_size).unwrap_or_default(),
+                }
+            } else {
+                StoreError::Io {
+                    root: root.to_path_buf(),
+                    op: format!("{op} {}", dest.display()),
+                    source: e,
+                }
+            }
+        };
+        fs::write_atomic(
+            ws,
+            &dest.with_extension("size"),
+            size.to_string().as_bytes(),
+        )
+        .map_err(|e| io("writing the size of", e))?;
+        let write_record = || {
+            fs::write_atomic(ws, &dest.with_extension("files"), &rec.encode())
+                .map_err(|e| io("writing the record of", e))
+        };
+        // A layer in place that an older berth extracted (no record, not marked damaged) may
+        // be in use by running containers: when it holds what this extraction wrote, it only
+        // gets the record, and stays.
+        if dest.is_dir()
+            && !dest.with_extension("damaged").exists()
+            && record::walk(dest, &|_| None).is_ok_and(|found| found == rec.files)
+        {
+            write_record()?;
+            let _ = std::fs::remove_dir_all(staging);
+            return Ok(());
+        }
+        fs::syncfs(staging).map_err(|e| io("flushing", e))?;
+        if dest.exists() {
+            // The record after the exchange: a crash between them leaves the layer marked
+            // damaged or unrecorded, so it is extracted again.
+            fs::exchange(staging, dest).map_err(|e| io("replacing", e))?;
+            write_record()?;
+            // `staging` now holds the old layer.
+            let _ = std::fs::remove_dir_all(staging);
+        } else {
+            // The record first: a layer directory is never visible without it.
+            write_record()?;
+            std::fs::rename(staging, dest).map_err(|e| io("publishing", e))?;
+        }
+        match std::fs::remove_file(dest.with_extension("damaged")) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("clearing the damage mark of", e)),
+        }
+        fs::sync_dir(dest.parent().unwrap_or(Path::new("/"))).map_err(|e| io("flushing", e))
+    }
+}
+
+impl LayerSink for Store {
+    fn existing_layer(&self, diff_id: &str) -> Option<PathBuf> {
+        self.layer_dir(diff_id)
+            .ok()
+            .filter(|d| self.layer_usable(d))
+    }
+
+    fn stage_layer(
+        &self,
+        diff_id: &str,
+        tar: &mut dyn Read,
+    ) -> Result<Box<dyn StagedLayer>, ImageError> {
+        Ok(Box::new(self.stage(diff_id, tar)?))
+    }
+}
+
+/// A layer extracted into the workspace and verified, not yet visible; dropping it removes it.
+#[derive(Debug)]
+pub struct Staged {
+    root: PathBuf,
+    dest: PathBuf,
+    /// `None` when the layer was already in the store.
+    staging: Option<PathBuf>,
+    size: u64,
+    tar_bytes: u64,
+    skipped: Vec<String>,
+    /// What extraction wrote (written next to the layer when it is published).
+    record: Option<record::LayerRecord>,
+    _lock: File,
+    _workspace: Option<Arc<Workspace>>,
+}
+
+impl Staged {
+    /// Whether this import extracted the layer (false: another import already had).
+    pub fn extracted(&self) -> bool {
+        self.staging.is_some()
+    }
+
+    /// Estimated disk use of the extracted layer.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Length of the uncompressed tar stream.
+    pub fn tar_bytes(&self) -> u64 {
+        self.tar_bytes
+    }
+
+    /// Entries left out of the layer (device nodes, fifos, refused attributes).
+    pub fn skipped(&self) -> &[String] {
+        &self.skipped
+    }
+
+    /// Makes the layer visible: its size and record first, then the flushed directory by
+    /// rename (see [`Store::publish_dir`]).
+    pub fn publish_layer(mut self) -> Result<PathBuf, StoreError> {
+        let Some(staging) = self.staging.take() else {
+            return Ok(self.dest.clone());
+        };
+        let result = (|| {
+            let ws = self._workspace.as_ref().ok_or_else(|| StoreError::Io {
+                root: self.root.clone(),
+                op: format!("publishing {}", self.dest.display()),
+                source: std::io::Error::other("no workspace"),
+            })?;
+            let rec = self.record.take().unwrap_or_default();
+            publish_dir(&self.root, ws, &staging, &self.dest, self.size, &rec)
+        })();
+        if let Err(e) = result {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+        Ok(self.dest.clone())
+    }
+}
+
+impl StagedLayer for Staged {
+    fn publish(self: Box<Self>) -> Result<PathBuf, ImageError> {
+        Ok(self.publish_layer()?)
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some(staging) = self.staging.take() {
+            let _ = std::fs::remove_dir_all(staging);
+        }
+    }
+}
+
+impl Store {
+    /// Imports `reference` into the store (once) and returns the image.
+    pub fn import(
+        &self,
+        reference: &Reference,
+        progress: Progress<'_>,
+    ) -> Result<Image, ImageError> {
+        match reference {
+            Reference::Registry(_) => Err(ImageError::Registry(
+                "registry import is not built yet".into(),
+            )),
+            Reference::Squashfs(p) => Err(ImageError::Format(format!(
+                "{}: importing Enroot squashfs images is not built yet",
+                p.display()
+            ))),
+            Reference::Sif(p) => Err(ImageError::Format(format!(
+                "{}: importing SIF images is not built yet",
+                p.display()
+            ))),
+            _ => super::archive::import(self, reference, progress),
+        }
+    }
+}
+
+/// Keeps only the topmost occurrence of a layer listed twice (overlayfs refuses a directory
+/// twice in lowerdir; the lower copy is fully shadowed by the upper one, so the view is the
+/// same).
+pub(crate) fn dedup_layers(dirs: Vec<PathBuf>) -> Vec<PathBuf> {
+    let mut seen = BTreeSet::new();
+    let mut out: Vec<PathBuf> = dirs
+        .into_iter()
+        .rev()
+        .filter(|d| seen.insert(d.clone()))
+        .collect();
+    out.reverse();
+    out
+}
+
+#[cfg(test)]
+mod tests;
