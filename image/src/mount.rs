@@ -514,7 +514,7 @@ fn detach_orphan_directories(root: &Path) {
 /// leaves its old version's mount and loop device behind otherwise, one per version, until a
 /// manual `berth gc`. Best effort: what fails is logged, the caller's outcome stands.
 pub fn release_unused(config: &crate::config::Settings<'_>) {
-    let store = match crate::store::Store::open(&config.store) {
+    let store = match crate::store::Store::open(config.store) {
         Ok(store) => store,
         // No store: nothing can have been mounted from it.
         Err(_) => return,
