@@ -2,14 +2,14 @@
 //! namespaces. The library holds every piece; `main.rs` only parses the command line.
 
 pub mod cli;
-pub mod config;
 pub mod log;
-pub mod slurm;
 
 // The lower crates of the workspace, under the names the rest of berth has always used.
 pub use berth_cgroup as cgroup;
 pub use berth_image as image;
 pub use berth_runtime as runtime;
+pub use berth_slurm as slurm;
+pub use berth_slurm::config;
 pub use berth_spec as spec;
 pub use berth_stage as stage;
 pub use berth_sys::{privfs, time};

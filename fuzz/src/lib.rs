@@ -336,7 +336,7 @@ pub fn fuzz_spank_created(data: &[u8]) {
 /// The JSON step request `berth step create` reads on stdin from the plugin, and the pure
 /// translation of it into a container request.
 pub fn fuzz_step_request(data: &[u8]) {
-    use berth::slurm::step::{self, StepExt, StepRequest};
+    use berth::slurm::request::{self as step, StepExt, StepRequest};
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use super::Failure;
-use super::topo::{Source, discover, failure};
+use super::topo::{Source, discover};
 use crate::config::Config;
 use crate::topology::cdi::{self, Registry};
 use crate::topology::inject::DriverFiles;
@@ -127,11 +127,11 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
                 (
                     "berth-gpu.json",
                     cdi::generate_gpus(&host, &node, &DriverFiles::default(), &g.gpu_kind)
-                        .map_err(failure)?,
+                        .map_err(Failure::from)?,
                 ),
                 (
                     "berth-hca.json",
-                    cdi::generate_hcas(&host, &node, &g.hca_kind).map_err(failure)?,
+                    cdi::generate_hcas(&host, &node, &g.hca_kind).map_err(Failure::from)?,
                 ),
             ];
             let dir = g
@@ -151,7 +151,7 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
                     std::fs::create_dir_all(&dir)
                         .map_err(|e| Failure::system(format!("creating {}: {e}", dir.display())))?;
                     let path = dir.join(file);
-                    cdi::write(spec, &path).map_err(failure)?;
+                    cdi::write(spec, &path).map_err(Failure::from)?;
                     out.push_str(&format!(
                         "wrote {} ({} devices of kind {})\n",
                         path.display(),

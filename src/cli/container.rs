@@ -7,9 +7,10 @@ use clap::Args;
 use serde::Serialize;
 
 use super::Failure;
-use super::run::{ContainerArgs, options, request, runtime_failure};
+use super::run::{ContainerArgs, request};
 use crate::config::Config;
 use crate::runtime::{self, join, state};
+use crate::slurm::container::{Description, options};
 use crate::spec::parse;
 
 /// Create a container that stays up, holding its namespaces, until `berth rm`
@@ -108,36 +109,6 @@ impl From<&state::Record> for PsEntry {
     }
 }
 
-/// What a joining process needs to know, as `berth create --json` and `berth step create` print it.
-#[derive(Debug, Serialize)]
-pub struct Description {
-    pub id: String,
-    pub pid: i32,
-    pub namespaces: BTreeMap<String, String>,
-    pub env: Vec<String>,
-    pub cwd: String,
-    /// What the image's entrypoint printed, when it ran and its output was asked for
-    /// (`--container-entrypoint-log`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub entrypoint_log: Option<String>,
-}
-
-impl Description {
-    pub fn new(created: &runtime::Created, spec: &oci_spec::runtime::Spec) -> Self {
-        let process = spec.process().as_ref();
-        Self {
-            id: created.id.clone(),
-            pid: created.pid,
-            namespaces: join::namespaces_to_join(created.pid),
-            env: process.and_then(|p| p.env().clone()).unwrap_or_default(),
-            cwd: process
-                .map(|p| p.cwd().display().to_string())
-                .unwrap_or_else(|| "/".into()),
-            entrypoint_log: None,
-        }
-    }
-}
-
 /// Resolves an id or a name to the id of a container the caller may see: any for root, only
 /// their own (those whose process runs as their uid) for another user, so that another user's
 /// container is never found, exactly like a missing one. A name is unique per user: root names
@@ -189,7 +160,7 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
         &options(config, None),
         &labels,
     )
-    .map_err(runtime_failure)?;
+    .map_err(Failure::from)?;
     if args.json {
         let text = serde_json::to_string(&Description::new(&created, &spec))
             .map_err(|e| Failure::system(e.to_string()))?;
@@ -229,7 +200,7 @@ pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
         .map(|e| parse::env_pair(e).map_err(|err| Failure::input(format!("--env: {err}"))))
         .collect::<Result<Vec<_>, _>>()?;
     let exit =
-        join::exec(&options(config, None), &id, &args.command, &env).map_err(runtime_failure)?;
+        join::exec(&options(config, None), &id, &args.command, &env).map_err(Failure::from)?;
     Ok(exit.code())
 }
 
@@ -240,7 +211,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
         match resolve(config, key) {
             Some(id) => {
                 needs_root("rm", key)?;
-                runtime::remove(&opts, &id).map_err(runtime_failure)?;
+                runtime::remove(&opts, &id).map_err(Failure::from)?;
                 outln!("{id}");
             }
             None => {

@@ -171,7 +171,7 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, Failure> {
             "{e} (berth export takes a container id, an image reference, a .sqsh/.sif file or --rootfs DIR)"
         ))
     })?;
-    let store = Store::open(&config.store).map_err(super::import::failure)?;
+    let store = Store::open(&config.store).map_err(Failure::from)?;
     let user = crate::spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
     let who = Requester {
         uid: user.uid,
@@ -181,10 +181,7 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, Failure> {
     let progress = |line: &str| eprintln!("berth: {line}");
     // A local file or layout is opened as the caller, and read only through that fd.
     let opened = if crate::image::store::is_local_path(&reference) {
-        Some(
-            crate::image::import::Opened::open(&reference, Some(&user))
-                .map_err(super::import::failure)?,
-        )
+        Some(crate::image::import::Opened::open(&reference, Some(&user)).map_err(Failure::from)?)
     } else {
         None
     };
@@ -196,7 +193,7 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, Failure> {
         &who,
         &progress,
     )
-    .map_err(super::import::failure)?;
+    .map_err(Failure::from)?;
     Ok(match image.rootfs {
         Rootfs::Layers(layers) => Source::Layers(layers),
         Rootfs::Squashfs { file, offset, size } => Source::Squashfs { file, offset, size },

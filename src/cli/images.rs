@@ -5,7 +5,7 @@ use std::time::SystemTime;
 use clap::{Args, Subcommand};
 
 use super::Failure;
-use super::import::{failure, open_store, parse_reference};
+use super::import::{open_store, parse_reference};
 use crate::config::Config;
 use crate::image::store::{self, Entry, GcPolicy, LayerCheck, Removed, Store, VerifyReport};
 use crate::spec::parse;
@@ -112,7 +112,7 @@ impl From<&Entry> for LsEntry {
 }
 
 fn select(store: &Store, text: &str) -> Result<store::Selector, Failure> {
-    store.select(text, &parse_reference).map_err(failure)
+    store.select(text, &parse_reference).map_err(Failure::from)
 }
 
 /// `5 minutes ago`
@@ -335,12 +335,17 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             outln!("{text}");
         }
         ImagesCommand::Inspect { target } => {
-            let entry = store.inspect(&select(&store, target)?).map_err(failure)?;
+            let entry = store
+                .inspect(&select(&store, target)?)
+                .map_err(Failure::from)?;
             let text = serde_json::to_string_pretty(&inspect_json(&entry)).unwrap_or_default();
             outln!("{text}");
         }
         ImagesCommand::Rm { target } => {
-            match store.remove(&select(&store, target)?).map_err(failure)? {
+            match store
+                .remove(&select(&store, target)?)
+                .map_err(Failure::from)?
+            {
                 Removed::Untagged(r) => outln!("untagged {r}"),
                 Removed::Image {
                     digest, references, ..
@@ -355,10 +360,10 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             } else {
                 targets
                     .iter()
-                    .map(|t| store.inspect(&select(&store, t)?).map_err(failure))
+                    .map(|t| store.inspect(&select(&store, t)?).map_err(Failure::from))
                     .collect::<Result<Vec<_>, Failure>>()?
             };
-            let report = store.verify(entries).map_err(failure)?;
+            let report = store.verify(entries).map_err(Failure::from)?;
             let (out, err, code) = verify_lines(&report);
             if *json {
                 let text = serde_json::to_string_pretty(&verify_json(&report))
@@ -391,7 +396,7 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
                     })
                     .transpose()?,
             };
-            let report = store.gc(&policy).map_err(failure)?;
+            let report = store.gc(&policy).map_err(Failure::from)?;
             for (digest, refs, size) in &report.removed {
                 outln!(
                     "removed {digest} {} ({})",

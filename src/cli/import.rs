@@ -30,23 +30,12 @@ pub fn parse_reference(text: &str) -> Result<Reference, ImageError> {
     crate::image::reference::parse(text)
 }
 
-/// Exit status and one line for an image error: 2 for a bad reference, 1 otherwise.
-pub fn failure(e: ImageError) -> Failure {
-    match e {
-        ImageError::Reference(..) => Failure::input(e.to_string()),
-        other => Failure {
-            code: 1,
-            message: other.to_string(),
-        },
-    }
-}
-
 pub fn open_store(config: &Config) -> Result<Store, Failure> {
-    Store::open(&config.store).map_err(failure)
+    Store::open(&config.store).map_err(Failure::from)
 }
 
 pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
-    let reference = parse_reference(&args.reference).map_err(failure)?;
+    let reference = parse_reference(&args.reference).map_err(Failure::from)?;
     let store = open_store(config)?;
     let progress = |line: &str| eprintln!("berth: {line}");
     let user = crate::spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
@@ -56,7 +45,7 @@ pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
         arch: args.arch.clone(),
     };
     let image = crate::image::import::import(&store, &reference, &config.image(), &who, &progress)
-        .map_err(failure)?;
+        .map_err(Failure::from)?;
     outln!("{}", image.digest);
     Ok(0)
 }

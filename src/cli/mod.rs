@@ -25,10 +25,10 @@ pub mod agent;
 pub mod cdi;
 pub mod cluster;
 pub mod container;
+pub mod exit;
 pub mod export;
 pub mod gc;
 pub mod health;
-pub mod image;
 pub mod images;
 pub mod import;
 pub mod prolog;
@@ -99,29 +99,7 @@ pub enum Command {
     Cluster(cluster::ClusterArgs),
 }
 
-/// A failure before or around the container, printed as one line `berth: …`.
-#[derive(Debug)]
-pub struct Failure {
-    pub code: i32,
-    pub message: String,
-}
-
-impl Failure {
-    /// Bad input from the user (flags, paths): exit 2, like a usage error.
-    pub fn input(message: impl Into<String>) -> Self {
-        Self {
-            code: 2,
-            message: message.into(),
-        }
-    }
-    /// The host could not do what was asked: exit 125.
-    pub fn system(message: impl Into<String>) -> Self {
-        Self {
-            code: 125,
-            message: message.into(),
-        }
-    }
-}
+pub use exit::Failure;
 
 impl Cli {
     /// The command line, parsed; a usage error is printed as clap words it, with each value

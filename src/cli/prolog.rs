@@ -13,8 +13,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::Args;
 
 use super::Failure;
-use super::run::{options, runtime_failure};
 use crate::config::Config;
+use crate::slurm::container::options;
 // Every line the Prolog/Epilog print for Slurm also goes to syslog (`[log] target`).
 use crate::log::eprintln;
 use crate::runtime::{self, state};
@@ -100,12 +100,12 @@ pub fn prolog(_args: &PrologArgs, config: &Config) -> Result<i32, Failure> {
         match ids {
             Some((uid, gid)) => {
                 let user = crate::spec::user::by_id(uid, gid);
-                match super::image::resolve(&image, config, &user, None) {
+                match crate::slurm::container::resolve(&image, config, &user, None) {
                     Ok(resolved) => tracing::info!(
                         "job {job}: image {image} ready ({})",
                         resolved.digest.as_deref().unwrap_or("a directory")
                     ),
-                    Err(e) => eprintln!("berth: job {job}: preparing image {image}: {}", e.message),
+                    Err(e) => eprintln!("berth: job {job}: preparing image {image}: {}", e),
                 }
             }
             None => eprintln!(
@@ -126,7 +126,7 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
     let node = berth_proto::step::node_from_env(&|k| std::env::var(k).ok());
     for record in state::list(&config.runtime.state_dir) {
         let l = &record.labels;
-        let of_job = l.get("job") == Some(&job) && super::step::on_node(l, node.as_deref());
+        let of_job = l.get("job") == Some(&job) && crate::slurm::step::on_node(l, node.as_deref());
         let global = l.get("scope").map(String::as_str) == Some("global");
         if of_job
             && !global
@@ -135,7 +135,7 @@ pub fn epilog(_args: &EpilogArgs, config: &Config) -> Result<i32, Failure> {
             // multiple-slurmd host do, removed it first): done, not a failure.
             && state::load(&opts.state_dir, &record.id).is_some()
         {
-            failures.push(runtime_failure(e).message);
+            failures.push(Failure::from(e).message);
         }
     }
     let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);

@@ -11,7 +11,8 @@ use super::Failure;
 use crate::config::Config;
 use crate::image::store::human_size;
 use crate::privfs;
-use crate::runtime::{self, Exit, Outcome, RuntimeError};
+use crate::runtime::{self, Exit, Outcome};
+use crate::slurm::container::{host_files, options};
 use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
 
 /// Run a command in a new container
@@ -147,9 +148,6 @@ pub struct ContainerArgs {
     pub readonly: bool,
 }
 
-/// Host files every container sees read-only, as docker gives them.
-const HOST_FILES: [&str; 3] = ["/etc/hosts", "/etc/resolv.conf", "/etc/hostname"];
-
 fn flag<T>(
     name: &str,
     value: &Option<String>,
@@ -166,7 +164,7 @@ fn flag<T>(
 #[derive(Debug)]
 pub struct Prepared {
     pub request: Request,
-    pub image: super::image::Resolved,
+    pub image: crate::slurm::container::Resolved,
     /// CDI devices (`vendor.com/class=name`) to apply to the Spec.
     pub cdi: Vec<String>,
     /// `--gpus`.
@@ -307,7 +305,7 @@ pub fn request(
                     super::elide(&dir.to_string_lossy())
                 ))
             })?;
-            super::image::Resolved {
+            crate::slurm::container::Resolved {
                 lowers: vec![dir],
                 defaults: Default::default(),
                 digest: None,
@@ -323,7 +321,7 @@ pub fn request(
                 }
                 None => caller.clone(),
             };
-            super::image::resolve(text, config, &reader, args.arch.clone())?
+            crate::slurm::container::resolve(text, config, &reader, args.arch.clone())?
         }
         (None, None) => return Err(Failure::input("give --rootfs DIR or --image REF")),
     };
@@ -460,15 +458,6 @@ fn image_user(text: &str) -> Result<spec::UserIds, Failure> {
     })
 }
 
-/// The host files every container gets read-only, those that exist here.
-pub fn host_files() -> Vec<PathBuf> {
-    HOST_FILES
-        .iter()
-        .map(PathBuf::from)
-        .filter(|p| p.is_file())
-        .collect()
-}
-
 /// A device node the user asked for, opened as the user (the kernel resolves the path with the
 /// user's permissions) and described from what was opened; the user must be allowed to read or
 /// write it on the host, or the container would give the user a device the host does not.
@@ -544,27 +533,6 @@ fn parse_timeout(text: &Option<String>) -> Result<Option<Duration>, Failure> {
         .transpose()
 }
 
-/// The runtime's options from the config.
-pub fn options(config: &Config, timeout: Option<Duration>) -> runtime::Options {
-    runtime::Options {
-        cgroup_root: config.cgroup.root(),
-        state_dir: config.runtime.state_dir.clone(),
-        timeout,
-        kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
-    }
-}
-
-/// A runtime error as the one line berth prints, with its exit status.
-pub fn runtime_failure(e: RuntimeError) -> Failure {
-    Failure {
-        code: e.exit_code(),
-        message: match &e {
-            RuntimeError::Setup(s) => s.message.clone(),
-            other => other.to_string(),
-        },
-    }
-}
-
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
     // Checked before the image is resolved: a bad value costs nothing.
     let timeout = parse_timeout(&args.timeout)?;
@@ -577,7 +545,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     let memory = prepared.request.limits.memory;
     let (spec, ld_cache) = prepared.spec(config)?;
     let opts = options(config, timeout);
-    let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(runtime_failure);
+    let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(Failure::from);
     // The image's lease ends with the container: a squashfs no other container uses goes now.
     drop(ld_cache);
     drop(prepared);

@@ -8,12 +8,13 @@ use clap::{Args, Subcommand};
 
 use super::Failure;
 use crate::config::Config;
+use crate::slurm::node as node_source;
 use crate::topology::bind::{self, MemPolicy};
-use crate::topology::gpu::{GpuBackend, Nvml, Recorded};
+use crate::topology::gpu::GpuBackend;
 use crate::topology::job::{self, Job};
-use crate::topology::node::{self, NicPolicy, Node};
+use crate::topology::node::Node;
 use crate::topology::plan::{self, NodePlan, Numbering, PlanOptions};
-use crate::topology::{CpuSet, Host, TopologyError, cpu, nccl, render};
+use crate::topology::{CpuSet, Host, cpu, nccl, render};
 
 /// Show the node's GPUs, NICs and NUMA nodes, their distances and GPU→NIC→NUMA pairing
 ///
@@ -125,49 +126,28 @@ pub struct ExecArgs {
 #[derive(Debug, Args)]
 pub struct NvmlArgs {}
 
-pub fn failure(e: TopologyError) -> Failure {
-    match e {
-        TopologyError::Job { .. } => Failure::input(e.to_string()),
-        other => Failure::system(other.to_string()),
-    }
-}
-
 /// The host to read, from the flag or the configuration.
 pub fn host(source: &Source, config: &Config) -> Host {
-    Host::new(
-        source
-            .host_root
-            .clone()
-            .unwrap_or_else(|| config.topology.host_root.clone()),
-    )
+    node_source::host(&source.lib(), config)
 }
 
-/// The GPU backend: a recording, live NVML on the live host, or "no driver" for a snapshot
-/// without a recording (live NVML would describe another machine).
+/// The GPU backend: a recording, live NVML on the live host, or "no driver" for a snapshot.
 pub fn backend(source: &Source, config: &Config) -> Result<Box<dyn GpuBackend>, Failure> {
-    if let Some(path) = &source.nvml_record {
-        return Ok(Box::new(Recorded::load(path).map_err(failure)?));
-    }
-    if host(source, config).is_live() {
-        Ok(Box::new(Nvml::new(config.topology.nvml_library.clone())))
-    } else {
-        Ok(Box::new(Recorded::no_driver()))
-    }
-}
-
-pub fn nic_policy(config: &Config) -> NicPolicy {
-    NicPolicy {
-        compute: config.topology.compute_nics.clone(),
-        exclude: config.topology.exclude_nics.clone(),
-    }
+    Ok(node_source::backend(&source.lib(), config)?)
 }
 
 /// Reads the node.
 pub fn discover(source: &Source, config: &Config) -> Result<(Host, Node), Failure> {
-    let host = host(source, config);
-    let backend = backend(source, config)?;
-    let node = node::discover(&host, backend.as_ref(), &nic_policy(config)).map_err(failure)?;
-    Ok((host, node))
+    Ok(node_source::discover(&source.lib(), config)?)
+}
+
+impl Source {
+    fn lib(&self) -> node_source::Source {
+        node_source::Source {
+            host_root: self.host_root.clone(),
+            nvml_record: self.nvml_record.clone(),
+        }
+    }
 }
 
 fn json<T: serde::Serialize>(value: &T) -> String {
@@ -177,9 +157,9 @@ fn json<T: serde::Serialize>(value: &T) -> String {
 /// The job from the environment with the command line's overrides.
 pub fn job(args: &JobArgs) -> Result<Job, Failure> {
     let get = |k: &str| std::env::var(k).ok();
-    let mut job = job::from_env(&get).map_err(failure)?;
+    let mut job = job::from_env(&get).map_err(Failure::from)?;
     if let Some(list) = &args.gpus {
-        job.gpus = Some(job::parse_gpus("--gpus", list).map_err(failure)?);
+        job.gpus = Some(job::parse_gpus("--gpus", list).map_err(Failure::from)?);
         job.gpus_from = Some("--gpus".into());
     }
     if let Some(n) = args.tasks {
@@ -206,7 +186,7 @@ pub fn plan_step(host: &Host, node: &Node, args: &JobArgs, job: &Job) -> Result<
         None => step_cpus,
     };
     if let Some(path) = &args.nccl_topo_file {
-        nccl::write(node, path).map_err(failure)?;
+        nccl::write(node, path).map_err(Failure::from)?;
     }
     plan::plan(
         node,
@@ -218,7 +198,7 @@ pub fn plan_step(host: &Host, node: &Node, args: &JobArgs, job: &Job) -> Result<
             nccl_topo_file: args.nccl_topo_file.clone(),
         },
     )
-    .map_err(failure)
+    .map_err(Failure::from)
 }
 
 fn pick_rank(plan: &NodePlan, rank: u32) -> Result<&plan::RankPlan, Failure> {
@@ -295,7 +275,7 @@ fn exec(args: &TopoArgs, e: &ExecArgs, config: &Config) -> Result<i32, Failure> 
     let plan = plan_step(&host, &node, &e.job, &job)?;
     let rank = pick_rank(&plan, e.rank.or(job.local_id).unwrap_or(0))?;
     let policy = e.mem_policy.unwrap_or(config.topology.memory_policy);
-    bind::apply(rank, policy).map_err(failure)?;
+    bind::apply(rank, policy).map_err(Failure::from)?;
     let mut cmd = std::process::Command::new(&e.command[0]);
     cmd.args(&e.command[1..]).envs(rank.env.iter().cloned());
     let err = cmd.exec();

@@ -1,17 +1,23 @@
-//! Turns what a user names as an image (`--image`, `--container-image`) into root filesystem
-//! layers and the image's defaults, importing it into the node's store when needed.
+//! What every container of a node needs before the runtime makes it: the image a user names
+//! (`--image`, `--container-image`) as root filesystem layers and defaults, imported into the
+//! node's store when needed; the runtime's options; the host files every container gets; and the
+//! description of a made container that joining processes read.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use super::Failure;
-use super::import::failure;
+use serde::Serialize;
+
+use berth_image::ImageError;
+use berth_image::import::{self, Opened, Requester};
+use berth_image::reference;
+use berth_image::store::{self, InUse, Store};
+use berth_spec::UserIds;
+use berth_spec::image::ImageDefaults;
+
+use crate::SlurmError;
 use crate::config::Config;
-use crate::image::ImageError;
-use crate::image::import::{self, Opened, Requester};
-use crate::image::reference;
-use crate::image::store::{self, InUse, Store};
-use crate::spec::UserIds;
-use crate::spec::image::ImageDefaults;
 
 /// An image ready to stack: overlay lowers, topmost first, and its config's defaults.
 #[derive(Debug)]
@@ -30,7 +36,7 @@ pub enum Held {
     /// A stored image marked in use.
     Image(InUse),
     /// A directory image, attached where root alone reaches it.
-    Directory(crate::image::mount::DirectoryMount),
+    Directory(berth_image::mount::DirectoryMount),
 }
 
 /// Resolves an image for `user`. A directory is used as the root filesystem itself (berth's
@@ -44,20 +50,20 @@ pub fn resolve(
     config: &Config,
     user: &UserIds,
     arch: Option<String>,
-) -> Result<Resolved, Failure> {
+) -> Result<Resolved, SlurmError> {
     let path = PathBuf::from(text);
     if path.is_absolute() {
-        match crate::privfs::open_readable_as_user(&path, user) {
+        match berth_sys::privfs::open_readable_as_user(&path, user) {
             Ok(dir) if dir.metadata().is_ok_and(|m| m.is_dir()) => {
                 // The overlay gets exactly the directory the user opened, whatever is renamed or
                 // swapped at its path meanwhile: a copy of its mount taken from the fd, attached
                 // in root's own directory until the container has its own copy.
                 let tree = detached_tree(&dir).map_err(|e| {
-                    Failure::system(format!("image {text}: taking the directory's mount: {e}"))
+                    SlurmError::host(format!("image {text}: taking the directory's mount: {e}"))
                 })?;
                 let attached =
-                    crate::image::mount::attach_directory(&tree, &path, &config.squashfs.mount_dir)
-                        .map_err(|e| Failure::system(e.to_string()))?;
+                    berth_image::mount::attach_directory(&tree, &path, &config.squashfs.mount_dir)
+                        .map_err(|e| SlurmError::host(e.to_string()))?;
                 return Ok(Resolved {
                     lowers: vec![attached.path().to_path_buf()],
                     defaults: ImageDefaults::default(),
@@ -67,7 +73,7 @@ pub fn resolve(
             }
             Ok(_) => {}
             Err(e) if path.is_dir() => {
-                return Err(Failure::input(format!(
+                return Err(SlurmError::input(format!(
                     "image {text}: uid {} cannot read this directory ({e}); give an image the job's user can read",
                     user.uid
                 )));
@@ -75,16 +81,16 @@ pub fn resolve(
             Err(_) => {}
         }
     }
-    let reference = reference::parse(text).map_err(failure)?;
+    let reference = reference::parse(text).map_err(SlurmError::Image)?;
     let opened = if store::is_local_path(&reference) {
         Some(Opened::open(&reference, Some(user)).map_err(|e| match e {
-            ImageError::Format(m) => Failure::input(m),
-            other => failure(other),
+            ImageError::Format(m) => SlurmError::Input(m),
+            other => SlurmError::Image(other),
         })?)
     } else {
         None
     };
-    let store = Store::open(&config.store).map_err(failure)?;
+    let store = Store::open(&config.store).map_err(SlurmError::Image)?;
     let who = Requester {
         uid: user.uid,
         home: user.home.as_deref(),
@@ -99,10 +105,10 @@ pub fn resolve(
         &who,
         &progress,
     )
-    .map_err(failure)?;
-    let in_use = store.use_image(&image.digest).map_err(failure)?;
-    let lowers =
-        import::lowers(&image, opened.as_ref(), &store, &config.image()).map_err(failure)?;
+    .map_err(SlurmError::Image)?;
+    let in_use = store.use_image(&image.digest).map_err(SlurmError::Image)?;
+    let lowers = import::lowers(&image, opened.as_ref(), &store, &config.image())
+        .map_err(SlurmError::Image)?;
     Ok(Resolved {
         lowers,
         defaults: ImageDefaults::from_config(&image.config),
@@ -126,4 +132,56 @@ fn detached_tree(dir: &std::fs::File) -> std::io::Result<std::os::fd::OwnedFd> {
     let fd = i32::try_from(fd).map_err(std::io::Error::other)?;
     // SAFETY: the kernel just returned this fd, owned by nobody else.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Host files every container sees read-only, as docker gives them.
+const HOST_FILES: [&str; 3] = ["/etc/hosts", "/etc/resolv.conf", "/etc/hostname"];
+
+/// The host files every container gets read-only, those that exist here.
+pub fn host_files() -> Vec<PathBuf> {
+    HOST_FILES
+        .iter()
+        .map(PathBuf::from)
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+/// The runtime's options from the config.
+pub fn options(config: &Config, timeout: Option<Duration>) -> berth_runtime::Options {
+    berth_runtime::Options {
+        cgroup_root: config.cgroup.root(),
+        state_dir: config.runtime.state_dir.clone(),
+        timeout,
+        kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
+    }
+}
+
+/// What a joining process needs to know, as `berth create --json` and `berth step create` print it.
+#[derive(Debug, Serialize)]
+pub struct Description {
+    pub id: String,
+    pub pid: i32,
+    pub namespaces: BTreeMap<String, String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+    /// What the image's entrypoint printed, when it ran and its output was asked for
+    /// (`--container-entrypoint-log`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entrypoint_log: Option<String>,
+}
+
+impl Description {
+    pub fn new(created: &berth_runtime::Created, spec: &oci_spec::runtime::Spec) -> Self {
+        let process = spec.process().as_ref();
+        Self {
+            id: created.id.clone(),
+            pid: created.pid,
+            namespaces: berth_runtime::join::namespaces_to_join(created.pid),
+            env: process.and_then(|p| p.env().clone()).unwrap_or_default(),
+            cwd: process
+                .map(|p| p.cwd().display().to_string())
+                .unwrap_or_else(|| "/".into()),
+            entrypoint_log: None,
+        }
+    }
 }

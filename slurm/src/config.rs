@@ -50,9 +50,7 @@ pub struct CgroupConfig {
 
 impl CgroupConfig {
     pub fn root(&self) -> PathBuf {
-        self.root
-            .clone()
-            .unwrap_or_else(crate::cgroup::default_root)
+        self.root.clone().unwrap_or_else(berth_cgroup::default_root)
     }
 }
 
@@ -93,9 +91,9 @@ pub struct TopologyConfig {
     pub nvml_library: PathBuf,
     /// Default of the SPANK option `--container-bind`: pin each task to its GPU's NIC and cores
     /// (`closest`) or leave placement to Slurm (`none`).
-    pub bind: crate::topology::plan::BindMode,
+    pub bind: berth_topology::plan::BindMode,
     /// How a pinned task's memory follows its NUMA nodes: `bind`, `preferred` or `none`.
-    pub memory_policy: crate::topology::bind::MemPolicy,
+    pub memory_policy: berth_topology::bind::MemPolicy,
     /// Globs (device name, netdev or PCI address) of the compute NICs; empty: detected (NICs on
     /// a GPU's PCIe switch, or every NIC when none is).
     pub compute_nics: Vec<String>,
@@ -120,13 +118,13 @@ impl Default for TopologyConfig {
         Self {
             host_root: PathBuf::from("/"),
             nvml_library: PathBuf::from("libnvidia-ml.so.1"),
-            bind: crate::topology::plan::BindMode::Closest,
-            memory_policy: crate::topology::bind::MemPolicy::Bind,
+            bind: berth_topology::plan::BindMode::Closest,
+            memory_policy: berth_topology::bind::MemPolicy::Bind,
             compute_nics: Vec::new(),
             exclude_nics: Vec::new(),
             expected_gpus: None,
             ignore_ports: Vec::new(),
-            xid_drain: crate::topology::health::DEFAULT_XID_DRAIN.to_vec(),
+            xid_drain: berth_topology::health::DEFAULT_XID_DRAIN.to_vec(),
             check_gpu_link_speed: false,
             epilog_health: true,
             cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
@@ -264,14 +262,14 @@ mod tests {
 
     #[test]
     fn shipped_config_parses_to_the_defaults() {
-        let shipped = include_str!("../configs/berth.toml");
+        let shipped = include_str!("../../configs/berth.toml");
         assert_eq!(Config::parse(shipped).unwrap(), Config::default());
     }
 
     #[test]
     fn the_spank_plugin_knows_the_default_scratch_root() {
         // The plugin reads `[scratch] root` itself and falls back to its own copy of the default.
-        let plugin = include_str!("../spank/src/config.rs");
+        let plugin = include_str!("../../spank/src/config.rs");
         let root = ScratchConfig::default().root;
         let line = format!("DEFAULT_SCRATCH_ROOT: &str = \"{}\";", root.display());
         assert!(plugin.contains(&line), "spank/src/config.rs lacks {line}");
@@ -298,7 +296,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             c.stage.options().cache,
-            Some(crate::stage::cache::CacheOptions {
+            Some(berth_stage::cache::CacheOptions {
                 dir: PathBuf::from("/nvme/cache"),
                 prefixes: vec![PathBuf::from("/data")],
                 max_bytes: 5,
@@ -375,10 +373,10 @@ mod tests {
             "[topology]\nbind = \"none\"\nmemory_policy = \"preferred\"\nexclude_nics = [\"mlx5_1\", \"eno*\"]\nexpected_gpus = 8\n",
         )
         .unwrap();
-        assert_eq!(c.topology.bind, crate::topology::plan::BindMode::None);
+        assert_eq!(c.topology.bind, berth_topology::plan::BindMode::None);
         assert_eq!(
             c.topology.memory_policy,
-            crate::topology::bind::MemPolicy::Preferred
+            berth_topology::bind::MemPolicy::Preferred
         );
         assert_eq!(c.topology.exclude_nics, ["mlx5_1", "eno*"]);
         assert_eq!(c.topology.expected_gpus, Some(8));
@@ -427,8 +425,8 @@ impl Default for StageConfig {
 }
 
 impl StageConfig {
-    pub fn options(&self) -> crate::stage::Options {
-        crate::stage::Options {
+    pub fn options(&self) -> berth_stage::Options {
+        berth_stage::Options {
             workers: self.workers.max(1),
             chunk_size: self.chunk_mib.max(1) << 20,
             verify: self.verify,
@@ -436,7 +434,7 @@ impl StageConfig {
             cap: None,
             progress: true,
             progress_interval: std::time::Duration::from_secs(self.progress_interval_s.max(1)),
-            cache: (!self.cache_prefixes.is_empty()).then(|| crate::stage::cache::CacheOptions {
+            cache: (!self.cache_prefixes.is_empty()).then(|| berth_stage::cache::CacheOptions {
                 dir: self.cache_dir.clone(),
                 prefixes: self.cache_prefixes.clone(),
                 max_bytes: self.cache_max_bytes,

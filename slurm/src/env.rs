@@ -9,7 +9,7 @@ pub fn merge(
     keep_from_job: &[String],
 ) -> Vec<(String, String)> {
     // Linear (a map per lookup, not a scan): an image with 100k variables took minutes.
-    let mut out = crate::spec::env::EnvBuilder::with_capacity(job.len() + image.len());
+    let mut out = berth_spec::env::EnvBuilder::with_capacity(job.len() + image.len());
     for (k, v) in job {
         out.set(k, v);
     }

@@ -1,15 +1,15 @@
 //! A step's container request as the SPANK plugin sends it (Pyxis options, job identity, job
-//! environment), and the pure translation into a container [`Request`](crate::spec::Request).
+//! environment), and the pure translation into a container [`Request`](berth_spec::Request).
 
 use std::path::PathBuf;
 
 use super::{env, mounts};
-use crate::spec::image::ImageDefaults;
-use crate::spec::{BindMount, Net, Request, UserIds};
-use crate::topology::TopologyError;
-use crate::topology::bind::MemPolicy;
-use crate::topology::job::{self, Job};
-use crate::topology::plan::{BindMode, NodePlan};
+use berth_spec::image::ImageDefaults;
+use berth_spec::{BindMount, Net, Request, UserIds};
+use berth_topology::TopologyError;
+use berth_topology::bind::MemPolicy;
+use berth_topology::job::{self, Job};
+use berth_topology::plan::{BindMode, NodePlan};
 
 pub use berth_proto::answer::{Binding as TaskBinding, RankBinding};
 pub use berth_proto::step::{Options, PluginConfig, Scope, StepRequest};
@@ -548,7 +548,7 @@ mod tests {
                 "options":{"container-mounts":"/data:/d:ro+noexec,tmpfs:/t:size=1m+huge=within_size+mode=700"}}"#,
         );
         let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
-        let mut spec = crate::spec::build(&req).unwrap();
+        let mut spec = berth_spec::build(&req).unwrap();
         adjust_spec(&s, &mut spec, &[]).unwrap();
         let k = kinds(&spec);
         assert!(
@@ -583,7 +583,7 @@ mod tests {
         }
         assert!(!t.contains(&"mode=1777".to_string()), "{t:?}");
         // The site's stricter default, and the user's own request.
-        let mut spec = crate::spec::build(&req).unwrap();
+        let mut spec = berth_spec::build(&req).unwrap();
         adjust_spec(&s, &mut spec, &["ipc".into(), "uts".into()]).unwrap();
         let k = kinds(&spec);
         assert!(k.contains(&T::Ipc) && k.contains(&T::Uts), "{k:?}");
@@ -689,13 +689,13 @@ mod tests {
 
     #[test]
     fn a_binding_lists_each_ranks_cpus_nodes_and_variables() {
-        let (_f, node) = crate::topology::fixture::dgx_h100_node();
+        let (_f, node) = berth_topology::fixture::dgx_h100_node();
         let s = step(
             r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"local_task_count":2,
                 "job_env":["SLURM_JOB_ID=1","SLURM_JOB_GPUS=2,5"]}"#,
         );
         let plan =
-            crate::topology::plan::plan(&node, &s.topology_job().unwrap(), &Default::default())
+            berth_topology::plan::plan(&node, &s.topology_job().unwrap(), &Default::default())
                 .unwrap();
         let b = binding(&plan, MemPolicy::Preferred);
         let json = serde_json::to_value(&b).unwrap();

@@ -1,0 +1,17 @@
+//! The workflows of a berth node: the container of a Slurm job step from the SPANK plugin's
+//! request ([`step`]), what every container needs before the runtime makes it ([`container`]:
+//! the image, host files, options), the node's topology source ([`node`]), and the Pyxis-shaped
+//! request turned into a container request ([`request`], [`env`], [`cgroup`]). The node's
+//! configuration, `/etc/berth/berth.toml`, is [`config`].
+
+pub mod cgroup;
+pub mod config;
+pub mod container;
+pub mod env;
+mod error;
+pub use berth_proto::mounts;
+pub mod node;
+pub mod request;
+pub mod step;
+
+pub use error::SlurmError;

@@ -1,0 +1,102 @@
+//! berth's exit statuses, decided in one place from the kind of each library error: 2 for bad
+//! input (as a usage error), 1 for an image that could not be had, 125 for the host's failure,
+//! and the container's own statuses (126, 127, the command's) passed through.
+
+use berth_image::ImageError;
+use berth_runtime::RuntimeError;
+use berth_slurm::SlurmError;
+use berth_topology::TopologyError;
+
+/// Bad input from the user: flags, paths, the plugin's request.
+pub const INPUT: i32 = 2;
+/// An image that could not be imported or found (as `enroot import` fails).
+pub const IMAGE: i32 = 1;
+/// The node could not do what was asked.
+pub const HOST: i32 = 125;
+
+/// A failure before or around the container, printed as one line `berth: …`.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
+}
+
+impl Failure {
+    /// Bad input from the user (flags, paths): exit 2, like a usage error.
+    pub fn input(message: impl Into<String>) -> Self {
+        Self {
+            code: INPUT,
+            message: message.into(),
+        }
+    }
+    /// The host could not do what was asked: exit 125.
+    pub fn system(message: impl Into<String>) -> Self {
+        Self {
+            code: HOST,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<ImageError> for Failure {
+    fn from(e: ImageError) -> Self {
+        match e {
+            ImageError::Reference(..) => Failure::input(e.to_string()),
+            other => Failure {
+                code: IMAGE,
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<RuntimeError> for Failure {
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            // Failed inside the container: its code says how (126 not executable, 127 not
+            // found, 125 otherwise), as crun and docker run say it.
+            RuntimeError::Setup(s) => Failure {
+                code: s.code,
+                message: s.message,
+            },
+            other => Failure::system(other.to_string()),
+        }
+    }
+}
+
+impl From<TopologyError> for Failure {
+    fn from(e: TopologyError) -> Self {
+        match e {
+            TopologyError::Job { .. } => Failure::input(e.to_string()),
+            other => Failure::system(other.to_string()),
+        }
+    }
+}
+
+impl From<SlurmError> for Failure {
+    fn from(e: SlurmError) -> Self {
+        match e {
+            SlurmError::Input(m) => Failure::input(m),
+            SlurmError::Host(m) => Failure::system(m),
+            SlurmError::Image(e) => e.into(),
+            SlurmError::Runtime(e) => e.into(),
+            SlurmError::Topology(e) => e.into(),
+            SlurmError::ImageUnavailable(e) => (*e).into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_has_its_status() {
+        assert_eq!(Failure::from(SlurmError::input("bad")).code, INPUT);
+        assert_eq!(Failure::from(SlurmError::host("state dir")).code, HOST);
+        let nested = SlurmError::ImageUnavailable(Box::new(SlurmError::input("unreadable")));
+        assert_eq!(Failure::from(nested).code, INPUT);
+        let setup = RuntimeError::Setup(berth_runtime::SetupError::with_code(127, "nope".into()));
+        assert_eq!(Failure::from(SlurmError::Runtime(setup)).code, 127);
+    }
+}
