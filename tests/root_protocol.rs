@@ -189,3 +189,52 @@ fn containers_of_one_step_on_two_nodes_sharing_a_state_directory_stay_apart() {
     }
     assert!(!listed(&d2) && !listed(&c));
 }
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_node_that_cannot_keep_state_exits_125_and_a_bad_request_2() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    // The state directory is a regular file: the node's failure, nothing the job asked wrongly.
+    let state = dir.path().join("state");
+    std::fs::write(&state, "").unwrap();
+    let config = dir.path().join("berth.toml");
+    let shared = std::fs::read_to_string(common::config()).unwrap();
+    let broken = shared
+        .lines()
+        .map(|l| {
+            if l.starts_with("state_dir") {
+                format!("state_dir = \"{}\"", state.display())
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&config, broken).unwrap();
+    let create = |text: &str| {
+        let mut child = std::process::Command::new(berth_bin())
+            .arg("--config")
+            .arg(&config)
+            .args(["step", "create"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let host = create(&request(4310, Some(VERSION), None, "", ""));
+    let err = stderr(&host);
+    assert_eq!(host.status.code(), Some(125), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains(&state.display().to_string()), "{err}");
+    let bad = create("{\"job_id\": \"not a number\"}");
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+}

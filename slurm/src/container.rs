@@ -185,3 +185,45 @@ impl Description {
         }
     }
 }
+
+/// Gives the container the GPUs of `plan` (device nodes, the driver's files) and, when the plan
+/// brings libraries, a loader cache that finds them beside the image's own. The returned file
+/// backs the container's /etc/ld.so.cache until the container has been created. `what` names
+/// the request in errors and warnings (`--gpus`, "the step's GPUs").
+pub fn inject_gpus(
+    spec: &mut oci_spec::runtime::Spec,
+    plan: &berth_topology::inject::Plan,
+    lowers: &[PathBuf],
+    config: &Config,
+    what: &str,
+) -> Result<Option<tempfile::NamedTempFile>, SlurmError> {
+    use berth_topology::inject;
+    // What fails from here is the node's (its driver files, the state directory), not the job's.
+    let fail = |e: &dyn std::fmt::Display| SlurmError::host(format!("{what}: {e}"));
+    for w in &plan.warnings {
+        tracing::warn!("{what}: {w}");
+    }
+    inject::apply(spec, plan).map_err(|e| fail(&e))?;
+    if plan.libraries.is_empty() {
+        return Ok(None);
+    }
+    let image_cache = inject::read_image_loader_cache(lowers).map_err(|e| fail(&e))?;
+    let (bytes, warning) = inject::container_loader_cache(image_cache.as_deref(), plan);
+    if let Some(w) = warning {
+        tracing::warn!("{what}: {w}");
+    }
+    // The bind mount keeps the file's inode: it may be deleted once the container started.
+    // Root's alone (state::open_root): only root can touch the file bind-mounted by path.
+    berth_runtime::state::open_root(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+    let mut file =
+        tempfile::NamedTempFile::new_in(&config.runtime.state_dir).map_err(|e| fail(&e))?;
+    std::io::Write::write_all(&mut file, &bytes).map_err(|e| fail(&e))?;
+    // Every user of the container reads the loader cache.
+    std::fs::set_permissions(
+        file.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .map_err(|e| fail(&e))?;
+    inject::mount_loader_cache(spec, file.path()).map_err(|e| fail(&e))?;
+    Ok(Some(file))
+}

@@ -386,42 +386,23 @@ impl StepTopology {
         lowers: &[std::path::PathBuf],
         config: &Config,
     ) -> Result<Option<tempfile::NamedTempFile>, SlurmError> {
-        let fail = |e: &dyn std::fmt::Display| SlurmError::input(format!("the step's GPUs: {e}"));
         let plan = inject::for_job(
             &self.host,
             &self.node,
             &self.job,
             &inject::DriverFiles::default(),
         )
-        .map_err(|e| fail(&e))?;
+        .map_err(|e| match e {
+            // The job's request is the user's to get right; the node's files are not.
+            berth_topology::TopologyError::Job { .. } => {
+                SlurmError::input(format!("the step's GPUs: {e}"))
+            }
+            other => SlurmError::host(format!("the step's GPUs: {other}")),
+        })?;
         if plan.is_empty() {
             return Ok(None);
         }
-        for w in &plan.warnings {
-            tracing::warn!("the step's GPUs: {w}");
-        }
-        inject::apply(spec, &plan).map_err(|e| fail(&e))?;
-        if plan.libraries.is_empty() {
-            return Ok(None);
-        }
-        let image_cache = inject::read_image_loader_cache(lowers).map_err(|e| fail(&e))?;
-        let (bytes, warning) = inject::container_loader_cache(image_cache.as_deref(), &plan);
-        if let Some(w) = warning {
-            tracing::warn!("the step's GPUs: {w}");
-        }
-        // Root's alone (state::open_root): only root can touch the file bind-mounted by path.
-        berth_runtime::state::open_root(&config.runtime.state_dir).map_err(|e| fail(&e))?;
-        let mut file =
-            tempfile::NamedTempFile::new_in(&config.runtime.state_dir).map_err(|e| fail(&e))?;
-        std::io::Write::write_all(&mut file, &bytes).map_err(|e| fail(&e))?;
-        // Every user of the container reads the loader cache.
-        std::fs::set_permissions(
-            file.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o644),
-        )
-        .map_err(|e| fail(&e))?;
-        inject::mount_loader_cache(spec, file.path()).map_err(|e| fail(&e))?;
-        Ok(Some(file))
+        crate::container::inject_gpus(spec, &plan, lowers, config, "the step's GPUs")
     }
 }
 

@@ -181,7 +181,7 @@ impl Prepared {
     ) -> Result<(oci_spec::runtime::Spec, Option<tempfile::NamedTempFile>), Failure> {
         let mut spec = spec::build(&self.request).map_err(|e| Failure::input(e.to_string()))?;
         let cache = match &self.gpus {
-            Some(list) => Some(self.inject_gpus(&mut spec, list, config)?),
+            Some(list) => self.inject_gpus(&mut spec, list, config)?,
             None => None,
         };
         if !self.cdi.is_empty() {
@@ -207,34 +207,19 @@ impl Prepared {
         spec: &mut oci_spec::runtime::Spec,
         list: &str,
         config: &Config,
-    ) -> Result<tempfile::NamedTempFile, Failure> {
+    ) -> Result<Option<tempfile::NamedTempFile>, Failure> {
         use crate::topology::inject;
-        let fail = |e: &dyn std::fmt::Display| Failure::input(e.to_string());
         let (host, node) = super::topo::discover(&Default::default(), config)?;
         // The error quotes the list: a long one is elided there.
         let plan = inject::for_gpus(&host, &node, list, &inject::DriverFiles::default())
             .map_err(|e| Failure::input(e.to_string().replace(list, &super::elide(list))))?;
-        inject::apply(spec, &plan).map_err(|e| fail(&e))?;
-        let image_cache =
-            inject::read_image_loader_cache(&self.image.lowers).map_err(|e| fail(&e))?;
-        let (bytes, warning) = inject::container_loader_cache(image_cache.as_deref(), &plan);
-        if let Some(w) = warning {
-            eprintln!("berth: --gpus: {w}");
-        }
-        // The bind mount keeps the file's inode: it may be deleted once the container started.
-        // Root's alone (state::open_root): only root can touch the file bind-mounted by path.
-        crate::runtime::state::open_root(&config.runtime.state_dir).map_err(|e| fail(&e))?;
-        let mut file =
-            tempfile::NamedTempFile::new_in(&config.runtime.state_dir).map_err(|e| fail(&e))?;
-        std::io::Write::write_all(&mut file, &bytes).map_err(|e| fail(&e))?;
-        // Every user of the container reads the loader cache.
-        std::fs::set_permissions(
-            file.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o644),
-        )
-        .map_err(|e| fail(&e))?;
-        inject::mount_loader_cache(spec, file.path()).map_err(|e| fail(&e))?;
-        Ok(file)
+        Ok(crate::slurm::container::inject_gpus(
+            spec,
+            &plan,
+            &self.image.lowers,
+            config,
+            "--gpus",
+        )?)
     }
 }
 
