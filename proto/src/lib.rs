@@ -39,6 +39,9 @@ pub enum ProtoError {
     /// The message is not what the protocol describes.
     #[error("{0}")]
     Invalid(String),
+    /// A `--container-mounts` entry that is not Pyxis's syntax, or a path the step cannot name.
+    #[error("{0}")]
+    Mount(String),
 }
 
 impl ProtoError {

@@ -14,6 +14,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::ProtoError;
+
 /// One entry of `--container-mounts`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mount {
@@ -78,47 +80,50 @@ const X_OPTIONS: [&str; 6] = [
 
 /// Parses `--container-mounts` for a step whose working directory is `cwd` (relative sources
 /// are joined to it; without one they are refused). An error names the entry and what is wrong.
-pub fn parse_in(text: &str, cwd: Option<&Path>) -> Result<Vec<Mount>, String> {
+pub fn parse_in(text: &str, cwd: Option<&Path>) -> Result<Vec<Mount>, ProtoError> {
     text.split(',')
         .map(str::trim)
         .filter(|e| !e.is_empty())
         .map(|entry| {
-            parse_entry_in(entry, cwd)
-                .map_err(|why| format!("invalid --container-mounts entry '{entry}': {why}"))
+            parse_entry_in(entry, cwd).map_err(|why| {
+                ProtoError::Mount(format!("invalid --container-mounts entry '{entry}': {why}"))
+            })
         })
         .collect()
 }
 
 /// [`parse_in`] without a working directory: relative sources are refused.
-pub fn parse(text: &str) -> Result<Vec<Mount>, String> {
+pub fn parse(text: &str) -> Result<Vec<Mount>, ProtoError> {
     parse_in(text, None)
 }
 
 /// One `SRC[:DST[:FLAGS]]` entry, as written (a relative source stays relative): what the SPANK
 /// plugin checks before the job is queued. The error says what is wrong with it.
-pub fn parse_entry(entry: &str) -> Result<Mount, String> {
+pub fn parse_entry(entry: &str) -> Result<Mount, ProtoError> {
     parse_entry_in(entry, Some(Path::new("")))
 }
 
 /// `SRC[:DST[:FLAGS]]` with a relative SRC joined to `cwd`.
-fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, String> {
+fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, ProtoError> {
     let parts: Vec<&str> = entry.split(':').collect();
     if parts.len() > 3 {
-        return Err("expected SRC[:DST[:FLAGS]]".into());
+        return Err(ProtoError::Mount("expected SRC[:DST[:FLAGS]]".into()));
     }
     let source_text = parts[0];
     let tmpfs = source_text == "tmpfs";
     let source: PathBuf = if tmpfs || source_text.starts_with('/') {
         PathBuf::from(source_text)
     } else if source_text.is_empty() {
-        return Err("the source must be a path or 'tmpfs'".into());
+        return Err(ProtoError::Mount(
+            "the source must be a path or 'tmpfs'".into(),
+        ));
     } else {
         let Some(cwd) = cwd else {
-            return Err(
+            return Err(ProtoError::Mount(
                 "a relative source needs the step's working directory, which is unknown: \
                  give an absolute path"
                     .into(),
-            );
+            ));
         };
         relative_to(cwd, source_text)
     };
@@ -148,31 +153,37 @@ fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, String> {
             }
             f if tmpfs_option(f).is_some() => {
                 if !tmpfs {
-                    return Err(format!("'{f}' is an option of tmpfs mounts only"));
+                    return Err(ProtoError::Mount(format!(
+                        "'{f}' is an option of tmpfs mounts only"
+                    )));
                 }
-                tmpfs_option(f)
-                    .unwrap_or(Ok(()))
-                    .map_err(|why| format!("invalid tmpfs option '{f}': {why}"))?;
+                tmpfs_option(f).unwrap_or(Ok(())).map_err(|why| {
+                    ProtoError::Mount(format!("invalid tmpfs option '{f}': {why}"))
+                })?;
                 push_flag(&mut flags, f);
             }
             f => {
-                return Err(format!(
+                return Err(ProtoError::Mount(format!(
                     "unknown flag '{f}' (use ro, rw, noexec, rprivate, unbindable, x-create=dir, \
                      or for tmpfs size=, mode=, huge=, …)"
-                ));
+                )));
             }
         }
     }
     // Relative destinations come only from a relative source checked without a directory.
     let relative_ok = cwd.is_some_and(|c| c.as_os_str().is_empty()) && parts.get(1).is_none();
     if !destination.is_absolute() && !relative_ok {
-        return Err("the destination must be an absolute path".into());
+        return Err(ProtoError::Mount(
+            "the destination must be an absolute path".into(),
+        ));
     }
     if destination
         .components()
         .any(|c| c == std::path::Component::ParentDir)
     {
-        return Err("the destination must not contain '..'".into());
+        return Err(ProtoError::Mount(
+            "the destination must not contain '..'".into(),
+        ));
     }
     if tmpfs {
         if readonly {
@@ -351,9 +362,9 @@ mod tests {
         parse_entry("data:rel").unwrap_err();
         // A destination taken from a relative source may not climb out.
         let e = parse_in("../x", Some(cwd)).unwrap_err();
-        assert!(e.contains("'..'"), "{e}");
+        assert!(e.to_string().contains("'..'"), "{e}");
         let e = parse("./data:/data").unwrap_err();
-        assert!(e.contains("working directory"), "{e}");
+        assert!(e.to_string().contains("working directory"), "{e}");
     }
 
     #[test]
@@ -372,7 +383,7 @@ mod tests {
             ("tmpfs:/b:uid=-1", "number"),
             (":/b", "source"),
         ] {
-            let err = parse(bad).unwrap_err();
+            let err = parse(bad).unwrap_err().to_string();
             assert!(err.contains(bad), "{bad}: {err}");
             assert!(err.contains(why), "{bad}: {err}");
         }

@@ -183,12 +183,14 @@ impl StepRequest {
     }
 
     /// `path` (`--container-save`) made absolute against [`StepRequest::cwd`].
-    pub fn host_path(&self, path: &str) -> Result<PathBuf, String> {
+    pub fn host_path(&self, path: &str) -> Result<PathBuf, ProtoError> {
         if path.starts_with('/') {
             return Ok(PathBuf::from(path));
         }
         let cwd = self.cwd().ok_or_else(|| {
-            format!("'{path}' is relative and the step's working directory is unknown: give an absolute path")
+            ProtoError::Mount(format!(
+                "'{path}' is relative and the step's working directory is unknown: give an absolute path"
+            ))
         })?;
         let mut out = cwd;
         for c in path.split('/').filter(|c| !c.is_empty() && *c != ".") {

@@ -239,9 +239,9 @@ impl Config {
     /// Loads `path`; when `path` is the default location and absent, the defaults apply.
     pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Self::parse(&text).map_err(|message| ConfigError::Parse {
+            Ok(text) => Self::parse(&text).map_err(|e| ConfigError::Parse {
                 path: path.to_path_buf(),
-                message,
+                message: e.message().to_string(),
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(Self::default()),
             Err(source) => Err(ConfigError::Read {
@@ -251,8 +251,8 @@ impl Config {
         }
     }
 
-    pub fn parse(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.message().to_string())
+    pub fn parse(text: &str) -> Result<Self, toml::de::Error> {
+        toml::from_str(text)
     }
 }
 
@@ -336,7 +336,7 @@ mod tests {
     #[test]
     fn unknown_keys_are_rejected() {
         let err = Config::parse("[cgroup]\nrot = \"/x\"\n").unwrap_err();
-        assert!(err.contains("rot"), "{err}");
+        assert!(err.to_string().contains("rot"), "{err}");
     }
 
     #[test]

@@ -186,16 +186,19 @@ impl Description {
     }
 }
 
-/// Gives the container the GPUs of `plan` (device nodes, the driver's files) and, when the plan
-/// brings libraries, a loader cache that finds them beside the image's own. The returned file
-/// backs the container's /etc/ld.so.cache until the container has been created. `what` names
-/// the request in errors and warnings (`--gpus`, "the step's GPUs").
+/// Gives the container the GPUs of `plan` (device nodes, the driver's files) and a loader cache
+/// that finds the driver's libraries beside the image's own (every user reads it). The returned
+/// file
+/// backs the container's /etc/ld.so.cache until the container has been created; without driver
+/// libraries to add there is none unless `always_cache` (`berth run --gpus` gives one always).
+/// `what` names the request in errors and warnings (`--gpus`, "the step's GPUs").
 pub fn inject_gpus(
     spec: &mut oci_spec::runtime::Spec,
     plan: &berth_topology::inject::Plan,
     lowers: &[PathBuf],
     config: &Config,
     what: &str,
+    always_cache: bool,
 ) -> Result<Option<tempfile::NamedTempFile>, SlurmError> {
     use berth_topology::inject;
     // What fails from here is the node's (its driver files, the state directory), not the job's.
@@ -204,7 +207,7 @@ pub fn inject_gpus(
         tracing::warn!("{what}: {w}");
     }
     inject::apply(spec, plan).map_err(|e| fail(&e))?;
-    if plan.libraries.is_empty() {
+    if plan.libraries.is_empty() && !always_cache {
         return Ok(None);
     }
     let image_cache = inject::read_image_loader_cache(lowers).map_err(|e| fail(&e))?;

@@ -14,6 +14,10 @@ pub enum SlurmError {
     /// The node could not do what was asked (its state directory, a mount, a file of root's).
     #[error("{0}")]
     Host(String),
+    /// What the plugin's request says that berth cannot take (a `--container-mounts` entry, a
+    /// relative path without a working directory): bad input.
+    #[error(transparent)]
+    Request(#[from] berth_proto::ProtoError),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error(transparent)]

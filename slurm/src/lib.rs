@@ -1,5 +1,5 @@
 //! The workflows of a berth node: the container of a Slurm job step from the SPANK plugin's
-//! request ([`step`]), what every container needs before the runtime makes it ([`container`]:
+//! request ([`step`]), the job's Prolog and Epilog ([`job`]), the node's health ([`health`]), what every container needs before the runtime makes it ([`container`]:
 //! the image, host files, options), the node's topology source ([`node`]), and the Pyxis-shaped
 //! request turned into a container request ([`request`], [`env`], [`cgroup`]). The node's
 //! configuration, `/etc/berth/berth.toml`, is [`config`].
@@ -9,6 +9,8 @@ pub mod config;
 pub mod container;
 pub mod env;
 mod error;
+pub mod health;
+pub mod job;
 pub use berth_proto::mounts;
 pub mod node;
 pub mod request;

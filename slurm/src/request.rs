@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use super::{env, mounts};
+use crate::SlurmError;
 use berth_spec::image::ImageDefaults;
 use berth_spec::{BindMount, Net, Request, UserIds};
 use berth_topology::TopologyError;
@@ -17,20 +18,20 @@ pub use berth_proto::step::{Options, PluginConfig, Scope, StepRequest};
 /// What berth derives from a [`StepRequest`] with its own configuration and topology.
 pub trait StepExt {
     /// `--container-bind`, else `default` (`topology.bind`).
-    fn bind_mode(&self, default: BindMode) -> Result<BindMode, String>;
+    fn bind_mode(&self, default: BindMode) -> Result<BindMode, SlurmError>;
     /// The step's GPUs and tasks on this node as topology plans them.
     fn topology_job(&self) -> Result<Job, TopologyError>;
 }
 
 impl StepExt for StepRequest {
-    fn bind_mode(&self, default: BindMode) -> Result<BindMode, String> {
+    fn bind_mode(&self, default: BindMode) -> Result<BindMode, SlurmError> {
         match self.options.container_bind.as_deref() {
             None => Ok(default),
             Some("closest") => Ok(BindMode::Closest),
             Some("none") => Ok(BindMode::None),
-            Some(other) => Err(format!(
+            Some(other) => Err(SlurmError::Input(format!(
                 "invalid --container-bind '{other}': use closest or none"
-            )),
+            ))),
         }
     }
 
@@ -91,7 +92,7 @@ pub enum NameMode {
     Exec,
 }
 
-pub fn parse_name(text: &str) -> Result<(String, NameMode), String> {
+pub fn parse_name(text: &str) -> Result<(String, NameMode), SlurmError> {
     let (name, mode) = match text.split_once(':') {
         Some((n, m)) => (n, m),
         None => (text, "auto"),
@@ -105,9 +106,9 @@ pub fn parse_name(text: &str) -> Result<(String, NameMode), String> {
         "create" => NameMode::Create,
         "exec" => NameMode::Exec,
         other => {
-            return Err(format!(
+            return Err(SlurmError::Input(format!(
                 "invalid --container-name '{text}': unknown mode '{other}' (use auto, create, exec or no_exec)"
-            ));
+            )));
         }
     };
     let valid = !name.is_empty()
@@ -116,9 +117,9 @@ pub fn parse_name(text: &str) -> Result<(String, NameMode), String> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
     if !valid {
-        return Err(format!(
+        return Err(SlurmError::Input(format!(
             "invalid --container-name '{text}': use letters, digits, '-', '_' and '.'"
-        ));
+        )));
     }
     Ok((name.to_string(), mode))
 }
@@ -133,7 +134,7 @@ pub struct Unshare {
 
 /// `--container-unshare` on top of the site's default (`runtime.step_unshare`: ipc, uts). As in Pyxis, a
 /// step shares the host's network, IPC and UTS namespaces unless one of them names it.
-pub fn unshare(o: &Options, site_default: &[String]) -> Result<Unshare, String> {
+pub fn unshare(o: &Options, site_default: &[String]) -> Result<Unshare, SlurmError> {
     let mut out = Unshare::default();
     let given = o.container_unshare.as_deref().unwrap_or("");
     let from_site = site_default.iter().map(|s| (s.as_str(), true));
@@ -144,14 +145,14 @@ pub fn unshare(o: &Options, site_default: &[String]) -> Result<Unshare, String> 
             "ipc" => out.ipc = true,
             "uts" => out.uts = true,
             other if site => {
-                return Err(format!(
+                return Err(SlurmError::Input(format!(
                     "invalid runtime.step_unshare entry '{other}' in berth.toml: use ipc or uts"
-                ));
+                )));
             }
             other => {
-                return Err(format!(
+                return Err(SlurmError::Input(format!(
                     "invalid --container-unshare '{other}': use net, ipc or uts"
-                ));
+                )));
             }
         }
     }
@@ -166,7 +167,7 @@ pub fn adjust_spec(
     step: &StepRequest,
     spec: &mut oci_spec::runtime::Spec,
     site_unshare: &[String],
-) -> Result<(), String> {
+) -> Result<(), SlurmError> {
     use oci_spec::runtime::LinuxNamespaceType;
     let u = unshare(&step.options, site_unshare)?;
     if let Some(linux) = spec.linux_mut()
@@ -224,7 +225,7 @@ pub fn to_request(
     lowers: &[PathBuf],
     image: &ImageDefaults,
     host_files: Vec<PathBuf>,
-) -> Result<Request, String> {
+) -> Result<Request, SlurmError> {
     let o = &step.options;
     let mut binds = Vec::new();
     let mut tmpfs = Vec::new();
@@ -301,7 +302,7 @@ pub fn to_request(
     let rootfs = lowers
         .first()
         .cloned()
-        .ok_or_else(|| "the image has no root filesystem".to_string())?;
+        .ok_or_else(|| SlurmError::input("the image has no root filesystem"))?;
     Ok(Request {
         rootfs,
         args: Vec::new(),
@@ -477,7 +478,7 @@ mod tests {
         );
         let err =
             to_request(&bad, user(), &["/img".into()], &Default::default(), vec![]).unwrap_err();
-        assert!(err.contains("'pid'"), "{err}");
+        assert!(err.to_string().contains("'pid'"), "{err}");
     }
 
     #[test]
@@ -505,6 +506,7 @@ mod tests {
             no_cwd
                 .host_path("out.sqsh")
                 .unwrap_err()
+                .to_string()
                 .contains("absolute")
         );
         assert_eq!(
@@ -601,6 +603,7 @@ mod tests {
         assert!(
             unshare(&u.options, &["pid".into()])
                 .unwrap_err()
+                .to_string()
                 .contains("step_unshare")
         );
     }
@@ -651,15 +654,15 @@ mod tests {
     #[test]
     fn container_bind_defaults_to_the_configuration() {
         let s = step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0}"#);
-        assert_eq!(s.bind_mode(BindMode::Closest), Ok(BindMode::Closest));
-        assert_eq!(s.bind_mode(BindMode::None), Ok(BindMode::None));
+        assert_eq!(s.bind_mode(BindMode::Closest).unwrap(), BindMode::Closest);
+        assert_eq!(s.bind_mode(BindMode::None).unwrap(), BindMode::None);
         let s =
             step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-bind":"none"}}"#);
-        assert_eq!(s.bind_mode(BindMode::Closest), Ok(BindMode::None));
+        assert_eq!(s.bind_mode(BindMode::Closest).unwrap(), BindMode::None);
         let s =
             step(r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,"options":{"container-bind":"near"}}"#);
         assert_eq!(
-            s.bind_mode(BindMode::Closest).unwrap_err(),
+            s.bind_mode(BindMode::Closest).unwrap_err().to_string(),
             "invalid --container-bind 'near': use closest or none"
         );
     }

@@ -52,9 +52,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         );
     }
     let node = step.node_name();
-    let bind = step
-        .bind_mode(config.topology.bind)
-        .map_err(SlurmError::Input)?;
+    let bind = step.bind_mode(config.topology.bind)?;
     let opts = options(config, None);
     let mut labels = BTreeMap::from([
         ("job".to_string(), step.job_id.to_string()),
@@ -65,7 +63,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         labels.insert("node".into(), node.clone());
     }
     if let Some(name_opt) = &step.options.container_name {
-        let (name, mode) = parse_name(name_opt).map_err(SlurmError::Input)?;
+        let (name, mode) = parse_name(name_opt)?;
         let scope = step.plugin.container_scope;
         let records = state::list(&config.runtime.state_dir);
         let mine = |r: &state::Record| {
@@ -109,7 +107,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
                 let description = Description::new(&created, &spec);
                 // Asking for a namespace of its own cannot be granted by joining a container
                 // that shares the host's (Pyxis fails too).
-                let asked = slurm_step::unshare(&step.options, &[]).map_err(SlurmError::Input)?;
+                let asked = slurm_step::unshare(&step.options, &[])?;
                 for (wanted, ns) in [(asked.net, "net"), (asked.ipc, "ipc"), (asked.uts, "uts")] {
                     if wanted && !description.namespaces.contains_key(ns) {
                         return Err(SlurmError::input(format!(
@@ -170,8 +168,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         &image.lowers,
         &image.defaults,
         host_files(),
-    )
-    .map_err(SlurmError::Input)?;
+    )?;
     config
         .store
         .env_limits()
@@ -214,8 +211,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         }
     }
     let mut spec = spec::build(&req).map_err(|e| SlurmError::input(e.to_string()))?;
-    slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)
-        .map_err(SlurmError::Input)?;
+    slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)?;
     let topo = StepTopology::discover(&step, config)?;
     let binding = topo.binding(bind, config)?;
     // Kept until the container exists: its /etc/ld.so.cache is a bind of this file.
@@ -402,7 +398,7 @@ impl StepTopology {
         if plan.is_empty() {
             return Ok(None);
         }
-        crate::container::inject_gpus(spec, &plan, lowers, config, "the step's GPUs")
+        crate::container::inject_gpus(spec, &plan, lowers, config, "the step's GPUs", false)
     }
 }
 

@@ -655,7 +655,7 @@ fn check_mount(entry: &str) -> Result<(), std::borrow::Cow<'static, str>> {
     }
     crate::mounts::parse_entry(entry)
         .map(drop)
-        .map_err(Into::into)
+        .map_err(|e| e.to_string().into())
 }
 
 /// A path inside the job's scratch: relative, without `..`.

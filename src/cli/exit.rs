@@ -77,6 +77,7 @@ impl From<SlurmError> for Failure {
     fn from(e: SlurmError) -> Self {
         match e {
             SlurmError::Input(m) => Failure::input(m),
+            SlurmError::Request(e) => Failure::input(e.to_string()),
             SlurmError::Host(m) => Failure::system(m),
             SlurmError::Image(e) => e.into(),
             SlurmError::Runtime(e) => e.into(),

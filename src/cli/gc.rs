@@ -44,7 +44,7 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
             Err(e) => eprintln!("berth: {e}"),
         }
     }
-    for line in super::prolog::housekeeping(config, None) {
+    for line in super::prolog::housekeeping(config) {
         outln!("{line}");
     }
     Ok(0)

@@ -219,6 +219,7 @@ impl Prepared {
             &self.image.lowers,
             config,
             "--gpus",
+            true,
         )?)
     }
 }

@@ -142,7 +142,7 @@ pub fn discover(source: &Source, config: &Config) -> Result<(Host, Node), Failur
 }
 
 impl Source {
-    fn lib(&self) -> node_source::Source {
+    pub fn lib(&self) -> node_source::Source {
         node_source::Source {
             host_root: self.host_root.clone(),
             nvml_record: self.nvml_record.clone(),
