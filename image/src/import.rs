@@ -187,7 +187,7 @@ pub fn check_usable(
             .store
             .env_limits()
             .check(&format!("image {}: its config", image.digest), env)
-            .map_err(ImageError::Format)?;
+            .map_err(|e| ImageError::Format(e.to_string()))?;
     }
     if matches!(image.rootfs, Rootfs::Layers(_)) {
         let want = match &who.arch {
@@ -230,7 +230,7 @@ fn import_unchecked(
                     .store
                     .env_limits()
                     .check(&format!("image {r}: its config"), env)
-                    .map_err(ImageError::Format)?;
+                    .map_err(|e| ImageError::Format(e.to_string()))?;
             }
             let digest = resolved.manifest_digest.clone();
             store.check_layers(&r.to_string(), resolved.layer_count())?;

@@ -222,12 +222,12 @@ pub fn run_entrypoint(
     id: &str,
     entrypoint: &[String],
     timeout: Duration,
-) -> Result<EntrypointRun, String> {
+) -> Result<EntrypointRun, RuntimeError> {
     let mut args = entrypoint.to_vec();
     args.extend(["/bin/sh", "-c", "kill -STOP $$; exit 0"].map(String::from));
-    let (out_r, out_w) =
-        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("creating a pipe: {e}"))?;
-    let spawned = spawn(opts, id, &args, &[], Some(&out_w)).map_err(|e| e.to_string())?;
+    let (out_r, out_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
+        .map_err(|e| RuntimeError::Entrypoint(format!("creating a pipe: {e}")))?;
+    let spawned = spawn(opts, id, &args, &[], Some(&out_w))?;
     drop(out_w);
     // The output is collected while the entrypoint runs, so a chatty one cannot fill the pipe.
     let reader = std::thread::spawn(move || {
@@ -245,12 +245,12 @@ pub fn run_entrypoint(
             Ok(WaitStatus::StillAlive) => {
                 let _ = kill(pid, Signal::SIGKILL);
                 let _ = waitpid(pid, None);
-                break Err(format!(
+                break Err(RuntimeError::Entrypoint(format!(
                     "the image's entrypoint {} did not run its arguments within {} s (it must \
                      end with `exec \"$@\"`); run without --container-entrypoint",
                     entrypoint.join(" "),
                     timeout.as_secs()
-                ));
+                )));
             }
             Ok(WaitStatus::Stopped(..)) => {
                 // Bounded: the entrypoint is the image's, its environment whatever it made.
@@ -268,23 +268,31 @@ pub fn run_entrypoint(
                                 .collect(),
                         )
                     })
-                    .map_err(|e| format!("reading the entrypoint's environment: {e}"));
+                    .map_err(|e| {
+                        RuntimeError::Entrypoint(format!(
+                            "reading the entrypoint's environment: {e}"
+                        ))
+                    });
             }
             Ok(WaitStatus::Exited(_, 0)) => break Ok(None),
             Ok(WaitStatus::Exited(_, code)) => {
-                break Err(format!(
+                break Err(RuntimeError::Entrypoint(format!(
                     "the image's entrypoint {} exited with status {code}",
                     entrypoint.join(" ")
-                ));
+                )));
             }
             Ok(WaitStatus::Signaled(_, sig, _)) => {
-                break Err(format!(
+                break Err(RuntimeError::Entrypoint(format!(
                     "the image's entrypoint {} was killed by {sig}",
                     entrypoint.join(" ")
-                ));
+                )));
             }
             Ok(_) => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => break Err(format!("waiting for the entrypoint: {e}")),
+            Err(e) => {
+                break Err(RuntimeError::Entrypoint(format!(
+                    "waiting for the entrypoint: {e}"
+                )));
+            }
         }
     };
     // The pipe ends once the killed shell is gone, unless the entrypoint left something running
@@ -299,7 +307,9 @@ pub fn run_entrypoint(
         String::new()
     };
     if let Some(err) = spawned.setup_error {
-        return Err(format!("running the image's entrypoint: {err}"));
+        return Err(RuntimeError::Entrypoint(format!(
+            "running the image's entrypoint: {err}"
+        )));
     }
     let env = outcome.map_err(|e| {
         let tail: Vec<&str> = output.lines().rev().take(3).collect();
@@ -307,7 +317,7 @@ pub fn run_entrypoint(
             e
         } else {
             let tail: Vec<&str> = tail.into_iter().rev().collect();
-            format!("{e}; it printed: {}", tail.join(" | "))
+            RuntimeError::Entrypoint(format!("{e}; it printed: {}", tail.join(" | ")))
         }
     })?;
     Ok(EntrypointRun { env, output })

@@ -49,6 +49,12 @@ pub enum RuntimeError {
     Spec(&'static str),
     #[error("no running container '{0}' (see `berth ps`)")]
     NoContainer(String),
+    /// The image's entrypoint (`--container-entrypoint`) failed or timed out.
+    #[error("{0}")]
+    Entrypoint(String),
+    /// What was given as a root filesystem is not a usable directory.
+    #[error("root filesystem {}: {why}", berth_sys::text::elide(&.path.to_string_lossy()))]
+    Rootfs { path: PathBuf, why: String },
 }
 
 impl RuntimeError {
@@ -642,13 +648,14 @@ impl Drop for MaskGuard {
 }
 
 /// Whether `path` is an existing directory usable as a root filesystem.
-pub fn check_rootfs(path: &Path) -> Result<(), String> {
-    match std::fs::metadata(path) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(format!(
-            "root filesystem {} is not a directory",
-            path.display()
-        )),
-        Err(e) => Err(format!("root filesystem {}: {e}", path.display())),
-    }
+pub fn check_rootfs(path: &Path) -> Result<(), RuntimeError> {
+    let why = match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(_) => "not a directory".to_string(),
+        Err(e) => e.to_string(),
+    };
+    Err(RuntimeError::Rootfs {
+        path: path.to_path_buf(),
+        why,
+    })
 }

@@ -180,7 +180,7 @@ pub fn epilog(config: &Config, say: Say<'_>) -> Result<Verdict, SlurmError> {
                 Err(line) => {
                     // Results are never deleted silently: the scratch stays where it is.
                     keep_scratch = true;
-                    failures.push(line);
+                    failures.push(line.to_string());
                 }
             },
         }
@@ -246,17 +246,17 @@ fn retain(
     user: &berth_spec::user::UserIds,
     why: &str,
     say: Say<'_>,
-) -> Result<(), String> {
+) -> Result<(), SlurmError> {
     let scratch = &config.scratch;
     let area = scratch.retention_dir();
     let kept = berth_stage::retain::retain(&scratch.root, job, &area, now()).map_err(|e| {
         // Out of the way of reclaim (which takes only job ids), on the scratch's filesystem.
         let left = berth_stage::scratch::set_aside(&scratch.root, job, now())
             .unwrap_or_else(|_| scratch.root.join(job));
-        format!(
+        SlurmError::host(format!(
             "job {job}: {why}; keeping its scratch failed: {e}; it is left in {}",
             left.display()
-        )
+        ))
     })?;
     let line = format!(
         "berth: job {job}: {why}; your results are kept in {} for {} days: copy them from there",
@@ -296,7 +296,7 @@ fn job_stderr(job: &str) -> Option<PathBuf> {
 
 /// Appends `line` to `file` as `user` (without root's groups), so a path the user chose can
 /// never make root write elsewhere.
-fn append_as(user: &berth_spec::user::UserIds, file: &Path, line: &str) -> Result<(), String> {
+fn append_as(user: &berth_spec::user::UserIds, file: &Path, line: &str) -> Result<(), SlurmError> {
     use std::io::Write;
     use std::os::unix::process::CommandExt;
     let mut child = std::process::Command::new("tee")
@@ -308,15 +308,19 @@ fn append_as(user: &berth_spec::user::UserIds, file: &Path, line: &str) -> Resul
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| format!("tee: {e}"))?;
+        .map_err(|e| SlurmError::host(format!("tee: {e}")))?;
     if let Some(mut stdin) = child.stdin.take() {
         let _ = writeln!(stdin, "{line}");
     }
-    let out = child.wait_with_output().map_err(|e| format!("tee: {e}"))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| SlurmError::host(format!("tee: {e}")))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        Err(SlurmError::host(
+            String::from_utf8_lossy(&out.stderr).trim(),
+        ))
     }
 }
 

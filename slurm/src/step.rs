@@ -176,7 +176,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
             "the step's environment (the job's and the image's)",
             &req.env,
         )
-        .map_err(SlurmError::Input)?;
+        .map_err(|e| SlurmError::input(e.to_string()))?;
     // The job's scratch (made by the Prolog) appears at scratch.container_path.
     if let Ok(dir) = berth_stage::scratch::path(&config.scratch.root, &step.job_id.to_string())
         && dir.is_dir()
@@ -234,12 +234,15 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
             &entrypoint,
             std::time::Duration::from_secs(config.runtime.entrypoint_timeout_s),
         )
+        // The image's entrypoint failing is the job's problem; keeping what it set is the node's.
+        .map_err(|e| SlurmError::input(e.to_string()))
         .and_then(|run| {
             if let (Some(env), Some(process)) = (run.env, spec.process_mut()) {
                 // Named containers keep it for their later steps.
                 process.set_env(Some(env));
-                state::save_spec(&config.runtime.state_dir, &created.id, &spec)
-                    .map_err(|e| format!("saving the entrypoint's environment: {e}"))?;
+                state::save_spec(&config.runtime.state_dir, &created.id, &spec).map_err(|e| {
+                    SlurmError::host(format!("saving the entrypoint's environment: {e}"))
+                })?;
             }
             Ok(run.output)
         });
@@ -251,7 +254,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
             }
             Err(e) => {
                 let _ = runtime::remove(&opts, &created.id);
-                return Err(SlurmError::input(e));
+                return Err(e);
             }
         }
     }

@@ -55,7 +55,7 @@ pub const DEFAULT_MAX_BYTES: u64 = 1 << 20;
 impl EnvLimits {
     /// Checks `entries` (`KEY=VALUE` strings or pairs, anything that says its length) against
     /// the bounds; the error is one line naming `what`, the limit and the key to raise it.
-    pub fn check<I, E>(&self, what: &str, entries: I) -> Result<(), String>
+    pub fn check<I, E>(&self, what: &str, entries: I) -> Result<(), crate::SpecError>
     where
         I: IntoIterator<Item = E>,
         E: EnvLen,
@@ -67,18 +67,18 @@ impl EnvLimits {
             // `KEY=VALUE` and its terminating NUL, as execve counts it.
             bytes = bytes.saturating_add(e.env_len() as u64 + 1);
             if count > self.max_entries {
-                return Err(format!(
+                return Err(crate::SpecError::EnvLimit(format!(
                     "{what} has more than {} environment variables (store.max_env_entries); \
                      use fewer or raise the limit in berth.toml",
                     self.max_entries
-                ));
+                )));
             }
             if bytes > self.max_bytes {
-                return Err(format!(
+                return Err(crate::SpecError::EnvLimit(format!(
                     "{what} has more than {} bytes of environment variables \
                      (store.max_env_bytes); use less or raise the limit in berth.toml",
                     self.max_bytes
-                ));
+                )));
             }
         }
         Ok(())
@@ -147,13 +147,16 @@ mod tests {
         let pairs = [("A".to_string(), "1".to_string())];
         limits.check("x", &pairs).unwrap();
         let three = ["A=1".to_string(), "B=2".to_string(), "C=3".to_string()];
-        let e = limits.check("the image's config", &three).unwrap_err();
+        let e = limits
+            .check("the image's config", &three)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("store.max_env_entries") && e.contains("more than 2"),
             "{e}"
         );
         let big = ["A=123456789".to_string()];
-        let e = limits.check("--env", &big).unwrap_err();
+        let e = limits.check("--env", &big).unwrap_err().to_string();
         assert!(e.contains("store.max_env_bytes"), "{e}");
         assert_eq!(EnvLimits::default().max_entries, 65536);
         assert_eq!(EnvLimits::default().max_bytes, 1 << 20);

@@ -48,6 +48,9 @@ pub enum SpecError {
     Mount(String, String),
     #[error("invalid environment variable '{}': use KEY=VALUE", berth_sys::text::elide(.0))]
     Env(String),
+    /// An environment over `[store] max_env_entries` or `max_env_bytes`.
+    #[error("{0}")]
+    EnvLimit(String),
     #[error("invalid hostname '{}': use up to 64 letters, digits, '-' and '.'", berth_sys::text::elide(.0))]
     Hostname(String),
     #[error(

@@ -59,6 +59,10 @@ impl From<RuntimeError> for Failure {
                 code: s.code,
                 message: s.message,
             },
+            // What the user gave: a root filesystem, an image's entrypoint.
+            RuntimeError::Rootfs { .. } | RuntimeError::Entrypoint(_) => {
+                Failure::input(e.to_string())
+            }
             other => Failure::system(other.to_string()),
         }
     }

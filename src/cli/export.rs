@@ -138,7 +138,7 @@ fn file_source(path: &Path) -> Result<Source, Failure> {
 /// when missing.
 pub fn source(args: &ExportArgs, config: &Config) -> Result<Source, Failure> {
     if let Some(dir) = &args.rootfs {
-        crate::runtime::check_rootfs(dir).map_err(Failure::input)?;
+        crate::runtime::check_rootfs(dir)?;
         let dir = std::fs::canonicalize(dir)
             .map_err(|e| Failure::input(format!("{}: {e}", dir.display())))?;
         return Ok(Source::Layers(vec![dir]));

@@ -297,7 +297,7 @@ pub mod values {
     pub fn cpu_set(text: &str) -> Result<String, String> {
         crate::topology::cpuset::CpuSet::parse(text)
             .map(|_| text.to_string())
-            .map_err(|e| e.replace(text, &super::elide(text)))
+            .map_err(|e| e.to_string().replace(text, &super::elide(text)))
     }
 
     /// A positive number of tasks: `--pids`.

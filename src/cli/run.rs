@@ -280,10 +280,7 @@ pub fn request(
             ));
         }
         (Some(dir), _) => {
-            runtime::check_rootfs(dir).map_err(|e| {
-                let text = dir.to_string_lossy();
-                Failure::input(e.replace(&*text, &super::elide(&text)))
-            })?;
+            runtime::check_rootfs(dir)?;
             // Absolute, so the overlay's lowerdir does not depend on the working directory.
             let dir = std::fs::canonicalize(dir).map_err(|e| {
                 Failure::input(format!(
@@ -338,7 +335,9 @@ pub fn request(
         )
         .collect::<Result<Vec<_>, _>>()?;
     let limits = config.store.env_limits();
-    limits.check("--env", &cli_env).map_err(Failure::input)?;
+    limits
+        .check("--env", &cli_env)
+        .map_err(|e| Failure::input(e.to_string()))?;
     let mut env = image.defaults.env.clone();
     env.extend(cli_env);
     limits
@@ -346,7 +345,7 @@ pub fn request(
             "the container's environment (the image's Env and --env)",
             &env,
         )
-        .map_err(Failure::input)?;
+        .map_err(|e| Failure::input(e.to_string()))?;
     let args_line = if args.image.is_some() {
         image.defaults.command_line(command, args.entrypoint)
     } else {

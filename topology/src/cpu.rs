@@ -73,9 +73,9 @@ pub fn scan(host: &Host) -> Result<Cpus, TopologyError> {
     let cpu_dir = host.sys("devices/system/cpu");
     let online_path = cpu_dir.join("online");
     let online = match read_attr(&online_path) {
-        Some(text) => CpuSet::parse(&text).map_err(|what| TopologyError::Parse {
+        Some(text) => CpuSet::parse(&text).map_err(|e| TopologyError::Parse {
             path: online_path.clone(),
-            what,
+            what: e.to_string(),
         })?,
         None => list_dir(&cpu_dir)?
             .iter()
@@ -119,9 +119,10 @@ pub fn scan(host: &Host) -> Result<Cpus, TopologyError> {
         let dir = node_dir.join(&name);
         let list = dir.join("cpulist");
         let cpus = match read_attr(&list) {
-            Some(text) => {
-                CpuSet::parse(&text).map_err(|what| TopologyError::Parse { path: list, what })?
-            }
+            Some(text) => CpuSet::parse(&text).map_err(|e| TopologyError::Parse {
+                path: list,
+                what: e.to_string(),
+            })?,
             None => CpuSet::new(),
         };
         let distances = read_attr(&dir.join("distance"))

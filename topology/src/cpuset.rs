@@ -7,6 +7,8 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::TopologyError;
+
 /// A set of CPU numbers. Displays as a kernel list (`0-3,8`); the empty set displays as "".
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CpuSet(BTreeSet<u32>);
@@ -21,7 +23,7 @@ impl CpuSet {
 
     /// Parses a kernel CPU list: comma-separated numbers and inclusive ranges, possibly with a
     /// `:stride` suffix on ranges (cpuset syntax); whitespace and a trailing newline are ignored.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, TopologyError> {
         let mut set = BTreeSet::new();
         let text = text.trim();
         if text.is_empty() {
@@ -29,7 +31,11 @@ impl CpuSet {
         }
         for part in text.split(',') {
             let part = part.trim();
-            let bad = || format!("invalid CPU list '{text}': '{part}' is not N or N-M");
+            let bad = || {
+                TopologyError::Value(format!(
+                    "invalid CPU list '{text}': '{part}' is not N or N-M"
+                ))
+            };
             let (range, stride) = match part.split_once(':') {
                 Some((r, s)) => (r, s.parse::<u32>().ok().filter(|s| *s > 0).ok_or_else(bad)?),
                 None => (part, 1),
@@ -54,16 +60,21 @@ impl CpuSet {
 
     /// Parses a hex mask as sysfs writes it: 32-bit groups, most significant first, separated by
     /// commas (`00000000,ffffffff`).
-    pub fn parse_mask(text: &str) -> Result<Self, String> {
+    pub fn parse_mask(text: &str) -> Result<Self, TopologyError> {
         let mut set = BTreeSet::new();
         let groups: Vec<&str> = text.trim().split(',').collect();
         for (i, group) in groups.iter().rev().enumerate() {
             let bits = u32::from_str_radix(group.trim(), 16)
-                .map_err(|_| format!("invalid CPU mask '{}'", text.trim()))?;
+                .map_err(|_| TopologyError::Value(format!("invalid CPU mask '{}'", text.trim())))?;
             let base = u32::try_from(i)
                 .ok()
                 .and_then(|i| i.checked_mul(32))
-                .ok_or_else(|| format!("invalid CPU mask '{}': too many groups", text.trim()))?;
+                .ok_or_else(|| {
+                    TopologyError::Value(format!(
+                        "invalid CPU mask '{}': too many groups",
+                        text.trim()
+                    ))
+                })?;
             for bit in 0..32 {
                 if bits & (1 << bit) != 0 {
                     set.insert(base + bit);

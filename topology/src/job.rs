@@ -63,9 +63,9 @@ pub fn parse_gpus(var: &str, value: &str) -> Result<Vec<GpuId>, TopologyError> {
         if part.starts_with("GPU-") || part.starts_with("MIG-") {
             out.push(GpuId::Uuid(part.to_string()));
         } else if part.contains(':') {
-            out.push(GpuId::Bus(
-                part.parse().map_err(|e: String| job_err(var, value, e))?,
-            ));
+            out.push(GpuId::Bus(part.parse().map_err(|e: TopologyError| {
+                job_err(var, value, e.to_string())
+            })?));
         } else if let Some((a, b)) = part.split_once('-') {
             let (a, b) = (a.parse::<u32>(), b.parse::<u32>());
             match (a, b) {

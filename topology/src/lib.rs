@@ -108,6 +108,9 @@ pub enum TopologyError {
     },
     #[error("{0}")]
     Plan(String),
+    /// A value that is not what it claims (a CPU list, a PCI address, a CDI spec's field).
+    #[error("{0}")]
+    Value(String),
     #[error("{what}: {source}")]
     Sys {
         what: String,

@@ -28,11 +28,15 @@ impl Bdf {
 }
 
 impl FromStr for Bdf {
-    type Err = String;
+    type Err = crate::TopologyError;
 
     /// Accepts `0000:1b:00.0`, NVML's `00000000:1B:00.0` and the domain-less `1b:00.0`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("'{s}' is not a PCI address (domain:bus:device.function)");
+    fn from_str(s: &str) -> Result<Self, crate::TopologyError> {
+        let bad = || {
+            crate::TopologyError::Value(format!(
+                "'{s}' is not a PCI address (domain:bus:device.function)"
+            ))
+        };
         let (rest, function) = s.trim().rsplit_once('.').ok_or_else(bad)?;
         let parts: Vec<&str> = rest.split(':').collect();
         let (domain, bus, device) = match parts.as_slice() {
