@@ -64,95 +64,18 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     }
     if let Some(name_opt) = &step.options.container_name {
         let (name, mode) = parse_name(name_opt)?;
-        let scope = step.plugin.container_scope;
-        let records = state::list(&config.runtime.state_dir);
-        let mine = |r: &state::Record| {
-            state::owner_alive(r)
-                && label(&r.labels, "uid") == step.uid.to_string()
-                && on_node(&r.labels, node.as_deref())
-        };
-        let existing = records
-            .iter()
-            .find(|r| {
-                mine(r)
-                    && label(&r.labels, "name") == name
-                    && (scope == Scope::Global
-                        || label(&r.labels, "job") == step.job_id.to_string())
-            })
-            // Pyxis's `JOBID.STEPID`: the unnamed container of a running step of this job.
-            .or_else(|| {
-                let (job, stepid) = step_ids(&name)?;
-                (job == step.job_id).then_some(())?;
-                records.iter().find(|r| {
-                    mine(r)
-                        && !r.labels.contains_key("name")
-                        && label(&r.labels, "job") == job.to_string()
-                        && label(&r.labels, "step") == stepid.to_string()
-                })
-            });
-        match (existing, mode) {
-            (Some(_), NameMode::Create) => {
-                return Err(SlurmError::input(format!(
-                    "container '{name}' exists already (--container-name={name}:create)"
-                )));
-            }
-            (Some(record), _) => {
-                let (_, spec) =
-                    runtime::join::held(&opts, &record.id).map_err(SlurmError::Runtime)?;
-                let created = runtime::Created {
-                    id: record.id.clone(),
-                    pid: record.init_pid,
-                    timings: Vec::new(),
-                };
-                let description = Description::new(&created, &spec);
-                // Asking for a namespace of its own cannot be granted by joining a container
-                // that shares the host's (Pyxis fails too).
-                let asked = slurm_step::unshare(&step.options, &[])?;
-                for (wanted, ns) in [(asked.net, "net"), (asked.ipc, "ipc"), (asked.uts, "uts")] {
-                    if wanted && !description.namespaces.contains_key(ns) {
-                        return Err(SlurmError::input(format!(
-                            "--container-unshare={ns}: container '{name}' shares the host's {ns} \
-                             namespace (it was made without --container-unshare={ns}): give a \
-                             new --container-name or drop --container-unshare={ns}"
-                        )));
-                    }
-                }
-                let topo = StepTopology::discover(&step, config)?;
-                let binding = topo.binding(bind, config)?;
-                return Ok(answer(&description, binding, true));
-            }
-            (None, NameMode::Exec) => {
-                return Err(SlurmError::input(format!(
-                    "no container named '{name}' (--container-name={name}:exec needs one)"
-                )));
-            }
-            (None, _) => {}
+        if let Some(record) = named(&step, config, node.as_deref(), &name, mode)? {
+            return join_named(&step, config, &record, &name, bind);
         }
         labels.insert("name".into(), name);
-        labels.insert(
-            "scope".into(),
-            match scope {
-                Scope::Job => "job".into(),
-                Scope::Global => "global".into(),
-            },
-        );
+        let scope = match step.plugin.container_scope {
+            Scope::Job => "job",
+            Scope::Global => "global",
+        };
+        labels.insert("scope".into(), scope.into());
     }
     if let Some(save_text) = &step.options.container_save {
-        // A relative path is the step's working directory's, as in Pyxis.
-        let save = step
-            .host_path(save_text)
-            .map_err(|e| SlurmError::input(format!("--container-save={save_text}: {e}")))?;
-        check_save_target(&save, step.uid, step.gid).map_err(|e| {
-            let resolved = if save_text.starts_with('/') {
-                String::new()
-            } else {
-                format!(" ({})", save.display())
-            };
-            SlurmError::input(format!(
-                "--container-save={save_text}: uid {} cannot write it{resolved}: {e}; give a path the job's user can write",
-                step.uid,
-            ))
-        })?;
+        let save = save_target(&step, save_text)?;
         labels.insert("save".into(), save.display().to_string());
         labels.insert("gid".into(), step.gid.to_string());
     }
@@ -162,8 +85,153 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     let user = spec::user::by_id(step.uid, step.gid);
     let image = crate::container::resolve(image_text, config, &user, None)
         .map_err(|e| SlurmError::ImageUnavailable(Box::new(e)))?;
+    let req = request(&step, config, &user, &image)?;
+    let mut spec = spec::build(&req).map_err(|e| SlurmError::input(e.to_string()))?;
+    slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)?;
+    let topo = StepTopology::discover(&step, config)?;
+    let binding = topo.binding(bind, config)?;
+    // Kept until the container exists: its /etc/ld.so.cache is a bind of this file.
+    let _loader_cache = topo.inject_devices(&mut spec, &image.lowers, config)?;
+    if let Some(digest) = &image.digest {
+        labels.insert("image".into(), digest.clone());
+    }
+    let created =
+        runtime::create(&spec, &image.lowers, &opts, &labels).map_err(SlurmError::Runtime)?;
+    let use_entrypoint = step
+        .options
+        .container_entrypoint
+        .unwrap_or(step.plugin.execute_entrypoint);
+    let entrypoint = step_entrypoint(&image.defaults.entrypoint, &image.lowers);
+    let mut log = None;
+    if use_entrypoint && !entrypoint.is_empty() {
+        match entrypoint_run(config, &created.id, &entrypoint, &mut spec) {
+            Ok(output) => {
+                if step.options.container_entrypoint_log == Some(true) {
+                    log = Some(output);
+                }
+            }
+            Err(e) => {
+                let _ = runtime::remove(&opts, &created.id);
+                return Err(e);
+            }
+        }
+    }
+    let mut description = Description::new(&created, &spec);
+    description.entrypoint_log = log;
+    Ok(answer(&description, binding, false))
+}
+
+/// The running container `--container-name=NAME[:MODE]` names for this step's user on this node
+/// (with the job's scope, or Pyxis's `JOBID.STEPID` for another step's unnamed one), or `None`
+/// when one is to be made; the mode's refusals (`create` of an existing one, `exec` of none).
+fn named(
+    step: &StepRequest,
+    config: &Config,
+    node: Option<&str>,
+    name: &str,
+    mode: NameMode,
+) -> Result<Option<state::Record>, SlurmError> {
+    let records = state::list(&config.runtime.state_dir);
+    let mine = |r: &state::Record| {
+        state::owner_alive(r)
+            && label(&r.labels, "uid") == step.uid.to_string()
+            && on_node(&r.labels, node)
+    };
+    let existing = records
+        .iter()
+        .position(|r| {
+            mine(r)
+                && label(&r.labels, "name") == name
+                && (step.plugin.container_scope == Scope::Global
+                    || label(&r.labels, "job") == step.job_id.to_string())
+        })
+        // Pyxis's `JOBID.STEPID`: the unnamed container of a running step of this job.
+        .or_else(|| {
+            let (job, stepid) = step_ids(name)?;
+            (job == step.job_id).then_some(())?;
+            records.iter().position(|r| {
+                mine(r)
+                    && !r.labels.contains_key("name")
+                    && label(&r.labels, "job") == job.to_string()
+                    && label(&r.labels, "step") == stepid.to_string()
+            })
+        });
+    match (existing, mode) {
+        (Some(_), NameMode::Create) => Err(SlurmError::input(format!(
+            "container '{name}' exists already (--container-name={name}:create)"
+        ))),
+        (None, NameMode::Exec) => Err(SlurmError::input(format!(
+            "no container named '{name}' (--container-name={name}:exec needs one)"
+        ))),
+        (existing, _) => Ok(existing.and_then(|i| records.into_iter().nth(i))),
+    }
+}
+
+/// The answer for a step that joins the existing container `record`, whose mounts and
+/// namespaces are that container's, whatever this step's options say.
+fn join_named(
+    step: &StepRequest,
+    config: &Config,
+    record: &state::Record,
+    name: &str,
+    bind: BindMode,
+) -> Result<Answer, SlurmError> {
+    let (_, spec) = runtime::join::held(&options(config, None), &record.id)?;
+    let created = runtime::Created {
+        id: record.id.clone(),
+        pid: record.init_pid,
+        timings: Vec::new(),
+    };
+    let description = Description::new(&created, &spec);
+    // Asking for a namespace of its own cannot be granted by joining a container that shares
+    // the host's (Pyxis fails too).
+    let asked = slurm_step::unshare(&step.options, &[])?;
+    for (wanted, ns) in [(asked.net, "net"), (asked.ipc, "ipc"), (asked.uts, "uts")] {
+        if wanted && !description.namespaces.contains_key(ns) {
+            return Err(SlurmError::input(format!(
+                "--container-unshare={ns}: container '{name}' shares the host's {ns} \
+                 namespace (it was made without --container-unshare={ns}): give a \
+                 new --container-name or drop --container-unshare={ns}"
+            )));
+        }
+    }
+    let topo = StepTopology::discover(step, config)?;
+    let binding = topo.binding(bind, config)?;
+    Ok(answer(&description, binding, true))
+}
+
+/// `--container-save`'s file on the host (a relative path is the step's working directory's, as
+/// in Pyxis), checked now that the job's user can write there: a job must not run for hours to
+/// lose its container at the end.
+fn save_target(step: &StepRequest, save_text: &str) -> Result<std::path::PathBuf, SlurmError> {
+    let save = step
+        .host_path(save_text)
+        .map_err(|e| SlurmError::input(format!("--container-save={save_text}: {e}")))?;
+    check_save_target(&save, step.uid, step.gid).map_err(|e| {
+        let resolved = if save_text.starts_with('/') {
+            String::new()
+        } else {
+            format!(" ({})", save.display())
+        };
+        SlurmError::input(format!(
+            "--container-save={save_text}: uid {} cannot write it{resolved}: {e}; give a path the job's user can write",
+            step.uid,
+        ))
+    })?;
+    Ok(save)
+}
+
+/// The container request of a step on `image`: the plugin's options, the job's scratch at
+/// `scratch.container_path`, Slurm's cgroup limits at /sys/fs/cgroup; refused when the
+/// environment is over the limits or the user cannot read a mount's source.
+fn request(
+    step: &StepRequest,
+    config: &Config,
+    user: &berth_spec::UserIds,
+    image: &crate::container::Resolved,
+) -> Result<berth_spec::Request, SlurmError> {
     let mut req = to_request(
-        &step,
+        step,
         user.clone(),
         &image.lowers,
         &image.defaults,
@@ -202,7 +270,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     // Opened as the user, only to word the refusal: the runtime opens each source again as the
     // user and mounts what it opened, never the path as root.
     for m in &req.mounts {
-        if let Err(e) = berth_sys::privfs::open_readable_as_user(&m.source, &user) {
+        if let Err(e) = berth_sys::privfs::open_readable_as_user(&m.source, user) {
             return Err(SlurmError::input(format!(
                 "--container-mounts: uid {} cannot read {}: {e}",
                 user.uid,
@@ -210,57 +278,31 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
             )));
         }
     }
-    let mut spec = spec::build(&req).map_err(|e| SlurmError::input(e.to_string()))?;
-    slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)?;
-    let topo = StepTopology::discover(&step, config)?;
-    let binding = topo.binding(bind, config)?;
-    // Kept until the container exists: its /etc/ld.so.cache is a bind of this file.
-    let _loader_cache = topo.inject_devices(&mut spec, &image.lowers, config)?;
-    if let Some(digest) = &image.digest {
-        labels.insert("image".into(), digest.clone());
+    Ok(req)
+}
+
+/// Runs the image's entrypoint in the new container `id` (`--container-entrypoint`) and keeps
+/// the environment it set in `spec` (saved, for named containers' later steps); its output.
+fn entrypoint_run(
+    config: &Config,
+    id: &str,
+    entrypoint: &[String],
+    spec: &mut oci_spec::runtime::Spec,
+) -> Result<String, SlurmError> {
+    let run = runtime::join::run_entrypoint(
+        &options(config, None),
+        id,
+        entrypoint,
+        std::time::Duration::from_secs(config.runtime.entrypoint_timeout_s),
+    )
+    // The image's entrypoint failing is the job's problem; keeping what it set is the node's.
+    .map_err(|e| SlurmError::input(e.to_string()))?;
+    if let (Some(env), Some(process)) = (run.env, spec.process_mut()) {
+        process.set_env(Some(env));
+        state::save_spec(&config.runtime.state_dir, id, spec)
+            .map_err(|e| SlurmError::host(format!("saving the entrypoint's environment: {e}")))?;
     }
-    let created =
-        runtime::create(&spec, &image.lowers, &opts, &labels).map_err(SlurmError::Runtime)?;
-    let use_entrypoint = step
-        .options
-        .container_entrypoint
-        .unwrap_or(step.plugin.execute_entrypoint);
-    let mut log = None;
-    let entrypoint = step_entrypoint(&image.defaults.entrypoint, &image.lowers);
-    if use_entrypoint && !entrypoint.is_empty() {
-        let ran = runtime::join::run_entrypoint(
-            &opts,
-            &created.id,
-            &entrypoint,
-            std::time::Duration::from_secs(config.runtime.entrypoint_timeout_s),
-        )
-        // The image's entrypoint failing is the job's problem; keeping what it set is the node's.
-        .map_err(|e| SlurmError::input(e.to_string()))
-        .and_then(|run| {
-            if let (Some(env), Some(process)) = (run.env, spec.process_mut()) {
-                // Named containers keep it for their later steps.
-                process.set_env(Some(env));
-                state::save_spec(&config.runtime.state_dir, &created.id, &spec).map_err(|e| {
-                    SlurmError::host(format!("saving the entrypoint's environment: {e}"))
-                })?;
-            }
-            Ok(run.output)
-        });
-        match ran {
-            Ok(output) => {
-                if step.options.container_entrypoint_log == Some(true) {
-                    log = Some(output);
-                }
-            }
-            Err(e) => {
-                let _ = runtime::remove(&opts, &created.id);
-                return Err(e);
-            }
-        }
-    }
-    let mut description = Description::new(&created, &spec);
-    description.entrypoint_log = log;
-    Ok(answer(&description, binding, false))
+    Ok(run.output)
 }
 
 /// The entrypoint `--container-entrypoint` runs: the image's, or for an image without one that
