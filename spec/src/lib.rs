@@ -148,6 +148,9 @@ const DEFAULT_DEVICES: [(&str, i64, i64); 6] = [
 ];
 
 /// Builds the Spec for a request.
+// Long by design: every field of the Spec, and every default that bears on security (mounts
+// nosuid/nodev, capabilities, masked paths, no_new_privs), is set in this one place to be
+// reviewed together.
 pub fn build(req: &Request) -> Result<Spec, SpecError> {
     if req.limits.memory_swap.is_some() && req.limits.memory.is_none() {
         return Err(SpecError::SwapWithoutMemory);

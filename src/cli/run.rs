@@ -224,25 +224,10 @@ impl Prepared {
     }
 }
 
-/// Validates the arguments against the host, resolves the image and builds the request.
-pub fn request(
-    args: &ContainerArgs,
-    command: &[String],
-    config: &Config,
-    hold: bool,
-) -> Result<Prepared, Failure> {
-    if args.rootfs.is_none() && args.image.is_none() {
-        return Err(Failure::input(
-            "no image: give IMAGE (berth run IMAGE CMD...), --image REF or --rootfs DIR",
-        ));
-    }
-    let mut mounts = Vec::new();
-    for text in &args.mounts {
-        let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
-        mounts.push((text, m));
-    }
+/// `--env KEY=VALUE`, or `--env KEY` for the caller's value of KEY.
+fn env_flags(flags: &[String]) -> Result<Vec<(String, String)>, Failure> {
     let mut cli_env = Vec::new();
-    for text in &args.env {
+    for text in flags {
         if !text.contains('=') && !text.is_empty() {
             match std::env::var(text) {
                 Ok(v) => cli_env.push((text.clone(), v)),
@@ -257,16 +242,17 @@ pub fn request(
             cli_env.push(parse::env_pair(text).map_err(|e| Failure::input(format!("--env: {e}")))?);
         }
     }
-    if let Some(dir) = &args.workdir
-        && (!dir.is_absolute() || dir.as_os_str().len() >= libc::PATH_MAX as usize)
-    {
-        return Err(Failure::input(format!(
-            "--workdir {}: must be an absolute path, shorter than PATH_MAX",
-            super::elide(&dir.to_string_lossy())
-        )));
-    }
-    let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
-    let image = match (&args.rootfs, &args.image) {
+    Ok(cli_env)
+}
+
+/// The image's layers and defaults: a `--rootfs` directory as it is, or `--image` resolved (and
+/// imported) for the user the container runs as.
+fn image(
+    args: &ContainerArgs,
+    config: &Config,
+    caller: &spec::UserIds,
+) -> Result<crate::slurm::container::Resolved, Failure> {
+    Ok(match (&args.rootfs, &args.image) {
         (Some(_), _) if args.entrypoint => {
             return Err(Failure::input(
                 "--entrypoint applies to an image's Entrypoint; a --rootfs directory has none: \
@@ -307,7 +293,59 @@ pub fn request(
             crate::slurm::container::resolve(text, config, &reader, args.arch.clone())?
         }
         (None, None) => return Err(Failure::input("give --rootfs DIR or --image REF")),
-    };
+    })
+}
+
+/// `--memory`, `--memory-swap`, `--cpus`, `--cpuset` and `--pids`.
+fn resource_limits(args: &ContainerArgs) -> Result<Limits, Failure> {
+    Ok(Limits {
+        memory: flag("memory", &args.memory, parse::size)?,
+        memory_swap: flag("memory-swap", &args.memory_swap, parse::size)?,
+        cpu_quota: flag("cpus", &args.cpus, |v| parse::cpus(v, spec::CPU_PERIOD_US))?,
+        cpuset: flag("cpuset", &args.cpuset, parse::cpu_list)?,
+        pids: flag("pids", &args.pids, |v| {
+            v.parse::<i64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| spec::SpecError::Size(v.to_string()))
+        })
+        .map_err(|_| {
+            Failure::input(format!(
+                "--pids {}: use a positive number of tasks",
+                super::elide(args.pids.as_deref().unwrap_or_default())
+            ))
+        })?,
+    })
+}
+
+/// Validates the arguments against the host, resolves the image and builds the request.
+pub fn request(
+    args: &ContainerArgs,
+    command: &[String],
+    config: &Config,
+    hold: bool,
+) -> Result<Prepared, Failure> {
+    if args.rootfs.is_none() && args.image.is_none() {
+        return Err(Failure::input(
+            "no image: give IMAGE (berth run IMAGE CMD...), --image REF or --rootfs DIR",
+        ));
+    }
+    let mut mounts = Vec::new();
+    for text in &args.mounts {
+        let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
+        mounts.push((text, m));
+    }
+    let cli_env = env_flags(&args.env)?;
+    if let Some(dir) = &args.workdir
+        && (!dir.is_absolute() || dir.as_os_str().len() >= libc::PATH_MAX as usize)
+    {
+        return Err(Failure::input(format!(
+            "--workdir {}: must be an absolute path, shorter than PATH_MAX",
+            super::elide(&dir.to_string_lossy())
+        )));
+    }
+    let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
+    let image = image(args, config, &caller)?;
     let user = match (&args.user, &image.defaults.user) {
         (Some(text), _) => {
             spec::user::resolve(text).map_err(|e| Failure::input(format!("--user: {e}")))?
@@ -334,13 +372,13 @@ pub fn request(
             },
         )
         .collect::<Result<Vec<_>, _>>()?;
-    let limits = config.store.env_limits();
-    limits
+    let env_limits = config.store.env_limits();
+    env_limits
         .check("--env", &cli_env)
         .map_err(|e| Failure::input(e.to_string()))?;
     let mut env = image.defaults.env.clone();
     env.extend(cli_env);
-    limits
+    env_limits
         .check(
             "the container's environment (the image's Env and --env)",
             &env,
@@ -358,24 +396,7 @@ pub fn request(
             "no command given, and the image defines no Entrypoint or Cmd"
         }));
     }
-    let limits = Limits {
-        memory: flag("memory", &args.memory, parse::size)?,
-        memory_swap: flag("memory-swap", &args.memory_swap, parse::size)?,
-        cpu_quota: flag("cpus", &args.cpus, |v| parse::cpus(v, spec::CPU_PERIOD_US))?,
-        cpuset: flag("cpuset", &args.cpuset, parse::cpu_list)?,
-        pids: flag("pids", &args.pids, |v| {
-            v.parse::<i64>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| spec::SpecError::Size(v.to_string()))
-        })
-        .map_err(|_| {
-            Failure::input(format!(
-                "--pids {}: use a positive number of tasks",
-                super::elide(args.pids.as_deref().unwrap_or_default())
-            ))
-        })?,
-    };
+    let limits = resource_limits(args)?;
     let (cdi, paths): (Vec<String>, Vec<String>) = args
         .devices
         .iter()

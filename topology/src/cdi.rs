@@ -399,6 +399,8 @@ fn device_type(t: &str) -> LinuxDeviceType {
 /// Applies `edits` (from [`Registry::edits`]) to `spec`. Device numbers missing from a spec are
 /// read from the host's node (`host` is `/` in production). Mounts get nosuid and nodev, except
 /// under /dev.
+// Long by design: the edits are applied in the order the CDI specification gives (env, device
+// nodes, mounts, hooks), each with its own checks, so a reviewer reads the spec's order here.
 pub fn apply(
     spec: &mut Spec,
     edits: &[ContainerEdits],

@@ -237,6 +237,8 @@ fn nvml_failure(op: &str, e: nvml_wrapper::error::NvmlError) -> GpuUnavailable {
 }
 
 impl GpuBackend for Nvml {
+    // Long by design: one NVML session, each device's queries in the order of the snapshot's
+    // fields, each query's failure handled where it is made.
     fn snapshot(&self) -> Result<NvmlSnapshot, GpuUnavailable> {
         use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
         use nvml_wrapper::enum_wrappers::nv_link::IntDeviceType;

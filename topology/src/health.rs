@@ -62,6 +62,8 @@ const REASON_MAX: usize = 200;
 
 /// Judges the node. `xids` are the kernel-log XIDs of the window being checked, or why they
 /// could not be read (then the check is skipped and says so).
+// Long by design: five independent checks, each a commented block adding to one report in the
+// order `berth health` prints them; apart, that order would live in a sixth place.
 pub fn check(node: &Node, xids: Result<&[Xid], String>, opts: &Options) -> Report {
     let mut checks = Vec::new();
     let mut add = |name: &'static str, problems: Vec<String>, ok_detail: String| {

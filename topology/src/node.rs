@@ -189,6 +189,8 @@ pub fn is_nvidia_gpu(dev: &PciDevice) -> bool {
 }
 
 /// Reads the node.
+// Long by design: reads PCI, NVML and the NICs, then joins them in the numbering the comments
+// explain; the joins depend on each other's order.
 pub fn discover(
     host: &Host,
     backend: &dyn GpuBackend,

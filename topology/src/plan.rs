@@ -194,7 +194,179 @@ fn share<T: Clone>(items: &[T], k: usize, s: usize) -> Vec<T> {
     }
 }
 
+/// The CPUs the step may use (its cpuset within the node's online CPUs) and the NUMA nodes that
+/// have any of them.
+fn step_cpus(node: &Node, opts: &PlanOptions) -> Result<(CpuSet, Vec<u32>), TopologyError> {
+    let allowed = match &opts.allowed_cpus {
+        Some(a) => a.intersection(&node.cpus.online),
+        None => node.cpus.online.clone(),
+    };
+    if allowed.is_empty() {
+        return Err(TopologyError::Plan(format!(
+            "the step's CPUs ({}) are none of the node's online CPUs ({})",
+            opts.allowed_cpus.clone().unwrap_or_default(),
+            node.cpus.online
+        )));
+    }
+    let usable_nodes: Vec<u32> = node
+        .cpus
+        .numa
+        .iter()
+        .filter(|n| !n.cpus.intersection(&allowed).is_empty())
+        .map(|n| n.id)
+        .collect();
+    if usable_nodes.is_empty() {
+        return Err(TopologyError::Plan(format!(
+            "no NUMA node lists the step's CPUs ({allowed}): check /sys/devices/system/node"
+        )));
+    }
+
+    Ok((allowed, usable_nodes))
+}
+
+/// Each rank's home NUMA nodes: those of its GPUs (or a fair share of the usable nodes for a
+/// rank without GPUs), the nearest usable node where the step has no CPU on them.
+fn rank_homes(
+    node: &Node,
+    alloc: &[&Gpu],
+    rank_gpus: &[Vec<usize>],
+    usable_nodes: &[u32],
+    warnings: &mut Vec<String>,
+) -> Vec<Vec<u32>> {
+    let t = rank_gpus.len();
+    let mut homes: Vec<Vec<u32>> = Vec::with_capacity(t);
+    for (r, gs) in rank_gpus.iter().enumerate() {
+        let mut home: Vec<u32> = if gs.is_empty() {
+            share(usable_nodes, t, r)
+        } else {
+            let mut h: Vec<u32> = gs.iter().filter_map(|&i| alloc[i].numa).collect();
+            h.sort();
+            h.dedup();
+            if h.is_empty() {
+                warnings.push(format!(
+                    "rank {r}: the NUMA node of GPU {} is unknown; the rank shares every node",
+                    alloc[gs[0]].index
+                ));
+                h = usable_nodes.to_vec();
+            }
+            h
+        };
+        let usable: Vec<u32> = home
+            .iter()
+            .copied()
+            .filter(|n| usable_nodes.contains(n))
+            .collect();
+        if usable.is_empty() {
+            // The step has no CPU on the GPU's node: run on the nearest node it has.
+            let from = home[0];
+            let near = usable_nodes
+                .iter()
+                .copied()
+                .min_by_key(|&n| (node.cpus.distance(from, n), n))
+                .unwrap_or(usable_nodes[0]);
+            warnings.push(format!(
+                "rank {r}: the step has no CPU on NUMA node {from}; using node {near}"
+            ));
+            home = vec![near];
+        } else {
+            home = usable;
+        }
+        homes.push(home);
+    }
+
+    homes
+}
+
+/// Each rank's CPUs: the allowed cores of its home nodes, split among the ranks homed there
+/// (hardware threads, where a node has fewer cores than ranks).
+fn rank_cpus(node: &Node, allowed: &CpuSet, homes: &[Vec<u32>]) -> Vec<CpuSet> {
+    let t = homes.len();
+    let mut cpus: Vec<CpuSet> = vec![CpuSet::new(); t];
+    for numa in &node.cpus.numa {
+        let sharers: Vec<usize> = (0..t).filter(|&r| homes[r].contains(&numa.id)).collect();
+        if sharers.is_empty() {
+            continue;
+        }
+        let cores: Vec<CpuSet> = node
+            .cpus
+            .cores_of(numa.id)
+            .into_iter()
+            .map(|c| c.threads.intersection(&numa.cpus).intersection(allowed))
+            .filter(|c| !c.is_empty())
+            .collect();
+        // Fewer cores than ranks: split hardware threads instead.
+        let units: Vec<CpuSet> = if cores.len() >= sharers.len() {
+            cores
+        } else {
+            numa.cpus
+                .intersection(allowed)
+                .iter()
+                .map(|c| [c].into_iter().collect())
+                .collect()
+        };
+        for (s, &r) in sharers.iter().enumerate() {
+            for unit in share(&units, sharers.len(), s) {
+                cpus[r] = cpus[r].union(&unit);
+            }
+        }
+    }
+
+    cpus
+}
+
+/// The HCAs NCCL may use: the NICs paired with the step's GPUs (all compute NICs for a step
+/// without GPUs), in the node's order; every rank gets the same list so that NCCL's view of the
+/// node is the same everywhere.
+fn step_hcas(node: &Node, alloc: &[&Gpu], compute: &[&Nic], pairs: &[Pair]) -> Vec<String> {
+    let mut hcas: Vec<String> = Vec::new();
+    if alloc.is_empty() {
+        hcas.extend(compute.iter().map(|n| n.name.clone()));
+    } else {
+        for g in alloc {
+            if let Some(name) = pairs
+                .iter()
+                .find(|p| p.gpu == g.index)
+                .and_then(|p| p.nic.clone())
+                && !hcas.contains(&name)
+            {
+                hcas.push(name);
+            }
+        }
+        hcas.sort_by_key(|name| node.nics.iter().position(|n| &n.name == name));
+    }
+    hcas
+}
+
+/// A rank's environment: the GPUs it sees (numbered as `visible`, in PCI bus order) on a node
+/// with GPUs, and UCX's devices, its NICs' ports.
+fn rank_env(gpu_node: bool, visible: &[u32], nics: &[PlanNic]) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    if gpu_node {
+        env.push(("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string()));
+        env.push((
+            "CUDA_VISIBLE_DEVICES".to_string(),
+            visible
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        ));
+    }
+    if !nics.is_empty() {
+        env.push((
+            "UCX_NET_DEVICES".to_string(),
+            nics.iter()
+                .flat_map(|n| n.ports.iter().map(move |p| format!("{}:{p}", n.name)))
+                .collect::<Vec<_>>()
+                .join(","),
+        ));
+    }
+    env
+}
+
 /// Computes the plan for every local rank of the step.
+// A little over the usual length: the per-rank loop keeps the NIC choice and the rank's record
+// together, as the pairing rules of the README read.
 pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, TopologyError> {
     let mut warnings = Vec::new();
     let alloc = allocated_gpus(node, job)?;
@@ -229,106 +401,16 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
         .map(|(i, g)| plan_gpu(g, i))
         .collect();
 
-    // The CPUs and nodes the step may use.
-    let allowed = match &opts.allowed_cpus {
-        Some(a) => a.intersection(&node.cpus.online),
-        None => node.cpus.online.clone(),
-    };
-    if allowed.is_empty() {
-        return Err(TopologyError::Plan(format!(
-            "the step's CPUs ({}) are none of the node's online CPUs ({})",
-            opts.allowed_cpus.clone().unwrap_or_default(),
-            node.cpus.online
-        )));
-    }
-    let usable_nodes: Vec<u32> = node
-        .cpus
-        .numa
-        .iter()
-        .filter(|n| !n.cpus.intersection(&allowed).is_empty())
-        .map(|n| n.id)
-        .collect();
-    if usable_nodes.is_empty() {
-        return Err(TopologyError::Plan(format!(
-            "no NUMA node lists the step's CPUs ({allowed}): check /sys/devices/system/node"
-        )));
-    }
+    let (allowed, usable_nodes) = step_cpus(node, opts)?;
 
     // GPUs per rank, and each rank's home NUMA nodes.
     let t = tasks as usize;
     let rank_gpus: Vec<Vec<usize>> = (0..t)
         .map(|r| share(&(0..alloc.len()).collect::<Vec<_>>(), t, r))
         .collect();
-    let mut homes: Vec<Vec<u32>> = Vec::with_capacity(t);
-    for (r, gs) in rank_gpus.iter().enumerate() {
-        let mut home: Vec<u32> = if gs.is_empty() {
-            share(&usable_nodes, t, r)
-        } else {
-            let mut h: Vec<u32> = gs.iter().filter_map(|&i| alloc[i].numa).collect();
-            h.sort();
-            h.dedup();
-            if h.is_empty() {
-                warnings.push(format!(
-                    "rank {r}: the NUMA node of GPU {} is unknown; the rank shares every node",
-                    alloc[gs[0]].index
-                ));
-                h = usable_nodes.clone();
-            }
-            h
-        };
-        let usable: Vec<u32> = home
-            .iter()
-            .copied()
-            .filter(|n| usable_nodes.contains(n))
-            .collect();
-        if usable.is_empty() {
-            // The step has no CPU on the GPU's node: run on the nearest node it has.
-            let from = home[0];
-            let near = usable_nodes
-                .iter()
-                .copied()
-                .min_by_key(|&n| (node.cpus.distance(from, n), n))
-                .unwrap_or(usable_nodes[0]);
-            warnings.push(format!(
-                "rank {r}: the step has no CPU on NUMA node {from}; using node {near}"
-            ));
-            home = vec![near];
-        } else {
-            home = usable;
-        }
-        homes.push(home);
-    }
+    let homes = rank_homes(node, &alloc, &rank_gpus, &usable_nodes, &mut warnings);
 
-    // Each node's allowed cores, split among the ranks homed there.
-    let mut cpus: Vec<CpuSet> = vec![CpuSet::new(); t];
-    for numa in &node.cpus.numa {
-        let sharers: Vec<usize> = (0..t).filter(|&r| homes[r].contains(&numa.id)).collect();
-        if sharers.is_empty() {
-            continue;
-        }
-        let cores: Vec<CpuSet> = node
-            .cpus
-            .cores_of(numa.id)
-            .into_iter()
-            .map(|c| c.threads.intersection(&numa.cpus).intersection(&allowed))
-            .filter(|c| !c.is_empty())
-            .collect();
-        // Fewer cores than ranks: split hardware threads instead.
-        let units: Vec<CpuSet> = if cores.len() >= sharers.len() {
-            cores
-        } else {
-            numa.cpus
-                .intersection(&allowed)
-                .iter()
-                .map(|c| [c].into_iter().collect())
-                .collect()
-        };
-        for (s, &r) in sharers.iter().enumerate() {
-            for unit in share(&units, sharers.len(), s) {
-                cpus[r] = cpus[r].union(&unit);
-            }
-        }
-    }
+    let cpus = rank_cpus(node, &allowed, &homes);
 
     // NICs: the GPUs' pairs; a rank without GPUs takes a compute NIC on its node.
     let compute: Vec<&Nic> = node.compute_nics().collect();
@@ -384,27 +466,8 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
             mems = if within.is_empty() { m.clone() } else { within };
         }
 
-        let mut env = Vec::new();
-        if !node.gpus.is_empty() {
-            env.push(("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string()));
-            env.push((
-                "CUDA_VISIBLE_DEVICES".to_string(),
-                rank_gpus[r]
-                    .iter()
-                    .map(|&i| gpus[i].visible.to_string())
-                    .collect::<Vec<_>>()
-                    .join(","),
-            ));
-        }
-        if !nics.is_empty() {
-            env.push((
-                "UCX_NET_DEVICES".to_string(),
-                nics.iter()
-                    .flat_map(|n| n.ports.iter().map(move |p| format!("{}:{p}", n.name)))
-                    .collect::<Vec<_>>()
-                    .join(","),
-            ));
-        }
+        let visible: Vec<u32> = rank_gpus[r].iter().map(|&i| gpus[i].visible).collect();
+        let env = rank_env(!node.gpus.is_empty(), &visible, &nics);
         ranks.push(RankPlan {
             rank,
             gpus: rank_gpus[r].iter().map(|&i| gpus[i].clone()).collect(),
@@ -415,24 +478,7 @@ pub fn plan(node: &Node, job: &Job, opts: &PlanOptions) -> Result<NodePlan, Topo
         });
     }
 
-    // NCCL may use the NICs of the step's GPUs (all compute NICs for a step without GPUs);
-    // every rank gets the same list so that NCCL's view of the node is the same everywhere.
-    let mut hcas: Vec<String> = Vec::new();
-    if alloc.is_empty() {
-        hcas.extend(compute.iter().map(|n| n.name.clone()));
-    } else {
-        for g in &alloc {
-            if let Some(name) = pairs
-                .iter()
-                .find(|p| p.gpu == g.index)
-                .and_then(|p| p.nic.clone())
-                && !hcas.contains(&name)
-            {
-                hcas.push(name);
-            }
-        }
-        hcas.sort_by_key(|name| node.nics.iter().position(|n| &n.name == name));
-    }
+    let hcas = step_hcas(node, &alloc, &compute, &pairs);
     for rank in ranks.iter_mut() {
         if !hcas.is_empty() {
             // '=' makes NCCL match names exactly: without it mlx5_1 would also select mlx5_10.

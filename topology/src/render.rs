@@ -30,6 +30,7 @@ fn table(rows: &[Vec<String>]) -> String {
 }
 
 /// The matrix, the NIC legend, the pairing and the NUMA nodes.
+// Long by design: one text drawn top to bottom, in the layout of `nvidia-smi topo -m`.
 pub fn topology(node: &Node) -> String {
     let mut out = String::new();
     let gpus = &node.gpus;
