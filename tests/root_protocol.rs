@@ -193,7 +193,6 @@ fn containers_of_one_step_on_two_nodes_sharing_a_state_directory_stay_apart() {
 #[test]
 #[ignore = "root tier: run by integration/test.sh"]
 fn a_node_that_cannot_keep_state_exits_125_and_a_bad_request_2() {
-    use std::io::Write;
     let dir = tempfile::tempdir().unwrap();
     // The state directory is a regular file: the node's failure, nothing the job asked wrongly.
     let state = dir.path().join("state");
@@ -212,24 +211,7 @@ fn a_node_that_cannot_keep_state_exits_125_and_a_bad_request_2() {
         .collect::<Vec<_>>()
         .join("\n");
     std::fs::write(&config, broken).unwrap();
-    let create = |text: &str| {
-        let mut child = std::process::Command::new(berth_bin())
-            .arg("--config")
-            .arg(&config)
-            .args(["step", "create"])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-        child.wait_with_output().unwrap()
-    };
+    let create = |text: &str| step_create_with(&config, text);
     let host = create(&request(4310, Some(VERSION), None, "", ""));
     let err = stderr(&host);
     assert_eq!(host.status.code(), Some(125), "{err}");

@@ -90,8 +90,16 @@ pub fn berth(args: &[&str]) -> Command {
 
 /// `berth step create` with `json` on stdin, as the SPANK plugin runs it.
 pub fn step_create(json: &str) -> Output {
+    step_create_with(config(), json)
+}
+
+/// [`step_create`] with another berth config file.
+pub fn step_create_with(config: &Path, json: &str) -> Output {
     use std::io::Write;
-    let mut child = berth(&["step", "create"])
+    let mut child = Command::new(berth_bin())
+        .arg("--config")
+        .arg(config)
+        .args(["step", "create"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
