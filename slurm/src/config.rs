@@ -10,18 +10,9 @@ pub use berth_image::config::{
     Compression, MirrorConfig, RegistryConfig, SquashfsConfig, StoreConfig,
 };
 
-pub const DEFAULT_PATH: &str = "/etc/berth/berth.toml";
+use crate::SlurmError;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("reading config {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("config {path}: {message}")]
-    Parse { path: PathBuf, message: String },
-}
+pub const DEFAULT_PATH: &str = "/etc/berth/berth.toml";
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -237,14 +228,14 @@ impl Config {
     }
 
     /// Loads `path`; when `path` is the default location and absent, the defaults apply.
-    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
+    pub fn load(path: &Path, explicit: bool) -> Result<Self, SlurmError> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Self::parse(&text).map_err(|e| ConfigError::Parse {
+            Ok(text) => Self::parse(&text).map_err(|e| SlurmError::Config {
                 path: path.to_path_buf(),
                 message: e.message().to_string(),
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(Self::default()),
-            Err(source) => Err(ConfigError::Read {
+            Err(source) => Err(SlurmError::ConfigRead {
                 path: path.to_path_buf(),
                 source,
             }),

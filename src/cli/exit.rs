@@ -81,6 +81,10 @@ impl From<SlurmError> for Failure {
     fn from(e: SlurmError) -> Self {
         match e {
             SlurmError::Input(m) => Failure::input(m),
+            // The node's configuration is the admin's input, as a usage error is.
+            e @ (SlurmError::Config { .. } | SlurmError::ConfigRead { .. }) => {
+                Failure::input(e.to_string())
+            }
             SlurmError::Request(e) => Failure::input(e.to_string()),
             SlurmError::Host(m) => Failure::system(m),
             SlurmError::Image(e) => e.into(),
