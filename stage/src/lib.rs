@@ -94,6 +94,25 @@ pub enum StageError {
     /// A failure reported by the staging child, already one line.
     #[error("{0}")]
     Child(String),
+    #[error("scratch: cannot {op} {path}: {source}")]
+    ScratchIo {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("scratch: job id {0:?} is not a plain name")]
+    BadJobId(String),
+    #[error("scratch root: {0}")]
+    ScratchRoot(berth_sys::privfs::PrivfsError),
+    #[error("retention: cannot {op} {path}: {source}{hint}")]
+    RetainIo {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+        hint: &'static str,
+    },
+    #[error("retention area: {0}")]
+    RetainArea(berth_sys::privfs::PrivfsError),
 }
 
 fn access_hint(e: &std::io::Error) -> &'static str {

@@ -6,32 +6,18 @@
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
-use super::scratch::{self, ScratchError};
+use super::scratch;
 use super::{fsops, tree};
+use crate::StageError;
 
-#[derive(Debug, thiserror::Error)]
-pub enum RetainError {
-    #[error("retention: cannot {op} {path}: {source}{hint}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-        hint: &'static str,
-    },
-    #[error(transparent)]
-    Scratch(#[from] ScratchError),
-    #[error("retention area: {0}")]
-    Area(#[from] berth_sys::privfs::PrivfsError),
-}
-
-fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RetainError + 'a {
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StageError + 'a {
     move |source| {
         let hint = if source.raw_os_error() == Some(libc::EXDEV) {
             " (scratch.retention_dir must be on the scratch root's filesystem)"
         } else {
             ""
         };
-        RetainError::Io {
+        StageError::RetainIo {
             op,
             path: path.to_path_buf(),
             source,
@@ -45,13 +31,13 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Re
 /// returns its new path. `dir` is a directory berth relies on ([`berth_sys::privfs::root_dir`]),
 /// root-owned 0711: a user reaches the scratch whose path they were told, but cannot list other
 /// jobs'; one another user made, or a symlink, is refused in one line.
-pub fn retain(root: &Path, job_id: &str, dir: &Path, now: u64) -> Result<PathBuf, RetainError> {
+pub fn retain(root: &Path, job_id: &str, dir: &Path, now: u64) -> Result<PathBuf, StageError> {
     scratch::path(root, job_id)?;
-    let area = berth_sys::privfs::root_dir(dir, 0o711)?;
+    let area = berth_sys::privfs::root_dir(dir, 0o711).map_err(StageError::RetainArea)?;
     let rfd = scratch::open_root(root)?;
     let name = format!("{job_id}-{now}");
     let to = dir.join(&name);
-    let cname = |s: &str| CString::new(s).map_err(|_| ScratchError::BadJobId(s.to_string()));
+    let cname = |s: &str| CString::new(s).map_err(|_| StageError::BadJobId(s.to_string()));
     let (from_c, to_c) = (cname(job_id)?, cname(&name)?);
     // Only a directory is retained: a symlink the job left in its place is not moved.
     match fsops::lstat_at(&rfd, &from_c).map_err(io("inspect", &root.join(job_id)))? {
@@ -84,13 +70,13 @@ fn retained_at(name: &str) -> Option<u64> {
 
 /// Removes the entries of `dir` retained `days` days or more before `now` (by fd, without
 /// following a symlink); returns them.
-pub fn expire(dir: &Path, days: u64, now: u64) -> Result<Vec<PathBuf>, RetainError> {
+pub fn expire(dir: &Path, days: u64, now: u64) -> Result<Vec<PathBuf>, StageError> {
     let mut removed = Vec::new();
     if matches!(std::fs::symlink_metadata(dir), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
     {
         return Ok(removed);
     }
-    let area = berth_sys::privfs::root_dir(dir, 0o711)?;
+    let area = berth_sys::privfs::root_dir(dir, 0o711).map_err(StageError::RetainArea)?;
     for name in tree::list(&area).map_err(io("list", dir))? {
         let text = name.to_string_lossy().into_owned();
         let Some(at) = retained_at(&text) else {

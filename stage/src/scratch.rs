@@ -15,23 +15,10 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use super::{fsops, tree};
+use crate::StageError;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ScratchError {
-    #[error("scratch: cannot {op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("scratch: job id {0:?} is not a plain name")]
-    BadJobId(String),
-    #[error("scratch root: {0}")]
-    Root(#[from] berth_sys::privfs::PrivfsError),
-}
-
-fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ScratchError + 'a {
-    move |source| ScratchError::Io {
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StageError + 'a {
+    move |source| StageError::ScratchIo {
         op,
         path: path.to_path_buf(),
         source,
@@ -39,26 +26,26 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Sc
 }
 
 /// The scratch directory of `job_id` under `root`.
-pub fn path(root: &Path, job_id: &str) -> Result<PathBuf, ScratchError> {
+pub fn path(root: &Path, job_id: &str) -> Result<PathBuf, StageError> {
     if job_id.is_empty()
         || job_id == "."
         || job_id == ".."
         || job_id.contains('/')
         || job_id.contains('\0')
     {
-        return Err(ScratchError::BadJobId(job_id.to_string()));
+        return Err(StageError::BadJobId(job_id.to_string()));
     }
     Ok(root.join(job_id))
 }
 
-fn c_name(name: &str) -> Result<CString, ScratchError> {
-    CString::new(name).map_err(|_| ScratchError::BadJobId(name.to_string()))
+fn c_name(name: &str) -> Result<CString, StageError> {
+    CString::new(name).map_err(|_| StageError::BadJobId(name.to_string()))
 }
 
 /// Opens the scratch root, making it (root's, 0755) if missing; refuses one that another user
 /// owns or could change, or a symlink, in one line.
-pub fn open_root(root: &Path) -> Result<OwnedFd, ScratchError> {
-    Ok(berth_sys::privfs::root_dir(root, 0o755)?)
+pub fn open_root(root: &Path) -> Result<OwnedFd, StageError> {
+    berth_sys::privfs::root_dir(root, 0o755).map_err(StageError::ScratchRoot)
 }
 
 /// Creates `root/job_id`, mode 0700, owned by `uid:gid`, made by root beneath the root's fd. A
@@ -72,7 +59,7 @@ pub fn create(
     uid: u32,
     gid: u32,
     _cap: Option<u64>,
-) -> Result<PathBuf, ScratchError> {
+) -> Result<PathBuf, StageError> {
     // Two Prologs of one job on one host (several slurmd, or a Prolog run again while the
     // first is still busy) race here: one may see the other's directory half made (root's,
     // before its chown) and replace it, so the other's open or mkdir misses. Each step is
@@ -80,7 +67,7 @@ pub fn create(
     let mut attempt = 0;
     loop {
         match create_once(root, job_id, uid, gid) {
-            Err(ScratchError::Io { source, .. })
+            Err(StageError::ScratchIo { source, .. })
                 if attempt < 3
                     && matches!(source.raw_os_error(), Some(libc::ENOENT | libc::EEXIST)) =>
             {
@@ -91,7 +78,7 @@ pub fn create(
     }
 }
 
-fn create_once(root: &Path, job_id: &str, uid: u32, gid: u32) -> Result<PathBuf, ScratchError> {
+fn create_once(root: &Path, job_id: &str, uid: u32, gid: u32) -> Result<PathBuf, StageError> {
     let dir = path(root, job_id)?;
     let name = c_name(job_id)?;
     let rfd = open_root(root)?;
@@ -142,7 +129,7 @@ fn create_once(root: &Path, job_id: &str, uid: u32, gid: u32) -> Result<PathBuf,
 
 /// Removes `root/job_id` and everything in it, by fd beneath the root and without following a
 /// symlink, whatever the job renamed meanwhile; a missing directory is not an error.
-pub fn remove(root: &Path, job_id: &str) -> Result<(), ScratchError> {
+pub fn remove(root: &Path, job_id: &str) -> Result<(), StageError> {
     let dir = path(root, job_id)?;
     let name = c_name(job_id)?;
     if matches!(std::fs::symlink_metadata(root), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
@@ -155,7 +142,7 @@ pub fn remove(root: &Path, job_id: &str) -> Result<(), ScratchError> {
 
 /// Moves the scratch of `job_id` aside, within the root, as `<job>.kept-<now>` (out of the way of
 /// [`reclaim`], which takes only job ids); returns where it is.
-pub fn set_aside(root: &Path, job_id: &str, now: u64) -> Result<PathBuf, ScratchError> {
+pub fn set_aside(root: &Path, job_id: &str, now: u64) -> Result<PathBuf, StageError> {
     let from = c_name(path(root, job_id).map(|_| job_id)?)?;
     let to_name = format!("{job_id}.kept-{now}");
     let to = c_name(&to_name)?;
@@ -174,7 +161,7 @@ pub fn set_aside(root: &Path, job_id: &str, now: u64) -> Result<PathBuf, Scratch
 /// Bytes used by the files under `dir` (allocated blocks), walked by fd without following a
 /// symlink. `dir` is a job's scratch (under the root-owned scratch root) or a directory the
 /// caller named.
-pub fn usage(dir: &Path) -> Result<u64, ScratchError> {
+pub fn usage(dir: &Path) -> Result<u64, StageError> {
     let fd = nix::fcntl::open(
         dir,
         nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
@@ -186,24 +173,24 @@ pub fn usage(dir: &Path) -> Result<u64, ScratchError> {
 
 /// What a scratch directory may still take under a per-job cap: pass it as
 /// [`super::Options::cap`].
-pub fn remaining(dir: &Path, cap: u64) -> Result<u64, ScratchError> {
+pub fn remaining(dir: &Path, cap: u64) -> Result<u64, StageError> {
     Ok(cap.saturating_sub(usage(dir)?))
 }
 
 /// Where the Prolog records a failed stage-in of `job_id`: a root-owned file beside the scratch
 /// (the spank plugin reads it by the same rule).
-pub fn failure_path(root: &Path, job_id: &str) -> Result<PathBuf, ScratchError> {
+pub fn failure_path(root: &Path, job_id: &str) -> Result<PathBuf, StageError> {
     Ok(path(root, job_id)?.with_file_name(format!("{job_id}.stage-in-failed")))
 }
 
-fn failure_name(job_id: &str) -> Result<CString, ScratchError> {
+fn failure_name(job_id: &str) -> Result<CString, StageError> {
     path(Path::new("/"), job_id)?;
     c_name(&format!("{job_id}.stage-in-failed"))
 }
 
 /// Records `line` as the reason the job's stage-in failed; written whole or not at all, by fd
 /// beneath the scratch root.
-pub fn record_failure(root: &Path, job_id: &str, line: &str) -> Result<(), ScratchError> {
+pub fn record_failure(root: &Path, job_id: &str, line: &str) -> Result<(), StageError> {
     let dest = failure_path(root, job_id)?;
     let name = failure_name(job_id)?;
     let tmp = c_name(&format!("{job_id}.stage-in-failed.tmp"))?;
@@ -234,7 +221,7 @@ pub fn failure(root: &Path, job_id: &str) -> Option<String> {
 }
 
 /// Removes the job's stage-in failure record; none is no error.
-pub fn clear_failure(root: &Path, job_id: &str) -> Result<(), ScratchError> {
+pub fn clear_failure(root: &Path, job_id: &str) -> Result<(), StageError> {
     let p = failure_path(root, job_id)?;
     let name = failure_name(job_id)?;
     if matches!(std::fs::symlink_metadata(root), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
@@ -248,7 +235,7 @@ pub fn clear_failure(root: &Path, job_id: &str) -> Result<(), ScratchError> {
 /// Removes the scratch (and failure record) of every job under `root` that `live` says is not
 /// running: what jobs left when their Epilog never ran (slurmd killed, node rebooted). Only
 /// names that are job ids are touched. Returns the job ids reclaimed.
-pub fn reclaim(root: &Path, live: impl Fn(&str) -> bool) -> Result<Vec<String>, ScratchError> {
+pub fn reclaim(root: &Path, live: impl Fn(&str) -> bool) -> Result<Vec<String>, StageError> {
     let mut reclaimed = Vec::new();
     if matches!(std::fs::symlink_metadata(root), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
     {
