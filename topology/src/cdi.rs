@@ -25,14 +25,6 @@ pub const VERSIONS: [&str; 6] = ["0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1
 /// The version berth writes: the oldest that has everything it uses, so most tools read it.
 pub const WRITE_VERSION: &str = "0.5.0";
 
-#[derive(Debug, thiserror::Error)]
-pub enum CdiError {
-    #[error("CDI spec {}: {what}", path.display())]
-    Spec { path: PathBuf, what: String },
-    #[error("CDI device '{name}': {what}")]
-    Device { name: String, what: String },
-}
-
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CdiSpec {
@@ -148,8 +140,8 @@ pub fn split_name(s: &str) -> Option<(&str, &str)> {
 
 impl CdiSpec {
     /// Parses JSON or YAML (JSON is YAML, but its errors read better from the JSON parser).
-    pub fn parse(text: &str, path: &Path) -> Result<Self, CdiError> {
-        let err = |what: String| CdiError::Spec {
+    pub fn parse(text: &str, path: &Path) -> Result<Self, TopologyError> {
+        let err = |what: String| TopologyError::CdiSpec {
             path: path.to_path_buf(),
             what,
         };
@@ -274,7 +266,7 @@ impl Registry {
                     continue;
                 }
                 let spec = std::fs::read_to_string(&path)
-                    .map_err(|e| CdiError::Spec {
+                    .map_err(|e| TopologyError::CdiSpec {
                         path: path.clone(),
                         what: e.to_string(),
                     })
@@ -328,12 +320,12 @@ impl Registry {
     }
 
     /// The edits for devices `names`, spec-wide edits once per spec file, in order.
-    pub fn edits(&self, names: &[String]) -> Result<Vec<ContainerEdits>, CdiError> {
+    pub fn edits(&self, names: &[String]) -> Result<Vec<ContainerEdits>, TopologyError> {
         let mut out = Vec::new();
         let mut specs_done: Vec<PathBuf> = Vec::new();
         for name in names {
             if !is_qualified(name) {
-                return Err(CdiError::Device {
+                return Err(TopologyError::CdiDevice {
                     name: name.clone(),
                     what: "not a CDI name: use vendor.com/class=name".into(),
                 });
@@ -341,7 +333,7 @@ impl Registry {
             let entry = match self.devices.get(name) {
                 Some((_, Ok(e))) => e,
                 Some((_, Err(why))) => {
-                    return Err(CdiError::Device {
+                    return Err(TopologyError::CdiDevice {
                         name: name.clone(),
                         what: format!("{why}: remove one of the definitions"),
                     });
@@ -353,7 +345,7 @@ impl Registry {
                     if !self.errors.is_empty() {
                         what.push_str(&format!("; unreadable specs: {}", self.errors.join("; ")));
                     }
-                    return Err(CdiError::Device {
+                    return Err(TopologyError::CdiDevice {
                         name: name.clone(),
                         what,
                     });
@@ -361,7 +353,7 @@ impl Registry {
             };
             for (what, edits) in [("spec", &entry.spec_edits), ("device", &entry.device_edits)] {
                 if edits.intel_rdt.is_some() || !edits.net_devices.is_empty() {
-                    return Err(CdiError::Device {
+                    return Err(TopologyError::CdiDevice {
                         name: name.clone(),
                         what: format!(
                             "its {what} edits need intelRdt or netDevices, which berth does not support"
@@ -449,13 +441,12 @@ pub fn apply(
                     i64::from(libc::minor(m.rdev())),
                 ),
                 _ => {
-                    return Err(CdiError::Device {
+                    return Err(TopologyError::CdiDevice {
                         name: d.path.clone(),
                         what: format!(
                             "no major/minor in the spec and {host_path} is not a device node on this host"
                         ),
-                    }
-                    .into());
+                    });
                 }
             };
             let mode = d

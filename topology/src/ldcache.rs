@@ -12,14 +12,9 @@
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-#[derive(Debug, thiserror::Error)]
-#[error("loader cache {}: {what}", path.display())]
-pub struct LdCacheError {
-    pub path: PathBuf,
-    pub what: String,
-}
+use crate::TopologyError;
 
 const MAGIC_OLD: &[u8] = b"ld.so-1.7.0";
 const MAGIC_NEW: &[u8] = b"glibc-ld.so.cache1.1";
@@ -132,8 +127,8 @@ fn string_at(b: &[u8], off: usize) -> Option<String> {
 }
 
 /// Reads a cache file's entries; `origin` names it in errors.
-pub fn parse(bytes: &[u8], origin: &Path) -> Result<Vec<Entry>, LdCacheError> {
-    let err = |what: &str| LdCacheError {
+pub fn parse(bytes: &[u8], origin: &Path) -> Result<Vec<Entry>, TopologyError> {
+    let err = |what: &str| TopologyError::LdCache {
         path: origin.to_path_buf(),
         what: what.to_string(),
     };

@@ -116,10 +116,12 @@ pub enum TopologyError {
         what: String,
         source: nix::errno::Errno,
     },
-    #[error(transparent)]
-    Cdi(#[from] cdi::CdiError),
-    #[error(transparent)]
-    LdCache(#[from] ldcache::LdCacheError),
+    #[error("CDI spec {}: {what}", path.display())]
+    CdiSpec { path: PathBuf, what: String },
+    #[error("CDI device '{name}': {what}")]
+    CdiDevice { name: String, what: String },
+    #[error("loader cache {}: {what}", path.display())]
+    LdCache { path: PathBuf, what: String },
     #[error("editing the container spec: {0}")]
     Oci(#[from] oci_spec::OciSpecError),
 }
