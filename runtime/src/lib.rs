@@ -481,7 +481,7 @@ fn remap_namespaces(linux: &oci_spec::runtime::Linux) -> Result<Option<init::Rem
     };
     let (uids, uid) = ranges(linux.uid_mappings())?;
     let (gids, gid) = ranges(linux.gid_mappings())?;
-    let setup = |e: userns::UsernsError| RuntimeError::Setup(SetupError::new(e.to_string()));
+    let setup = |e: berth_sys::SysError| RuntimeError::Setup(SetupError::new(e.to_string()));
     Ok(Some(init::Remap {
         join: userns::create(&uids, &gids).map_err(setup)?,
         layers: userns::create(&userns::layer_map(uid), &userns::layer_map(gid)).map_err(setup)?,

@@ -88,7 +88,7 @@ pub enum StageError {
     #[error("staging: {path}: {message}")]
     Conflict { path: PathBuf, message: String },
     #[error("dataset cache: {0}")]
-    CacheDir(berth_sys::privfs::PrivfsError),
+    CacheDir(berth_sys::SysError),
     #[error("staging as uid {uid}: {message}")]
     Credentials { uid: u32, message: String },
     /// A failure reported by the staging child, already one line.
@@ -103,7 +103,7 @@ pub enum StageError {
     #[error("scratch: job id {0:?} is not a plain name")]
     BadJobId(String),
     #[error("scratch root: {0}")]
-    ScratchRoot(berth_sys::privfs::PrivfsError),
+    ScratchRoot(berth_sys::SysError),
     #[error("retention: cannot {op} {path}: {source}{hint}")]
     RetainIo {
         op: &'static str,
@@ -112,7 +112,7 @@ pub enum StageError {
         hint: &'static str,
     },
     #[error("retention area: {0}")]
-    RetainArea(berth_sys::privfs::PrivfsError),
+    RetainArea(berth_sys::SysError),
 }
 
 fn access_hint(e: &std::io::Error) -> &'static str {

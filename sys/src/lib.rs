@@ -12,6 +12,30 @@ pub mod userns;
 
 use std::path::PathBuf;
 
+/// What the lowest layer can fail at: a path berth relies on that is not safe, I/O on one, a user
+/// namespace that cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    #[error("{path}: {what}; {hint}")]
+    Unsafe {
+        path: PathBuf,
+        what: String,
+        hint: &'static str,
+    },
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "creating a user namespace: unshare(CLONE_NEWUSER) failed (user namespaces disabled? see user.max_user_namespaces)"
+    )]
+    Unshare,
+    #[error("{what}: {detail}")]
+    Userns { what: &'static str, detail: String },
+}
+
 /// The identity a container's command runs as.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UserIds {

@@ -13,23 +13,7 @@ use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
 use nix::sys::stat::Mode;
 
-use crate::UserIds;
-
-#[derive(Debug, thiserror::Error)]
-pub enum PrivfsError {
-    #[error("{path}: {what}; {hint}")]
-    Unsafe {
-        path: PathBuf,
-        what: String,
-        hint: &'static str,
-    },
-    #[error("{what} {path}: {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
+use crate::{SysError, UserIds};
 
 const ROOT_DIR_HINT: &str = "berth keeps its files only in directories that root owns and no other user can change: remove it (or fix its owner and mode) and retry, or configure another path in /etc/berth/berth.toml";
 
@@ -154,17 +138,17 @@ pub fn read_bounded(file: &mut File, limit: u64) -> std::io::Result<Vec<u8>> {
 /// sticky bit, as `/tmp`), and it is not a symlink. Missing directories are made (root's, the last
 /// with `mode`, those above it 0755); a root-owned one of another mode gets `mode`. Anything else
 /// is refused in one line, never used.
-pub fn root_dir(path: &Path, mode: u32) -> Result<OwnedFd, PrivfsError> {
+pub fn root_dir(path: &Path, mode: u32) -> Result<OwnedFd, SysError> {
     let io = |what, p: &Path| {
         let p = p.to_path_buf();
-        move |source| PrivfsError::Io {
+        move |source| SysError::Io {
             what,
             path: p,
             source,
         }
     };
     if !path.is_absolute() {
-        return Err(PrivfsError::Unsafe {
+        return Err(SysError::Unsafe {
             path: path.to_path_buf(),
             what: "is not an absolute path".into(),
             hint: ROOT_DIR_HINT,
@@ -191,7 +175,7 @@ pub fn root_dir(path: &Path, mode: u32) -> Result<OwnedFd, PrivfsError> {
             missing.push(n);
         }
     }
-    let name = path.file_name().ok_or_else(|| PrivfsError::Unsafe {
+    let name = path.file_name().ok_or_else(|| SysError::Unsafe {
         path: path.to_path_buf(),
         what: "has no final name".into(),
         hint: ROOT_DIR_HINT,
@@ -268,7 +252,7 @@ fn make_dir(parent: &OwnedFd, name: &OsStr, mode: u32) -> std::io::Result<()> {
 }
 
 /// Turns a failed no-follow open of a directory into the one-line refusal it stands for.
-fn refusal_or_io(parent: &OwnedFd, name: &OsStr, path: &Path, e: std::io::Error) -> PrivfsError {
+fn refusal_or_io(parent: &OwnedFd, name: &OsStr, path: &Path, e: std::io::Error) -> SysError {
     let st = nix::sys::stat::fstatat(parent, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
     let what = match st {
         Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFLNK => {
@@ -276,14 +260,14 @@ fn refusal_or_io(parent: &OwnedFd, name: &OsStr, path: &Path, e: std::io::Error)
         }
         Ok(_) if e.raw_os_error() == Some(libc::ENOTDIR) => "is not a directory".to_string(),
         _ => {
-            return PrivfsError::Io {
+            return SysError::Io {
                 what: "opening",
                 path: path.to_path_buf(),
                 source: e,
             };
         }
     };
-    PrivfsError::Unsafe {
+    SysError::Unsafe {
         path: path.to_path_buf(),
         what,
         hint: ROOT_DIR_HINT,
@@ -292,8 +276,8 @@ fn refusal_or_io(parent: &OwnedFd, name: &OsStr, path: &Path, e: std::io::Error)
 
 /// Refuses a directory another user owns or could change. `last`: the directory itself, whose
 /// mode berth sets, so only its owner matters.
-fn check_dir(fd: &OwnedFd, path: &Path, last: bool) -> Result<(), PrivfsError> {
-    let st = nix::sys::stat::fstat(fd).map_err(|e| PrivfsError::Io {
+fn check_dir(fd: &OwnedFd, path: &Path, last: bool) -> Result<(), SysError> {
+    let st = nix::sys::stat::fstat(fd).map_err(|e| SysError::Io {
         what: "reading",
         path: path.to_path_buf(),
         source: e.into(),
@@ -308,7 +292,7 @@ fn check_dir(fd: &OwnedFd, path: &Path, last: bool) -> Result<(), PrivfsError> {
     } else {
         return Ok(());
     };
-    Err(PrivfsError::Unsafe {
+    Err(SysError::Unsafe {
         path: path.to_path_buf(),
         what,
         hint: ROOT_DIR_HINT,

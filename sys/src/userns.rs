@@ -7,16 +7,7 @@ use nix::errno::Errno;
 use nix::sys::wait::waitpid;
 use nix::unistd::{ForkResult, fork};
 
-/// Why a user namespace could not be made.
-#[derive(Debug, thiserror::Error)]
-pub enum UsernsError {
-    #[error(
-        "creating a user namespace: unshare(CLONE_NEWUSER) failed (user namespaces disabled? see user.max_user_namespaces)"
-    )]
-    Unshare,
-    #[error("{what}: {detail}")]
-    Step { what: &'static str, detail: String },
-}
+use crate::SysError;
 
 /// One line of /proc/PID/uid_map or gid_map: `size` ids from `inside` map to ids from `outside`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,8 +88,8 @@ pub fn idmapped_user_of(pid: i32) -> Option<(u32, u32)> {
 
 /// Makes a user namespace with these mappings and returns a descriptor of it (which keeps it
 /// alive). Needs CAP_SETUID/CAP_SETGID on the host for mappings to other ids than the caller's.
-pub fn create(uids: &[Range], gids: &[Range]) -> Result<OwnedFd, UsernsError> {
-    let fail = |what: &'static str, e: &dyn std::fmt::Display| UsernsError::Step {
+pub fn create(uids: &[Range], gids: &[Range]) -> Result<OwnedFd, SysError> {
+    let fail = |what: &'static str, e: &dyn std::fmt::Display| SysError::Userns {
         what,
         detail: e.to_string(),
     };
@@ -139,7 +130,7 @@ pub fn create(uids: &[Range], gids: &[Range]) -> Result<OwnedFd, UsernsError> {
                 match nix::unistd::read(&ready_r, &mut byte) {
                     Ok(1) if byte[0] == 1 => {}
                     _ => {
-                        return Err(UsernsError::Unshare);
+                        return Err(SysError::Unshare);
                     }
                 }
                 let proc = format!("/proc/{child}");
