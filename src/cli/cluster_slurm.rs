@@ -8,7 +8,7 @@ use berth_api::{DaemonState, SlurmView};
 pub fn lines(v: &SlurmView) -> Vec<String> {
     let mut out = Vec::new();
     for d in &v.daemons {
-        let mut line = format!("{:<12}{}", format!("{}:", d.daemon), d.state.word());
+        let mut line = format!("{:<11} {}", format!("{}:", d.daemon), d.state.word());
         if d.state != DaemonState::NotConfigured || d.daemon == "slurmdbd" {
             line.push_str(&format!(" ({})", d.message));
         }
