@@ -137,14 +137,20 @@ pub fn conf_path(s: &Settings) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/etc/slurm/slurm.conf"))
 }
 
+/// What a tool printed: its stdout, whether it exited 0, and why not (one line).
+struct ToolOut {
+    stdout: String,
+    failed: Option<String>,
+}
+
 /// Runs `prog args` with SLURM_CONF=`conf`, at most `timeout`; `Err(None)` on the timeout,
-/// `Err(Some(why))` when it failed.
+/// `Err(Some(why))` when it could not run.
 async fn tool(
     prog: &Path,
     args: &[&str],
     conf: &Path,
     timeout: Duration,
-) -> Result<String, Option<String>> {
+) -> Result<ToolOut, Option<String>> {
     let mut cmd = tokio::process::Command::new(prog);
     cmd.args(args)
         .env("SLURM_CONF", conf)
@@ -157,18 +163,43 @@ async fn tool(
         Ok(Err(e)) => return Err(Some(format!("running {}: {e}", prog.display()))),
         Ok(Ok(o)) => o,
     };
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let failed = (!out.status.success()).then(|| {
         let err = String::from_utf8_lossy(&out.stderr);
-        return Err(Some(format!(
+        format!(
             "{} {}: {}: {}",
             prog.display(),
             args.join(" "),
             out.status,
             err.lines().next().unwrap_or("").trim()
-        )));
+        )
+    });
+    Ok(ToolOut { stdout, failed })
+}
+
+/// A tool's stdout when it exited 0, else why not.
+async fn tool_ok(
+    prog: &Path,
+    args: &[&str],
+    conf: &Path,
+    timeout: Duration,
+) -> Result<String, String> {
+    match tool(prog, args, conf, timeout).await {
+        Ok(ToolOut {
+            stdout,
+            failed: None,
+        }) => Ok(stdout),
+        Ok(ToolOut {
+            failed: Some(why), ..
+        })
+        | Err(Some(why)) => Err(why),
+        Err(None) => Err(format!(
+            "{} {}: no answer within {} s",
+            prog.display(),
+            args.join(" "),
+            timeout.as_secs()
+        )),
     }
-    Ok(text)
 }
 
 /// `scontrol ping` with a slurm.conf naming one controller.
@@ -179,8 +210,12 @@ async fn ping(s: &Settings, conf: &Path) -> (Ping, String) {
             Ping::Timeout,
             format!("no answer within {} ms", timeout.as_millis()),
         ),
-        // scontrol ping exits 1 when a controller is down, and still says so.
-        Ok(text) | Err(Some(text)) => {
+        Err(Some(why)) => (Ping::Unknown, why),
+        // scontrol ping exits 1 when a controller is down, and still says so on stdout.
+        Ok(ToolOut {
+            stdout: text,
+            failed,
+        }) => {
             let line = text
                 .lines()
                 .find(|l| l.starts_with("Slurmctld("))
@@ -192,7 +227,10 @@ async fn ping(s: &Settings, conf: &Path) -> (Ping, String) {
             } else if line.ends_with(" is DOWN") {
                 (Ping::Down, line)
             } else {
-                (Ping::Unknown, text.lines().next().unwrap_or("").to_string())
+                (
+                    Ping::Unknown,
+                    failed.unwrap_or_else(|| "no Slurmctld line".into()),
+                )
             }
         }
     }
@@ -428,7 +466,7 @@ async fn take_over(
         "not run: no longer the leader".to_string()
     } else {
         let timeout = Duration::from_secs(10);
-        match tool(&s.scontrol, &["takeover"], conf_path, timeout).await {
+        match tool_ok(&s.scontrol, &["takeover"], conf_path, timeout).await {
             Ok(_) => {
                 app.watch.lock().trigger.done(true);
                 app.takeovers_run
@@ -437,10 +475,7 @@ async fn take_over(
             }
             Err(why) => {
                 app.watch.lock().trigger.done(false);
-                format!(
-                    "scontrol takeover failed: {}",
-                    why.unwrap_or_else(|| "no answer within 10 s".into())
-                )
+                format!("scontrol takeover failed: {why}")
             }
         }
     };
@@ -484,7 +519,7 @@ async fn audit(app: &App, conf: &Path) {
         return;
     }
     let args = ["-h", "-a", "-t", "all", "-o", "%A %T"];
-    let live = match tool(&s.squeue, &args, conf, Duration::from_secs(10)).await {
+    let live = match tool_ok(&s.squeue, &args, conf, Duration::from_secs(10)).await {
         Ok(text) => Some(
             text.lines()
                 .filter_map(|l| l.split_once(' '))
@@ -505,7 +540,7 @@ async fn audit(app: &App, conf: &Path) {
                 .collect(),
         ),
         Err(e) => {
-            tracing::warn!("squeue: {}", e.unwrap_or_else(|| "timed out".into()));
+            tracing::warn!("{e}");
             None
         }
     };
