@@ -747,11 +747,15 @@ impl Controllers {
                     })
                     .collect();
                 found = ls[0].filter(|l| ls.iter().all(|x| *x == Some(*l)));
-                found.is_some_and(|l| self.procs[l as usize - 1].is_some())
+                found.is_some_and(|l| {
+                    self.procs
+                        .get(usize::try_from(l).unwrap() - 1)
+                        .is_some_and(Option::is_some)
+                })
             },
             || logs(d),
         );
-        found.unwrap() as usize - 1
+        usize::try_from(found.unwrap()).unwrap() - 1
     }
 
     /// Makes controller 0 (head1's) the leader: the leader is restarted until it is.

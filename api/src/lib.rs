@@ -283,6 +283,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn heartbeats_of_agents_before_the_daemon_watch_still_parse() {
+        let old = r#"{"node":"n1","boot_id":"b","version":"0.1.0","checks":[],"leftovers":["scratch 7"]}"#;
+        let hb: Heartbeat = serde_json::from_str(old).unwrap();
+        assert!(hb.daemons.is_empty());
+        assert_eq!(hb.leftovers, vec!["scratch 7"]);
+        let new = r#"{"daemon":"slurmdbd","state":"not-configured","message":"none"}"#;
+        let d: DaemonReport = serde_json::from_str(new).unwrap();
+        assert_eq!(d.state, DaemonState::NotConfigured);
+        assert_eq!(d.state.word(), "not configured");
+    }
+
+    #[test]
     fn key_files_must_be_private_and_owned_by_root_or_the_user() {
         assert_eq!(key_file_problem(0, 0o100600, 0), None);
         assert_eq!(key_file_problem(0, 0o100400, 500), None);
