@@ -813,10 +813,10 @@ fn kill_and_measure(slurm: &Slurm, also: Option<Proc>) -> (f64, f64, String) {
     signal(pid, nix::sys::signal::Signal::SIGKILL);
     drop(also);
     // A client that reaches the backup before it took over sleeps SlurmctldTimeout/2 before
-    // trying again (Slurm's rule); each try here is bounded instead, as a user would retry.
+    // trying again (Slurm's rule); each try here is bounded to 1 s instead, as a user would retry.
     let mut job = None;
     while t.elapsed() < Duration::from_secs(90) {
-        job = slurm.sbatch(3, "sleep 300");
+        job = slurm.sbatch(1, "sleep 300");
         if job.is_some() {
             break;
         }

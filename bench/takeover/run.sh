@@ -6,7 +6,7 @@
 #                backup to take over (`scontrol takeover`);
 #   slurm alone: no controller: the backup takes over by itself after SlurmctldTimeout
 #                (Slurm's default, 120 s, unless CTLD_TIMEOUT is given).
-# For each: seconds from the kill until an `sbatch` is accepted (each try bounded to 3 s: a
+# For each: seconds from the kill until an `sbatch` is accepted (each try bounded to 1 s: a
 # client that reaches the backup before it took over sleeps SlurmctldTimeout/2 by Slurm's rule),
 # until that job runs, and whether the running job was left alone. Then the ratio.
 #
@@ -20,7 +20,7 @@ TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 BIN=${BIN:-$TARGET/debug/berth-controller}
 [ -x "$BIN" ] || { echo "run.sh: $BIN missing: cargo build -p berth-controller" >&2; exit 1; }
 STATE=${BERTH_SLURM_STATE:-/tmp/berth-takeover-bench}
-export BERTH_SLURM_PORT=${BERTH_SLURM_PORT:-18917}
+export BERTH_SLURM_PORT=${BERTH_SLURM_PORT:-18830}
 WORK=$(mktemp -d /tmp/berth-takeover-bench.XXXXXX)
 cleanup() {
   # failover runs in a subshell: its controller's pid is in a file.
@@ -66,7 +66,7 @@ failover() {
   kill -9 "$(cat "$HA_PIDFILE1")"
   new=
   while [ -z "$new" ]; do
-    new=$(timeout 3 sbatch --parsable -o /dev/null --wrap 'sleep 60' 2>/dev/null) || new=
+    new=$(timeout 1 sbatch --parsable -o /dev/null --wrap 'sleep 60' 2>/dev/null) || new=
     [ "$(echo "$(since "$t0") > 400" | bc)" = 1 ] && { echo "no sbatch accepted in 400 s" >&2; exit 1; }
   done
   acc=$(since "$t0")
