@@ -302,8 +302,11 @@ pub async fn run(app: std::sync::Arc<App>) {
         was_leader = leader;
         if leader {
             round(&app).await;
+            tokio::time::sleep(every.saturating_sub(started.elapsed())).await;
+        } else {
+            // A new leader starts watching at once (and counting towards a takeover).
+            tokio::time::sleep(every.min(Duration::from_millis(100))).await;
         }
-        tokio::time::sleep(every.saturating_sub(started.elapsed())).await;
     }
 }
 

@@ -21,7 +21,10 @@ fn count(n: usize) -> i64 {
 
 pub fn register(app: &App, state: &State, leader: bool, reg: &mut Registry) {
     let up = Family::<Labels, Gauge>::default();
-    let age = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+    // Always a sample (NaN while unknown: no comparison is true of it), so the alert rules
+    // that name it find it on every controller.
+    let age = Gauge::<f64, AtomicU64>::default();
+    age.set(f64::NAN);
     let fails: Gauge = Gauge::default();
     let node_up = Family::<Labels, Gauge>::default();
     let orphaned = Family::<Labels, Gauge>::default();
@@ -32,7 +35,7 @@ pub fn register(app: &App, state: &State, leader: bool, reg: &mut Registry) {
             up.get_or_create(&vec![("daemon".into(), d)]).set(v);
         }
         if let Some(a) = hb_age {
-            age.get_or_create(&vec![]).set(a);
+            age.set(a);
         }
         fails.set(i64::from(f));
         let beats = app.beats_now();
@@ -71,7 +74,8 @@ pub fn register(app: &App, state: &State, leader: bool, reg: &mut Registry) {
     );
     reg.register(
         "slurmctld_heartbeat_age_seconds",
-        "Seconds since slurmctld last wrote StateSaveLocation/heartbeat (as the leader reads it)",
+        "Seconds since slurmctld last wrote StateSaveLocation/heartbeat (as the leader reads it; \
+         NaN when it cannot)",
         age,
     );
     reg.register(
