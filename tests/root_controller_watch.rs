@@ -25,7 +25,9 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Kills and reaps its process when dropped.
+/// Kills and reaps its process when dropped, with the process group it leads (every `Proc` is
+/// spawned as one: a controller killed alone would leave its sinfo or scontrol running, and
+/// one in a head node's namespace would keep that namespace alive).
 struct Proc {
     child: Child,
 }
@@ -38,7 +40,10 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        signal(self.pid(), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(self.pid()),
+            nix::sys::signal::Signal::SIGKILL,
+        );
         let _ = self.child.wait();
     }
 }
@@ -312,7 +317,7 @@ fn controller(
     for p in peers {
         cmd.arg("--peer").arg(p);
     }
-    let child = cmd
+    let child = std::os::unix::process::CommandExt::process_group(&mut cmd, 0)
         .env("SLURM_CONF", conf)
         .env("BERTH_CONTROLLER_LOG", "warn")
         .stdin(Stdio::null())
@@ -395,7 +400,8 @@ fn agent_config(d: &Path, slurm: &Slurm, addr: &str, node: &str, interval_ms: u6
 }
 
 fn agent(config: &Path, conf: &Path) -> Proc {
-    let child = Command::new(BERTH)
+    let mut cmd = Command::new(BERTH);
+    let child = std::os::unix::process::CommandExt::process_group(&mut cmd, 0)
         .arg("--config")
         .arg(config)
         .arg("agent")
