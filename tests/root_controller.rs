@@ -1270,6 +1270,9 @@ fn metrics_pass_promtool_and_the_alert_rules_load_and_name_real_metrics() {
         metric(&agent, "berth_agent_heartbeats_total").unwrap_or(0.0) >= 1.0
     });
     promtool_metrics("agent", &agent);
+    // Again, now that a node reported its daemons (the families of the watch on Slurm).
+    let controller = c.text(&c.addrs[0], "/metrics").unwrap();
+    promtool_metrics("controller", &controller);
 
     let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/berth-alerts.yml");
     let out = Command::new("promtool")

@@ -57,6 +57,39 @@ pub struct CheckResult {
     pub message: String,
 }
 
+/// What a daemon check found (issue 17): `not-configured` is not `down` (a cluster without
+/// slurmdbd, a node whose agent is told not to look).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DaemonState {
+    Up,
+    Down,
+    /// The check could not say (it timed out, its tool is missing).
+    Unknown,
+    NotConfigured,
+}
+
+impl DaemonState {
+    pub fn word(self) -> &'static str {
+        match self {
+            DaemonState::Up => "up",
+            DaemonState::Down => "down",
+            DaemonState::Unknown => "unknown",
+            DaemonState::NotConfigured => "not configured",
+        }
+    }
+}
+
+/// One daemon's state: on a node `slurmd` and `munge` (the agent's checks, in its heartbeat);
+/// on the controller `slurmctld` (the primary), `slurmctld-backup`, `slurmdbd`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonReport {
+    pub daemon: String,
+    pub state: DaemonState,
+    /// One line: what was seen.
+    pub message: String,
+}
+
 /// What an agent posts to `POST /v1/heartbeat`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
@@ -82,6 +115,9 @@ pub struct Heartbeat {
     /// changed since the last heartbeat the controller took.
     #[serde(default)]
     pub cause: Option<String>,
+    /// The node's Slurm daemons (slurmd, munge). Agents before issue 17 send none.
+    #[serde(default)]
+    pub daemons: Vec<DaemonReport>,
 }
 
 /// The controller's answer to a heartbeat.
@@ -143,6 +179,51 @@ pub struct NodeView {
     pub heartbeat_age_s: Option<f64>,
     /// A drain the circuit breaker held back.
     pub suppressed: Option<String>,
+    /// The node's Slurm daemons from its last heartbeat (the leader's memory).
+    #[serde(default)]
+    pub daemons: Vec<DaemonReport>,
+    /// The leftovers the leader confirmed as of ended jobs (`squeue` no longer runs their job,
+    /// or they belong to none), each `LEFTOVER (AGE s)`, the age since the leader first saw it.
+    #[serde(default)]
+    pub orphaned: Vec<String>,
+}
+
+/// One `scontrol takeover` the leader decided, as committed to the Raft log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakeoverView {
+    /// When it was decided (Unix milliseconds, the leader's clock).
+    pub at_unix_ms: u64,
+    /// The deciding leader's Raft id and term.
+    pub by: u64,
+    pub term: u64,
+    /// The backup slurmctld told to take over.
+    pub backup: String,
+    /// Why, one line (the failed pings).
+    pub reason: String,
+    /// What `scontrol takeover` answered; `None` until the leader recorded it.
+    pub outcome: Option<String>,
+}
+
+/// `GET /v1/slurm` (the leader): Slurm's daemons as the controller and the agents see them,
+/// the takeovers decided, and the leftovers of ended jobs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlurmView {
+    /// slurmctld (primary), slurmctld-backup, slurmdbd, by the leader's checks.
+    pub daemons: Vec<DaemonReport>,
+    /// Seconds since the primary slurmctld last wrote its heartbeat file in StateSaveLocation;
+    /// `None` when it cannot be read from here.
+    pub ctld_heartbeat_age_s: Option<f64>,
+    /// Failed pings of the primary in a row.
+    pub primary_fails: u32,
+    /// Whether the leader would take over (a backup is configured and takeover is enabled).
+    pub takeover_armed: bool,
+    /// The last takeovers, oldest first.
+    pub takeovers: Vec<TakeoverView>,
+    pub takeovers_total: u64,
+    /// Node daemons not up, `node: daemon: state: message`.
+    pub node_daemons_down: Vec<String>,
+    /// Leftovers of ended jobs, `node: leftover (AGE s)`.
+    pub orphaned: Vec<String>,
 }
 
 /// `GET /v1/status`.
@@ -200,6 +281,18 @@ pub fn key_file_problem(uid: u32, mode: u32, euid: u32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heartbeats_of_agents_before_the_daemon_watch_still_parse() {
+        let old = r#"{"node":"n1","boot_id":"b","version":"0.1.0","checks":[],"leftovers":["scratch 7"]}"#;
+        let hb: Heartbeat = serde_json::from_str(old).unwrap();
+        assert!(hb.daemons.is_empty());
+        assert_eq!(hb.leftovers, vec!["scratch 7"]);
+        let new = r#"{"daemon":"slurmdbd","state":"not-configured","message":"none"}"#;
+        let d: DaemonReport = serde_json::from_str(new).unwrap();
+        assert_eq!(d.state, DaemonState::NotConfigured);
+        assert_eq!(d.state.word(), "not configured");
+    }
 
     #[test]
     fn key_files_must_be_private_and_owned_by_root_or_the_user() {

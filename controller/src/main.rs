@@ -9,6 +9,9 @@ mod server;
 mod sim;
 mod state;
 mod store;
+mod takeover;
+mod watch;
+mod watch_metrics;
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -67,6 +70,21 @@ pub struct Settings {
     pub breaker_min: u32,
     pub breaker_percent: u32,
     pub breaker_window_s: u64,
+    /// The slurm.conf the leader's watch reads (SlurmctldHost, StateSaveLocation, slurmdbd);
+    /// empty: $SLURM_CONF, else /etc/slurm/slurm.conf.
+    pub slurm_conf: PathBuf,
+    pub squeue: PathBuf,
+    /// How often the leader pings the slurmctlds (and checks slurmdbd).
+    pub watch_interval_ms: u64,
+    /// A ping not answered within this long failed.
+    pub ping_timeout_ms: u64,
+    /// Whether the leader runs `scontrol takeover` when the primary fails and the backup
+    /// answers (only with a backup in slurm.conf).
+    pub takeover: bool,
+    /// Failed pings of the primary in a row that make a takeover.
+    pub takeover_after: u32,
+    /// How often the leader asks squeue which jobs ended, to judge the agents' leftovers.
+    pub audit_interval_s: u64,
 }
 
 impl Default for Settings {
@@ -94,6 +112,13 @@ impl Default for Settings {
             breaker_min: 2,
             breaker_percent: 10,
             breaker_window_s: 600,
+            slurm_conf: PathBuf::new(),
+            squeue: "squeue".into(),
+            watch_interval_ms: 1000,
+            ping_timeout_ms: 1000,
+            takeover: true,
+            takeover_after: 3,
+            audit_interval_s: 30,
         }
     }
 }

@@ -39,18 +39,19 @@ use crate::{Settings, TypeConfig};
 
 /// What the leader keeps of a node's last heartbeat (memory only, never replicated).
 #[derive(Clone, Debug)]
-struct Beat {
+pub(crate) struct Beat {
     at: Instant,
     versions: BTreeMap<String, String>,
     images: Vec<String>,
-    leftovers: Vec<String>,
+    pub(crate) leftovers: Vec<String>,
+    pub(crate) daemons: Vec<berth_api::DaemonReport>,
 }
 
 pub struct App {
     pub s: Settings,
     bearer: String,
-    raft: Raft<TypeConfig>,
-    store: Store,
+    pub(crate) raft: Raft<TypeConfig>,
+    pub(crate) store: Store,
     voters: BTreeMap<u64, BasicNode>,
     /// Last heartbeat per node: the leader's memory only.
     beats: Mutex<HashMap<String, Beat>>,
@@ -61,6 +62,10 @@ pub struct App {
     scontrol_failures: AtomicU64,
     /// Heartbeats agents sent early because a check changed status.
     change_beats: AtomicU64,
+    /// The watch on Slurm's daemons (watch.rs).
+    pub(crate) watch: crate::watch::Watch,
+    /// `scontrol takeover` calls that succeeded on this controller.
+    pub(crate) takeovers_run: AtomicU64,
 }
 
 type Shared = Arc<App>;
@@ -75,6 +80,8 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let app = Arc::new(App {
         bearer: berth_api::bearer(&key),
+        watch: crate::watch::Watch::new(&s),
+        takeovers_run: AtomicU64::new(0),
         s,
         raft,
         store,
@@ -88,6 +95,7 @@ pub async fn serve(
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
+    tokio::spawn(crate::watch::run(app.clone()));
     let router = Router::new()
         .route("/raft/append", post(raft_append))
         .route("/raft/vote", post(raft_vote))
@@ -98,6 +106,7 @@ pub async fn serve(
         .route("/v1/drain", post(drain))
         .route("/v1/resume", post(resume))
         .route("/v1/breaker/reset", post(breaker_reset))
+        .route("/v1/slurm", get(slurm))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app);
@@ -168,7 +177,7 @@ impl App {
         r
     }
 
-    fn is_leader_now(&self) -> bool {
+    pub(crate) fn is_leader_now(&self) -> bool {
         self.raft.metrics().borrow().state == ServerState::Leader
     }
 
@@ -235,6 +244,7 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             versions: hb.versions.clone(),
             images: hb.images.clone(),
             leftovers: hb.leftovers.clone(),
+            daemons: hb.daemons.clone(),
         },
     );
     if hb.cause.as_deref() == Some("change") {
@@ -320,6 +330,11 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
     let state = app.store.lock().state.clone();
     let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let leader = app.is_leader_now();
+    let orphaned = if leader {
+        crate::watch::orphaned(&app, &beats)
+    } else {
+        BTreeMap::new()
+    };
     let out: Vec<NodeView> = state
         .nodes
         .iter()
@@ -359,6 +374,15 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
                 leftovers: beat.map(|b| b.leftovers.clone()).unwrap_or_default(),
                 heartbeat_age_s: beat.map(|b| b.at.elapsed().as_secs_f64()),
                 suppressed: n.suppressed.clone(),
+                daemons: beat.map(|b| b.daemons.clone()).unwrap_or_default(),
+                orphaned: orphaned
+                    .get(name)
+                    .map(|ls| {
+                        ls.iter()
+                            .map(|(l, age)| format!("{l} ({age:.0} s)"))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect();
@@ -397,6 +421,22 @@ async fn resume(AxState(app): AxState<Shared>, Json(req): Json<ResumeRequest>) -
 
 async fn breaker_reset(AxState(app): AxState<Shared>) -> Response {
     admin_reply(app.write(Command::BreakerReset).await)
+}
+
+/// `GET /v1/slurm`: the leader's watch on Slurm (issue 17); 421 from a follower.
+async fn slurm(AxState(app): AxState<Shared>) -> Response {
+    if !app.is_leader_now() {
+        return app.not_leader();
+    }
+    let beats = app.beats_now();
+    Json(crate::watch::view(&app, &beats)).into_response()
+}
+
+impl App {
+    /// The leader's last heartbeat per node.
+    pub(crate) fn beats_now(&self) -> HashMap<String, Beat> {
+        self.beats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
@@ -478,6 +518,7 @@ async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
         "1 while the circuit breaker holds drains back",
         tripped,
     );
+    crate::watch_metrics::register(&app, &state, m.state == ServerState::Leader, &mut reg);
     if m.state == ServerState::Leader {
         let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let age = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
@@ -698,7 +739,7 @@ async fn reconcile_loop(app: Shared) {
 }
 
 /// Confirms with a quorum that this controller still leads, and returns its term.
-async fn confirm_leader(app: &App) -> Option<u64> {
+pub(crate) async fn confirm_leader(app: &App) -> Option<u64> {
     let term = app.raft.metrics().borrow().current_term;
     let confirmed = tokio::time::timeout(Duration::from_secs(2), app.raft.ensure_linearizable())
         .await

@@ -132,6 +132,7 @@ pub fn run(o: SimOptions) -> serde_json::Value {
                                     "8 of 8".into()
                                 },
                             }],
+                            daemons: Vec::new(),
                             versions: Default::default(),
                             images: Vec::new(),
                             leftovers: Vec::new(),

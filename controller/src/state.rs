@@ -77,6 +77,12 @@ pub enum Command {
     AdminResume { node: String },
     /// `berth cluster breaker reset`.
     BreakerReset,
+    /// The leader decided to tell the backup slurmctld to take over (issue 17): committed
+    /// before `scontrol takeover` runs, so only a leader with a quorum acts, and every
+    /// takeover is on record with its reason.
+    Takeover(crate::takeover::Decided),
+    /// What `scontrol takeover` answered, for the takeover decided last.
+    TakeoverOutcome { outcome: String },
 }
 
 /// What a node should be in Slurm.
@@ -159,6 +165,9 @@ pub struct State {
     pub nodes: BTreeMap<String, NodeState>,
     pub breaker: Breaker,
     pub totals: Totals,
+    /// The slurmctld takeovers decided (a state written before issue 17 has none).
+    #[serde(default)]
+    pub takeovers: crate::takeover::Record,
 }
 
 /// What applying a command answers the proposer.
@@ -214,6 +223,7 @@ impl State {
                     nodes,
                     breaker,
                     totals,
+                    ..
                 } = self;
                 let n = nodes
                     .entry(node.clone())
@@ -256,6 +266,14 @@ impl State {
                 for n in self.nodes.values_mut() {
                     n.suppressed = None;
                 }
+                Reply::default()
+            }
+            Command::Takeover(d) => {
+                self.takeovers.push(d.clone());
+                Reply::default()
+            }
+            Command::TakeoverOutcome { outcome } => {
+                self.takeovers.outcome(outcome);
                 Reply::default()
             }
         }

@@ -13,6 +13,12 @@
 #   --no-prolog         configure no Prolog/Epilog (berth without the prolog/epilog verbs)
 #   --wrappers DIR      the Prolog/Epilog wrappers DIR/prolog.sh, DIR/epilog.sh (e.g. a package's,
 #                       /usr/libexec/berth) [default: the repository's configs/slurm]
+#   --ha                a primary and a backup slurmctld sharing StateSaveLocation, each on a "head
+#                       node" of its own: a network namespace (its own address, reached from this
+#                       host through a veth pair) and a UTS namespace (its own host name, which is
+#                       how slurmctld knows whether it is the primary or the backup). DIR/etc/ha.env
+#                       names them (HA_HEAD1/2, HA_NETNS1/2, HA_ADDR1/2, HA_HOST_ADDR, HA_PIDFILE1/2)
+#   --ctld-timeout S    SlurmctldTimeout, the backup's own takeover delay [default: Slurm's, 120]
 #
 # <target> is $CARGO_TARGET_DIR, else the repository's target/. Then, for clients:
 #   export SLURM_CONF=DIR/etc/slurm.conf; srun --container-image=… cmd
@@ -20,7 +26,7 @@
 # is stopped first. Logs: DIR/log/. Needs: slurmctld slurmd slurm-client munge (setup.sh).
 set -euo pipefail
 
-usage() { sed -n '5,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '5,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "slurm/start.sh: $*" >&2; exit 1; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -35,6 +41,8 @@ berth_config=
 plugstack_args=()
 prolog=1
 wrappers=$repo/configs/slurm
+ha=0
+ctld_timeout=
 while [ $# -gt 0 ]; do
   case $1 in
     --state) state=${2:?--state needs a directory}; shift 2 ;;
@@ -45,6 +53,8 @@ while [ $# -gt 0 ]; do
     --plugstack-arg) plugstack_args+=("${2:?--plugstack-arg needs KEY=VALUE}"); shift 2 ;;
     --no-prolog) prolog=0; shift ;;
     --wrappers) wrappers=${2:?--wrappers needs a directory}; shift 2 ;;
+    --ha) ha=1; shift ;;
+    --ctld-timeout) ctld_timeout=${2:?--ctld-timeout needs seconds}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
   esac
@@ -78,6 +88,51 @@ if [ "$nodes" -eq 1 ]; then
   node_names=("$prefix")
 else
   for i in $(seq "$nodes"); do node_names+=("${prefix}n$i"); done
+fi
+
+# --ha: two "head nodes", each a network namespace with an address of its own on a bridge that
+# this host joins too (at the first address of the subnet, where slurmd and the clients are
+# reached): one L2 segment, so the head nodes reach each other and this host without routing.
+# The subnet's third octet comes from the state directory: two clusters here do not share one.
+node_addr=127.0.0.1
+ctld_hosts=("$host(127.0.0.1)")
+if [ "$ha" -eq 1 ]; then
+  command -v ip >/dev/null || die "--ha needs ip (iproute2)"
+  octet=$((16#${prefix:1:2}))
+  net=10.231.$octet
+  node_addr=$net.1
+  ctld_hosts=()
+  : >"$state/etc/ha.env"
+  # stop.sh removes these (the veth pairs and the bridge go with them).
+  echo "${prefix}c1 ${prefix}c2" >"$state/etc/netns"
+  echo "${prefix}br" >"$state/etc/bridge"
+  ip link del "${prefix}br" 2>/dev/null || true
+  ip link add "${prefix}br" type bridge || die "creating the bridge ${prefix}br failed"
+  ip addr add "$node_addr/24" dev "${prefix}br"
+  ip link set "${prefix}br" up
+  for i in 1 2; do
+    ns=${prefix}c$i
+    ip netns del "$ns" 2>/dev/null || true
+    ip netns add "$ns" || die "ip netns add $ns failed"
+    ip link add "${prefix}h$i" type veth peer name "${prefix}p$i" netns "$ns" ||
+      die "creating the veth pair of $ns failed"
+    ip link set "${prefix}h$i" master "${prefix}br"
+    ip link set "${prefix}h$i" up
+    ip -n "$ns" addr add "$net.$((i + 1))/24" dev "${prefix}p$i"
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set "${prefix}p$i" up
+    ctld_hosts+=("${prefix}-head$i($net.$((i + 1)))")
+    mkdir -p "$state/run/ctld-head$i"
+    {
+      echo "HA_HEAD$i=${prefix}-head$i"
+      echo "HA_NETNS$i=$ns"
+      echo "HA_ADDR$i=$net.$((i + 1))"
+      echo "HA_PIDFILE$i=$state/run/ctld-head$i/slurmctld.pid"
+      echo "HA_LOG$i=$state/log/slurmctld-head$i.log"
+    } >>"$state/etc/ha.env"
+  done
+  echo "HA_HOST_ADDR=$node_addr" >>"$state/etc/ha.env"
+  mkdir -p "$state/run/ctld"
 fi
 
 for port in $(seq "$ctld_port" $((ctld_port + nodes))); do
@@ -136,7 +191,7 @@ fi
   cat <<EOF
 # slurm.conf of the one-host berth test cluster (integration/slurm/start.sh).
 ClusterName=berth
-SlurmctldHost=$host(127.0.0.1)
+$(for h in "${ctld_hosts[@]}"; do echo "SlurmctldHost=$h"; done)
 SlurmctldPort=$ctld_port
 SlurmUser=root
 SlurmdUser=root
@@ -145,7 +200,7 @@ CredType=cred/munge
 AuthInfo=socket=$socket
 StateSaveLocation=$state/ctld
 SlurmdSpoolDir=$state/spool/%n
-SlurmctldPidFile=$state/run/slurmctld.pid
+SlurmctldPidFile=$state/run/$([ "$ha" -eq 1 ] && echo ctld/)slurmctld.pid
 SlurmdPidFile=$state/run/slurmd-%n.pid
 SlurmctldLogFile=$state/log/slurmctld.log
 SlurmdLogFile=$state/log/slurmd-%n.log
@@ -167,6 +222,7 @@ InactiveLimit=0
 KillWait=5
 MinJobAge=5
 MessageTimeout=30
+$([ -n "$ctld_timeout" ] && echo "SlurmctldTimeout=$ctld_timeout")
 PlugStackConfig=$state/etc/plugstack.conf
 EOF
   if [ "$prolog" -eq 1 ]; then
@@ -178,7 +234,7 @@ EOF
   fi
   i=0
   for n in "${node_names[@]}"; do
-    echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((ctld_port + 1 + i)) CPUs=$cpus State=UNKNOWN"
+    echo "NodeName=$n NodeHostname=$host NodeAddr=$node_addr Port=$((ctld_port + 1 + i)) CPUs=$cpus State=UNKNOWN"
     i=$((i + 1))
   done
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
@@ -192,7 +248,23 @@ ConstrainCores=yes
 EOF
 
 export SLURM_CONF=$state/etc/slurm.conf
-slurmctld -f "$SLURM_CONF" || die "slurmctld failed to start: see $state/log/slurmctld.log"
+if [ "$ha" -eq 1 ]; then
+  # Each slurmctld in its head node's namespaces: its host name (UTS), its address (network),
+  # and its own pid file (a mount namespace binds ctld-headN over run/ctld: both read one
+  # slurm.conf). The primary first; the backup then finds it in control.
+  for i in 1 2; do
+    ip netns exec "${prefix}c$i" unshare -u -m --propagation slave sh -c \
+      'hostname "$1" && mount --bind "$2" "$3" && exec slurmctld -f "$4" -L "$5"' \
+      sh "${prefix}-head$i" "$state/run/ctld-head$i" "$state/run/ctld" "$SLURM_CONF" \
+      "$state/log/slurmctld-head$i.log" ||
+      die "slurmctld on head$i failed to start: see $state/log/slurmctld-head$i.log"
+    if [ "$i" -eq 1 ]; then
+      for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q 'primary.* UP' && break; sleep 0.1; done
+    fi
+  done
+else
+  slurmctld -f "$SLURM_CONF" || die "slurmctld failed to start: see $state/log/slurmctld.log"
+fi
 # Several slurmd on one host stand for as many hosts: each gets berth's state directory of its own, as a
 # node of its own would have (its containers, names and Epilog cleanup are that node's alone).
 # A mount namespace per slurmd (inherited by its slurmstepd, Prolog and Epilog) binds

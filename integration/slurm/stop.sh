@@ -33,7 +33,7 @@ stop_pid() {
   kill -KILL "$pid" 2>/dev/null
 }
 
-if [ -f "$SLURM_CONF" ] && [ -f "$state/run/slurmctld.pid" ]; then
+if [ -f "$SLURM_CONF" ] && { [ -f "$state/run/slurmctld.pid" ] || [ -f "$state/etc/netns" ]; }; then
   jobs=$(squeue -h -o %i 2>/dev/null)
   if [ -n "$jobs" ]; then
     # shellcheck disable=SC2086 # one job id per word
@@ -49,6 +49,18 @@ for f in "$state"/run/slurmd-*.pid; do
   [ -e "$f" ] && stop_pid "$f" slurmd
 done
 stop_pid "$state/run/slurmctld.pid" slurmctld
+# start.sh --ha: the two head nodes' slurmctld, then their network namespaces.
+for f in "$state"/run/ctld-*/slurmctld.pid; do
+  [ -e "$f" ] && stop_pid "$f" slurmctld
+done
+if [ -f "$state/etc/netns" ]; then
+  for ns in $(cat "$state/etc/netns"); do ip netns del "$ns" 2>/dev/null; done
+  rm -f "$state/etc/netns"
+fi
+if [ -f "$state/etc/bridge" ]; then
+  ip link del "$(cat "$state/etc/bridge")" 2>/dev/null
+  rm -f "$state/etc/bridge"
+fi
 stop_pid "$state/munge/munged.pid" munged
 
 # Images berth mounted under the state directory (shared squashfs mounts outlive the jobs that

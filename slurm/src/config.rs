@@ -146,6 +146,13 @@ pub struct AgentConfig {
     pub metrics_listen: String,
     /// This node's Slurm name; unset: the short host name.
     pub node_name: Option<String>,
+    /// slurmd's pid file (slurm.conf's SlurmdPidFile): slurmd is up when the process it names
+    /// is a running slurmd. Empty: slurmd is not checked (reported not configured).
+    pub slurmd_pid_file: PathBuf,
+    /// Whether to check munge with a `munge -n | unmunge` round trip.
+    pub check_munge: bool,
+    /// munged's socket for that round trip; empty: munge's default.
+    pub munge_socket: PathBuf,
 }
 
 impl Default for AgentConfig {
@@ -159,6 +166,9 @@ impl Default for AgentConfig {
             jitter_percent: 20,
             metrics_listen: "0.0.0.0:6821".into(),
             node_name: None,
+            slurmd_pid_file: PathBuf::from("/run/slurmd.pid"),
+            check_munge: true,
+            munge_socket: PathBuf::new(),
         }
     }
 }

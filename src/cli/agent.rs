@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use berth_api::{CheckResult, Heartbeat, HeartbeatReply, NotLeader, Severity, Status};
+use berth_api::{
+    CheckResult, DaemonReport, DaemonState, Heartbeat, HeartbeatReply, NotLeader, Severity, Status,
+};
 use clap::Args;
 
 use super::Failure;
@@ -358,7 +360,11 @@ fn inventory(config: &Config) -> Inventory {
         .iter()
         .filter(|r| !crate::runtime::state::owner_alive(r))
     {
-        leftovers.push(format!("container {}", r.id));
+        // The job it belonged to, so the controller can check with squeue that it ended.
+        match r.labels.get("job") {
+            Some(job) => leftovers.push(format!("container {} job {job}", r.id)),
+            None => leftovers.push(format!("container {}", r.id)),
+        }
     }
     if root {
         // A container's cgroup (named by its id) with no record left: its berth died before
@@ -402,6 +408,8 @@ fn inventory(config: &Config) -> Inventory {
 /// One round's findings.
 struct Round {
     checks: Vec<CheckResult>,
+    /// slurmd and munge (daemons.rs).
+    daemons: Vec<DaemonReport>,
     inventory: Inventory,
     /// Where the kernel log stood after the checks: the next round judges later XIDs only.
     kmsg_seq: Option<u64>,
@@ -472,9 +480,17 @@ fn timed_out(last: &[CheckResult], timeout: Duration) -> Vec<CheckResult> {
         .collect()
 }
 
-/// Each check's name and status: a heartbeat goes out at once when these change.
-fn statuses(checks: &[CheckResult]) -> Vec<(String, Status)> {
-    checks.iter().map(|c| (c.name.clone(), c.status)).collect()
+/// Each check's and daemon's name and status: a heartbeat goes out at once when these change.
+fn statuses(checks: &[CheckResult], daemons: &[DaemonReport]) -> Vec<(String, String)> {
+    checks
+        .iter()
+        .map(|c| (c.name.clone(), format!("{:?}", c.status)))
+        .chain(
+            daemons
+                .iter()
+                .map(|d| (format!("daemon {}", d.daemon), d.state.word().to_string())),
+        )
+        .collect()
 }
 
 fn node_name(args: &AgentArgs, config: &Config) -> Result<String, Failure> {
@@ -491,6 +507,7 @@ fn node_name(args: &AgentArgs, config: &Config) -> Result<String, Failure> {
 #[derive(Default)]
 struct Metrics {
     checks: Mutex<Vec<CheckResult>>,
+    daemons: Mutex<Vec<DaemonReport>>,
     leftovers: Mutex<usize>,
     sent: AtomicU64,
     /// Heartbeats sent before their interval because a check's status changed.
@@ -526,6 +543,23 @@ impl Metrics {
             t.push_str(&format!(
                 "berth_agent_check_unknown{{check=\"{}\"}} {v}\n",
                 c.name
+            ));
+        }
+        t.push_str(
+            "# HELP berth_agent_daemon_up 1 when the node's daemon (slurmd, munge) is up, 0 when down or unknown.\n\
+             # TYPE berth_agent_daemon_up gauge\n",
+        );
+        for d in self
+            .daemons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|d| d.state != DaemonState::NotConfigured)
+        {
+            t.push_str(&format!(
+                "berth_agent_daemon_up{{daemon=\"{}\"}} {}\n",
+                d.daemon,
+                i32::from(d.state == DaemonState::Up)
             ));
         }
         t.push_str(&format!(
@@ -631,16 +665,18 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
         checker
             .run(move || Round {
                 checks: Vec::new(),
+                daemons: Vec::new(),
                 inventory: Inventory::default(),
                 kmsg_seq: kmsg_seq(&c),
             })
             .and_then(|r| r.kmsg_seq)
     };
     let mut last_checks: Vec<CheckResult> = Vec::new();
+    let mut last_daemons: Vec<DaemonReport> = Vec::new();
     let mut inv = Inventory::default();
     let mut inv_at: Option<Instant> = None;
     // The statuses the controller last took, and when the next regular heartbeat is due.
-    let mut sent_statuses: Option<Vec<(String, Status)>> = None;
+    let mut sent_statuses: Option<Vec<(String, String)>> = None;
     let mut next_beat = Instant::now();
     let mut round = 0u64;
     loop {
@@ -650,6 +686,7 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
         let gather = inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY);
         let results = match checker.run(move || Round {
             checks: checks(&c, after),
+            daemons: super::daemons::check(&c.agent),
             inventory: if gather {
                 inventory(&c)
             } else {
@@ -667,15 +704,22 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
                     inv_at = Some(Instant::now());
                 }
                 last_checks = r.checks.clone();
+                last_daemons = r.daemons;
                 r.checks
             }
-            None => timed_out(&last_checks, checker.timeout),
+            None => {
+                // The daemons were not looked at this round either: they cannot say.
+                for d in &mut last_daemons {
+                    d.state = DaemonState::Unknown;
+                }
+                timed_out(&last_checks, checker.timeout)
+            }
         };
         *metrics.checks.lock().unwrap_or_else(|p| p.into_inner()) = results.clone();
+        *metrics.daemons.lock().unwrap_or_else(|p| p.into_inner()) = last_daemons.clone();
         *metrics.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = inv.leftovers.len();
-        let changed = sent_statuses
-            .as_ref()
-            .is_some_and(|s| *s != statuses(&results));
+        let now_statuses = statuses(&results, &last_daemons);
+        let changed = sent_statuses.as_ref().is_some_and(|s| *s != now_statuses);
         if args.once || changed || Instant::now() >= next_beat {
             let hb = Heartbeat {
                 node: node.clone(),
@@ -686,11 +730,12 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
                 images: inv.images.clone(),
                 leftovers: inv.leftovers.clone(),
                 cause: changed.then(|| "change".to_string()),
+                daemons: last_daemons.clone(),
             };
             let sent = send(&mut client, &hb, &metrics);
             match &sent {
                 Ok(()) => {
-                    sent_statuses = Some(statuses(&results));
+                    sent_statuses = Some(now_statuses);
                     if changed {
                         metrics.changes.fetch_add(1, Ordering::Relaxed);
                     }
@@ -785,6 +830,7 @@ mod tests {
         let mut c = Checker::new(Duration::from_millis(100));
         let round = |checks| Round {
             checks,
+            daemons: Vec::new(),
             inventory: Inventory::default(),
             kmsg_seq: None,
         };
@@ -841,11 +887,29 @@ mod tests {
             recoverable: true,
             message: "4 up".into(),
         };
-        let before = statuses(std::slice::from_ref(&a));
+        let mut munge = DaemonReport {
+            daemon: "munge".into(),
+            state: DaemonState::Up,
+            message: "ok".into(),
+        };
+        let before = statuses(std::slice::from_ref(&a), std::slice::from_ref(&munge));
         a.message = "4 up, 1 ignored".into();
-        assert_eq!(statuses(std::slice::from_ref(&a)), before);
+        munge.message = "still ok".into();
+        assert_eq!(
+            statuses(std::slice::from_ref(&a), std::slice::from_ref(&munge)),
+            before
+        );
+        munge.state = DaemonState::Down;
+        assert_ne!(
+            statuses(std::slice::from_ref(&a), std::slice::from_ref(&munge)),
+            before
+        );
+        munge.state = DaemonState::Up;
         a.status = Status::Fail;
-        assert_ne!(statuses(std::slice::from_ref(&a)), before);
+        assert_ne!(
+            statuses(std::slice::from_ref(&a), std::slice::from_ref(&munge)),
+            before
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! configured controller answers (agent.controllers); commands that change state go to the
 //! leader, found through a follower's answer.
 
-use berth_api::{ClusterStatus, DrainRequest, ErrorReply, NodeView, ResumeRequest};
+use berth_api::{ClusterStatus, DrainRequest, ErrorReply, NodeView, ResumeRequest, SlurmView};
 use clap::{Args, Subcommand};
 
 use super::Failure;
@@ -22,7 +22,8 @@ pub struct ClusterArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum ClusterCommand {
-    /// The controllers' Raft state and a summary of the nodes
+    /// The controllers' Raft state, a summary of the nodes, and Slurm's daemons, takeovers and
+    /// leftovers of ended jobs as the leader sees them
     Status,
     /// Every node the controller knows, its desired state and why
     Nodes,
@@ -83,11 +84,17 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
         ClusterCommand::Status => {
             let bytes = ask(&mut client, "/v1/status", None, false)?;
             let s: ClusterStatus = parse(&bytes)?;
+            // The Slurm part is the leader's; without a leader it is said so, not an error.
+            let slurm = ask(&mut client, "/v1/slurm", None, true)
+                .and_then(|b| parse::<SlurmView>(&b))
+                .map_err(|e| e.message);
             if args.json {
-                outln!(
-                    "{}",
-                    json_of(&serde_json::to_value(&s).expect("serializes"))
-                );
+                let mut v = serde_json::to_value(&s).expect("serializes");
+                v["slurm"] = match &slurm {
+                    Ok(view) => serde_json::to_value(view).expect("serializes"),
+                    Err(e) => serde_json::json!({ "error": e }),
+                };
+                outln!("{}", json_of(&v));
             } else {
                 let leader = match (&s.leader, &s.leader_addr) {
                     (Some(l), Some(a)) => format!("{l} ({a})"),
@@ -119,6 +126,14 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
                     }
                 );
                 outln!("applied:    {} (state {})", s.applied, &s.state_hash[..12]);
+                match &slurm {
+                    Ok(view) => {
+                        for l in super::cluster_slurm::lines(view) {
+                            outln!("{l}");
+                        }
+                    }
+                    Err(e) => outln!("slurm:      unknown ({e})"),
+                }
             }
         }
         ClusterCommand::Nodes => {
@@ -146,6 +161,27 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
                         .clone()
                         .or_else(|| n.suppressed.as_ref().map(|s| format!("(held back) {s}")))
                         .unwrap_or_default();
+                    let down: Vec<String> = n
+                        .daemons
+                        .iter()
+                        .filter(|d| {
+                            matches!(
+                                d.state,
+                                berth_api::DaemonState::Down | berth_api::DaemonState::Unknown
+                            )
+                        })
+                        .map(|d| format!("{} {}", d.daemon, d.state.word()))
+                        .collect();
+                    if !down.is_empty() {
+                        why = format!("{why} [{}]", down.join(", "))
+                            .trim_start()
+                            .to_string();
+                    }
+                    if !n.orphaned.is_empty() {
+                        why = format!("{why} [{} leftover(s) of ended jobs]", n.orphaned.len())
+                            .trim_start()
+                            .to_string();
+                    }
                     // Checks that could not say: never a drain, but an admin wants to know.
                     if !n.unknown.is_empty() {
                         let names: Vec<&str> = n

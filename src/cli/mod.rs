@@ -24,7 +24,9 @@ macro_rules! outln {
 pub mod agent;
 pub mod cdi;
 pub mod cluster;
+pub mod cluster_slurm;
 pub mod container;
+pub mod daemons;
 pub mod exit;
 pub mod export;
 pub mod gc;
