@@ -61,6 +61,8 @@ pub struct App {
     scontrol_failures: AtomicU64,
     /// Heartbeats agents sent early because a check changed status.
     change_beats: AtomicU64,
+    /// Which nodes hold which images, from heartbeats (the leader's memory).
+    pub catalog: crate::catalog::Catalog,
 }
 
 type Shared = Arc<App>;
@@ -85,6 +87,7 @@ pub async fn serve(
         scontrol_calls: AtomicU64::new(0),
         scontrol_failures: AtomicU64::new(0),
         change_beats: AtomicU64::new(0),
+        catalog: crate::catalog::Catalog::default(),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
@@ -98,6 +101,7 @@ pub async fn serve(
         .route("/v1/drain", post(drain))
         .route("/v1/resume", post(resume))
         .route("/v1/breaker/reset", post(breaker_reset))
+        .route("/v1/catalog", get(crate::catalog::get))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app);
@@ -153,7 +157,7 @@ impl App {
         (m.current_leader, addr)
     }
 
-    fn not_leader(&self) -> Response {
+    pub(crate) fn not_leader(&self) -> Response {
         let (_, addr) = self.leader();
         let mut r = (
             StatusCode::from_u16(berth_api::NOT_LEADER_STATUS).expect("421 is a status"),
@@ -168,7 +172,7 @@ impl App {
         r
     }
 
-    fn is_leader_now(&self) -> bool {
+    pub(crate) fn is_leader_now(&self) -> bool {
         self.raft.metrics().borrow().state == ServerState::Leader
     }
 
@@ -237,6 +241,7 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             leftovers: hb.leftovers.clone(),
         },
     );
+    app.catalog.record(&hb);
     if hb.cause.as_deref() == Some("change") {
         app.change_beats.fetch_add(1, Ordering::Relaxed);
     }

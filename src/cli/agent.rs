@@ -283,6 +283,8 @@ struct Inventory {
     versions: std::collections::BTreeMap<String, String>,
     images: Vec<String>,
     leftovers: Vec<String>,
+    /// Stored registry images by reference, for the image catalog (super::peer).
+    refs: std::collections::BTreeMap<String, String>,
 }
 
 /// Directory entry names, at most [`LIST_MAX`], sorted; none when the directory is missing.
@@ -396,6 +398,7 @@ fn inventory(config: &Config) -> Inventory {
         versions,
         images,
         leftovers,
+        refs: super::peer::refs(config),
     }
 }
 
@@ -622,6 +625,7 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
     let metrics = Arc::new(Metrics::default());
     if !args.once && !config.agent.metrics_listen.is_empty() {
         serve_metrics(&config.agent.metrics_listen, metrics.clone())?;
+        super::peer::serve(&config, &node)?;
     }
     let boot = boot_id();
     let mut checker = Checker::new(Duration::from_millis(config.agent.check_timeout_ms.max(1)));
@@ -647,7 +651,8 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
         let started = Instant::now();
         checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
         let (c, after) = (config.clone(), xid_after);
-        let gather = inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY);
+        let gather =
+            inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY) || super::peer::inventory_due();
         let results = match checker.run(move || Round {
             checks: checks(&c, after),
             inventory: if gather {
@@ -686,6 +691,8 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
                 images: inv.images.clone(),
                 leftovers: inv.leftovers.clone(),
                 cause: changed.then(|| "change".to_string()),
+                peer: super::peer::advertise(&config),
+                refs: inv.refs.clone(),
             };
             let sent = send(&mut client, &hb, &metrics);
             match &sent {
