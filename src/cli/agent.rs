@@ -625,6 +625,8 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
     let metrics = Arc::new(Metrics::default());
     if !args.once && !config.agent.metrics_listen.is_empty() {
         serve_metrics(&config.agent.metrics_listen, metrics.clone())?;
+    }
+    if !args.once {
         super::peer::serve(&config, &node)?;
     }
     let boot = boot_id();
