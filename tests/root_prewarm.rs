@@ -115,8 +115,7 @@ impl Cluster {
         for tool in ["sinfo", "scontrol"] {
             write(&d.join(tool), "#!/bin/sh\nexit 0\n");
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(d.join(tool), std::fs::Permissions::from_mode(0o755))
-                .unwrap();
+            std::fs::set_permissions(d.join(tool), std::fs::Permissions::from_mode(0o755)).unwrap();
         }
         write(&d.join("none.toml"), "[controller]\n");
         let controller = format!("127.0.0.1:{}", harness::free_port());
@@ -210,8 +209,8 @@ impl Cluster {
 
     fn start_agent(&mut self, i: usize) {
         let cfg = self.config(i);
-        let log = std::fs::File::create(self.path().join(format!("{}.log", self.agents[i].0)))
-            .unwrap();
+        let log =
+            std::fs::File::create(self.path().join(format!("{}.log", self.agents[i].0))).unwrap();
         let child = Command::new(BERTH)
             .arg("--config")
             .arg(&cfg)
@@ -343,14 +342,19 @@ fn prewarm_fans_out_and_the_registry_serves_each_blob_once() {
     );
     assert!(text.contains("7 of 7 nodes hold"), "{text}");
     assert_eq!(
-        text.lines().filter(|l| l.contains("warmed from registry")).count(),
+        text.lines()
+            .filter(|l| l.contains("warmed from registry"))
+            .count(),
         1,
         "{text}"
     );
     // Fan-out 2: no node is anyone's parent more than twice in the first waves' overlap; the
     // plan's bound is unit-tested, here each node names its source.
     for n in &nodes {
-        assert!(text.lines().any(|l| l.starts_with(n.as_str())), "{n}: {text}");
+        assert!(
+            text.lines().any(|l| l.starts_with(n.as_str())),
+            "{n}: {text}"
+        );
     }
     // The 8th node imports on its own (as the Prolog would): it asks the catalog for peers.
     let digest = c.pushed.manifest_digest.clone();
@@ -481,19 +485,29 @@ fn a_corrupt_peer_is_refused_and_a_peer_killed_mid_transfer_is_replaced() {
     let r = c.warm(2, &peers);
     killer.join().unwrap();
     assert!(r["digest"].is_string(), "{r}\n{}", c.log("n3"));
-    assert!(corrupt.asked.load(Ordering::SeqCst) > 0, "the corrupt peer was asked");
+    assert!(
+        corrupt.asked.load(Ordering::SeqCst) > 0,
+        "the corrupt peer was asked"
+    );
     let log = c.log("n3");
     assert!(
         log.contains("served corrupt data"),
         "the digest mismatch is said: {log}"
     );
-    let sent = killed_at.lock().unwrap().expect("n1 was killed mid-transfer");
+    let sent = killed_at
+        .lock()
+        .unwrap()
+        .expect("n1 was killed mid-transfer");
     assert!(
         sent < c.pushed.layers[1].bytes.len() as u64,
         "killed after {sent} bytes"
     );
     for b in c.blobs() {
-        assert_eq!(c.registry_gets(&b), 1, "blob {b}: the registry was not asked again");
+        assert_eq!(
+            c.registry_gets(&b),
+            1,
+            "blob {b}: the registry was not asked again"
+        );
     }
     c.assert_holds(2);
 }
