@@ -78,7 +78,7 @@ impl Plan {
     }
 
     /// The next warm to start now, if any may start.
-    pub fn next(&mut self) -> Option<Assignment> {
+    pub fn start_next(&mut self) -> Option<Assignment> {
         if self.pending.is_empty() {
             return None;
         }
@@ -264,7 +264,7 @@ pub fn execute(args: &PrewarmArgs, config: &Config, json: bool) -> Result<i32, F
         );
     }
     loop {
-        while let Some(a) = plan.next() {
+        while let Some(a) = plan.start_next() {
             let req = WarmRequest {
                 reference: key.clone(),
                 peers: a.peers.iter().map(|p| addrs[p].clone()).collect(),
@@ -357,18 +357,21 @@ mod tests {
     #[test]
     fn one_registry_pull_then_each_holder_serves_at_most_k() {
         let mut p = Plan::new(names(8), Vec::new(), 2);
-        let root = p.next().unwrap();
+        let root = p.start_next().unwrap();
         assert_eq!(root.parent, None);
-        assert!(p.next().is_none(), "the others wait for the first pull");
+        assert!(
+            p.start_next().is_none(),
+            "the others wait for the first pull"
+        );
         p.done(&root, true);
-        let wave: Vec<Assignment> = std::iter::from_fn(|| p.next()).collect();
+        let wave: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
         assert_eq!(wave.len(), 2, "n1 serves 2 at once");
         assert!(wave.iter().all(|a| a.parent.as_deref() == Some("n1")));
         for a in &wave {
             p.done(a, true);
         }
         let mut count: HashMap<String, usize> = HashMap::new();
-        let wave: Vec<Assignment> = std::iter::from_fn(|| p.next()).collect();
+        let wave: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
         for a in &wave {
             *count.entry(a.parent.clone().unwrap()).or_default() += 1;
             assert_eq!(a.peers[0], *a.parent.as_ref().unwrap());
@@ -385,16 +388,16 @@ mod tests {
     #[test]
     fn a_failed_child_frees_its_parents_slot_and_a_failed_registry_pull_stops() {
         let mut p = Plan::new(names(3), vec!["n1".into()], 1);
-        let a = p.next().unwrap();
+        let a = p.start_next().unwrap();
         assert_eq!(a.node, "n2");
-        assert!(p.next().is_none());
+        assert!(p.start_next().is_none());
         p.done(&a, false);
-        let b = p.next().unwrap();
+        let b = p.start_next().unwrap();
         assert_eq!((b.node.as_str(), b.parent.as_deref()), ("n3", Some("n1")));
         let mut q = Plan::new(names(3), Vec::new(), 4);
-        let root = q.next().unwrap();
+        let root = q.start_next().unwrap();
         q.done(&root, false);
-        assert!(q.next().is_none());
+        assert!(q.start_next().is_none());
         assert!(q.finished());
         assert_eq!(q.not_started(), vec!["n2".to_string(), "n3".to_string()]);
     }
