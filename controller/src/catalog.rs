@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use axum::Json;
 use axum::extract::State as AxState;
+use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use berth_api::{CatalogNode, Heartbeat};
 
@@ -86,12 +87,50 @@ impl Catalog {
     }
 }
 
-/// `GET /v1/catalog`.
-pub async fn get(AxState(app): AxState<Arc<App>>) -> Response {
+/// `GET /v1/catalog[?ref=REF]`: every node, or (with `ref`, percent-encoded canonical
+/// reference) only the nodes that hold REF and serve blobs, so that an import on a large
+/// cluster gets a short answer.
+pub async fn get(AxState(app): AxState<Arc<App>>, uri: Uri) -> Response {
     if !app.is_leader_now() {
         return app.not_leader();
     }
-    Json(app.catalog.view()).into_response()
+    let wanted = uri.query().and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix("ref="))
+            .map(percent_decode)
+    });
+    let mut view = app.catalog.view();
+    if let Some(r) = wanted {
+        view.retain(|n| n.peer.is_some() && n.refs.contains_key(&r));
+        for n in &mut view {
+            n.refs.retain(|k, _| *k == r);
+        }
+    }
+    Json(view).into_response()
+}
+
+/// `%XX` decoded (and `+` as a space, as forms send it); malformed escapes stay as they are.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match b[i] {
+            b'%' if i + 2 < b.len() => match (hex(b[i + 1]), hex(b[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -114,6 +153,16 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         }
+    }
+
+    #[test]
+    fn queries_decode() {
+        assert_eq!(
+            percent_decode("docker%3A%2F%2Fr%2Fa%3A1"),
+            "docker://r/a:1".to_string()
+        );
+        assert_eq!(percent_decode("a%2"), "a%2".to_string());
+        assert_eq!(percent_decode("%zz"), "%zz".to_string());
     }
 
     #[test]

@@ -69,15 +69,17 @@ pub fn install(config: &Config) {
     );
 }
 
-/// GETs `path` from the controllers (following a follower to the leader once), each within
-/// `timeout`.
+/// GETs `path` from the controllers (following a follower to the leader once), all within
+/// `timeout`: an import never waits longer for its peers than that.
 fn ask_controllers(config: &Config, auth: &str, path: &str, timeout: Duration) -> Option<Vec<u8>> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(timeout))
-        .build()
-        .into();
+    let deadline = Instant::now() + timeout;
     let get = |addr: &str| -> Option<(u16, Vec<u8>)> {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(left))
+            .build()
+            .into();
         let mut r = agent
             .get(&format!("http://{addr}{path}"))
             .header(berth_api::KEY_HEADER, auth)
@@ -111,16 +113,30 @@ fn ask_controllers(config: &Config, auth: &str, path: &str, timeout: Duration) -
 /// Peers that hold `r` by the catalog, freshest first, this node left out.
 fn lookup(config: &Config, auth: &str, r: &RegistryRef) -> Vec<String> {
     let timeout = Duration::from_millis(config.peers.lookup_timeout_ms.max(100));
-    let Some(body) = ask_controllers(config, auth, "/v1/catalog", timeout) else {
+    let key = crate::image::store::reference_key(&Reference::Registry(r.clone()));
+    let path = format!("/v1/catalog?ref={}", percent_encode(&key));
+    let Some(body) = ask_controllers(config, auth, &path, timeout) else {
         tracing::debug!("no catalog from the controller: the registry only");
         return Vec::new();
     };
     let Ok(nodes) = serde_json::from_slice::<Vec<CatalogNode>>(&body) else {
         return Vec::new();
     };
-    let key = crate::image::store::reference_key(&Reference::Registry(r.clone()));
     let me = advertise(config);
     choose(&nodes, &key, me.as_deref())
+}
+
+/// Everything but unreserved URI characters as `%XX`.
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// The holders of `key` that serve, freshest heartbeat first, without `me`.
