@@ -132,10 +132,10 @@ t_one=$(($(now) - s))
 b_one=$(blob_bytes "$m")
 unpacked=$(du -sb "$out/n1/store/layers" | cut -f1)
 wipe
-need=$((nodes * (unpacked + compressed) + (1 << 30)))
+need=$((nodes * (unpacked + compressed) + (3 << 30)))
 avail=$(($(df --output=avail -B1 "$out" | tail -1)))
 [ "$avail" -ge "$need" ] ||
-  die "the pre-warm arm needs about $((need >> 30)) GiB in $out ($nodes stores and blob caches), $((avail >> 30)) GiB are free: free space or give --nodes fewer"
+  die "the pre-warm arm needs about $((need >> 30)) GiB in $out ($nodes stores and blob caches, store.reserve_bytes and 2 GiB for everyone else), $((avail >> 30)) GiB are free: free space or give --nodes fewer"
 
 # --- N independent imports from the registry --------------------------------------------------
 settle

@@ -10,8 +10,8 @@
 //!   case hex digits, and only then names a file (`blobs/sha256/<hex>`, opened without following
 //!   links). The cache holds only blobs whose digest was checked before they were published, so
 //!   nothing but verified image blobs can be read, and only by digest. At most
-//!   `peers.max_uploads` transfers at once; more get 503 (the client retries with backoff, then
-//!   moves to its next source).
+//!   `peers.max_uploads` transfers at once; more wait for a slot, up to 20 s, then get 503 (the
+//!   client retries with backoff, then moves to its next source).
 //! - `POST /v1/warm` ([`berth_api::WarmRequest`]): imports the reference into the store as
 //!   root, fetching blobs from the named peers before the registry; answers when done.
 
@@ -201,35 +201,52 @@ pub fn inventory_due() -> bool {
     INVENTORY_DUE.swap(false, Ordering::AcqRel)
 }
 
-/// Counts transfers in progress; refuses past the bound.
+/// Counts transfers in progress. A transfer past the bound waits for a slot (in arrival order
+/// of the wake-ups) for at most [`UPLOAD_WAIT`], so the transfers a node serves are queued, not
+/// refused; only one that waited that long gets 503.
 struct Uploads {
-    now: AtomicUsize,
+    now: Mutex<usize>,
+    freed: std::sync::Condvar,
     max: usize,
 }
+
+/// How long a transfer waits for a slot before 503: well under the client's read timeout
+/// (registry.read_timeout_s, 60 s by default), which runs while it waits for the headers.
+const UPLOAD_WAIT: Duration = Duration::from_secs(20);
 
 struct Slot<'a>(&'a Uploads);
 
 impl Uploads {
-    fn take(&self) -> Option<Slot<'_>> {
-        let mut cur = self.now.load(Ordering::Relaxed);
-        loop {
-            if cur >= self.max {
-                return None;
-            }
-            match self
-                .now
-                .compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => return Some(Slot(self)),
-                Err(c) => cur = c,
-            }
+    fn new(max: usize) -> Self {
+        Self {
+            now: Mutex::new(0),
+            freed: std::sync::Condvar::new(),
+            max: max.max(1),
         }
+    }
+
+    /// A slot, waiting up to `wait` for one; also returns how many transfers run with it.
+    fn take(&self, wait: Duration) -> Option<(Slot<'_>, usize)> {
+        let deadline = Instant::now() + wait;
+        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        while *now >= self.max {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            now = self
+                .freed
+                .wait_timeout(now, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *now += 1;
+        Some((Slot(self), *now))
     }
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        self.0.now.fetch_sub(1, Ordering::AcqRel);
+        let mut now = self.0.now.lock().unwrap_or_else(|p| p.into_inner());
+        *now = now.saturating_sub(1);
+        self.0.freed.notify_one();
     }
 }
 
@@ -240,8 +257,6 @@ struct Server {
     config: Config,
     uploads: Uploads,
     connections: AtomicUsize,
-    /// Most transfers served at once so far (for tests and metrics).
-    peak: AtomicUsize,
     /// One warm at a time: they share the node's disk and network.
     warming: Mutex<()>,
 }
@@ -268,12 +283,8 @@ pub fn serve(config: &Config, node: &str) -> Result<(), Failure> {
         authorization,
         cache: BlobCache::open(&config.store.root, config.peers.cache_bytes.max(1)),
         config: config.clone(),
-        uploads: Uploads {
-            now: AtomicUsize::new(0),
-            max: config.peers.max_uploads.max(1),
-        },
+        uploads: Uploads::new(config.peers.max_uploads),
         connections: AtomicUsize::new(0),
-        peak: AtomicUsize::new(0),
         warming: Mutex::new(()),
     });
     std::thread::spawn(move || {
@@ -432,16 +443,15 @@ impl Server {
                  Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n"
             );
         }
-        let Some(_slot) = self.uploads.take() else {
+        let Some((_slot, running)) = self.uploads.take(UPLOAD_WAIT) else {
             return respond(
                 conn,
                 "503 Service Unavailable",
                 "Retry-After: 1\r\n",
-                b"serving as many peers as peers.max_uploads allows\n",
+                b"serving as many transfers as peers.max_uploads allows, for too long\n",
             );
         };
-        self.peak
-            .fetch_max(self.uploads.now.load(Ordering::Relaxed), Ordering::Relaxed);
+        tracing::debug!("serving {digest} ({running} transfers)");
         let from = h.range_from.unwrap_or(0).min(size);
         let (status, range) = if h.range_from.is_some() {
             (
@@ -588,15 +598,15 @@ mod tests {
     }
 
     #[test]
-    fn uploads_are_bounded() {
-        let u = Uploads {
-            now: AtomicUsize::new(0),
-            max: 2,
-        };
-        let a = u.take().unwrap();
-        let _b = u.take().unwrap();
-        assert!(u.take().is_none());
+    fn uploads_are_bounded_and_the_next_waits_for_a_slot() {
+        let u = Arc::new(Uploads::new(2));
+        let a = u.take(Duration::ZERO).unwrap();
+        let _b = u.take(Duration::ZERO).unwrap();
+        assert!(u.take(Duration::from_millis(20)).is_none());
+        let u2 = u.clone();
+        let waiter = std::thread::spawn(move || u2.take(Duration::from_secs(30)).map(|s| s.1));
+        std::thread::sleep(Duration::from_millis(50));
         drop(a);
-        assert!(u.take().is_some());
+        assert_eq!(waiter.join().unwrap(), Some(2));
     }
 }
