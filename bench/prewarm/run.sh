@@ -88,7 +88,7 @@ done
 # Bytes of blob GETs the registry sent after line $1 of its access log.
 blob_bytes() {
   tail -n +"$(($1 + 1))" "$log" |
-    awk '$6 == "\"GET" && $7 ~ /\/blobs\/sha256:/ && ($9 == 200 || $9 == 206) { b += $10 } END { printf "%d", b }'
+    awk '$6 == "\"GET" && $7 ~ /\/blobs\/sha256:/ && ($9 == 200 || $9 == 206) { b += $10 } END { printf "%.0f", b }'
 }
 blob_gets() {
   tail -n +"$(($1 + 1))" "$log" |
