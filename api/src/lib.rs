@@ -118,6 +118,41 @@ pub struct Heartbeat {
     /// The node's Slurm daemons (slurmd, munge). Agents before issue 17 send none.
     #[serde(default)]
     pub daemons: Vec<DaemonReport>,
+    /// Where the node serves the image blobs it keeps to other nodes (`peers.advertise`).
+    #[serde(default)]
+    pub peer: Option<String>,
+    /// The node's stored registry images: canonical reference → manifest digest.
+    #[serde(default)]
+    pub refs: std::collections::BTreeMap<String, String>,
+}
+
+/// One node in the image catalog (`GET /v1/catalog`, the leader's memory of heartbeats).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CatalogNode {
+    pub node: String,
+    /// Where it serves blobs; `None` when it serves none.
+    pub peer: Option<String>,
+    /// Canonical reference → manifest digest of its stored registry images.
+    pub refs: std::collections::BTreeMap<String, String>,
+    /// Seconds since its last heartbeat.
+    pub age_s: f64,
+}
+
+/// `POST /v1/warm` to a node's agent (on `peers.listen`): import `reference`, fetching blobs
+/// from `peers` (in order) before the registry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmRequest {
+    pub reference: String,
+    pub peers: Vec<String>,
+}
+
+/// The agent's answer to a warm: the image's digest, or why it failed (one line).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WarmReply {
+    pub node: String,
+    pub digest: Option<String>,
+    pub error: Option<String>,
+    pub seconds: f64,
 }
 
 /// The controller's answer to a heartbeat.

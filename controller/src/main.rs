@@ -4,6 +4,7 @@
 //! Slurm with `scontrol`. Raft is openraft (0.9), its log and state machine in one redb file
 //! under the data directory. See README.md, "Cluster controller".
 
+mod catalog;
 mod network;
 mod server;
 mod sim;

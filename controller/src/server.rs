@@ -66,6 +66,8 @@ pub struct App {
     pub(crate) watch: crate::watch::Watch,
     /// `scontrol takeover` calls that succeeded on this controller.
     pub(crate) takeovers_run: AtomicU64,
+    /// Which nodes hold which images, from heartbeats (the leader's memory).
+    pub catalog: crate::catalog::Catalog,
 }
 
 type Shared = Arc<App>;
@@ -92,6 +94,7 @@ pub async fn serve(
         scontrol_calls: AtomicU64::new(0),
         scontrol_failures: AtomicU64::new(0),
         change_beats: AtomicU64::new(0),
+        catalog: crate::catalog::Catalog::default(),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
@@ -107,6 +110,7 @@ pub async fn serve(
         .route("/v1/resume", post(resume))
         .route("/v1/breaker/reset", post(breaker_reset))
         .route("/v1/slurm", get(slurm))
+        .route("/v1/catalog", get(crate::catalog::get))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app);
@@ -162,7 +166,7 @@ impl App {
         (m.current_leader, addr)
     }
 
-    fn not_leader(&self) -> Response {
+    pub(crate) fn not_leader(&self) -> Response {
         let (_, addr) = self.leader();
         let mut r = (
             StatusCode::from_u16(berth_api::NOT_LEADER_STATUS).expect("421 is a status"),
@@ -247,6 +251,7 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             daemons: hb.daemons.clone(),
         },
     );
+    app.catalog.record(&hb);
     if hb.cause.as_deref() == Some("change") {
         app.change_beats.fetch_add(1, Ordering::Relaxed);
     }

@@ -137,6 +137,8 @@ pub fn run(o: SimOptions) -> serde_json::Value {
                             images: Vec::new(),
                             leftovers: Vec::new(),
                             cause: None,
+                            peer: None,
+                            refs: Default::default(),
                         };
                         let body = serde_json::to_vec(&hb).expect("serializes");
                         let t0 = Instant::now();

@@ -16,6 +16,7 @@ pub mod import;
 pub mod layer;
 pub mod loopdev;
 pub mod mount;
+pub mod peers;
 pub mod reference;
 pub mod registry;
 pub mod sif;

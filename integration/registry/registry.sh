@@ -4,9 +4,10 @@
 # (harness.rs), which starts the same registry the same ways.
 #
 # Usage:
-#   registry.sh start DIR [--mode plain|basic|tls] [--port N] [--user U --password P]
+#   registry.sh start DIR [--mode plain|basic|tls] [--port N] [--user U --password P] [--access-log]
 #       Starts a registry whose storage, config, certificates and log live in DIR; prints
-#       127.0.0.1:PORT when it answers. basic: htpasswd (bcrypt) login U/P (default
+#       127.0.0.1:PORT when it answers. --access-log: one line per request in DIR/registry.log
+#       (combined log format: status and bytes sent). basic: htpasswd (bcrypt) login U/P (default
 #       berth/berth). tls: DIR/pki/ca.crt is the CA to trust (leaf SAN IP:127.0.0.1,
 #       DNS:localhost). The PID is in DIR/registry.pid.
 #   registry.sh stop DIR
@@ -37,13 +38,14 @@ make_pki() {
 
 start() {
   local dir=$1; shift
-  local mode=plain port="" user=berth password=berth
+  local mode=plain port="" user=berth password=berth access_off=true
   while [ $# -gt 0 ]; do
     case $1 in
       --mode) mode=$2; shift 2 ;;
       --port) port=$2; shift 2 ;;
       --user) user=$2; shift 2 ;;
       --password) password=$2; shift 2 ;;
+      --access-log) access_off=false; shift ;;
       *) die "unknown option '$1'" ;;
     esac
   done
@@ -55,7 +57,7 @@ start() {
   fi
   [ -n "$port" ] || port=$(free_port)
   {
-    printf 'version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n'
+    printf 'version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: %s\n' "$access_off"
     printf 'storage:\n  filesystem:\n    rootdirectory: %s\n  delete:\n    enabled: true\n' "$dir/storage"
     printf 'http:\n  addr: 127.0.0.1:%s\n' "$port"
     case $mode in

@@ -29,6 +29,7 @@ pub struct Config {
     /// `[controller]`: read by `berth-controller` (its own crate checks the fields).
     pub controller: toml::Table,
     pub agent: AgentConfig,
+    pub peers: PeersConfig,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -169,6 +170,40 @@ impl Default for AgentConfig {
             slurmd_pid_file: PathBuf::from("/run/slurmd.pid"),
             check_munge: true,
             munge_socket: PathBuf::new(),
+        }
+    }
+}
+
+/// `[peers]`: nodes fetch image blobs from each other (crate::image::peers, crate::cli::peer).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeersConfig {
+    /// Where `berth agent` serves the blobs the store keeps to other nodes and takes pre-warm
+    /// requests; "" serves nothing (and imports keep no blobs).
+    pub listen: String,
+    /// The address other nodes reach this one's `listen` at; "": `listen` with an unspecified
+    /// host replaced by the host name.
+    pub advertise: String,
+    /// Most compressed blob bytes the store keeps for peers (oldest go first); 0 keeps none.
+    pub cache_bytes: u64,
+    /// Most blob transfers this node serves at once; more wait their turn (503, retried).
+    pub max_uploads: usize,
+    /// Imports ask the cluster controller which nodes hold an image's blobs and fetch from them
+    /// before the registry.
+    pub lookup: bool,
+    /// Milliseconds that question may take; the registry is used without an answer.
+    pub lookup_timeout_ms: u64,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            advertise: String::new(),
+            cache_bytes: 20 << 30,
+            max_uploads: 8,
+            lookup: true,
+            lookup_timeout_ms: 2000,
         }
     }
 }

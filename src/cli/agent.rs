@@ -285,6 +285,8 @@ struct Inventory {
     versions: std::collections::BTreeMap<String, String>,
     images: Vec<String>,
     leftovers: Vec<String>,
+    /// Stored registry images by reference, for the image catalog (super::peer).
+    refs: std::collections::BTreeMap<String, String>,
 }
 
 /// Directory entry names, at most [`LIST_MAX`], sorted; none when the directory is missing.
@@ -402,6 +404,7 @@ fn inventory(config: &Config) -> Inventory {
         versions,
         images,
         leftovers,
+        refs: super::peer::refs(config),
     }
 }
 
@@ -657,6 +660,9 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
     if !args.once && !config.agent.metrics_listen.is_empty() {
         serve_metrics(&config.agent.metrics_listen, metrics.clone())?;
     }
+    if !args.once {
+        super::peer::serve(&config, &node)?;
+    }
     let boot = boot_id();
     let mut checker = Checker::new(Duration::from_millis(config.agent.check_timeout_ms.max(1)));
     // Where the kernel log stands now, read within the timeout like the checks.
@@ -683,7 +689,8 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
         let started = Instant::now();
         checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
         let (c, after) = (config.clone(), xid_after);
-        let gather = inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY);
+        let gather =
+            inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY) || super::peer::inventory_due();
         let results = match checker.run(move || Round {
             checks: checks(&c, after),
             daemons: super::daemons::check(&c.agent),
@@ -731,6 +738,8 @@ pub fn execute(args: &AgentArgs, config: &Config, config_path: &Path) -> Result<
                 leftovers: inv.leftovers.clone(),
                 cause: changed.then(|| "change".to_string()),
                 daemons: last_daemons.clone(),
+                peer: super::peer::advertise(&config),
+                refs: inv.refs.clone(),
             };
             let sent = send(&mut client, &hb, &metrics);
             match &sent {

@@ -36,6 +36,8 @@ pub enum ClusterCommand {
     },
     /// Lift a node's drain (berth's or an admin's made through berth)
     Resume { node: String },
+    /// Put an image on nodes before their jobs need it, fanned out between the nodes
+    Prewarm(super::prewarm::PrewarmArgs),
     /// The circuit breaker
     Breaker {
         #[command(subcommand)]
@@ -77,6 +79,9 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Failure> {
 }
 
 pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
+    if let ClusterCommand::Prewarm(p) = &args.command {
+        return super::prewarm::execute(p, config, args.json);
+    }
     let mut client = Client::new(config)?;
     let json_of =
         |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("JSON values serialize");
@@ -218,6 +223,7 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
             let bytes = ask(&mut client, "/v1/resume", Some(body), true)?;
             done(args.json, &bytes, &format!("{node}: resumed"));
         }
+        ClusterCommand::Prewarm(_) => unreachable!("handled above"),
         ClusterCommand::Breaker {
             command: BreakerCommand::Reset,
         } => {

@@ -33,6 +33,8 @@ pub mod gc;
 pub mod health;
 pub mod images;
 pub mod import;
+pub mod peer;
+pub mod prewarm;
 pub mod prolog;
 pub mod run;
 pub mod stage;
@@ -154,6 +156,7 @@ impl Cli {
             return Err(Failure::input(line));
         }
         let config = self.load_config()?;
+        peer::install(&config);
         match &self.command {
             Command::Run(args) => run::execute(args, &config, self.verbose > 0),
             Command::Create(args) => container::create(args, &config),

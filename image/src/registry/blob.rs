@@ -34,6 +34,8 @@ pub struct BlobStream<'a> {
     on_bytes: &'a (dyn Fn(u64) + Sync),
     /// Why the stream failed: the reader above only sees an io::Error, the caller reports this.
     pub failure: Option<RegistryError>,
+    /// Where the delivered bytes are also written, to keep the blob for peers once verified.
+    pub tee: Option<super::super::peers::Keeper>,
 }
 
 impl<'a> BlobStream<'a> {
@@ -58,6 +60,7 @@ impl<'a> BlobStream<'a> {
             abort,
             on_bytes,
             failure: None,
+            tee: None,
         }
     }
 
@@ -196,6 +199,9 @@ impl Read for BlobStream<'_> {
                 Ok(0) => "connection closed early".to_string(),
                 Ok(n) => {
                     self.hasher.update(&buf[..n]);
+                    if let Some(t) = &mut self.tee {
+                        t.write(&buf[..n]);
+                    }
                     self.offset += n as u64;
                     self.failures = 0;
                     (self.on_bytes)(n as u64);

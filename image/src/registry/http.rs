@@ -57,6 +57,8 @@ pub struct Transport {
     auth_cache: Mutex<HashMap<String, String>>,
     /// Whether any request of this client sent a user's login.
     used_login: AtomicBool,
+    /// Cluster peers (crate::image::peers): plain HTTP, and the `Authorization` each wants.
+    peers: Mutex<HashMap<String, String>>,
 }
 
 /// Without the credentials and the cached `Authorization` headers: a debug line or a log must
@@ -98,7 +100,20 @@ impl Transport {
             credentials,
             auth_cache: Mutex::new(HashMap::new()),
             used_login: AtomicBool::new(false),
+            peers: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Makes `host` a cluster peer: asked in plain HTTP with `authorization` (the cluster key).
+    pub fn add_peer(&self, host: &str, authorization: &str) {
+        self.peers
+            .lock()
+            .expect("peers")
+            .insert(host.to_string(), authorization.to_string());
+    }
+
+    fn peer_auth(&self, host: &str) -> Option<String> {
+        self.peers.lock().expect("peers").get(host).cloned()
     }
 
     pub fn used_login(&self) -> bool {
@@ -107,7 +122,9 @@ impl Transport {
 
     /// `https://REGISTRY/v2/REPOSITORY/` (or `http://` for a registry listed as insecure).
     pub fn repo_url(&self, t: &Target) -> String {
-        let scheme = if self.insecure.iter().any(|i| i == &t.registry) {
+        let scheme = if self.insecure.iter().any(|i| i == &t.registry)
+            || self.peer_auth(&t.registry).is_some()
+        {
             "http"
         } else {
             "https"
@@ -140,12 +157,13 @@ impl Transport {
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
                 return Err(RegistryError::Aborted);
             }
-            let authorization = self
-                .auth_cache
-                .lock()
-                .expect("auth cache")
-                .get(&key)
-                .cloned();
+            let authorization = self.peer_auth(&t.registry).or_else(|| {
+                self.auth_cache
+                    .lock()
+                    .expect("auth cache")
+                    .get(&key)
+                    .cloned()
+            });
             let mut req = match method {
                 Method::Get => self.agent.get(url),
                 Method::Head => self.agent.head(url),

@@ -17,6 +17,7 @@ pub mod auth;
 mod blob;
 mod http;
 pub mod manifest;
+mod peer;
 mod progress;
 
 use std::collections::{BTreeMap, HashMap};
@@ -189,6 +190,8 @@ pub struct Resolved {
     target: Target,
     /// The sources left to fetch layers from if `target` fails (mirrors, then the origin).
     fallbacks: Vec<Target>,
+    /// Cluster peers asked for the blobs before `target` (super::peers).
+    peers: Vec<Target>,
     pub manifest_digest: String,
     pub index_digest: Option<String>,
     pub config_digest: String,
@@ -216,6 +219,8 @@ pub struct Client {
     parallel: usize,
     /// `registry.mirrors`, keyed by the registry's canonical name ([`mirror_key`]).
     mirrors: BTreeMap<String, Mirrors>,
+    /// Where verified blobs are kept for peers, when this process keeps them.
+    keep: Option<super::peers::BlobCache>,
 }
 
 /// The mirrors of one registry, parsed.
@@ -300,6 +305,7 @@ impl Client {
             transport: Transport::new(config, credentials)?,
             parallel: config.parallel_downloads.max(1),
             mirrors,
+            keep: super::peers::cache(),
         })
     }
 
@@ -411,12 +417,14 @@ impl Client {
         options: &PullOptions,
     ) -> Result<Resolved, RegistryError> {
         let sources = self.sources(r);
+        let peers = self.peer_targets(r);
         let mut i = 0;
         loop {
             let t = sources[i].clone();
-            match self.resolve_at(t.clone(), r, options) {
+            match self.resolve_at(t.clone(), r, options, &peers) {
                 Ok(mut resolved) => {
                     resolved.fallbacks = sources[i + 1..].to_vec();
+                    resolved.peers = peers;
                     return Ok(resolved);
                 }
                 Err(e) if Self::is_final(&e) => return Err(e),
@@ -434,6 +442,7 @@ impl Client {
         t: Target,
         r: &RegistryRef,
         options: &PullOptions,
+        peers: &[Target],
     ) -> Result<Resolved, RegistryError> {
         let want = match &options.arch {
             Some(a) => Wanted::parse(a).map_err(|detail| RegistryError::Image {
@@ -488,7 +497,7 @@ impl Client {
                 ));
             }
         }
-        let config_bytes = self.fetch_config(&t, &config_desc)?;
+        let config_bytes = self.fetch_config_peers_first(peers, &t, &config_desc)?;
         let config: ImageConfiguration = serde_json::from_slice(&config_bytes).map_err(|e| {
             self.image_error(
                 &t,
@@ -514,6 +523,7 @@ impl Client {
         Ok(Resolved {
             target: t,
             fallbacks: Vec::new(),
+            peers: Vec::new(),
             manifest_digest,
             index_digest,
             config_digest: config_desc.digest,
@@ -531,8 +541,12 @@ impl Client {
         sink: &dyn LayerSink,
     ) -> Result<Pulled, RegistryError> {
         let r = resolved;
-        let mut target = r.target.clone();
-        let mut rest = r.fallbacks.iter();
+        // Peers first: each blob is verified whoever serves it.
+        let mut sources = r.peers.clone();
+        sources.push(r.target.clone());
+        sources.extend(r.fallbacks.iter().cloned());
+        let mut rest = sources.iter();
+        let mut target = rest.next().expect("the registry is a source").clone();
         let paths = loop {
             match self.fetch_layers(&target, &r.layers, &r.diff_ids, options.progress, sink) {
                 Ok(paths) => break paths,
@@ -821,6 +835,10 @@ impl Client {
             abort,
             &on_bytes,
         );
+        stream.tee = self
+            .keep
+            .as_ref()
+            .and_then(|k| k.begin(&layer.digest, layer.size));
         let staged: Option<Result<Box<dyn StagedLayer>, ImageError>> = {
             let mut buffered = BufReader::with_capacity(1 << 20, &mut stream);
             match buffered.fill_buf() {
@@ -839,6 +857,7 @@ impl Client {
         // Read what the extractor left (tar padding, a corrupt tail) so the digest covers the
         // whole blob; a corrupt blob is reported as such even when extraction failed first.
         stream.drain()?;
+        let tee = stream.tee.take();
         let (actual, size) = stream.finish();
         if actual != layer.digest || size != layer.size {
             return Err(RegistryError::DigestMismatch {
@@ -849,6 +868,9 @@ impl Client {
                 actual,
                 size,
             });
+        }
+        if let Some(tee) = tee {
+            tee.commit();
         }
         let layer_error = |source| RegistryError::Layer {
             image: t.image.clone(),

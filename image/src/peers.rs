@@ -1,0 +1,322 @@
+//! Other nodes as blob sources for registry pulls, and the store's cache of compressed blobs that
+//! lets this node be one.
+//!
+//! A peer is a berth agent that serves the blobs it keeps over the OCI distribution blob API
+//! subset (`GET`/`HEAD /v2/<name>/blobs/<digest>`, `berth::cli::peer`). To the registry client a
+//! peer is one more mirror, asked for blobs only: the manifest still comes from the registry
+//! (it says what a tag means now), then the config and layers are asked of each peer in turn and
+//! of the registry last. The client checks every blob's sha256 against the manifest's digest, as
+//! it does for a registry, so a peer that serves a wrong byte is refused and the next source is
+//! used; a peer that dies mid-transfer is the same as a mirror that does.
+//!
+//! The cache: `<store root>/blobs/sha256/<hex>`, each blob written beside the download (tee of
+//! the verified stream) into `blobs/tmp/` and renamed into place only after the blob's digest
+//! matched, so only verified blobs are ever served. Bounded by `peers.cache_bytes`: the oldest
+//! (by last write or serve) go first. Root-only directories, like the rest of the store.
+//!
+//! Which peers to ask: [`configure`] installs a lookup (the cluster controller's catalog, see
+//! `berth::cli::peer`) used by every registry import of the process, and [`with_peers`] names
+//! them explicitly for one import (a pre-warm's planned parent).
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sha2::{Digest as _, Sha256};
+
+use super::RegistryRef;
+
+/// Finds peers that may hold the blobs of an image: `host:port` addresses, best first.
+pub type Lookup = dyn Fn(&RegistryRef) -> Vec<String> + Send + Sync;
+
+/// How this process uses peers, set once by [`configure`].
+struct Settings {
+    /// The `Authorization` header peers want (the cluster key).
+    authorization: String,
+    /// Where the node keeps verified compressed blobs for peers; `None`: keeps none.
+    cache: Option<(PathBuf, u64)>,
+    lookup: Option<Box<Lookup>>,
+}
+
+static SETTINGS: OnceLock<Settings> = OnceLock::new();
+
+thread_local! {
+    /// Peers named for the imports this thread runs ([`with_peers`]), instead of the lookup.
+    static NAMED: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
+}
+
+/// Sets, once per process, the key peers want, whether registry imports keep their blobs in
+/// `store_root`'s cache (`cache_bytes` > 0) and how to find peers. Later calls change nothing.
+pub fn configure(
+    authorization: String,
+    store_root: Option<&Path>,
+    cache_bytes: u64,
+    lookup: Option<Box<Lookup>>,
+) {
+    let _ = SETTINGS.set(Settings {
+        authorization,
+        cache: store_root
+            .filter(|_| cache_bytes > 0)
+            .map(|r| (r.to_path_buf(), cache_bytes)),
+        lookup,
+    });
+}
+
+/// Runs `f` (an import) with `peers` as the blob sources tried before the registry.
+pub fn with_peers<T>(peers: Vec<String>, f: impl FnOnce() -> T) -> T {
+    let before = NAMED.with(|n| n.replace(Some(peers)));
+    let out = f();
+    NAMED.with(|n| *n.borrow_mut() = before);
+    out
+}
+
+/// The peers to ask for `r`'s blobs and the header they want; none when peers are not set up.
+pub fn peers_for(r: &RegistryRef) -> Option<(Vec<String>, String)> {
+    let s = SETTINGS.get()?;
+    let peers = NAMED
+        .with(|n| n.borrow().clone())
+        .or_else(|| s.lookup.as_ref().map(|l| l(r)))
+        .unwrap_or_default();
+    (!peers.is_empty()).then(|| (peers, s.authorization.clone()))
+}
+
+/// The blob cache registry imports write to, when this process keeps blobs.
+pub fn cache() -> Option<BlobCache> {
+    let (root, max) = SETTINGS.get()?.cache.as_ref()?;
+    BlobCache::open(root, *max)
+}
+
+/// The 64 hex digits of `sha256:<hex>`, lower case; `None` for anything else (no path is ever
+/// made from a digest that is not exactly this).
+pub fn digest_hex(digest: &str) -> Option<&str> {
+    let hex = digest.strip_prefix("sha256:")?;
+    (hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))).then_some(hex)
+}
+
+/// The cache of verified compressed blobs under a store root.
+#[derive(Clone, Debug)]
+pub struct BlobCache {
+    dir: PathBuf,
+    tmp: PathBuf,
+    max_bytes: u64,
+}
+
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl BlobCache {
+    /// The cache of the store at `store_root`, its directories created (mode 0700); `None`
+    /// when they cannot be (caching is best effort: an import never fails for it).
+    pub fn open(store_root: &Path, max_bytes: u64) -> Option<Self> {
+        let base = store_root.join("blobs");
+        let c = Self {
+            dir: base.join("sha256"),
+            tmp: base.join("tmp"),
+            max_bytes,
+        };
+        let mut b = std::fs::DirBuilder::new();
+        b.recursive(true).mode(0o700);
+        for d in [&c.dir, &c.tmp] {
+            if let Err(e) = b.create(d) {
+                tracing::warn!("blob cache {}: {e}; blobs are not kept", d.display());
+                return None;
+            }
+        }
+        Some(c)
+    }
+
+    /// Where blob `digest` is (or would be) kept; `None` for a malformed digest.
+    pub fn path(&self, digest: &str) -> Option<PathBuf> {
+        digest_hex(digest).map(|h| self.dir.join(h))
+    }
+
+    /// Whether the cache holds `digest`.
+    pub fn has(&self, digest: &str) -> bool {
+        self.path(digest).is_some_and(|p| p.is_file())
+    }
+
+    /// Starts keeping blob `digest` of `size` bytes as it downloads; `None` when it is kept
+    /// already, larger than the cache, or cannot be written.
+    pub fn begin(&self, digest: &str, size: u64) -> Option<Keeper> {
+        let dest = self.path(digest)?;
+        if size > self.max_bytes || dest.exists() {
+            return None;
+        }
+        let tmp = self.tmp.join(format!(
+            "{}.{}",
+            std::process::id(),
+            TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .ok()?;
+        Some(Keeper {
+            file: Some(file),
+            tmp,
+            dest,
+            cache: self.clone(),
+        })
+    }
+
+    /// Keeps a small blob held in memory (an image config) once its sha256 is `digest`.
+    pub fn put(&self, digest: &str, bytes: &[u8]) {
+        let actual = format!("sha256:{}", hex(&Sha256::digest(bytes)));
+        if actual != digest {
+            return;
+        }
+        if let Some(mut k) = self.begin(digest, bytes.len() as u64) {
+            k.write(bytes);
+            k.commit();
+        }
+    }
+
+    /// The digests kept, at most `max`.
+    pub fn list(&self, max: usize) -> Vec<String> {
+        let mut out: Vec<String> = std::fs::read_dir(&self.dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(|n| format!("sha256:{n}")))
+                    .filter(|d| digest_hex(d).is_some())
+                    .take(max)
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort();
+        out
+    }
+
+    /// Removes the oldest blobs until the cache is within its bound, and workspaces of
+    /// processes that are gone.
+    fn evict(&self) {
+        if let Ok(rd) = std::fs::read_dir(&self.tmp) {
+            for e in rd.flatten() {
+                let name = e.file_name();
+                let pid = name.to_str().and_then(|n| n.split('.').next());
+                if pid.is_some_and(|p| !Path::new("/proc").join(p).exists()) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let mut blobs: Vec<(std::time::SystemTime, u64, PathBuf)> = rd
+            .flatten()
+            .filter_map(|e| {
+                let m = e.metadata().ok()?;
+                Some((m.modified().ok()?, m.len(), e.path()))
+            })
+            .collect();
+        let mut total: u64 = blobs.iter().map(|b| b.1).sum();
+        blobs.sort();
+        for (_, len, path) in blobs {
+            if total <= self.max_bytes {
+                break;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                total -= len;
+            }
+        }
+    }
+}
+
+/// A blob being kept: the bytes of the download, written as they are hashed.
+#[derive(Debug)]
+pub struct Keeper {
+    /// `None` once a write failed: the blob is then not kept.
+    file: Option<File>,
+    tmp: PathBuf,
+    dest: PathBuf,
+    cache: BlobCache,
+}
+
+impl Keeper {
+    /// Appends the next bytes of the blob.
+    pub fn write(&mut self, bytes: &[u8]) {
+        if let Some(f) = &mut self.file
+            && f.write_all(bytes).is_err()
+        {
+            self.file = None;
+        }
+    }
+
+    /// Publishes the blob. Call only once the bytes written hashed to the blob's digest.
+    pub fn commit(mut self) {
+        let Some(f) = self.file.take() else { return };
+        if f.sync_data().is_ok() && std::fs::rename(&self.tmp, &self.dest).is_ok() {
+            self.cache.evict();
+        }
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        // Committed: renamed away already, and this finds nothing.
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_well_formed_digests_name_paths() {
+        let ok = format!("sha256:{}", "a".repeat(64));
+        assert_eq!(digest_hex(&ok), Some("a".repeat(64).as_str()));
+        for bad in [
+            "sha256:../../etc/passwd".to_string(),
+            format!("sha256:{}", "A".repeat(64)),
+            format!("sha512:{}", "a".repeat(64)),
+            format!("sha256:{}/", "a".repeat(63)),
+            "sha256:".to_string(),
+        ] {
+            assert_eq!(digest_hex(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn blobs_are_kept_only_when_verified_and_the_cache_stays_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let c = BlobCache::open(d.path(), 10).unwrap();
+        let blob = b"12345678";
+        let digest = format!("sha256:{}", hex(&Sha256::digest(blob)));
+        c.put(&format!("sha256:{}", "0".repeat(64)), blob);
+        assert!(c.list(10).is_empty(), "a wrong digest is not kept");
+        // An uncommitted download leaves nothing.
+        let mut k = c.begin(&digest, 8).unwrap();
+        k.write(blob);
+        drop(k);
+        assert!(!c.has(&digest));
+        assert_eq!(
+            std::fs::read_dir(d.path().join("blobs/tmp"))
+                .unwrap()
+                .count(),
+            0
+        );
+        c.put(&digest, blob);
+        assert!(c.has(&digest));
+        assert!(c.begin(&digest, 8).is_none(), "kept once");
+        let other = b"abcdefgh";
+        let other_digest = format!("sha256:{}", hex(&Sha256::digest(other)));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        c.put(&other_digest, other);
+        // 16 bytes past a bound of 10: the older goes.
+        assert_eq!(c.list(10), vec![other_digest]);
+        assert!(c.begin(&digest, 11).is_none(), "larger than the cache");
+    }
+}

@@ -1,0 +1,612 @@
+//! The node side of image pre-warm: `berth agent` serves the verified blobs its store keeps to
+//! other nodes and takes pre-warm requests (on `peers.listen`); every berth process that
+//! imports asks the cluster controller's catalog which nodes to fetch blobs from first
+//! (`crate::image::peers` does the fetching and the verifying).
+//!
+//! What is served, on `peers.listen`, each request with the cluster key (`Authorization: Bearer`
+//! as for the controller; 401 without):
+//! - `GET`/`HEAD /v2/<name>/blobs/sha256:<hex>`: a blob of the store's blob cache, whole or from
+//!   `Range: bytes=N-`. `<name>` is ignored; the digest must be exactly `sha256:` and 64 lower
+//!   case hex digits, and only then names a file (`blobs/sha256/<hex>`, opened without following
+//!   links). The cache holds only blobs whose digest was checked before they were published, so
+//!   nothing but verified image blobs can be read, and only by digest. At most
+//!   `peers.max_uploads` transfers at once; more wait for a slot, up to 20 s, then get 503 (the
+//!   client retries with backoff, then moves to its next source).
+//! - `POST /v1/warm` ([`berth_api::WarmRequest`]): imports the reference into the store as
+//!   root, fetching blobs from the named peers before the registry; answers when done.
+
+use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_api::{CatalogNode, WarmReply, WarmRequest};
+
+use super::Failure;
+use crate::config::Config;
+use crate::image::peers::{self, BlobCache};
+use crate::image::{Reference, RegistryRef};
+
+/// The most bytes of a request head, and of a warm request's body.
+const HEAD_MAX: usize = 16 * 1024;
+const BODY_MAX: u64 = 64 * 1024;
+/// Connections handled at once beyond the uploads (warm requests, refusals).
+const EXTRA_CONNECTIONS: usize = 64;
+/// Peers an import asks before the registry, from the catalog.
+const LOOKUP_PEERS: usize = 3;
+
+/// The cluster key as the `Authorization` header, when this process may read the key file.
+fn authorization(config: &Config) -> Option<String> {
+    if config.agent.controllers.is_empty() {
+        return None;
+    }
+    super::agent::read_key(&config.agent.key_file)
+        .ok()
+        .map(|k| berth_api::bearer(&k))
+}
+
+/// Sets up this process's imports to use peers: ask the controller's catalog (when
+/// `peers.lookup`), keep blobs for serving (when this node serves, `peers.listen`). Does nothing
+/// where no controller is configured or the key is unreadable (not root): imports then go to
+/// the registry as always.
+pub fn install(config: &Config) {
+    let Some(auth) = authorization(config) else {
+        return;
+    };
+    let serves = !config.peers.listen.is_empty();
+    let lookup: Option<Box<peers::Lookup>> = config.peers.lookup.then(|| {
+        let config = config.clone();
+        let auth = auth.clone();
+        Box::new(move |r: &RegistryRef| lookup(&config, &auth, r)) as Box<peers::Lookup>
+    });
+    peers::configure(
+        auth,
+        serves.then_some(config.store.root.as_path()),
+        config.peers.cache_bytes,
+        lookup,
+    );
+}
+
+/// GETs `path` from the controllers (following a follower to the leader once), all within
+/// `timeout`: an import never waits longer for its peers than that.
+fn ask_controllers(config: &Config, auth: &str, path: &str, timeout: Duration) -> Option<Vec<u8>> {
+    let deadline = Instant::now() + timeout;
+    let get = |addr: &str| -> Option<(u16, Vec<u8>)> {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(left))
+            .build()
+            .into();
+        let mut r = agent
+            .get(&format!("http://{addr}{path}"))
+            .header(berth_api::KEY_HEADER, auth)
+            .call()
+            .ok()?;
+        let body = r
+            .body_mut()
+            .with_config()
+            .limit(16 << 20)
+            .read_to_vec()
+            .ok()?;
+        Some((r.status().as_u16(), body))
+    };
+    for addr in &config.agent.controllers {
+        match get(addr) {
+            Some((200, body)) => return Some(body),
+            Some((s, body)) if s == berth_api::NOT_LEADER_STATUS => {
+                let leader = serde_json::from_slice::<berth_api::NotLeader>(&body)
+                    .ok()
+                    .and_then(|n| n.leader)?;
+                if let Some((200, body)) = get(&leader) {
+                    return Some(body);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Peers that hold `r` by the catalog, freshest first, this node left out.
+fn lookup(config: &Config, auth: &str, r: &RegistryRef) -> Vec<String> {
+    let timeout = Duration::from_millis(config.peers.lookup_timeout_ms.max(100));
+    let key = crate::image::store::reference_key(&Reference::Registry(r.clone()));
+    let path = format!("/v1/catalog?ref={}", percent_encode(&key));
+    let Some(body) = ask_controllers(config, auth, &path, timeout) else {
+        tracing::debug!("no catalog from the controller: the registry only");
+        return Vec::new();
+    };
+    let Ok(nodes) = serde_json::from_slice::<Vec<CatalogNode>>(&body) else {
+        return Vec::new();
+    };
+    let me = advertise(config);
+    choose(&nodes, &key, me.as_deref())
+}
+
+/// Everything but unreserved URI characters as `%XX`.
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// The holders of `key` that serve, freshest heartbeat first, without `me`.
+fn choose(nodes: &[CatalogNode], key: &str, me: Option<&str>) -> Vec<String> {
+    let mut holders: Vec<&CatalogNode> = nodes
+        .iter()
+        .filter(|n| n.refs.contains_key(key))
+        .filter(|n| n.peer.is_some() && n.peer.as_deref() != me)
+        .collect();
+    holders.sort_by(|a, b| a.age_s.total_cmp(&b.age_s));
+    holders
+        .into_iter()
+        .filter_map(|n| n.peer.clone())
+        .take(LOOKUP_PEERS)
+        .collect()
+}
+
+/// Where other nodes reach this one's blob server: `peers.advertise`, else `peers.listen` with
+/// an unspecified host replaced by the host name; `None` when it serves nothing.
+pub fn advertise(config: &Config) -> Option<String> {
+    if config.peers.listen.is_empty() {
+        return None;
+    }
+    if !config.peers.advertise.is_empty() {
+        return Some(config.peers.advertise.clone());
+    }
+    let l = &config.peers.listen;
+    match l.rsplit_once(':') {
+        Some((host, port)) if host.is_empty() || host == "0.0.0.0" || host == "[::]" => {
+            let h = nix::unistd::gethostname().ok()?;
+            Some(format!("{}:{port}", h.to_string_lossy()))
+        }
+        _ => Some(l.clone()),
+    }
+}
+
+/// The stored registry images for a heartbeat: canonical reference → manifest digest.
+pub fn refs(config: &Config) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    if !config.store.root.join("refs").is_dir() {
+        return out;
+    }
+    let Ok(store) = crate::image::store::Store::open(&config.store) else {
+        return out;
+    };
+    for e in store.list() {
+        for r in e.references.iter().filter(|r| r.starts_with("docker://")) {
+            if out.len() < 1000 {
+                out.insert(r.clone(), e.image.digest.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Set when a warm changed the store: the next agent round gathers its inventory at once, so
+/// the catalog learns of the image within a heartbeat.
+static INVENTORY_DUE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the inventory should be gathered now (and clears the mark).
+pub fn inventory_due() -> bool {
+    INVENTORY_DUE.swap(false, Ordering::AcqRel)
+}
+
+/// Counts transfers in progress. A transfer past the bound waits for a slot (in arrival order
+/// of the wake-ups) for at most [`UPLOAD_WAIT`], so the transfers a node serves are queued, not
+/// refused; only one that waited that long gets 503.
+struct Uploads {
+    now: Mutex<usize>,
+    freed: std::sync::Condvar,
+    max: usize,
+}
+
+/// How long a transfer waits for a slot before 503: well under the client's read timeout
+/// (registry.read_timeout_s, 60 s by default), which runs while it waits for the headers.
+const UPLOAD_WAIT: Duration = Duration::from_secs(20);
+
+struct Slot<'a>(&'a Uploads);
+
+impl Uploads {
+    fn new(max: usize) -> Self {
+        Self {
+            now: Mutex::new(0),
+            freed: std::sync::Condvar::new(),
+            max: max.max(1),
+        }
+    }
+
+    /// A slot, waiting up to `wait` for one; also returns how many transfers run with it.
+    fn take(&self, wait: Duration) -> Option<(Slot<'_>, usize)> {
+        let deadline = Instant::now() + wait;
+        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        while *now >= self.max {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            now = self
+                .freed
+                .wait_timeout(now, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *now += 1;
+        Some((Slot(self), *now))
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let mut now = self.0.now.lock().unwrap_or_else(|p| p.into_inner());
+        *now = now.saturating_sub(1);
+        self.0.freed.notify_one();
+    }
+}
+
+struct Server {
+    node: String,
+    authorization: String,
+    cache: Option<BlobCache>,
+    config: Config,
+    uploads: Uploads,
+    connections: AtomicUsize,
+    /// One warm at a time: they share the node's disk and network.
+    warming: Mutex<()>,
+}
+
+/// Starts the blob server and warm endpoint on `peers.listen` (nothing when it is "").
+pub fn serve(config: &Config, node: &str) -> Result<(), Failure> {
+    if config.peers.listen.is_empty() {
+        return Ok(());
+    }
+    let authorization = authorization(config).ok_or_else(|| {
+        Failure::input(format!(
+            "peers.listen is set but the cluster key {} cannot be read",
+            config.agent.key_file.display()
+        ))
+    })?;
+    let listener = TcpListener::bind(&config.peers.listen).map_err(|e| {
+        Failure::system(format!(
+            "listening on {} for peers: {e}; set peers.listen (\"\": serve none)",
+            config.peers.listen
+        ))
+    })?;
+    let server = Arc::new(Server {
+        node: node.to_string(),
+        authorization,
+        cache: BlobCache::open(&config.store.root, config.peers.cache_bytes.max(1)),
+        config: config.clone(),
+        uploads: Uploads::new(config.peers.max_uploads),
+        connections: AtomicUsize::new(0),
+        warming: Mutex::new(()),
+    });
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let s = server.clone();
+            if s.connections.fetch_add(1, Ordering::AcqRel) >= s.uploads.max + EXTRA_CONNECTIONS {
+                s.connections.fetch_sub(1, Ordering::AcqRel);
+                continue;
+            }
+            std::thread::spawn(move || {
+                if let Err(e) = s.handle(conn) {
+                    tracing::debug!("peer connection: {e}");
+                }
+                s.connections.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+    });
+    Ok(())
+}
+
+/// A parsed request head.
+#[derive(Debug, Default, PartialEq)]
+struct Head {
+    method: String,
+    path: String,
+    authorization: Option<String>,
+    range_from: Option<u64>,
+    content_length: u64,
+}
+
+fn parse_head(text: &str) -> Option<Head> {
+    let mut lines = text.split("\r\n");
+    let mut first = lines.next()?.split(' ');
+    let mut h = Head {
+        method: first.next()?.to_string(),
+        path: first.next()?.to_string(),
+        ..Head::default()
+    };
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        match name.trim().to_ascii_lowercase().as_str() {
+            "authorization" => h.authorization = Some(value.to_string()),
+            "content-length" => h.content_length = value.parse().ok()?,
+            "range" => {
+                // Only what the registry client sends: `bytes=N-`.
+                let from = value.strip_prefix("bytes=")?.strip_suffix('-')?;
+                h.range_from = Some(from.parse().ok()?);
+            }
+            _ => {}
+        }
+    }
+    Some(h)
+}
+
+/// The digest a blob path names: `/v2/<name>/blobs/<digest>`, `<name>` not empty.
+fn blob_digest(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v2/")?;
+    let (name, digest) = rest.rsplit_once("/blobs/")?;
+    (!name.is_empty() && peers::digest_hex(digest).is_some()).then_some(digest)
+}
+
+fn respond(conn: &mut TcpStream, status: &str, headers: &str, body: &[u8]) -> std::io::Result<()> {
+    write!(
+        conn,
+        "HTTP/1.1 {status}\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n",
+        body.len()
+    )?;
+    conn.write_all(body)
+}
+
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Server {
+    fn handle(&self, mut conn: TcpStream) -> std::io::Result<()> {
+        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        conn.set_write_timeout(Some(Duration::from_secs(60)))?;
+        let mut reader = BufReader::new(conn.try_clone()?);
+        let mut head = String::new();
+        while !head.ends_with("\r\n\r\n") {
+            let n = (&mut reader)
+                .take((HEAD_MAX - head.len()) as u64)
+                .read_line(&mut head)?;
+            if n == 0 || head.len() >= HEAD_MAX {
+                return respond(&mut conn, "400 Bad Request", "", b"bad request\n");
+            }
+        }
+        let Some(h) = parse_head(&head) else {
+            return respond(&mut conn, "400 Bad Request", "", b"bad request\n");
+        };
+        let authorized = h
+            .authorization
+            .as_deref()
+            .is_some_and(|a| same(a.as_bytes(), self.authorization.as_bytes()));
+        if !authorized {
+            return respond(
+                &mut conn,
+                "401 Unauthorized",
+                "",
+                b"the cluster key is required (Authorization: Bearer KEY)\n",
+            );
+        }
+        match (h.method.as_str(), blob_digest(&h.path)) {
+            ("GET" | "HEAD", Some(digest)) => self.blob(&mut conn, &h, digest),
+            ("POST", None) if h.path == "/v1/warm" => {
+                if h.content_length > BODY_MAX {
+                    return respond(&mut conn, "413 Payload Too Large", "", b"too large\n");
+                }
+                let mut body = Vec::new();
+                (&mut reader)
+                    .take(h.content_length)
+                    .read_to_end(&mut body)?;
+                let reply = match serde_json::from_slice::<WarmRequest>(&body) {
+                    Ok(req) => self.warm(req),
+                    Err(e) => WarmReply {
+                        node: self.node.clone(),
+                        digest: None,
+                        error: Some(format!("the warm request does not parse: {e}")),
+                        seconds: 0.0,
+                    },
+                };
+                let json = serde_json::to_vec(&reply).expect("serializes");
+                respond(
+                    &mut conn,
+                    "200 OK",
+                    "Content-Type: application/json\r\n",
+                    &json,
+                )
+            }
+            _ => respond(&mut conn, "404 Not Found", "", b"not found\n"),
+        }
+    }
+
+    fn blob(&self, conn: &mut TcpStream, h: &Head, digest: &str) -> std::io::Result<()> {
+        let not_found =
+            |conn: &mut TcpStream| respond(conn, "404 Not Found", "", b"no such blob\n");
+        let Some(path) = self.cache.as_ref().and_then(|c| c.path(digest)) else {
+            return not_found(conn);
+        };
+        let Ok(mut file) = std::fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+        else {
+            return not_found(conn);
+        };
+        let size = file.metadata()?.len();
+        if h.method == "HEAD" {
+            return write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nDocker-Content-Digest: {digest}\r\n\
+                 Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n"
+            );
+        }
+        let Some((_slot, running)) = self.uploads.take(UPLOAD_WAIT) else {
+            return respond(
+                conn,
+                "503 Service Unavailable",
+                "Retry-After: 1\r\n",
+                b"serving as many transfers as peers.max_uploads allows, for too long\n",
+            );
+        };
+        tracing::debug!("serving {digest} ({running} transfers)");
+        let from = h.range_from.unwrap_or(0).min(size);
+        let (status, range) = if h.range_from.is_some() {
+            (
+                "206 Partial Content",
+                format!(
+                    "Content-Range: bytes {from}-{}/{size}\r\n",
+                    size.saturating_sub(1)
+                ),
+            )
+        } else {
+            ("200 OK", String::new())
+        };
+        write!(
+            conn,
+            "HTTP/1.1 {status}\r\nContent-Length: {}\r\n{range}Docker-Content-Digest: {digest}\r\n\
+             Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+            size - from
+        )?;
+        file.seek(std::io::SeekFrom::Start(from))?;
+        std::io::copy(&mut file.take(size - from), conn)?;
+        Ok(())
+    }
+
+    fn warm(&self, req: WarmRequest) -> WarmReply {
+        let _one = self.warming.lock().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
+        let result = (|| -> Result<String, String> {
+            let reference =
+                super::import::parse_reference(&req.reference).map_err(|e| e.to_string())?;
+            if !matches!(reference, Reference::Registry(_)) {
+                return Err(format!(
+                    "{}: only registry images are pre-warmed",
+                    req.reference
+                ));
+            }
+            let store =
+                crate::image::store::Store::open(&self.config.store).map_err(|e| e.to_string())?;
+            let user = crate::spec::user::current().map_err(|e| e.to_string())?;
+            let who = crate::image::import::Requester {
+                uid: user.uid,
+                home: user.home.as_deref(),
+                arch: None,
+            };
+            let peers: Vec<String> = req
+                .peers
+                .iter()
+                .filter(|p| Some(p.as_str()) != advertise(&self.config).as_deref())
+                .cloned()
+                .collect();
+            let image = peers::with_peers(peers, || {
+                crate::image::import::import(
+                    &store,
+                    &reference,
+                    &self.config.image(),
+                    &who,
+                    &crate::image::store::quiet,
+                )
+            })
+            .map_err(|e| e.to_string())?;
+            Ok(image.digest)
+        })();
+        let seconds = started.elapsed().as_secs_f64();
+        match result {
+            Ok(digest) => {
+                INVENTORY_DUE.store(true, Ordering::Release);
+                tracing::info!("warmed {} ({digest}) in {seconds:.1} s", req.reference);
+                WarmReply {
+                    node: self.node.clone(),
+                    digest: Some(digest),
+                    error: None,
+                    seconds,
+                }
+            }
+            Err(e) => {
+                tracing::warn!("warming {}: {e}", req.reference);
+                WarmReply {
+                    node: self.node.clone(),
+                    digest: None,
+                    error: Some(e),
+                    seconds,
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_blob_paths_with_exact_digests_are_served() {
+        let hex = "ab".repeat(32);
+        let ok = format!("/v2/library/busybox/blobs/sha256:{hex}");
+        assert_eq!(blob_digest(&ok), Some(format!("sha256:{hex}").as_str()));
+        for bad in [
+            format!("/v2//blobs/sha256:{hex}"),
+            format!("/v2/x/blobs/sha256:{hex}/../../etc"),
+            "/v2/x/blobs/sha256:../../../etc/shadow".to_string(),
+            format!("/v2/x/manifests/sha256:{hex}"),
+            format!("/etc/blobs/sha256:{hex}"),
+            format!("/v2/x/blobs/sha256:{}", hex.to_uppercase()),
+        ] {
+            assert_eq!(blob_digest(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn request_heads_parse_and_odd_ranges_are_refused() {
+        let h = parse_head(
+            "GET /v2/a/blobs/x HTTP/1.1\r\nAuthorization: Bearer k\r\nRange: bytes=10-\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(h.method, "GET");
+        assert_eq!(h.authorization.as_deref(), Some("Bearer k"));
+        assert_eq!(h.range_from, Some(10));
+        assert!(parse_head("GET /x HTTP/1.1\r\nRange: bytes=1-5\r\n\r\n").is_none());
+        assert!(parse_head("GET /x HTTP/1.1\r\nContent-Length: many\r\n\r\n").is_none());
+    }
+
+    #[test]
+    fn lookup_takes_serving_holders_freshest_first_without_this_node() {
+        let n = |node: &str, peer: Option<&str>, has: bool, age: f64| CatalogNode {
+            node: node.into(),
+            peer: peer.map(str::to_string),
+            refs: if has {
+                [("docker://r/a:1".to_string(), "sha256:x".to_string())].into()
+            } else {
+                Default::default()
+            },
+            age_s: age,
+        };
+        let nodes = vec![
+            n("a", Some("a:1"), true, 9.0),
+            n("b", Some("b:1"), true, 1.0),
+            n("c", None, true, 0.5),
+            n("d", Some("d:1"), false, 0.1),
+            n("e", Some("e:1"), true, 0.2),
+        ];
+        assert_eq!(
+            choose(&nodes, "docker://r/a:1", Some("e:1")),
+            vec!["b:1".to_string(), "a:1".to_string()]
+        );
+    }
+
+    #[test]
+    fn uploads_are_bounded_and_the_next_waits_for_a_slot() {
+        let u = Arc::new(Uploads::new(2));
+        let a = u.take(Duration::ZERO).unwrap();
+        let _b = u.take(Duration::ZERO).unwrap();
+        assert!(u.take(Duration::from_millis(20)).is_none());
+        let u2 = u.clone();
+        let waiter = std::thread::spawn(move || u2.take(Duration::from_secs(30)).map(|s| s.1));
+        std::thread::sleep(Duration::from_millis(50));
+        drop(a);
+        assert_eq!(waiter.join().unwrap(), Some(2));
+    }
+}
