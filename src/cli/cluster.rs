@@ -6,8 +6,8 @@ use berth_api::{ClusterStatus, DrainRequest, ErrorReply, NodeView, ResumeRequest
 use clap::{Args, Subcommand};
 
 use super::Failure;
-use super::agent::Client;
 use crate::config::Config;
+use berth_agent::client::Client;
 
 /// Ask the cluster controller: status, nodes, drain, resume, breaker reset
 #[derive(Debug, Args)]

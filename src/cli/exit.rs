@@ -2,6 +2,7 @@
 //! input (as a usage error), 1 for an image that could not be had, 125 for the host's failure,
 //! and the container's own statuses (126, 127, the command's) passed through.
 
+use berth_agent::AgentError;
 use berth_image::ImageError;
 use berth_runtime::RuntimeError;
 use berth_slurm::SlurmError;
@@ -91,6 +92,16 @@ impl From<SlurmError> for Failure {
             SlurmError::Runtime(e) => e.into(),
             SlurmError::Topology(e) => e.into(),
             SlurmError::ImageUnavailable(e) => (*e).into(),
+        }
+    }
+}
+
+impl From<AgentError> for Failure {
+    fn from(e: AgentError) -> Self {
+        match e {
+            AgentError::Input(m) => Failure::input(m),
+            AgentError::Host(m) => Failure::system(m),
+            AgentError::Image(e) => e.into(),
         }
     }
 }

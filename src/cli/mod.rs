@@ -26,14 +26,12 @@ pub mod cdi;
 pub mod cluster;
 pub mod cluster_slurm;
 pub mod container;
-pub mod daemons;
 pub mod exit;
 pub mod export;
 pub mod gc;
 pub mod health;
 pub mod images;
 pub mod import;
-pub mod peer;
 pub mod prewarm;
 pub mod prolog;
 pub mod run;
@@ -156,7 +154,7 @@ impl Cli {
             return Err(Failure::input(line));
         }
         let config = self.load_config()?;
-        peer::install(&config);
+        berth_agent::peer::install(&config);
         match &self.command {
             Command::Run(args) => run::execute(args, &config, self.verbose > 0),
             Command::Create(args) => container::create(args, &config),

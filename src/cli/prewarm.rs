@@ -1,26 +1,13 @@
-//! `berth cluster prewarm REF`: gets a registry image onto many nodes before jobs need it,
-//! with the registry serving each blob once.
-//!
-//! The plan is a tree grown as nodes finish: the first node pulls from the registry (unless the
-//! catalog already names nodes holding the image); every node that holds it then serves at
-//! most `--fanout` others at once, each of those fetching from it first, then from up to two
-//! other holders, then from the registry (the registry client verifies every blob, so a
-//! bad or dead peer costs a retry, never a wrong image). Each node's agent does its own import
-//! (`POST /v1/warm` on `peers.listen`); this command only schedules and reports.
+//! `berth cluster prewarm REF`: gets a registry image onto many nodes before jobs need it
+//! (`berth_agent::prewarm`).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use berth_api::{CatalogNode, WarmReply, WarmRequest};
 use clap::Args;
 
 use super::Failure;
-use super::agent::Client;
 use crate::config::Config;
-use crate::image::Reference;
 
-/// Put an image on nodes ahead of their jobs, fanned out between the nodes
 #[derive(Debug, Args)]
 pub struct PrewarmArgs {
     /// The registry image: [REGISTRY/]IMAGE[:TAG][@DIGEST] or docker://…
@@ -40,364 +27,40 @@ pub struct PrewarmArgs {
     pub timeout: u64,
 }
 
-/// One node's warm as scheduled: who it fetches from, best first (empty: the registry).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Assignment {
-    pub node: String,
-    pub parent: Option<String>,
-    pub peers: Vec<String>,
-}
-
-/// The fan-out scheduler: which node to warm next and from whom.
-#[derive(Debug)]
-pub struct Plan {
-    fanout: usize,
-    /// Nodes holding the image, with how many they serve now, in the order they got it.
-    holders: Vec<(String, usize)>,
-    pending: VecDeque<String>,
-    running: usize,
-    /// The pull from the registry failed: nothing else is started from it.
-    registry_failed: bool,
-}
-
-/// Fallback holders given besides the parent.
-const FALLBACKS: usize = 2;
-
-impl Plan {
-    pub fn new(targets: Vec<String>, holders: Vec<String>, fanout: usize) -> Self {
-        Self {
-            fanout: fanout.max(1),
-            pending: targets
-                .into_iter()
-                .filter(|t| !holders.contains(t))
-                .collect(),
-            holders: holders.into_iter().map(|h| (h, 0)).collect(),
-            running: 0,
-            registry_failed: false,
-        }
-    }
-
-    /// The next warm to start now, if any may start.
-    pub fn start_next(&mut self) -> Option<Assignment> {
-        if self.pending.is_empty() {
-            return None;
-        }
-        if self.holders.is_empty() {
-            // Only one pull from the registry at a time: the others wait to fetch from it.
-            if self.running > 0 || self.registry_failed {
-                return None;
-            }
-            let node = self.pending.pop_front()?;
-            self.running += 1;
-            return Some(Assignment {
-                node,
-                parent: None,
-                peers: Vec::new(),
-            });
-        }
-        let (i, _) = self
-            .holders
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, serving))| *serving < self.fanout)
-            .min_by_key(|(i, (_, serving))| (*serving, *i))?;
-        let node = self.pending.pop_front()?;
-        self.holders[i].1 += 1;
-        self.running += 1;
-        let parent = self.holders[i].0.clone();
-        let mut peers = vec![parent.clone()];
-        peers.extend(
-            self.holders
-                .iter()
-                .filter(|(h, _)| *h != parent)
-                .map(|(h, _)| h.clone())
-                .take(FALLBACKS),
-        );
-        Some(Assignment {
-            node,
-            parent: Some(parent),
-            peers,
-        })
-    }
-
-    /// A warm ended; `ok` when the node now holds the image.
-    pub fn done(&mut self, a: &Assignment, ok: bool) {
-        self.running = self.running.saturating_sub(1);
-        if let Some(p) = &a.parent
-            && let Some(h) = self.holders.iter_mut().find(|(h, _)| h == p)
-        {
-            h.1 = h.1.saturating_sub(1);
-        }
-        if ok {
-            self.holders.push((a.node.clone(), 0));
-        } else if a.parent.is_none() {
-            self.registry_failed = true;
-        }
-    }
-
-    /// Whether nothing more will start or finish.
-    pub fn finished(&self) -> bool {
-        self.running == 0 && (self.pending.is_empty() || self.next_is_blocked())
-    }
-
-    fn next_is_blocked(&self) -> bool {
-        self.holders.is_empty() && self.registry_failed
-    }
-
-    /// Nodes never started (the registry pull failed).
-    pub fn not_started(&self) -> Vec<String> {
-        self.pending.iter().cloned().collect()
-    }
-}
-
-fn warm(
-    addr: &str,
-    bearer: &str,
-    req: &WarmRequest,
-    timeout: Duration,
-) -> Result<WarmReply, String> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(timeout))
-        .build()
-        .into();
-    let body = serde_json::to_vec(req).expect("serializes");
-    let mut r = agent
-        .post(&format!("http://{addr}/v1/warm"))
-        .header(berth_api::KEY_HEADER, bearer)
-        .content_type("application/json")
-        .send(&body[..])
-        .map_err(|e| format!("{addr}: {e}"))?;
-    let status = r.status().as_u16();
-    let bytes = r
-        .body_mut()
-        .with_config()
-        .limit(1 << 20)
-        .read_to_vec()
-        .map_err(|e| format!("{addr}: {e}"))?;
-    if status != 200 {
-        return Err(format!(
-            "{addr}: HTTP {status}: {}",
-            String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
-        ));
-    }
-    serde_json::from_slice(&bytes).map_err(|e| format!("{addr}: the answer does not parse: {e}"))
-}
-
-/// One node's outcome, as printed.
-#[derive(Debug, serde::Serialize)]
-struct Outcome {
-    node: String,
-    from: String,
-    digest: Option<String>,
-    error: Option<String>,
-    seconds: f64,
-}
-
 pub fn execute(args: &PrewarmArgs, config: &Config, json: bool) -> Result<i32, Failure> {
-    let reference = super::import::parse_reference(&args.reference).map_err(Failure::from)?;
-    if !matches!(reference, Reference::Registry(_)) {
-        return Err(Failure::input(format!(
-            "{}: only registry images are pre-warmed (a file is already where nodes can read it)",
-            args.reference
-        )));
-    }
-    let key = crate::image::store::reference_key(&reference);
-    let mut client = Client::new(config)?;
-    let (addr, status, bytes) = client
-        .request("/v1/catalog", None, true)
-        .map_err(Failure::system)?;
-    if status != 200 {
-        return Err(Failure::system(format!(
-            "controller {addr}: HTTP {status}: {}",
-            String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
-        )));
-    }
-    let catalog: Vec<CatalogNode> = serde_json::from_slice(&bytes)
-        .map_err(|e| Failure::system(format!("the controller's catalog does not parse: {e}")))?;
-    let addrs: BTreeMap<String, String> = catalog
-        .iter()
-        .filter_map(|n| n.peer.clone().map(|p| (n.node.clone(), p)))
-        .collect();
-    let targets: Vec<String> = if args.nodes.is_empty() {
-        addrs.keys().cloned().collect()
-    } else {
-        args.nodes.clone()
+    let req = berth_agent::prewarm::Request {
+        reference: args.reference.clone(),
+        nodes: args.nodes.clone(),
+        fanout: args.fanout,
+        timeout: Duration::from_secs(args.timeout.max(1)),
     };
-    if targets.is_empty() {
-        return Err(Failure::input(
-            "no node to warm: no agent reports a peers.listen address (set [peers] listen on \
-             the nodes) and --nodes names none",
-        ));
-    }
-    if let Some(bad) = targets.iter().find(|t| !addrs.contains_key(*t)) {
-        return Err(Failure::input(format!(
-            "node {bad}: the controller knows no peers address for it: is its agent running \
-             with [peers] listen set? (berth cluster nodes lists the nodes)"
-        )));
-    }
-    let holders: Vec<String> = catalog
-        .iter()
-        .filter(|n| n.peer.is_some() && n.refs.contains_key(&key))
-        .map(|n| n.node.clone())
-        .collect();
-    let bearer = berth_api::bearer(&super::agent::read_key(&config.agent.key_file)?);
-    let timeout = Duration::from_secs(args.timeout.max(1));
-    let started = Instant::now();
-    let mut plan = Plan::new(targets.clone(), holders.clone(), args.fanout);
-    let (tx, rx) = mpsc::channel::<(Assignment, Result<WarmReply, String>)>();
-    let mut outcomes: HashMap<String, Outcome> = HashMap::new();
-    for h in holders.iter().filter(|h| targets.contains(h)) {
-        outcomes.insert(
-            h.clone(),
-            Outcome {
-                node: h.clone(),
-                from: "(held it)".into(),
-                digest: catalog
-                    .iter()
-                    .find(|n| &n.node == h)
-                    .and_then(|n| n.refs.get(&key).cloned()),
-                error: None,
-                seconds: 0.0,
-            },
-        );
-    }
-    loop {
-        while let Some(a) = plan.start_next() {
-            let req = WarmRequest {
-                reference: key.clone(),
-                peers: a.peers.iter().map(|p| addrs[p].clone()).collect(),
-            };
-            let (tx, addr, bearer) = (tx.clone(), addrs[&a.node].clone(), bearer.clone());
-            std::thread::spawn(move || {
-                let r = warm(&addr, &bearer, &req, timeout);
-                let _ = tx.send((a, r));
-            });
+    let line = |o: &berth_agent::prewarm::Outcome| {
+        if json {
+            return;
         }
-        if plan.finished() {
-            break;
-        }
-        let Ok((a, r)) = rx.recv() else { break };
-        let (ok, outcome) = match r {
-            Ok(reply) => (
-                reply.digest.is_some(),
-                Outcome {
-                    node: a.node.clone(),
-                    from: a.parent.clone().unwrap_or_else(|| "registry".into()),
-                    digest: reply.digest,
-                    error: reply.error,
-                    seconds: reply.seconds,
-                },
+        match &o.error {
+            None => outln!(
+                "{:<20} warmed from {} in {:.1} s",
+                o.node,
+                o.from,
+                o.seconds
             ),
-            Err(e) => (
-                false,
-                Outcome {
-                    node: a.node.clone(),
-                    from: a.parent.clone().unwrap_or_else(|| "registry".into()),
-                    digest: None,
-                    error: Some(e),
-                    seconds: 0.0,
-                },
-            ),
-        };
-        if !json {
-            match &outcome.error {
-                None => outln!(
-                    "{:<20} warmed from {} in {:.1} s",
-                    outcome.node,
-                    outcome.from,
-                    outcome.seconds
-                ),
-                Some(e) => outln!("{:<20} FAILED (from {}): {e}", outcome.node, outcome.from),
-            }
+            Some(e) => outln!("{:<20} FAILED (from {}): {e}", o.node, o.from),
         }
-        plan.done(&a, ok);
-        outcomes.insert(a.node.clone(), outcome);
-    }
-    for n in plan.not_started() {
-        outcomes.insert(
-            n.clone(),
-            Outcome {
-                node: n,
-                from: "-".into(),
-                digest: None,
-                error: Some("not started: the pull from the registry failed".into()),
-                seconds: 0.0,
-            },
-        );
-    }
-    let mut all: Vec<Outcome> = outcomes.into_values().collect();
-    all.sort_by(|a, b| a.node.cmp(&b.node));
+    };
+    let report = berth_agent::prewarm::run(config, &req, &line)?;
+    let all = &report.outcomes;
     let ok = all.iter().filter(|o| o.error.is_none()).count();
     if json {
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&all).expect("serializes")
-        );
+        outln!("{}", serde_json::to_string_pretty(all).expect("serializes"));
     } else {
         outln!(
-            "{ok} of {} nodes hold {key} ({:.1} s, fan-out {})",
+            "{ok} of {} nodes hold {} ({:.1} s, fan-out {})",
             all.len(),
-            started.elapsed().as_secs_f64(),
+            report.key,
+            report.seconds,
             args.fanout.max(1)
         );
     }
     Ok(if ok == all.len() { 0 } else { 1 })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn names(n: usize) -> Vec<String> {
-        (1..=n).map(|i| format!("n{i}")).collect()
-    }
-
-    #[test]
-    fn one_registry_pull_then_each_holder_serves_at_most_k() {
-        let mut p = Plan::new(names(8), Vec::new(), 2);
-        let root = p.start_next().unwrap();
-        assert_eq!(root.parent, None);
-        assert!(
-            p.start_next().is_none(),
-            "the others wait for the first pull"
-        );
-        p.done(&root, true);
-        let wave: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
-        assert_eq!(wave.len(), 2, "n1 serves 2 at once");
-        assert!(wave.iter().all(|a| a.parent.as_deref() == Some("n1")));
-        for a in &wave {
-            p.done(a, true);
-        }
-        let mut count: HashMap<String, usize> = HashMap::new();
-        let wave: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
-        for a in &wave {
-            *count.entry(a.parent.clone().unwrap()).or_default() += 1;
-            assert_eq!(a.peers[0], *a.parent.as_ref().unwrap());
-            assert!(a.peers.len() <= 1 + FALLBACKS);
-        }
-        assert_eq!(wave.len(), 5, "3 holders, 2 each, 5 left");
-        assert!(count.values().all(|c| *c <= 2));
-        for a in &wave {
-            p.done(a, true);
-        }
-        assert!(p.finished());
-    }
-
-    #[test]
-    fn a_failed_child_frees_its_parents_slot_and_a_failed_registry_pull_stops() {
-        let mut p = Plan::new(names(3), vec!["n1".into()], 1);
-        let a = p.start_next().unwrap();
-        assert_eq!(a.node, "n2");
-        assert!(p.start_next().is_none());
-        p.done(&a, false);
-        let b = p.start_next().unwrap();
-        assert_eq!((b.node.as_str(), b.parent.as_deref()), ("n3", Some("n1")));
-        let mut q = Plan::new(names(3), Vec::new(), 4);
-        let root = q.start_next().unwrap();
-        q.done(&root, false);
-        assert!(q.start_next().is_none());
-        assert!(q.finished());
-        assert_eq!(q.not_started(), vec!["n2".to_string(), "n3".to_string()]);
-    }
 }

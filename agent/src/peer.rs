@@ -1,7 +1,7 @@
 //! The node side of image pre-warm: `berth agent` serves the verified blobs its store keeps to
 //! other nodes and takes pre-warm requests (on `peers.listen`); every berth process that
 //! imports asks the cluster controller's catalog which nodes to fetch blobs from first
-//! (`crate::image::peers` does the fetching and the verifying).
+//! (`berth_image::peers` does the fetching and the verifying).
 //!
 //! What is served, on `peers.listen`, each request with the cluster key (`Authorization: Bearer`
 //! as for the controller; 401 without):
@@ -24,10 +24,11 @@ use std::time::{Duration, Instant};
 
 use berth_api::{CatalogNode, WarmReply, WarmRequest};
 
-use super::Failure;
-use crate::config::Config;
-use crate::image::peers::{self, BlobCache};
-use crate::image::{Reference, RegistryRef};
+use berth_image::peers::{self, BlobCache};
+use berth_image::{Reference, RegistryRef};
+use berth_slurm::config::Config;
+
+use crate::AgentError;
 
 /// The most bytes of a request head, and of a warm request's body.
 const HEAD_MAX: usize = 16 * 1024;
@@ -42,7 +43,7 @@ fn authorization(config: &Config) -> Option<String> {
     if config.agent.controllers.is_empty() {
         return None;
     }
-    super::agent::read_key(&config.agent.key_file)
+    crate::client::read_key(&config.agent.key_file)
         .ok()
         .map(|k| berth_api::bearer(&k))
 }
@@ -113,7 +114,7 @@ fn ask_controllers(config: &Config, auth: &str, path: &str, timeout: Duration) -
 /// Peers that hold `r` by the catalog, freshest first, this node left out.
 fn lookup(config: &Config, auth: &str, r: &RegistryRef) -> Vec<String> {
     let timeout = Duration::from_millis(config.peers.lookup_timeout_ms.max(100));
-    let key = crate::image::store::reference_key(&Reference::Registry(r.clone()));
+    let key = berth_image::store::reference_key(&Reference::Registry(r.clone()));
     let path = format!("/v1/catalog?ref={}", percent_encode(&key));
     let Some(body) = ask_controllers(config, auth, &path, timeout) else {
         tracing::debug!("no catalog from the controller: the registry only");
@@ -179,7 +180,7 @@ pub fn refs(config: &Config) -> std::collections::BTreeMap<String, String> {
     if !config.store.root.join("refs").is_dir() {
         return out;
     }
-    let Ok(store) = crate::image::store::Store::open(&config.store) else {
+    let Ok(store) = berth_image::store::Store::open(&config.store) else {
         return out;
     };
     for e in store.list() {
@@ -262,18 +263,18 @@ struct Server {
 }
 
 /// Starts the blob server and warm endpoint on `peers.listen` (nothing when it is "").
-pub fn serve(config: &Config, node: &str) -> Result<(), Failure> {
+pub fn serve(config: &Config, node: &str) -> Result<(), AgentError> {
     if config.peers.listen.is_empty() {
         return Ok(());
     }
     let authorization = authorization(config).ok_or_else(|| {
-        Failure::input(format!(
+        AgentError::input(format!(
             "peers.listen is set but the cluster key {} cannot be read",
             config.agent.key_file.display()
         ))
     })?;
     let listener = TcpListener::bind(&config.peers.listen).map_err(|e| {
-        Failure::system(format!(
+        AgentError::host(format!(
             "listening on {} for peers: {e}; set peers.listen (\"\": serve none)",
             config.peers.listen
         ))
@@ -480,7 +481,7 @@ impl Server {
         let started = Instant::now();
         let result = (|| -> Result<String, String> {
             let reference =
-                super::import::parse_reference(&req.reference).map_err(|e| e.to_string())?;
+                berth_image::reference::parse(&req.reference).map_err(|e| e.to_string())?;
             if !matches!(reference, Reference::Registry(_)) {
                 return Err(format!(
                     "{}: only registry images are pre-warmed",
@@ -488,9 +489,9 @@ impl Server {
                 ));
             }
             let store =
-                crate::image::store::Store::open(&self.config.store).map_err(|e| e.to_string())?;
-            let user = crate::spec::user::current().map_err(|e| e.to_string())?;
-            let who = crate::image::import::Requester {
+                berth_image::store::Store::open(&self.config.store).map_err(|e| e.to_string())?;
+            let user = berth_spec::user::current().map_err(|e| e.to_string())?;
+            let who = berth_image::import::Requester {
                 uid: user.uid,
                 home: user.home.as_deref(),
                 arch: None,
@@ -502,12 +503,12 @@ impl Server {
                 .cloned()
                 .collect();
             let image = peers::with_peers(peers, || {
-                crate::image::import::import(
+                berth_image::import::import(
                     &store,
                     &reference,
                     &self.config.image(),
                     &who,
-                    &crate::image::store::quiet,
+                    &berth_image::store::quiet,
                 )
             })
             .map_err(|e| e.to_string())?;

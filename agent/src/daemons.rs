@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use berth_api::{DaemonReport, DaemonState};
 
-use crate::config::AgentConfig;
+use berth_slurm::config::AgentConfig;
 
 /// How long each munge command may take.
 const MUNGE_TIMEOUT: Duration = Duration::from_secs(3);
