@@ -100,4 +100,27 @@ mod tests {
         );
         assert!(parse("garbage\nT x notanumber\n").is_empty());
     }
+
+    #[test]
+    fn a_huge_message_is_cut_so_the_writer_never_blocks() {
+        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        // Larger than a pipe's capacity, with a multi-byte character at the cut.
+        let message = "é".repeat(100_000);
+        send(&w, &Message::Error(126, message));
+        send(&w, &Message::Timing("mounts", Duration::from_micros(7)));
+        drop(w);
+        let got = receive_all(r);
+        let Received::Error(126, text) = &got[0] else {
+            panic!("{got:?}")
+        };
+        assert!(
+            text.len() < LINE_LIMIT && text.ends_with("..."),
+            "{}",
+            text.len()
+        );
+        assert_eq!(
+            got[1],
+            Received::Timing("mounts".into(), Duration::from_micros(7))
+        );
+    }
 }
