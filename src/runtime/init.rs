@@ -44,10 +44,10 @@ pub struct InitArgs<'a> {
     pub layers: &'a [super::mounts::Tree],
     /// The Spec's bind sources, opened and cloned by the parent (`mounts::open_sources`).
     pub trees: &'a [Option<super::mounts::Tree>],
-    /// Readable end of the parent's lifeline: one byte means "your cgroup is complete (you are
-    /// in it, with its limits and device filter), go on"; end-of-file means the parent died.
+    /// Readable end of the parent's lifeline: one byte means "you are in the cgroup, go on";
+    /// end-of-file means the parent died.
     pub lifeline: OwnedFd,
-    /// The kernel started init in its cgroup (clone3): the root may be built before the byte.
+    /// The kernel started init in its cgroup (clone3): the parent sends no start byte.
     pub in_cgroup: bool,
     /// Where setup errors and timings go; closed on the command's exec.
     pub report: OwnedFd,
@@ -88,21 +88,20 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     // umask of 077 the container's `/` was 0700 and no user but root could enter it. The
     // command gets the caller's umask back, as a command run by Slurm or a shell does.
     let caller_umask = umask(Mode::from_bits_truncate(0o022));
-    // The parent's one byte says the cgroup is complete: init is in it, with its limits and
-    // device filter. Outside the cgroup (no clone3) nothing may happen before it. Started in the
-    // cgroup, init builds the root while the parent applies the limits and the filter, and
-    // waits for the byte only before the command (or any joining process) can run.
-    let go = || {
-        let mut byte = [0u8; 1];
-        match nix::unistd::read(&args.lifeline, &mut byte) {
-            Ok(1) => Ok(()),
-            _ => Err(SetupError::new(
-                "berth exited before the container started".into(),
-            )),
+    let parent_gone = || SetupError::new("berth exited before the container started".into());
+    if args.in_cgroup {
+        // Already in the cgroup: nothing to wait for (a wait would cost a round trip through the
+        // scheduler on every start). A parent that died before the parent-death signal was set
+        // has closed its end of the lifeline; one that dies later kills us with the signal.
+        let mut fds = [PollFd::new(args.lifeline.as_fd(), PollFlags::POLLIN)];
+        if poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0) {
+            return Err(parent_gone());
         }
-    };
-    if !args.in_cgroup {
-        go()?;
+    } else {
+        let mut byte = [0u8; 1];
+        if nix::unistd::read(&args.lifeline, &mut byte) != Ok(1) {
+            return Err(parent_gone());
+        }
     }
     // Our own session: the host terminal's job-control signals reach berth, which forwards them
     // once, instead of hitting the command directly as well.
@@ -156,9 +155,6 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
         &args.report,
         &report::Message::Timing("mounts", started.elapsed()),
     );
-    if args.in_cgroup {
-        go()?;
-    }
 
     let sfd = signal_fd()?;
     if args.hold {

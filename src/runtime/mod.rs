@@ -160,6 +160,10 @@ fn start(
     labels: &BTreeMap<String, String>,
 ) -> Result<Started, RuntimeError> {
     let started = Instant::now();
+    let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);
+    if !reclaimed.is_empty() {
+        tracing::info!("reclaimed {} leftover container(s)", reclaimed.len());
+    }
     let linux = spec
         .linux()
         .as_ref()
@@ -191,9 +195,9 @@ fn start(
         cgroup: hierarchy.create(&id)?,
         kill_timeout: opts.kill_timeout,
     };
-    // Planned (and refused) now; written once init runs, while it builds the root: init
-    // waits for them before anything of the container's runs (see `init::InitArgs::lifeline`).
-    let writes = cgroup::plan_writes(&resources)?;
+    cg.cgroup.apply(&cgroup::plan_writes(&resources)?)?;
+    cg.cgroup
+        .set_device_filter(resources.devices().as_deref().unwrap_or_default())?;
     let cg_fd = cg.cgroup.open_fd()?;
     let mut timings = vec![("cgroup".to_string(), started.elapsed())];
 
@@ -240,12 +244,10 @@ fn start(
     drop(life_r);
     let child = ChildGuard(pid);
     if !in_cgroup {
+        // Init waits for this byte only when the kernel could not start it in the cgroup.
         cg.cgroup.add_process(pid.as_raw())?;
+        nix::unistd::write(&life_w, b"g").map_err(sys("starting the container"))?;
     }
-    cg.cgroup.apply(&writes)?;
-    cg.cgroup
-        .set_device_filter(resources.devices().as_deref().unwrap_or_default())?;
-    nix::unistd::write(&life_w, b"g").map_err(sys("starting the container"))?;
     let pidfd = clone::pidfd_open(pid).map_err(sys("opening a pidfd for the container"))?;
     let sfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(sys("creating a signalfd"))?;
@@ -258,11 +260,6 @@ fn start(
             path: state.path.clone(),
             source,
         })?;
-    // Leftovers of killed berths, reclaimed in the same window rather than before the clone.
-    let reclaimed = state::reclaim(&opts.state_dir, opts.kill_timeout);
-    if !reclaimed.is_empty() {
-        tracing::info!("reclaimed {} leftover container(s)", reclaimed.len());
-    }
 
     let mut inside = Duration::ZERO;
     for msg in report::receive_all(report_r) {
