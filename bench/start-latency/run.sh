@@ -2,25 +2,33 @@
 # Start latency of a trivial container: `berth run` against `runc run` and a bare
 # `unshare + chroot`, interleaved, on the same busybox rootfs. See bench/README.md.
 #
-# Usage: sudo bench/start-latency/run.sh [-n ROUNDS] [--tools berth,runc,unshare]
+# Usage: sudo bench/start-latency/run.sh [-n ROUNDS] [--tools berth,runc,unshare] [--parallel P]
 #
 #   -n, --rounds N   timed rounds (default 30, or $BENCH_ROUNDS); 3 untimed warm-up rounds first
 #   --tools LIST     arms to run, comma-separated, from berth,runc,unshare (default: all three)
+#   --parallel P     then starts per second with P in flight (default 8; 0 skips it), 3 rounds
+#                    of $BENCH_STARTS starts (default 400) per arm
+#   --state-disk     berth's state_dir on the temp dir's filesystem instead of a tmpfs
 #   BERTH_BENCH_CONFIG=FILE   berth config to use instead of the generated one, which sets
 #                             [cgroup] root = "/sys/fs/cgroup/unified/berth-bench" and
-#                             [runtime] state_dir = a directory under the bench's temp dir
+#                             [runtime] state_dir = a tmpfs under the bench's temp dir
 #
 # Builds berth with `cargo build --release` (honours CARGO_TARGET_DIR). Everything it creates
 # (rootfs, OCI bundle, runc state, config, the berth-bench cgroup if it made it) is removed at exit.
 set -euo pipefail
 
 rounds=${BENCH_ROUNDS:-30}
+starts=${BENCH_STARTS:-400}
 tools=berth,runc,unshare
+parallel=8
+state_disk=0
 while [ $# -gt 0 ]; do
   case $1 in
     -n | --rounds) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; rounds=$2; shift 2 ;;
     --tools) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; tools=$2; shift 2 ;;
-    -h | --help) sed -n '5,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --parallel) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; parallel=$2; shift 2 ;;
+    --state-disk) state_disk=1; shift ;;
+    -h | --help) sed -n '5,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -28,6 +36,8 @@ done
 die() { echo "start-latency: error: $*" >&2; exit 1; }
 
 if ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then die "rounds must be a positive integer, got '$rounds'"; fi
+if ! [[ $parallel =~ ^[0-9]+$ ]]; then die "--parallel must be a number (0 skips the arm), got '$parallel'"; fi
+if ! [[ $starts =~ ^[1-9][0-9]*$ ]]; then die "BENCH_STARTS must be a positive integer, got '$starts'"; fi
 want() { [[ ,$tools, == *",$1,"* ]]; }
 for t in ${tools//,/ }; do
   case $t in berth | runc | unshare) ;; *) die "unknown tool '$t' in --tools (expected berth, runc, unshare)" ;; esac
@@ -109,7 +119,18 @@ if want berth; then
     fi
     [ -d "$bench_cgroup" ] || made_cgroup=1
     config=$tmp/berth.toml
-    printf '[cgroup]\nroot = "%s"\n\n[runtime]\nstate_dir = "%s"\n' "$bench_cgroup" "$tmp/berth-state" >"$config"
+    # berth's default state_dir, /run/berth, is on a tmpfs on a node (systemd mounts /run).
+    # This machine's /run and /tmp are on its disk, shared with other jobs: a state directory
+    # there times the disk's metadata queue (--state-disk does that), not berth.
+    state=$tmp/berth-state
+    if [ "$state_disk" -eq 0 ]; then
+      mkdir -p "$tmp/run"
+      mount -t tmpfs -o mode=755,size=16m,nosuid,nodev berth-bench-run "$tmp/run" ||
+        die "could not mount a tmpfs on $tmp/run for the state directory (or use --state-disk)"
+      state=$tmp/run/berth
+    fi
+    printf '[cgroup]\nroot = "%s"\n\n[runtime]\nstate_dir = "%s"\n' "$bench_cgroup" "$state" >"$config"
+    echo "start-latency: berth's state_dir: $state ($(stat -f -c %T "${state%/*}"))"
   fi
   # A berth that exits 0 without running anything would time as fast as can be: first check
   # that the command really runs inside the rootfs.
@@ -122,7 +143,7 @@ $out"
   arms+=("berth run=$(python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' \
     "$berth" --config "$config" run --rootfs "$rootfs" -- /bin/true)")
   want runc && ratios+=(--ratio berth/runc:0.5)
-  want unshare && ratios+=(--ratio berth/unshare)
+  want unshare && ratios+=(--ratio berth/unshare:1.5)
 fi
 
 if want runc; then
@@ -154,3 +175,14 @@ echo "start-latency: $rounds rounds of: ${tools//,/, }"
 python3 "$here/measure.py" --rounds "$rounds" \
   --cleanup "[\"runc\", \"--root\", \"$runc_root\", \"delete\", \"-f\", \"{id}\"]" \
   "${ratios[@]}" "${arms[@]}" || die "measurement failed (see above)"
+
+if [ "$parallel" -gt 0 ]; then
+  echo
+  echo "start-latency: starts per second, $parallel in parallel, $starts starts per arm and round"
+  tratios=()
+  want berth && want unshare && tratios+=(--ratio berth/unshare)
+  want berth && want runc && tratios+=(--ratio berth/runc)
+  python3 "$here/throughput.py" --parallel "$parallel" --starts "$starts" --rounds 3 \
+    "${tratios[@]}" "${arms[@]}" || die "throughput measurement failed (see above)"
+  want berth && echo "goal: berth >= 200/s with $parallel in parallel"
+fi

@@ -138,6 +138,12 @@ pub(crate) fn child_dirs(dir: &Path) -> Result<Vec<PathBuf>, CgroupError> {
 }
 
 fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
+    // Most cgroups have no children: one rmdir, without listing the directory first.
+    match std::fs::remove_dir(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if files::is_not_found(&e) => return Ok(()),
+        Err(_) => {}
+    }
     for child in child_dirs(dir)? {
         remove_tree(&child)?;
     }

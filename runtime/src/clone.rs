@@ -28,8 +28,15 @@ const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
 
 /// Which side of the clone this process is on.
 pub enum Forked {
-    Parent { pid: Pid, in_cgroup: bool },
-    Child,
+    Parent {
+        pid: Pid,
+        in_cgroup: bool,
+    },
+    /// `in_cgroup`: the kernel placed this process in the cgroup (clone3); otherwise it must
+    /// wait until the parent has moved it.
+    Child {
+        in_cgroup: bool,
+    },
 }
 
 /// Forks with `flags` (CLONE_NEW* namespaces) into `cgroup`. Falls back to a plain clone when the
@@ -56,7 +63,7 @@ pub fn clone_into(flags: libc::c_int, cgroup: BorrowedFd<'_>) -> Result<Forked, 
         )
     };
     match ret {
-        0 => Ok(Forked::Child),
+        0 => Ok(Forked::Child { in_cgroup: true }),
         pid if pid > 0 => Ok(Forked::Parent {
             pid: Pid::from_raw(int_of(pid)),
             in_cgroup: true,
@@ -81,7 +88,7 @@ fn clone_plain(flags: libc::c_int) -> Result<Forked, Errno> {
         )
     };
     match ret {
-        0 => Ok(Forked::Child),
+        0 => Ok(Forked::Child { in_cgroup: false }),
         pid if pid > 0 => Ok(Forked::Parent {
             pid: Pid::from_raw(int_of(pid)),
             in_cgroup: false,

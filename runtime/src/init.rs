@@ -47,6 +47,8 @@ pub struct InitArgs<'a> {
     /// Readable end of the parent's lifeline: one byte means "you are in the cgroup, go on";
     /// end-of-file means the parent died.
     pub lifeline: OwnedFd,
+    /// The kernel started init in its cgroup (clone3): the parent sends no start byte.
+    pub in_cgroup: bool,
     /// Where setup errors and timings go; closed on the command's exec.
     pub report: OwnedFd,
     /// Hold the namespaces with no command (`runtime::Mode::Hold`).
@@ -86,11 +88,20 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
     // umask of 077 the container's `/` was 0700 and no user but root could enter it. The
     // command gets the caller's umask back, as a command run by Slurm or a shell does.
     let caller_umask = umask(Mode::from_bits_truncate(0o022));
-    let mut byte = [0u8; 1];
-    if nix::unistd::read(&args.lifeline, &mut byte) != Ok(1) {
-        return Err(SetupError::new(
-            "berth exited before the container started".into(),
-        ));
+    let parent_gone = || SetupError::new("berth exited before the container started".into());
+    if args.in_cgroup {
+        // Already in the cgroup: nothing to wait for (a wait would cost a round trip through the
+        // scheduler on every start). A parent that died before the parent-death signal was set
+        // has closed its end of the lifeline; one that dies later kills us with the signal.
+        let mut fds = [PollFd::new(args.lifeline.as_fd(), PollFlags::POLLIN)];
+        if poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0) {
+            return Err(parent_gone());
+        }
+    } else {
+        let mut byte = [0u8; 1];
+        if nix::unistd::read(&args.lifeline, &mut byte) != Ok(1) {
+            return Err(parent_gone());
+        }
     }
     // Our own session: the host terminal's job-control signals reach berth, which forwards them
     // once, instead of hitting the command directly as well.
@@ -224,22 +235,64 @@ pub(super) fn drop_privileges(process: &oci_spec::runtime::Process) -> Result<()
         .map(|g| Gid::from_raw(*g))
         .collect();
     nix::unistd::setgroups(&groups).map_err(|e| fail("setting groups", &e))?;
-    for set in [
-        caps::CapSet::Bounding,
-        caps::CapSet::Inheritable,
-        caps::CapSet::Ambient,
-    ] {
-        caps::clear(None, set).map_err(|e| fail("clearing capabilities", &e))?;
-    }
+    drop_bounding_set().map_err(|e| fail("clearing the capability bounding set", &e))?;
+    caps::clear(None, caps::CapSet::Ambient).map_err(|e| fail("clearing capabilities", &e))?;
     let gid = Gid::from_raw(user.gid());
     setresgid(gid, gid, gid).map_err(|e| fail("setting gid", &e))?;
     let uid = Uid::from_raw(user.uid());
     setresuid(uid, uid, uid).map_err(|e| fail("setting uid", &e))?;
-    // Leaving uid 0 clears these already; staying uid 0 (--user 0) does not.
-    for set in [caps::CapSet::Effective, caps::CapSet::Permitted] {
-        caps::clear(None, set).map_err(|e| fail("clearing capabilities", &e))?;
-    }
+    // Leaving uid 0 clears the effective and permitted sets already; staying uid 0 (--user 0)
+    // does not. One capset empties all three.
+    clear_capabilities().map_err(|e| fail("clearing capabilities", &e))?;
     nix::sys::prctl::set_no_new_privs().map_err(|e| fail("setting no_new_privs", &e))?;
+    Ok(())
+}
+
+/// Drops every capability the kernel knows from the bounding set: one PR_CAPBSET_DROP each,
+/// without reading the set first, until the kernel answers EINVAL (past its last capability, so
+/// capabilities newer than the `caps` crate's list go too).
+fn drop_bounding_set() -> Result<(), Errno> {
+    let zero: libc::c_ulong = 0;
+    for cap in 0..64u32 {
+        let arg = libc::c_ulong::from(cap);
+        // SAFETY: prctl(PR_CAPBSET_DROP, cap) only changes this process's bounding set; every
+        // argument is passed as the unsigned long the kernel reads.
+        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, arg, zero, zero, zero) } != 0 {
+            return match Errno::last() {
+                Errno::EINVAL if cap > 0 => Ok(()),
+                e => Err(e),
+            };
+        }
+    }
+    Ok(())
+}
+
+/// Empties the effective, permitted and inheritable sets in one capset(2).
+fn clear_capabilities() -> Result<(), Errno> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    /// _LINUX_CAPABILITY_VERSION_3: two 32-bit words per set.
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let data = [Data::default(); 2];
+    // SAFETY: capset with a valid version-3 header and the two data words it reads.
+    let ret = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
+    if ret != 0 {
+        return Err(Errno::last());
+    }
     Ok(())
 }
 

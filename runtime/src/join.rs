@@ -142,7 +142,7 @@ fn spawn(
     setns(pid_ns.0.as_fd(), pid_ns.1).map_err(sys("joining the container's PID namespace"))?;
     let forked = clone::clone_into(0, cg_fd.as_fd()).map_err(sys("forking into the container"));
     let (pid, in_cgroup) = match forked? {
-        clone::Forked::Child => {
+        clone::Forked::Child { .. } => {
             drop(report_r);
             if let Some(out) = output {
                 for target in [1, 2] {

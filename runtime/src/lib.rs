@@ -228,7 +228,7 @@ fn start(
     let (pid, in_cgroup) = match clone::clone_into(flags, cg_fd.as_fd())
         .map_err(sys("creating the container's namespaces (clone3)"))?
     {
-        clone::Forked::Child => {
+        clone::Forked::Child { in_cgroup } => {
             drop(report_r);
             drop(life_w);
             init::main(init::InitArgs {
@@ -238,6 +238,7 @@ fn start(
                 layers: &layers,
                 trees: &trees,
                 lifeline: life_r,
+                in_cgroup,
                 report: report_w,
                 hold: mode == Mode::Hold,
                 remap: remap.as_ref(),
@@ -249,12 +250,22 @@ fn start(
     drop(life_r);
     let child = ChildGuard(pid);
     if !in_cgroup {
+        // Init waits for this byte only when the kernel could not start it in the cgroup.
         cg.cgroup.add_process(pid.as_raw())?;
+        nix::unistd::write(&life_w, b"g").map_err(sys("starting the container"))?;
     }
-    nix::unistd::write(&life_w, b"g").map_err(sys("starting the container"))?;
     let pidfd = clone::pidfd_open(pid).map_err(sys("opening a pidfd for the container"))?;
     let sfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(sys("creating a signalfd"))?;
+    record.init_pid = pid.as_raw();
+    // `berth export` and `berth ps` find the container's init here. Written while init sets up
+    // the root (on another CPU), not after: off the path to the command's exec.
+    state
+        .save_record(&record)
+        .map_err(|source| RuntimeError::State {
+            path: state.path.clone(),
+            source,
+        })?;
 
     let mut inside = Duration::ZERO;
     for msg in report::receive_all(report_r) {
@@ -272,14 +283,6 @@ fn start(
         "exec".to_string(),
         clone_at.elapsed().saturating_sub(inside),
     ));
-    record.init_pid = pid.as_raw();
-    // `berth export` and `berth ps` find the container's init here.
-    state
-        .save_record(&record)
-        .map_err(|source| RuntimeError::State {
-            path: state.path.clone(),
-            source,
-        })?;
     Ok(Started {
         id,
         pid,
@@ -305,10 +308,13 @@ pub fn run(spec: &Spec, lowers: &[PathBuf], opts: &Options) -> Result<Outcome, R
     std::mem::forget(c.child);
     drop(c.lifeline);
     let cgroup = &c.cg.cgroup;
-    if status.is_none() || cgroup.is_populated().unwrap_or(false) {
+    // Init was the PID namespace's first process: its exit killed and reaped every process in
+    // the namespace, so the cgroup is normally empty now (one read of cgroup.events says so).
+    // What else is there (a process moved in from outside) is killed.
+    if status.is_none() || !cgroup.wait_empty(Duration::ZERO)? {
         cgroup.kill()?;
+        cgroup.wait_empty(opts.kill_timeout)?;
     }
-    cgroup.wait_empty(opts.kill_timeout)?;
     let stats = cgroup.stats();
     drop(c.cg);
     drop(c.state);

@@ -138,6 +138,19 @@ pub fn ensure_in_root(
 ) -> Result<OwnedFd, SetupError> {
     let rel = in_root(path);
     let err = |what: &str, e: Errno| SetupError::new(format!("{what} {}: {e}", path.display()));
+    // Usually the mount point exists (the image's /proc, /dev, ...): one openat2 of the whole
+    // path, resolved exactly as the walk below resolves its last step, instead of one per
+    // component. The walk is for what must be created.
+    if !rel.as_os_str().is_empty() {
+        let flags = if file {
+            OFlag::O_PATH
+        } else {
+            OFlag::O_PATH | OFlag::O_DIRECTORY
+        };
+        if let Ok(fd) = open_in_root(root, &rel, flags) {
+            return Ok(fd);
+        }
+    }
     let mut so_far = PathBuf::new();
     let mut parent = open_in_root(root, Path::new("."), OFlag::O_PATH | OFlag::O_DIRECTORY)
         .map_err(|e| err("opening the container root for", e))?;

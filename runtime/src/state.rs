@@ -351,8 +351,31 @@ impl StateDir {
 impl Drop for StateDir {
     fn drop(&mut self) {
         if !self.keep {
-            remove_container(&self.base, &self.id, self.uid);
+            if self.remove_known() {
+                remove_index(&self.base, &self.id, self.uid);
+            } else {
+                remove_container(&self.base, &self.id, self.uid);
+            }
         }
+    }
+}
+
+impl StateDir {
+    /// Removes the directory berth laid out (its record, Spec and `work`) with one unlinkat
+    /// each, through the fds already open: no listing, no path walk. False when anything else is
+    /// in it (then [`remove_at`] removes what is there).
+    fn remove_known(&self) -> bool {
+        for (name, flags) in [
+            ("state.json", UnlinkatFlags::NoRemoveDir),
+            ("config.json", UnlinkatFlags::NoRemoveDir),
+            ("work", UnlinkatFlags::RemoveDir),
+        ] {
+            match nix::unistd::unlinkat(&self.dir, name, flags) {
+                Ok(()) | Err(Errno::ENOENT) => {}
+                Err(_) => return false,
+            }
+        }
+        nix::unistd::unlinkat(&self.base, self.id.as_str(), UnlinkatFlags::RemoveDir).is_ok()
     }
 }
 

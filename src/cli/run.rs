@@ -552,10 +552,15 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     let (spec, ld_cache) = prepared.spec(config)?;
     let opts = options(config, timeout);
     let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(Failure::from);
+    let leased = prepared.image.in_use.is_some();
     // The image's lease ends with the container: a squashfs no other container uses goes now.
+    // A --rootfs directory holds no lease, and leaves no image to unmount: the store is not
+    // opened on that path (it cost a walk of the store's directories per run).
     drop(ld_cache);
     drop(prepared);
-    crate::image::mount::release_unused(&config.image());
+    if leased {
+        crate::image::mount::release_unused(&config.image());
+    }
     let outcome = outcome?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
