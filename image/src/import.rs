@@ -279,7 +279,7 @@ fn import_unchecked(
         r if super::store::is_local_path(r) => {
             super::archive::import_opened(store, reference, opened, progress)
         }
-        _ => store.import(reference, progress),
+        _ => super::archive::import(store, reference, progress),
     }
 }
 

@@ -185,7 +185,7 @@ fn import_with_builds_once_and_records_the_reference() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, digest) = layout_image(t.path(), &[("a", b"a")]);
-    let first = s.import(&r, &quiet).unwrap();
+    let first = crate::archive::import(&s, &r, &quiet).unwrap();
     assert_eq!(first.digest, digest);
     let builds = AtomicUsize::new(0);
     let other = Reference::Podman("localhost/same:1".into());
@@ -211,7 +211,7 @@ fn leftover_workspaces_of_dead_imports_are_removed_by_the_next_import() {
     std::fs::create_dir_all(dead.join("layer-abc-0/usr")).unwrap();
     std::fs::write(s.root().join("tmp/12345-dead.lock"), b"").unwrap();
     let (r, _) = layout_image(t.path(), &[("a", b"a")]);
-    s.import(&r, &quiet).unwrap();
+    crate::archive::import(&s, &r, &quiet).unwrap();
     assert!(!dead.exists());
     assert!(!s.root().join("tmp/12345-dead.lock").exists());
 }
@@ -221,7 +221,7 @@ fn lookups_by_pinned_digest_and_for_users() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, digest) = layout_image(t.path(), &[("a", b"a")]);
-    let mut image = s.import(&r, &quiet).unwrap();
+    let mut image = crate::archive::import(&s, &r, &quiet).unwrap();
     let pinned = Reference::Registry(RegistryRef {
         registry: "r.example".into(),
         repository: "x".into(),
@@ -259,7 +259,7 @@ fn in_use_images_are_never_removed() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, digest) = layout_image(t.path(), &[("a", b"a")]);
-    s.import(&r, &quiet).unwrap();
+    crate::archive::import(&s, &r, &quiet).unwrap();
     let guard = s.use_image(&digest).unwrap();
     assert!(s.list()[0].in_use);
     let sel = s.select(&digest[7..20], &|_| unreachable!()).unwrap();
@@ -295,7 +295,7 @@ fn removing_one_of_two_references_untags() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, digest) = layout_image(t.path(), &[("a", b"a")]);
-    s.import(&r, &quiet).unwrap();
+    crate::archive::import(&s, &r, &quiet).unwrap();
     let other = Reference::Podman("x:1".into());
     s.import_with(&digest, &other, &quiet, |_| unreachable!())
         .unwrap();
@@ -320,7 +320,7 @@ fn ambiguous_digest_prefixes_are_refused() {
     let s = store(t.path());
     // Two records whose digests share a prefix.
     let (r, digest) = layout_image(t.path(), &[("a", b"a")]);
-    let image = s.import(&r, &quiet).unwrap();
+    let image = crate::archive::import(&s, &r, &quiet).unwrap();
     let mut twin = image.clone();
     twin.digest = format!("{}{}", &digest[..20], "0".repeat(64 - 13));
     twin.source = Reference::Podman("twin:1".into());
@@ -402,7 +402,7 @@ fn gc_removes_unreferenced_layers_and_stray_files() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, _) = layout_image(t.path(), &[("a", b"a")]);
-    s.import(&r, &quiet).unwrap();
+    crate::archive::import(&s, &r, &quiet).unwrap();
     // A layer no image references (e.g. its import failed after publishing it).
     let orphan = layer(&[("orphan", b"o")]);
     s.stage(&sha(&orphan), &mut &orphan[..])
@@ -526,7 +526,9 @@ fn too_many_layers_are_refused_before_anything_is_extracted() {
     };
     let layers = (0..3).map(|i| layer(&[(&format!("f{i}"), b"x")])).collect();
     let r = layout_of(t.path(), "three", layers);
-    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    let e = crate::archive::import(&s, &r, &quiet)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("store.max_layers (2)") && e.contains("3 layers"),
         "{e}"
@@ -547,7 +549,9 @@ fn a_layer_expanding_past_its_bound_is_refused_and_nothing_is_kept() {
         ..limits(&s)
     };
     let s = s.with_limits(small);
-    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    let e = crate::archive::import(&s, &r, &quiet)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("store.max_layer_bytes (1.0 MiB)"), "{e}");
     assert!(entries(&s.root().join("layers")).is_empty());
     assert!(tmp_files(&s).is_empty(), "{:?}", tmp_files(&s));
@@ -563,7 +567,9 @@ fn a_layer_expanding_past_its_bound_is_refused_and_nothing_is_kept() {
         "two",
         vec![layer(&[("a", &zeros)]), layer(&[("b", &zeros)])],
     );
-    let e = s.import(&two, &quiet).unwrap_err().to_string();
+    let e = crate::archive::import(&s, &two, &quiet)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("store.max_image_bytes (6.0 MiB)"), "{e}");
     assert!(s.get_local(&two).is_none());
 
@@ -573,7 +579,9 @@ fn a_layer_expanding_past_its_bound_is_refused_and_nothing_is_kept() {
         ..limits(&s)
     };
     let s = s.with_limits(l);
-    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    let e = crate::archive::import(&s, &r, &quiet)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("store.reserve_bytes"), "{e}");
 }
 
@@ -582,7 +590,7 @@ fn verify_finds_a_truncated_file_and_a_reimport_replaces_the_layer() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, _) = layout_image(t.path(), &[("bin/tool", b"0123456789")]);
-    let image = s.import(&r, &quiet).unwrap();
+    let image = crate::archive::import(&s, &r, &quiet).unwrap();
     let Rootfs::Layers(dirs) = &image.rootfs else {
         panic!()
     };
@@ -599,7 +607,7 @@ fn verify_finds_a_truncated_file_and_a_reimport_replaces_the_layer() {
     );
     // The image is no longer whole: the next import extracts the layer again, in place.
     assert!(s.get_local(&r).is_none());
-    let again = s.import(&r, &quiet).unwrap();
+    let again = crate::archive::import(&s, &r, &quiet).unwrap();
     assert_eq!(again.rootfs, image.rootfs);
     assert_eq!(
         std::fs::read(dirs[0].join("bin/tool")).unwrap(),
@@ -614,7 +622,7 @@ fn gc_removes_images_with_damaged_layers_and_unrecorded_layers_are_reported() {
     let t = tempfile::tempdir().unwrap();
     let s = store(t.path());
     let (r, _) = layout_image(t.path(), &[("etc/x", b"abc")]);
-    let image = s.import(&r, &quiet).unwrap();
+    let image = crate::archive::import(&s, &r, &quiet).unwrap();
     let Rootfs::Layers(dirs) = &image.rootfs else {
         panic!()
     };
@@ -624,7 +632,7 @@ fn gc_removes_images_with_damaged_layers_and_unrecorded_layers_are_reported() {
     assert_eq!(report.removed.len(), 1);
     assert!(!dirs[0].exists());
     // As imported by an older berth: no record.
-    let image = s.import(&r, &quiet).unwrap();
+    let image = crate::archive::import(&s, &r, &quiet).unwrap();
     let Rootfs::Layers(dirs) = &image.rootfs else {
         panic!()
     };
@@ -645,7 +653,7 @@ fn a_hardlink_to_a_lower_layer_is_copied_up_above_the_layer() {
         ("own", Err(b"own")),
     ]);
     let r = layout_of(t.path(), "links", vec![lower.clone(), upper.clone()]);
-    let image = s.import(&r, &quiet).unwrap();
+    let image = crate::archive::import(&s, &r, &quiet).unwrap();
     let Rootfs::Layers(dirs) = &image.rootfs else {
         panic!()
     };
@@ -666,12 +674,14 @@ fn a_hardlink_to_a_lower_layer_is_copied_up_above_the_layer() {
     // The copies' layer is recorded too, and verifies.
     assert!(!s.verify(s.list()).unwrap().damaged());
     // The same chain again reuses them.
-    let again = s.import(&r, &quiet).unwrap();
+    let again = crate::archive::import(&s, &r, &quiet).unwrap();
     assert_eq!(again.rootfs, image.rootfs);
 
     // A target in no lower layer is refused in one line.
     let r = layout_of(t.path(), "dangling", vec![upper]);
-    let e = s.import(&r, &quiet).unwrap_err().to_string();
+    let e = crate::archive::import(&s, &r, &quiet)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("hardlink '/usr/bin/y' to '/usr/bin/x'")
             && e.contains("neither this layer nor a lower one"),
@@ -687,7 +697,7 @@ fn a_layer_from_an_older_berth_gets_its_record_in_place_when_its_content_matches
     let s = store(t.path());
     let base = layer(&[("etc/base", b"base")]);
     let r1 = layout_of(t.path(), "one", vec![base.clone()]);
-    let image = s.import(&r1, &quiet).unwrap();
+    let image = crate::archive::import(&s, &r1, &quiet).unwrap();
     let Rootfs::Layers(dirs) = &image.rootfs else {
         panic!()
     };
@@ -695,7 +705,7 @@ fn a_layer_from_an_older_berth_gets_its_record_in_place_when_its_content_matches
     std::fs::remove_file(dirs[0].with_extension("files")).unwrap();
     let ino = std::fs::metadata(&dirs[0]).unwrap().ino();
     let r2 = layout_of(t.path(), "two", vec![base, layer(&[("app", b"app")])]);
-    s.import(&r2, &quiet).unwrap();
+    crate::archive::import(&s, &r2, &quiet).unwrap();
     // Recorded, and the same directory (running containers keep theirs).
     assert!(dirs[0].with_extension("files").is_file());
     assert_eq!(std::fs::metadata(&dirs[0]).unwrap().ino(), ino);
