@@ -825,8 +825,9 @@ impl Client {
         // Download, decompression and extraction on three threads (see pipeline.rs).
         let start = std::time::Instant::now();
         let (to_inflate, compressed) = pipeline::pipe();
-        let (to_extract, mut tar) = pipeline::pipe();
+        let (to_extract, tar) = pipeline::pipe();
         let (compressed_waits, tar_waits) = (compressed.waits(), tar.waits());
+        let mut tar = pipeline::Abortable { inner: tar, abort };
         let (staged, failure, actual, size, downloaded) = std::thread::scope(|scope| {
             let download = scope.spawn(move || {
                 let r = download_blob(stream, to_inflate);
@@ -852,6 +853,11 @@ impl Client {
         // A transfer failure explains a sink error (it saw a broken stream): report it first.
         if let Some(e) = failure {
             return Err(e);
+        }
+        // Another layer failed and this one's extraction stopped for it: that failure is the
+        // pull's error, not this.
+        if staged.is_err() && abort.load(Ordering::Relaxed) {
+            return Err(RegistryError::Aborted);
         }
         if actual != layer.digest || size != layer.size {
             return Err(RegistryError::DigestMismatch {

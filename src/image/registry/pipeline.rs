@@ -11,7 +11,7 @@
 
 use std::io::{self, BufRead, Read};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, SyncSender, TryRecvError, channel, sync_channel};
 use std::time::{Duration, Instant};
 
@@ -191,6 +191,22 @@ impl BufRead for PipeReader {
 
     fn consume(&mut self, n: usize) {
         self.pos = (self.pos + n).min(self.cur.len());
+    }
+}
+
+/// A reader that fails once `abort` is set: a later stage stops as soon as another layer of the
+/// pull failed, as the download does, rather than finishing from what the pipes still hold.
+pub struct Abortable<'a, R> {
+    pub inner: R,
+    pub abort: &'a AtomicBool,
+}
+
+impl<R: Read> Read for Abortable<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.abort.load(Ordering::Relaxed) {
+            return Err(io::Error::other("pull aborted"));
+        }
+        self.inner.read(buf)
     }
 }
 
