@@ -12,7 +12,7 @@
 use std::io::{self, BufRead, Read};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, SyncSender, TryRecvError, channel, sync_channel};
+use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
 use std::time::{Duration, Instant};
 
 /// Bytes per buffer handed between stages: large enough that a hand-off (a channel message,
@@ -97,10 +97,7 @@ pub fn pipe() -> (PipeWriter, PipeReader) {
 impl PipeWriter {
     /// An empty buffer of [`CHUNK`] bytes to fill: one the reader gave back, or a new one.
     pub fn buffer(&self) -> Vec<u8> {
-        let mut b = match self.empty.try_recv() {
-            Ok(b) => b,
-            Err(TryRecvError::Empty | TryRecvError::Disconnected) => Vec::new(),
-        };
+        let mut b = self.empty.try_recv().unwrap_or_default();
         b.resize(CHUNK, 0);
         b
     }
@@ -248,7 +245,9 @@ mod tests {
 
     #[test]
     fn bytes_pass_in_order_across_threads() {
-        let data: Vec<u8> = (0..3 * CHUNK + 17).map(|i| (i * 7 % 251) as u8).collect();
+        let data: Vec<u8> = (0..3 * CHUNK + 17)
+            .map(|i| u8::try_from(i * 7 % 251).unwrap())
+            .collect();
         let (w, mut r) = pipe();
         let src = data.clone();
         let t = std::thread::spawn(move || pump(&mut &src[..], w));
@@ -269,7 +268,7 @@ mod tests {
         let e = r.read_to_end(&mut out).unwrap_err();
         assert!(e.to_string().contains("registry went away"), "{e}");
         assert_eq!(out, b"abc");
-        assert!(r.read(&mut [0u8; 8]).is_err());
+        r.read(&mut [0u8; 8]).unwrap_err();
 
         let (w, mut r) = pipe();
         w.send(b"abc".to_vec()).unwrap();
