@@ -3,28 +3,36 @@
 # (skopeo copy → umoci unpack → mksquashfs) and against `skopeo copy` alone, on a ~1.2 GiB,
 # 4-layer gzip image in a local docker-registry. See bench/import/README.md.
 #
-# Usage: sudo bench/import/run.sh [--arms skopeo,pipeline,berth] [--work DIR] [--keep]
+# Usage: sudo bench/import/run.sh [--arms skopeo,pipeline,berth,before] [--rounds N] [--work DIR]
+#                                  [--keep]
 #
-#   --arms LIST   arms to run (default: all; berth also runs a warm re-import)
+#   --arms LIST   arms to run (default: skopeo,pipeline,berth; berth also runs a warm re-import;
+#                 before: the same cold import with BERTH_BEFORE, for an A/B in one run)
+#   --rounds N    run every arm N times, interleaved, the first arm rotating (default 1); the
+#                 report gives medians, min-max and CPU time (user + system)
 #   --work DIR    where the image, registry storage and outputs go (default
 #                 /var/tmp/berth-bench-import); the generated image and the registry storage
 #                 are reused by later runs, outputs are removed at exit unless --keep
 #   BERTH=PATH    berth binary (default: cargo build --release, honouring CARGO_TARGET_DIR)
+#   BERTH_BEFORE=PATH   the berth binary of the before arm
 #   ENROOT_SQUASH_OPTIONS   mksquashfs options of the pipeline arm (default Enroot's:
 #                 -comp lzo -noI -noD -noF -noX -no-duplicates)
 #
-# Goals (issue 3): berth cold ≥ 3× faster than the pipeline; warm re-import < 50 ms.
+# Goals: berth cold ≥ 3× faster than the pipeline, warm re-import < 50 ms (issue 3); berth cold
+# ≤ 1.05× skopeo copy, the download alone (issue 19).
 set -euo pipefail
 
 arms=skopeo,pipeline,berth
 work=/var/tmp/berth-bench-import
 keep=0
+rounds=1
 while [ $# -gt 0 ]; do
   case $1 in
     --arms) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; arms=$2; shift 2 ;;
+    --rounds) [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: $1 needs a count" >&2; exit 2; }; rounds=$2; shift 2 ;;
     --work) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; work=$2; shift 2 ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '6,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '6,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -38,7 +46,7 @@ want() { [[ ,$arms, == *",$1,"* ]]; }
 # for another's writeback.
 settle() { sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true; }
 for a in ${arms//,/ }; do
-  case $a in skopeo | pipeline | berth) ;; *) die "unknown arm '$a' (expected skopeo, pipeline, berth)" ;; esac
+  case $a in skopeo | pipeline | berth | before) ;; *) die "unknown arm '$a' (expected skopeo, pipeline, berth, before)" ;; esac
 done
 [ "$(id -u)" -eq 0 ] || die "must run as root (umoci unpack keeps ownership; berth's store): sudo $0"
 for t in docker-registry skopeo python3 gzip tar sha256sum; do
@@ -126,19 +134,43 @@ declare -A t
 report=()
 
 # --- arms -----------------------------------------------------------------------------------
-if want skopeo; then
-  settle
-  rm -rf "$out/skopeo"
+# Each arm's wall time and CPU time (its own process tree: user + system), in ns and seconds.
+timed() { # NAME CMD...: runs CMD; appends its wall ns to t[NAME] and its CPU s to c[NAME]
+  local name=$1 s e
+  shift
   s=$(now)
-  skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/skopeo:1"
-  t[skopeo]=$(($(now) - s))
-  rm -rf "$out/skopeo"
+  /usr/bin/time -f '%U %S' -o "$out/$name.time" "$@" >/dev/null 2>"$out/$name.err" ||
+    die "$name failed: $(tail -1 "$out/$name.err")"
+  e=$(now)
+  t[$name]="${t[$name]:-} $((e - s))"
+  c[$name]="${c[$name]:-} $(tail -1 "$out/$name.time" | awk '{ print $1 + $2 }')"
+}
+declare -A c
+
+if want berth || want before; then
+  if [ -z "${BERTH:-}" ]; then
+    say "building berth (cargo build --release)"
+    (cd "$repo" && cargo build --release --quiet --bin berth)
+    BERTH=${CARGO_TARGET_DIR:-$repo/target}/release/berth
+  fi
+  cfg=$out/berth.toml
+  printf '[store]\nroot = "%s"\n[registry]\ninsecure = ["%s"]\n' "$out/berth-store" "$host" >"$cfg"
+fi
+if want before; then
+  [ -x "${BERTH_BEFORE:-}" ] || die "the before arm needs BERTH_BEFORE=PATH (another berth binary)"
 fi
 
-if want pipeline; then
+arm_skopeo() {
+  rm -rf "$out/skopeo"
+  settle
+  timed skopeo skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/skopeo:1"
+  rm -rf "$out/skopeo"
+}
+arm_pipeline() {
   rm -rf "$out/pipeline"
   mkdir -p "$out/pipeline"
   settle
+  local s s1 s2 e
   s=$(now)
   skopeo copy --quiet --src-tls-verify=false "$ref_docker" "oci:$out/pipeline/oci:1"
   s1=$(now)
@@ -147,55 +179,71 @@ if want pipeline; then
   # shellcheck disable=SC2086 # the options are a word list, as Enroot passes them
   mksquashfs "$out/pipeline/bundle/rootfs" "$out/pipeline/image.sqsh" $squash_opts -quiet -no-progress >/dev/null
   e=$(now)
-  t[pipeline]=$((e - s))
+  t[pipeline]="${t[pipeline]:-} $((e - s))"
   uncompressed=$(du -sb "$out/pipeline/bundle/rootfs" | cut -f1)
   report+=("pipeline stages: skopeo $(secs $((s1 - s))) s, umoci unpack $(secs $((s2 - s1))) s, mksquashfs $(secs $((e - s2))) s")
   rm -rf "$out/pipeline"
-fi
-
-if want berth; then
-  if [ -z "${BERTH:-}" ]; then
-    say "building berth (cargo build --release)"
-    (cd "$repo" && cargo build --release --quiet --bin berth)
-    BERTH=${CARGO_TARGET_DIR:-$repo/target}/release/berth
-  fi
-  cfg=$out/berth.toml
-  printf '[store]\nroot = "%s"\n[registry]\ninsecure = ["%s"]\n' "$out/berth-store" "$host" >"$cfg"
+}
+arm_berth() { # NAME BINARY: a cold import into an empty store (then, for berth, a warm one)
   rm -rf "$out/berth-store"
   settle
-  s=$(now)
-  if "$BERTH" --config "$cfg" import "$ref_enroot" >"$out/berth.out" 2>"$out/berth.err"; then
-    t[berth]=$(($(now) - s))
+  timed "$1" "$2" --config "$cfg" import "$ref_enroot"
+  if [ "$1" = berth ]; then
+    local s
     s=$(now)
-    "$BERTH" --config "$cfg" import "$ref_enroot" >/dev/null 2>>"$out/berth.err" ||
+    "$2" --config "$cfg" import "$ref_enroot" >/dev/null 2>>"$out/berth.err" ||
       die "warm berth import failed: $(tail -1 "$out/berth.err")"
-    t[berth_warm]=$(($(now) - s))
-    report+=("berth printed: $(head -1 "$out/berth.out")")
-  else
-    report+=("berth arm FAILED (is 'berth import' of registry references merged?): $(tail -1 "$out/berth.err")")
+    t[berth_warm]="${t[berth_warm]:-} $(($(now) - s))"
   fi
-fi
+  rm -rf "$out/berth-store"
+}
+
+order=()
+for a in skopeo pipeline berth before; do want "$a" && order+=("$a"); done
+for ((round = 0; round < rounds; round++)); do
+  # The first arm rotates from round to round, so no arm always follows the same one.
+  for ((k = 0; k < ${#order[@]}; k++)); do
+    a=${order[$(((k + round) % ${#order[@]}))]}
+    case $a in
+      skopeo) arm_skopeo ;;
+      pipeline) arm_pipeline ;;
+      berth) arm_berth berth "$BERTH" ;;
+      before) arm_berth before "$BERTH_BEFORE" ;;
+    esac
+  done
+  [ "$rounds" -eq 1 ] || say "round $((round + 1))/$rounds done"
+done
 
 # --- report ---------------------------------------------------------------------------------
+# median, min and max of a list of numbers
+stats() { printf '%s\n' $1 | sort -g | awk '{ a[NR] = $1 } END { m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%s %s %s", m, a[1], a[NR] }'; }
+med() { stats "$1" | cut -d' ' -f1; }
 echo
-echo "image: 4 gzip layers, $((compressed / 1048576)) MiB compressed$([ "$uncompressed" -gt 0 ] && echo ", $((uncompressed / 1048576)) MiB unpacked"); $(nproc) CPUs"
-for k in skopeo pipeline berth berth_warm; do
+echo "image: 4 gzip layers, $((compressed / 1048576)) MiB compressed$([ "$uncompressed" -gt 0 ] && echo ", $((uncompressed / 1048576)) MiB unpacked"); $(nproc) CPUs; $rounds round(s), medians (min-max)"
+for k in skopeo pipeline berth berth_warm before; do
   [ -n "${t[$k]:-}" ] || continue
   case $k in
     skopeo) label="skopeo copy docker:// → oci: (download only)" ;;
     pipeline) label="skopeo → umoci unpack → mksquashfs ($squash_opts)" ;;
     berth) label="berth import, cold" ;;
     berth_warm) label="berth import, warm (same ref again)" ;;
+    before) label="berth import, cold, BERTH_BEFORE" ;;
   esac
-  printf '%-62s %9s s\n' "$label" "$(secs "${t[$k]}")"
+  read -r m lo hi <<<"$(stats "${t[$k]}")"
+  cpu=
+  [ -z "${c[$k]:-}" ] || cpu="  cpu $(med "${c[$k]}") s"
+  printf '%-62s %9s s  (%s-%s)%s\n' "$label" "$(secs "$m")" "$(secs "$lo")" "$(secs "$hi")" "$cpu"
 done
 for line in "${report[@]}"; do echo "$line"; done
 if [ -n "${t[berth]:-}" ] && [ -n "${t[pipeline]:-}" ]; then
-  awk -v p="${t[pipeline]}" -v b="${t[berth]}" 'BEGIN { r = p / b; printf "berth cold vs pipeline: %.2fx faster (goal >= 3x: %s)\n", r, (r >= 3 ? "met" : "NOT met") }'
+  awk -v p="$(med "${t[pipeline]}")" -v b="$(med "${t[berth]}")" 'BEGIN { r = p / b; printf "berth cold vs pipeline: %.2fx faster (goal >= 3x: %s)\n", r, (r >= 3 ? "met" : "NOT met") }'
 fi
 if [ -n "${t[berth]:-}" ] && [ -n "${t[skopeo]:-}" ]; then
-  awk -v s="${t[skopeo]}" -v b="${t[berth]}" 'BEGIN { printf "berth cold vs skopeo copy alone: %.2fx\n", s / b }'
+  awk -v s="$(med "${t[skopeo]}")" -v b="$(med "${t[berth]}")" 'BEGIN { r = b / s; printf "berth cold / skopeo copy: %.2fx (goal <= 1.05x: %s)\n", r, (r <= 1.05 ? "met" : "NOT met") }'
+fi
+if [ -n "${t[before]:-}" ] && [ -n "${t[skopeo]:-}" ]; then
+  awk -v s="$(med "${t[skopeo]}")" -v b="$(med "${t[before]}")" 'BEGIN { printf "BERTH_BEFORE cold / skopeo copy: %.2fx\n", b / s }'
 fi
 if [ -n "${t[berth_warm]:-}" ]; then
-  awk -v w="${t[berth_warm]}" 'BEGIN { ms = w / 1e6; printf "berth warm re-import: %.1f ms (goal < 50 ms: %s)\n", ms, (ms < 50 ? "met" : "NOT met") }'
+  awk -v w="$(med "${t[berth_warm]}")" 'BEGIN { ms = w / 1e6; printf "berth warm re-import: %.1f ms (goal < 50 ms: %s)\n", ms, (ms < 50 ? "met" : "NOT met") }'
 fi

@@ -72,25 +72,16 @@ impl<'a> BlobStream<'a> {
         )
     }
 
-    /// Reads whatever the consumer left unread, so the digest covers the whole blob.
-    pub fn drain(&mut self) -> Result<(), RegistryError> {
-        let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            match self.read(&mut buf) {
-                Ok(0) => return Ok(()),
-                Ok(_) => {}
-                Err(e) => {
-                    return Err(self.failure.take().unwrap_or_else(|| {
-                        RegistryError::Unreachable {
-                            registry: self.target.registry.clone(),
-                            image: self.target.image.clone(),
-                            attempts: 1,
-                            detail: e.to_string(),
-                        }
-                    }));
-                }
-            }
-        }
+    /// Why a read of this stream failed with `e`: the failure it recorded, else `e` itself.
+    pub fn failure_of(&mut self, e: &io::Error) -> RegistryError {
+        self.failure
+            .take()
+            .unwrap_or_else(|| RegistryError::Unreachable {
+                registry: self.target.registry.clone(),
+                image: self.target.image.clone(),
+                attempts: 1,
+                detail: e.to_string(),
+            })
     }
 
     /// Opens the blob at the current offset.

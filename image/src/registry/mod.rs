@@ -18,10 +18,11 @@ mod blob;
 mod http;
 pub mod manifest;
 mod peer;
+mod pipeline;
 mod progress;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -33,7 +34,7 @@ pub use self::auth::{Credentials, Login, UserEnv};
 use self::http::{Method, Target, Transport};
 use self::manifest::{Descriptor, Manifest, Wanted};
 pub use self::progress::ProgressMode;
-use super::{ImageError, LayerSink, RegistryRef, StagedLayer};
+use super::{ImageError, LayerSink, RegistryRef};
 use crate::config::{MirrorConfig, RegistryConfig};
 use berth_spec::UserIds;
 
@@ -835,30 +836,48 @@ impl Client {
             abort,
             &on_bytes,
         );
+        // A node serving peers keeps the verified blob (committed below, after the digest).
         stream.tee = self
             .keep
             .as_ref()
             .and_then(|k| k.begin(&layer.digest, layer.size));
-        let staged: Option<Result<Box<dyn StagedLayer>, ImageError>> = {
-            let mut buffered = BufReader::with_capacity(1 << 20, &mut stream);
-            match buffered.fill_buf() {
-                Err(_) => None,
-                Ok(head) => {
-                    let head = head.get(..4).unwrap_or(head).to_vec();
-                    let mut reader = decompressor(&head, buffered);
-                    Some(sink.stage_layer(diff_id, &mut reader))
-                }
-            }
-        };
+        // Download, decompression and extraction on three threads (see pipeline.rs).
+        let start = std::time::Instant::now();
+        let (to_inflate, compressed) = pipeline::pipe();
+        let (to_extract, tar) = pipeline::pipe();
+        let (compressed_waits, tar_waits) = (compressed.waits(), tar.waits());
+        let mut tar = pipeline::Abortable { inner: tar, abort };
+        let (staged, failure, actual, size, tee, downloaded) = std::thread::scope(|scope| {
+            let download = scope.spawn(move || {
+                let r = download_blob(stream, to_inflate);
+                (r, start.elapsed())
+            });
+            scope.spawn(move || {
+                let mut compressed = compressed;
+                let head = match compressed.fill_buf() {
+                    Ok(head) => head.get(..4).unwrap_or(head).to_vec(),
+                    Err(e) => return to_extract.fail(e),
+                };
+                pipeline::pump(&mut decompressor(&head, compressed), to_extract);
+            });
+            let staged = sink.stage_layer(diff_id, &mut tar);
+            // The stages before stop at their next hand-off; the download reads on to the end.
+            drop(tar);
+            let ((failure, (actual, size), tee), downloaded) = download
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (staged, failure, actual, size, tee, downloaded)
+        });
+        let extracted = start.elapsed();
         // A transfer failure explains a sink error (it saw a broken stream): report it first.
-        if let Some(e) = stream.failure.take() {
+        if let Some(e) = failure {
             return Err(e);
         }
-        // Read what the extractor left (tar padding, a corrupt tail) so the digest covers the
-        // whole blob; a corrupt blob is reported as such even when extraction failed first.
-        stream.drain()?;
-        let tee = stream.tee.take();
-        let (actual, size) = stream.finish();
+        // Another layer failed and this one's extraction stopped for it: that failure is the
+        // pull's error, not this.
+        if staged.is_err() && abort.load(Ordering::Relaxed) {
+            return Err(RegistryError::Aborted);
+        }
         if actual != layer.digest || size != layer.size {
             return Err(RegistryError::DigestMismatch {
                 image: t.image.clone(),
@@ -877,12 +896,78 @@ impl Client {
             digest: layer.digest.clone(),
             source,
         };
-        match staged {
-            Some(Ok(staged)) => staged.publish().map_err(layer_error),
-            Some(Err(e)) => Err(layer_error(e)),
-            None => Err(RegistryError::Aborted),
+        let published = match staged {
+            Ok(staged) => staged.publish().map_err(layer_error)?,
+            Err(e) => return Err(layer_error(e)),
+        };
+        let secs = |d: std::time::Duration| format!("{:.3}", d.as_secs_f64());
+        tracing::debug!(
+            layer = %layer.digest,
+            bytes = size,
+            downloaded_s = secs(downloaded),
+            download_waited_for_inflate_s = secs(compressed_waits.writer()),
+            inflate_waited_for_download_s = secs(compressed_waits.reader()),
+            inflate_waited_for_extract_s = secs(tar_waits.writer()),
+            extract_waited_for_inflate_s = secs(tar_waits.reader()),
+            extracted_s = secs(extracted),
+            flushed_and_published_s = secs(start.elapsed() - extracted),
+            "layer stages"
+        );
+        Ok(published)
+    }
+}
+
+/// The download stage of a layer: the blob's bytes, hashed in order, into `to`. Once the reader
+/// of `to` is gone (extraction ended, done or failed) the rest of the blob is still read, so the
+/// digest covers the whole blob and a corrupt blob is reported as such. Returns the transfer's
+/// failure, if any, the blob's digest and length as read, and the copy kept for peers (to be
+/// committed only once the digest is checked).
+fn download_blob(
+    mut stream: blob::BlobStream<'_>,
+    to: pipeline::PipeWriter,
+) -> (
+    Option<RegistryError>,
+    (String, u64),
+    Option<crate::peers::Keeper>,
+) {
+    let mut to = Some(to);
+    let mut spare = Vec::new();
+    let mut failure = None;
+    loop {
+        let mut chunk = match &to {
+            Some(w) => w.buffer(),
+            None => std::mem::take(&mut spare),
+        };
+        chunk.resize(pipeline::CHUNK, 0);
+        match pipeline::fill(&mut stream, &mut chunk) {
+            Ok(0) => {
+                if let Some(w) = to.take() {
+                    w.finish();
+                }
+                break;
+            }
+            Ok(n) => {
+                chunk.truncate(n);
+                match &to {
+                    Some(w) => {
+                        if w.send(chunk).is_err() {
+                            to = None;
+                        }
+                    }
+                    None => spare = chunk,
+                }
+            }
+            Err(e) => {
+                failure = Some(stream.failure_of(&e));
+                if let Some(w) = to.take() {
+                    w.fail(e);
+                }
+                break;
+            }
         }
     }
+    let tee = stream.tee.take();
+    (failure, stream.finish(), tee)
 }
 
 /// The decompressor for a layer, chosen by its first bytes rather than its media type (some
