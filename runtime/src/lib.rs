@@ -158,6 +158,8 @@ struct Started {
 
 /// Creates the cgroup and namespaces, starts init and waits until it has set up the root (and,
 /// in `Mode::Run`, exec'd the command).
+// Long by design: the start sequence in its order (cgroup, clone3, the record, init's report),
+// each failure unwinding exactly what came before it.
 fn start(
     spec: &Spec,
     lowers: &[PathBuf],

@@ -48,6 +48,8 @@ fn sys(what: String) -> impl FnOnce(nix::errno::Errno) -> SetupError {
 /// ([`mounts::open_layers`]), idmapped when `idmapped` (a remapped container) or when the parent
 /// idmapped them for a user's writable container (`userns::user_layer_ids`); `trees` the Spec's
 /// bind sources ([`mounts::open_sources`]).
+// Long by design: the root is built in the one order the kernel allows (the overlay, the Spec's
+// mounts beneath it, /dev, the masks, pivot_root), each step commented where it happens.
 pub fn setup(
     spec: &Spec,
     lowers: &[PathBuf],

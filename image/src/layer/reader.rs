@@ -261,6 +261,8 @@ impl<I: TarInput> TarReader<I> {
     }
 
     /// The next entry, or `None` at the end of the archive (end blocks or the stream's end).
+    // Long by design: GNU long names and PAX records accumulate across headers until the entry
+    // they describe; the loop keeps that state in one place.
     pub fn next_entry(&mut self) -> Result<Option<TarEntry>, TarError> {
         if self.data_left > 0 {
             let left = self.data_left;
