@@ -11,7 +11,8 @@
 #   Each round, interleaved: (a) store emptied, writeback settled, page cache dropped, then
 #   `srun --container-image=REF true` (import + start through Slurm); (b) the same emptying, then
 #   `berth import REF` alone plus one warm `srun --container-image=REF true`. Prints the medians
-#   and the ratio a/b. Goal: ≤ 1.1×. Default 3 rounds.
+#   and the ratio a/b. Goal: ≤ 1.1×. Default 3 rounds. The step runs CMD (default `true`;
+#   `/bin/sh -c true` for bench/import's busybox image, which has no `true` on its PATH).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -61,7 +62,10 @@ if [ "$image" = bench/import ]; then
   cleanup+=("bash integration/registry/registry.sh stop '$work/registry' >/dev/null")
   skopeo copy --quiet --dest-tls-verify=false "oci:$work/layout:1" "docker://$host/bench/big:1"
   image="$host#bench/big:1"
+  # busybox without its applet links: `true` is the shell's.
+  cmd=${CMD:-/bin/sh -c true}
 fi
+cmd=${cmd:-${CMD:-true}}
 host=${image%%#*}
 [ "$host" != "$image" ] || host=${image%%/*}
 mkdir -p "$state"
@@ -89,17 +93,18 @@ export SLURM_CONF=$state/etc/slurm.conf
 # shellcheck disable=SC2016 # expanded by the inner shell
 salloc -Q bash -c '
   set -e
-  runs=$1 image=$2 berth=$3 cfg=$4 store=$5
+  runs=$1 image=$2 berth=$3 cfg=$4 store=$5 cmd=$6
   ms() { echo $(( (${2/./} - ${1/./}) / 1000 )); }
   empty() { rm -rf "$store"; sync; echo 3 >/proc/sys/vm/drop_caches; }
   cold=() imp=() warm=() split=()
   for i in $(seq "$runs"); do
     empty
-    t0=$EPOCHREALTIME; srun -Q --container-image="$image" true; t1=$EPOCHREALTIME
+    # shellcheck disable=SC2086 # the command is a word list
+    t0=$EPOCHREALTIME; srun -Q --container-image="$image" $cmd; t1=$EPOCHREALTIME
     cold+=("$(ms "$t0" "$t1")")
     empty
     t0=$EPOCHREALTIME; "$berth" --config "$cfg" import "$image" >/dev/null; t1=$EPOCHREALTIME
-    srun -Q --container-image="$image" true; t2=$EPOCHREALTIME
+    srun -Q --container-image="$image" $cmd; t2=$EPOCHREALTIME
     imp+=("$(ms "$t0" "$t1")") warm+=("$(ms "$t1" "$t2")") split+=("$(ms "$t0" "$t2")")
   done
   median() { printf "%s\n" "$@" | sort -n | awk "{a[NR]=\$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}"; }
@@ -110,4 +115,4 @@ salloc -Q bash -c '
   echo "  + one warm srun --container-image:    median $(median "${warm[@]}") ms  (all: ${warm[*]})"
   echo "  = import + warm step:                 median $s ms  (all: ${split[*]})"
   awk -v c="$c" -v s="$s" "BEGIN { r = c / s; printf \"cold srun / (import + warm step): %.2fx (goal <= 1.1x: %s)\n\", r, (r <= 1.1 ? \"met\" : \"NOT met\") }"
-' overhead "$runs" "$image" "$target/release/berth" "$cfg" "$store"
+' overhead "$runs" "$image" "$target/release/berth" "$cfg" "$store" "$cmd"
