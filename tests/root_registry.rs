@@ -22,7 +22,7 @@ use berth::image::{ImageError, LayerSink, RegistryRef, StagedLayer, reference};
 use harness::{Compression, Entry, Mode, Pki, Proxy, Registry, TokenServer, Uploader};
 
 // ---------------------------------------------------------------------------------------------
-// The layers go into the real store (src/image/store), wrapped to count what the client asks.
+// The layers go into the real store (image/src/store), wrapped to count what the client asks.
 
 /// The real store in a temporary directory, counting what the client asks of it.
 struct TestSink {

@@ -2,7 +2,7 @@
 //! lets this node be one.
 //!
 //! A peer is a berth agent that serves the blobs it keeps over the OCI distribution blob API
-//! subset (`GET`/`HEAD /v2/<name>/blobs/<digest>`, `berth::cli::peer`). To the registry client a
+//! subset (`GET`/`HEAD /v2/<name>/blobs/<digest>`, `berth_agent::peer`). To the registry client a
 //! peer is one more mirror, asked for blobs only: the manifest still comes from the registry
 //! (it says what a tag means now), then the config and layers are asked of each peer in turn and
 //! of the registry last. The client checks every blob's sha256 against the manifest's digest, as
@@ -15,7 +15,7 @@
 //! (by last write or serve) go first. Root-only directories, like the rest of the store.
 //!
 //! Which peers to ask: [`configure`] installs a lookup (the cluster controller's catalog, see
-//! `berth::cli::peer`) used by every registry import of the process, and [`with_peers`] names
+//! `berth_agent::peer`) used by every registry import of the process, and [`with_peers`] names
 //! them explicitly for one import (a pre-warm's planned parent).
 
 use std::cell::RefCell;

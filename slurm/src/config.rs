@@ -174,7 +174,7 @@ impl Default for AgentConfig {
     }
 }
 
-/// `[peers]`: nodes fetch image blobs from each other (crate::image::peers, crate::cli::peer).
+/// `[peers]`: nodes fetch image blobs from each other (`berth_image::peers`, `berth_agent::peer`).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct PeersConfig {

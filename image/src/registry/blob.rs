@@ -35,7 +35,7 @@ pub struct BlobStream<'a> {
     /// Why the stream failed: the reader above only sees an io::Error, the caller reports this.
     pub failure: Option<RegistryError>,
     /// Where the delivered bytes are also written, to keep the blob for peers once verified.
-    pub tee: Option<super::super::peers::Keeper>,
+    pub tee: Option<crate::peers::Keeper>,
 }
 
 impl<'a> BlobStream<'a> {

@@ -57,7 +57,7 @@ pub struct Transport {
     auth_cache: Mutex<HashMap<String, String>>,
     /// Whether any request of this client sent a user's login.
     used_login: AtomicBool,
-    /// Cluster peers (crate::image::peers): plain HTTP, and the `Authorization` each wants.
+    /// Cluster peers (crate::peers): plain HTTP, and the `Authorization` each wants.
     peers: Mutex<HashMap<String, String>>,
 }
 

@@ -9,7 +9,7 @@ impl Client {
     /// The peers to ask for `r`'s blobs, as sources like mirrors (plain HTTP, the cluster key,
     /// never the user's login); none when this process has no peers set up.
     pub(super) fn peer_targets(&self, r: &RegistryRef) -> Vec<Target> {
-        let Some((hosts, authorization)) = super::super::peers::peers_for(r) else {
+        let Some((hosts, authorization)) = crate::peers::peers_for(r) else {
             return Vec::new();
         };
         let origin = target(r);
