@@ -406,9 +406,14 @@ async fn run(s: Settings, key: String) -> anyhow::Result<()> {
     let raft = Raft::new(s.id, config, net, log, sm)
         .await
         .context("starting Raft")?;
-    // Every voter may initialize with the same membership; a store that already has one
-    // refuses, which is the normal restart.
-    if let Err(e) = raft.initialize(voters.clone()).await {
+    // Every voter may initialize with the same membership; a voter that already has one (a
+    // restart, or a peer's initialize got here first) is not asked again: openraft would refuse
+    // and log the refusal as an error.
+    let initialized = raft
+        .is_initialized()
+        .await
+        .context("reading the Raft state")?;
+    if !initialized && let Err(e) = raft.initialize(voters.clone()).await {
         tracing::debug!("initialize: {e}");
     }
     let listener = tokio::net::TcpListener::bind(&s.listen)
