@@ -83,83 +83,7 @@ pub fn run(o: SimOptions) -> serde_json::Value {
     for t in 0..threads {
         let (o, tally, stop) = (o.clone(), tally.clone(), stop.clone());
         handles.push(std::thread::spawn(move || {
-            let agent: ureq::Agent = ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(2)))
-                .build()
-                .into();
-            let mine: Vec<usize> = (t..o.agents).step_by(threads).collect();
-            let mut missed = vec![0u64; mine.len()];
-            let mut leader = 0usize;
-            let mut local = Tally::default();
-            let mut round = 0u64;
-            let fails =
-                |a: usize| (a as u64 * 100) < u64::from(o.failing_percent) * o.agents as u64;
-            let mut flipped = o.failing_percent == 0;
-            while start.elapsed() < o.duration && !stop.load(Ordering::Relaxed) {
-                for (k, &a) in mine.iter().enumerate() {
-                    // Agent a's slot in the round: spread over the interval.
-                    let due = o.interval.mul_f64(round as f64)
-                        + o.interval.mul_f64(a as f64 / o.agents as f64);
-                    // Wake for the flip too: the change goes out at once, not at the slot.
-                    let due = if flipped { due } else { due.min(o.fail_after) };
-                    if let Some(wait) = due.checked_sub(start.elapsed()) {
-                        std::thread::sleep(wait);
-                    }
-                    if start.elapsed() >= o.duration {
-                        break;
-                    }
-                    let mut burst: Vec<usize> = Vec::new();
-                    if !flipped && start.elapsed() >= o.fail_after {
-                        flipped = true;
-                        burst.extend(mine.iter().copied().filter(|a| fails(*a)));
-                    }
-                    burst.push(a);
-                    for a in burst {
-                        let failing = flipped && fails(a);
-                        let hb = Heartbeat {
-                            node: format!("sim{a:05}"),
-                            boot_id: "sim".into(),
-                            version: "sim".into(),
-                            checks: vec![CheckResult {
-                                name: "gpu-count".into(),
-                                status: if failing { Status::Fail } else { Status::Ok },
-                                severity: Severity::Hard,
-                                recoverable: true,
-                                message: if failing {
-                                    "7 of 8".into()
-                                } else {
-                                    "8 of 8".into()
-                                },
-                            }],
-                            daemons: Vec::new(),
-                            versions: Default::default(),
-                            images: Vec::new(),
-                            leftovers: Vec::new(),
-                            cause: None,
-                            peer: None,
-                            refs: Default::default(),
-                        };
-                        let body = serde_json::to_vec(&hb).expect("serializes");
-                        let t0 = Instant::now();
-                        match send(&agent, &o, &mut leader, &body) {
-                            Some(term) => {
-                                local.latencies_us.push(
-                                    u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX),
-                                );
-                                local.terms.insert(term);
-                                missed[k] = 0;
-                            }
-                            None => {
-                                local.failed += 1;
-                                missed[k] += 1;
-                                local.max_missed_in_row = local.max_missed_in_row.max(missed[k]);
-                            }
-                        }
-                    }
-                }
-                round += 1;
-            }
+            let local = agents(&o, t, threads, start, &stop);
             let mut all = tally.lock().unwrap_or_else(|p| p.into_inner());
             all.latencies_us.extend(local.latencies_us);
             all.failed += local.failed;
@@ -198,4 +122,89 @@ pub fn run(o: SimOptions) -> serde_json::Value {
         "max_missed_in_a_row": all.max_missed_in_row,
         "terms_seen": all.terms.iter().collect::<Vec<_>>(),
     })
+}
+
+/// The agents `t`, `t + threads`, … of the simulation, on one thread, until the duration ends.
+fn agents(o: &SimOptions, t: usize, threads: usize, start: Instant, stop: &AtomicBool) -> Tally {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(2)))
+        .build()
+        .into();
+    let mine: Vec<usize> = (t..o.agents).step_by(threads).collect();
+    let mut missed = vec![0u64; mine.len()];
+    let mut leader = 0usize;
+    let mut local = Tally::default();
+    let mut round = 0u64;
+    let fails = |a: usize| (a as u64 * 100) < u64::from(o.failing_percent) * o.agents as u64;
+    let mut flipped = o.failing_percent == 0;
+    while start.elapsed() < o.duration && !stop.load(Ordering::Relaxed) {
+        for (k, &a) in mine.iter().enumerate() {
+            // Agent a's slot in the round: spread over the interval.
+            let due =
+                o.interval.mul_f64(round as f64) + o.interval.mul_f64(a as f64 / o.agents as f64);
+            // Wake for the flip too: the change goes out at once, not at the slot.
+            let due = if flipped { due } else { due.min(o.fail_after) };
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+            if start.elapsed() >= o.duration {
+                break;
+            }
+            let mut burst: Vec<usize> = Vec::new();
+            if !flipped && start.elapsed() >= o.fail_after {
+                flipped = true;
+                burst.extend(mine.iter().copied().filter(|a| fails(*a)));
+            }
+            burst.push(a);
+            for a in burst {
+                let hb = heartbeat(a, flipped && fails(a));
+                let body = serde_json::to_vec(&hb).expect("serializes");
+                let t0 = Instant::now();
+                match send(&agent, o, &mut leader, &body) {
+                    Some(term) => {
+                        local
+                            .latencies_us
+                            .push(u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX));
+                        local.terms.insert(term);
+                        missed[k] = 0;
+                    }
+                    None => {
+                        local.failed += 1;
+                        missed[k] += 1;
+                        local.max_missed_in_row = local.max_missed_in_row.max(missed[k]);
+                    }
+                }
+            }
+        }
+        round += 1;
+    }
+    local
+}
+
+/// Agent `a`'s heartbeat: one hard GPU check, failing or not.
+fn heartbeat(a: usize, failing: bool) -> Heartbeat {
+    Heartbeat {
+        node: format!("sim{a:05}"),
+        boot_id: "sim".into(),
+        version: "sim".into(),
+        checks: vec![CheckResult {
+            name: "gpu-count".into(),
+            status: if failing { Status::Fail } else { Status::Ok },
+            severity: Severity::Hard,
+            recoverable: true,
+            message: if failing {
+                "7 of 8".into()
+            } else {
+                "8 of 8".into()
+            },
+        }],
+        daemons: Vec::new(),
+        versions: Default::default(),
+        images: Vec::new(),
+        leftovers: Vec::new(),
+        cause: None,
+        peer: None,
+        refs: Default::default(),
+    }
 }

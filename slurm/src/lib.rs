@@ -9,6 +9,7 @@ pub mod config;
 pub mod container;
 pub mod env;
 mod error;
+pub mod export;
 pub mod health;
 pub mod job;
 pub use berth_proto::mounts;

@@ -83,131 +83,9 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
         return super::prewarm::execute(p, config, args.json);
     }
     let mut client = Client::new(config)?;
-    let json_of =
-        |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("JSON values serialize");
     match &args.command {
-        ClusterCommand::Status => {
-            let bytes = ask(&mut client, "/v1/status", None, false)?;
-            let s: ClusterStatus = parse(&bytes)?;
-            // The Slurm part is the leader's; without a leader it is said so, not an error.
-            let slurm = ask(&mut client, "/v1/slurm", None, true)
-                .and_then(|b| parse::<SlurmView>(&b))
-                .map_err(|e| e.message);
-            if args.json {
-                let mut v = serde_json::to_value(&s).expect("serializes");
-                v["slurm"] = match &slurm {
-                    Ok(view) => serde_json::to_value(view).expect("serializes"),
-                    Err(e) => serde_json::json!({ "error": e }),
-                };
-                outln!("{}", json_of(&v));
-            } else {
-                let leader = match (&s.leader, &s.leader_addr) {
-                    (Some(l), Some(a)) => format!("{l} ({a})"),
-                    (Some(l), None) => l.to_string(),
-                    _ => "none".into(),
-                };
-                outln!("controller: {} (answering)", s.id);
-                outln!("leader:     {leader}, term {}", s.term);
-                outln!(
-                    "voters:     {}",
-                    s.voters
-                        .iter()
-                        .map(u64::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                outln!("nodes:      {} ({} drained)", s.nodes, s.drained);
-                outln!(
-                    "breaker:    {}{}",
-                    if s.breaker_tripped {
-                        "tripped"
-                    } else {
-                        "closed"
-                    },
-                    if s.suppressed > 0 {
-                        format!(", {} drains held back", s.suppressed)
-                    } else {
-                        String::new()
-                    }
-                );
-                outln!("applied:    {} (state {})", s.applied, &s.state_hash[..12]);
-                match &slurm {
-                    Ok(view) => {
-                        for l in super::cluster_slurm::lines(view) {
-                            outln!("{l}");
-                        }
-                    }
-                    Err(e) => outln!("slurm:      unknown ({e})"),
-                }
-            }
-        }
-        ClusterCommand::Nodes => {
-            let bytes = ask(&mut client, "/v1/nodes", None, true)?;
-            let nodes: Vec<NodeView> = parse(&bytes)?;
-            if args.json {
-                outln!(
-                    "{}",
-                    json_of(&serde_json::to_value(&nodes).expect("serializes"))
-                );
-            } else {
-                outln!(
-                    "{:<20} {:<8} {:>8} {:>5}  REASON",
-                    "NODE",
-                    "STATE",
-                    "HB AGE",
-                    "LEFT"
-                );
-                for n in nodes {
-                    let age = n
-                        .heartbeat_age_s
-                        .map_or_else(|| "-".to_string(), |a| format!("{a:.1}s"));
-                    let mut why = n
-                        .reason
-                        .clone()
-                        .or_else(|| n.suppressed.as_ref().map(|s| format!("(held back) {s}")))
-                        .unwrap_or_default();
-                    let down: Vec<String> = n
-                        .daemons
-                        .iter()
-                        .filter(|d| {
-                            matches!(
-                                d.state,
-                                berth_api::DaemonState::Down | berth_api::DaemonState::Unknown
-                            )
-                        })
-                        .map(|d| format!("{} {}", d.daemon, d.state.word()))
-                        .collect();
-                    if !down.is_empty() {
-                        why = format!("{why} [{}]", down.join(", "))
-                            .trim_start()
-                            .to_string();
-                    }
-                    if !n.orphaned.is_empty() {
-                        why = format!("{why} [{} leftover(s) of ended jobs]", n.orphaned.len())
-                            .trim_start()
-                            .to_string();
-                    }
-                    // Checks that could not say: never a drain, but an admin wants to know.
-                    if !n.unknown.is_empty() {
-                        let names: Vec<&str> = n
-                            .unknown
-                            .iter()
-                            .map(|u| u.split(':').next().unwrap_or(u))
-                            .collect();
-                        why = format!("{why} [unknown: {}]", names.join(", "))
-                            .trim_start()
-                            .to_string();
-                    }
-                    outln!(
-                        "{:<20} {:<8} {:>8} {:>5}  {why}",
-                        n.node,
-                        n.desired,
-                        age,
-                        n.leftovers.len()
-                    );
-                }
-            }
-        }
+        ClusterCommand::Status => status(&mut client, args.json)?,
+        ClusterCommand::Nodes => nodes(&mut client, args.json)?,
         ClusterCommand::Drain { node, reason } => {
             let body = serde_json::to_vec(&DrainRequest {
                 node: node.clone(),
@@ -232,6 +110,133 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
         }
     }
     Ok(0)
+}
+
+fn json_of(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(v).expect("JSON values serialize")
+}
+
+/// `berth cluster status`.
+fn status(client: &mut Client, json: bool) -> Result<(), Failure> {
+    let bytes = ask(client, "/v1/status", None, false)?;
+    let s: ClusterStatus = parse(&bytes)?;
+    // The Slurm part is the leader's; without a leader it is said so, not an error.
+    let slurm = ask(client, "/v1/slurm", None, true)
+        .and_then(|b| parse::<SlurmView>(&b))
+        .map_err(|e| e.message);
+    if json {
+        let mut v = serde_json::to_value(&s).expect("serializes");
+        v["slurm"] = match &slurm {
+            Ok(view) => serde_json::to_value(view).expect("serializes"),
+            Err(e) => serde_json::json!({ "error": e }),
+        };
+        outln!("{}", json_of(&v));
+        return Ok(());
+    }
+    let leader = match (&s.leader, &s.leader_addr) {
+        (Some(l), Some(a)) => format!("{l} ({a})"),
+        (Some(l), None) => l.to_string(),
+        _ => "none".into(),
+    };
+    let voters: Vec<String> = s.voters.iter().map(u64::to_string).collect();
+    let breaker = if s.breaker_tripped {
+        "tripped"
+    } else {
+        "closed"
+    };
+    let held = if s.suppressed > 0 {
+        format!(", {} drains held back", s.suppressed)
+    } else {
+        String::new()
+    };
+    outln!("controller: {} (answering)", s.id);
+    outln!("leader:     {leader}, term {}", s.term);
+    outln!("voters:     {}", voters.join(", "));
+    outln!("nodes:      {} ({} drained)", s.nodes, s.drained);
+    outln!("breaker:    {breaker}{held}");
+    outln!("applied:    {} (state {})", s.applied, &s.state_hash[..12]);
+    match &slurm {
+        Ok(view) => {
+            for l in super::cluster_slurm::lines(view) {
+                outln!("{l}");
+            }
+        }
+        Err(e) => outln!("slurm:      unknown ({e})"),
+    }
+    Ok(())
+}
+
+/// `berth cluster nodes`.
+fn nodes(client: &mut Client, json: bool) -> Result<(), Failure> {
+    let bytes = ask(client, "/v1/nodes", None, true)?;
+    let nodes: Vec<NodeView> = parse(&bytes)?;
+    if json {
+        outln!(
+            "{}",
+            json_of(&serde_json::to_value(&nodes).expect("serializes"))
+        );
+        return Ok(());
+    }
+    outln!(
+        "{:<20} {:<8} {:>8} {:>5}  REASON",
+        "NODE",
+        "STATE",
+        "HB AGE",
+        "LEFT"
+    );
+    for n in nodes {
+        let age = n
+            .heartbeat_age_s
+            .map_or_else(|| "-".to_string(), |a| format!("{a:.1}s"));
+        outln!(
+            "{:<20} {:<8} {:>8} {:>5}  {}",
+            n.node,
+            n.desired,
+            age,
+            n.leftovers.len(),
+            reason(&n)
+        );
+    }
+    Ok(())
+}
+
+/// The REASON column: the drain reason (or the one held back by the breaker), then daemons
+/// down, leftovers of ended jobs and checks that could not say.
+fn reason(n: &NodeView) -> String {
+    let mut parts: Vec<String> = n
+        .reason
+        .clone()
+        .or_else(|| n.suppressed.as_ref().map(|s| format!("(held back) {s}")))
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .collect();
+    let down: Vec<String> = n
+        .daemons
+        .iter()
+        .filter(|d| {
+            matches!(
+                d.state,
+                berth_api::DaemonState::Down | berth_api::DaemonState::Unknown
+            )
+        })
+        .map(|d| format!("{} {}", d.daemon, d.state.word()))
+        .collect();
+    if !down.is_empty() {
+        parts.push(format!("[{}]", down.join(", ")));
+    }
+    if !n.orphaned.is_empty() {
+        parts.push(format!("[{} leftover(s) of ended jobs]", n.orphaned.len()));
+    }
+    // Checks that could not say: never a drain, but an admin wants to know.
+    if !n.unknown.is_empty() {
+        let names: Vec<&str> = n
+            .unknown
+            .iter()
+            .map(|u| u.split(':').next().unwrap_or(u))
+            .collect();
+        parts.push(format!("[unknown: {}]", names.join(", ")));
+    }
+    parts.join(" ")
 }
 
 fn done(json: bool, bytes: &[u8], text: &str) {

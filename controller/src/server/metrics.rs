@@ -1,58 +1,117 @@
 //! The controller's `/metrics`: Prometheus text of the cluster's state as this controller sees
 //! it (its Raft role, the nodes, decisions, the watch on Slurm's daemons).
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::extract::State as AxState;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use openraft::{BasicNode, RaftMetrics, ServerState};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::{App, Beat, Shared, error};
+use crate::state::State;
 
 pub(super) async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Response {
     let m = app.raft.metrics().borrow().clone();
     let state = app.store.lock().state.clone();
+    let is_leader = m.state == ServerState::Leader;
     let mut reg = Registry::with_prefix("berth_controller");
-    let leader: Gauge = Gauge::default();
-    leader.set(i64::from(m.state == ServerState::Leader));
-    reg.register("is_leader", "1 on the Raft leader", leader);
-    let leader_id: Gauge = Gauge::default();
-    leader_id.set(m.current_leader.map_or(0, gauge));
-    reg.register(
+    raft_metrics(&app, &m, &mut reg);
+    state_metrics(&state, &mut reg);
+    crate::watch_metrics::register(&app, &state, is_leader, &mut reg);
+    if is_leader {
+        leader_metrics(&app, &state, &mut reg);
+    }
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &reg) {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, format!("metrics: {e}"));
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        prometheus_text(&text),
+    )
+        .into_response()
+}
+
+fn set_gauge(reg: &mut Registry, name: &str, help: &str, value: i64) {
+    let g: Gauge = Gauge::default();
+    g.set(value);
+    reg.register(name, help, g);
+}
+
+fn set_counter(reg: &mut Registry, name: &str, help: &str, value: &AtomicU64) {
+    let c: Counter = Counter::default();
+    c.inc_by(value.load(Ordering::Relaxed));
+    reg.register(name, help, c);
+}
+
+fn count(n: usize) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+/// This controller's Raft role and the calls it made to Slurm.
+fn raft_metrics(app: &App, m: &RaftMetrics<u64, BasicNode>, reg: &mut Registry) {
+    set_gauge(
+        reg,
+        "is_leader",
+        "1 on the Raft leader",
+        i64::from(m.state == ServerState::Leader),
+    );
+    set_gauge(
+        reg,
         "leader_id",
         "The Raft id of the leader this controller knows; 0 when it knows none",
-        leader_id,
+        m.current_leader.map_or(0, gauge),
     );
-    let term: Gauge = Gauge::default();
-    term.set(gauge(m.current_term));
-    reg.register("term", "The Raft term", term);
-    let changes: Counter = Counter::default();
-    changes.inc_by(app.leader_changes.load(Ordering::Relaxed));
-    reg.register("leader_changes", "Leader changes seen", changes);
-    let calls: Counter = Counter::default();
-    calls.inc_by(app.scontrol_calls.load(Ordering::Relaxed));
-    reg.register("scontrol_calls", "scontrol update calls made", calls);
-    let early: Counter = Counter::default();
-    early.inc_by(app.change_beats.load(Ordering::Relaxed));
-    reg.register(
+    set_gauge(reg, "term", "The Raft term", gauge(m.current_term));
+    set_counter(
+        reg,
+        "leader_changes",
+        "Leader changes seen",
+        &app.leader_changes,
+    );
+    set_counter(
+        reg,
+        "scontrol_calls",
+        "scontrol update calls made",
+        &app.scontrol_calls,
+    );
+    set_counter(
+        reg,
         "change_heartbeats",
         "Heartbeats agents sent before their interval because a check changed status",
-        early,
+        &app.change_beats,
     );
-    let fails: Counter = Counter::default();
-    fails.inc_by(app.scontrol_failures.load(Ordering::Relaxed));
-    reg.register(
+    set_counter(
+        reg,
         "scontrol_failures",
         "scontrol update calls that failed",
-        fails,
+        &app.scontrol_failures,
     );
+}
+
+/// The replicated state: nodes by desired state, drain and resume totals, the breaker.
+fn state_metrics(state: &State, reg: &mut Registry) {
     let nodes = Family::<Vec<(String, String)>, Gauge>::default();
     for desired in ["up", "drained"] {
         nodes
             .get_or_create(&vec![("desired".into(), desired.into())])
-            .set(
+            .set(count(
                 state
                     .nodes
                     .values()
                     .filter(|n| n.desired.word() == desired)
-                    .count()
-                    .try_into()
-                    .unwrap_or(i64::MAX),
-            );
+                    .count(),
+            ));
     }
     reg.register("nodes", "Nodes by desired state", nodes);
     for (name, help, map) in [
@@ -75,58 +134,41 @@ pub(super) async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Res
         }
         reg.register(name, help, fam);
     }
-    let tripped: Gauge = Gauge::default();
-    tripped.set(i64::from(state.breaker.tripped));
-    reg.register(
+    set_gauge(
+        reg,
         "breaker_tripped",
         "1 while the circuit breaker holds drains back",
-        tripped,
+        i64::from(state.breaker.tripped),
     );
-    crate::watch_metrics::register(&app, &state, m.state == ServerState::Leader, &mut reg);
-    if m.state == ServerState::Leader {
-        let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let age = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
-        let left = Family::<Vec<(String, String)>, Gauge>::default();
-        for (node, b) in &beats {
-            age.get_or_create(&vec![("node".into(), node.clone())])
-                .set(b.at.elapsed().as_secs_f64());
-            left.get_or_create(&vec![("node".into(), node.clone())])
-                .set(b.leftovers.len().try_into().unwrap_or(i64::MAX));
-        }
-        reg.register(
-            "leftovers",
-            "Leftovers of ended jobs (containers, scratch) each node reported last",
-            left,
-        );
-        reg.register(
-            "heartbeat_age_seconds",
-            "Seconds since each node's last heartbeat",
-            age,
-        );
-        let lost: Gauge = Gauge::default();
-        lost.set(
-            lost_nodes(&app, &state, &beats)
-                .try_into()
-                .unwrap_or(i64::MAX),
-        );
-        reg.register(
-            "nodes_lost",
-            "Nodes without a heartbeat for 3 intervals (an alert, never a drain)",
-            lost,
-        );
+}
+
+/// What only the leader knows: the heartbeats it received.
+fn leader_metrics(app: &App, state: &State, reg: &mut Registry) {
+    let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let age = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
+    let left = Family::<Vec<(String, String)>, Gauge>::default();
+    for (node, b) in &beats {
+        age.get_or_create(&vec![("node".into(), node.clone())])
+            .set(b.at.elapsed().as_secs_f64());
+        left.get_or_create(&vec![("node".into(), node.clone())])
+            .set(count(b.leftovers.len()));
     }
-    let mut text = String::new();
-    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &reg) {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, format!("metrics: {e}"));
-    }
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        prometheus_text(&text),
-    )
-        .into_response()
+    reg.register(
+        "leftovers",
+        "Leftovers of ended jobs (containers, scratch) each node reported last",
+        left,
+    );
+    reg.register(
+        "heartbeat_age_seconds",
+        "Seconds since each node's last heartbeat",
+        age,
+    );
+    set_gauge(
+        reg,
+        "nodes_lost",
+        "Nodes without a heartbeat for 3 intervals (an alert, never a drain)",
+        count(lost_nodes(app, state, &beats)),
+    );
 }
 
 /// OpenMetrics text (what prometheus-client writes) as Prometheus' text format 0.0.4, which
