@@ -15,6 +15,7 @@ pub mod job;
 pub use berth_proto::mounts;
 pub mod node;
 pub mod request;
+pub mod run;
 pub mod step;
 
 pub use error::SlurmError;

@@ -1,7 +1,5 @@
 //! `berth run`: run one command in a new container and exit with its status.
 
-use std::io::IsTerminal;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,10 +8,10 @@ use clap::Args;
 use super::Failure;
 use crate::config::Config;
 use crate::image::store::human_size;
-use crate::privfs;
-use crate::runtime::{self, Exit, Outcome};
-use crate::slurm::container::{host_files, options};
-use crate::spec::{self, HostDevice, Limits, Net, Request, parse};
+use crate::runtime::{Exit, Outcome};
+use crate::slurm::run::Flags;
+pub use crate::slurm::run::Prepared;
+use crate::spec::{self, Limits, Net, parse};
 
 /// Run a command in a new container
 ///
@@ -159,71 +157,6 @@ fn flag<T>(
         .transpose()
 }
 
-/// Validates the arguments against the host and builds the request.
-/// A container request and the image it stacks (whose in-use mark lives as long as it).
-#[derive(Debug)]
-pub struct Prepared {
-    pub request: Request,
-    pub image: crate::slurm::container::Resolved,
-    /// CDI devices (`vendor.com/class=name`) to apply to the Spec.
-    pub cdi: Vec<String>,
-    /// `--gpus`.
-    pub gpus: Option<String>,
-}
-
-impl Prepared {
-    /// The container's Spec: the request's, with the GPUs' and CDI devices' edits applied. The
-    /// returned file (a loader cache with the driver's libraries) must live until the container
-    /// has started.
-    pub fn spec(
-        &self,
-        config: &Config,
-    ) -> Result<(oci_spec::runtime::Spec, Option<tempfile::NamedTempFile>), Failure> {
-        let mut spec = spec::build(&self.request).map_err(|e| Failure::input(e.to_string()))?;
-        let cache = match &self.gpus {
-            Some(list) => self.inject_gpus(&mut spec, list, config)?,
-            None => None,
-        };
-        if !self.cdi.is_empty() {
-            let applied = crate::topology::cdi::apply_names(
-                &mut spec,
-                &self.cdi,
-                &config.topology.cdi_dirs,
-                &crate::topology::Host::new("/"),
-            )
-            .map_err(|e| Failure::input(format!("--device: {e}")))?;
-            if applied.hooks > 0 {
-                eprintln!(
-                    "berth: --device: {} CDI hook(s) ignored: berth does not run OCI hooks",
-                    applied.hooks
-                );
-            }
-        }
-        Ok((spec, cache))
-    }
-
-    fn inject_gpus(
-        &self,
-        spec: &mut oci_spec::runtime::Spec,
-        list: &str,
-        config: &Config,
-    ) -> Result<Option<tempfile::NamedTempFile>, Failure> {
-        use crate::topology::inject;
-        let (host, node) = super::topo::discover(&Default::default(), config)?;
-        // The error quotes the list: a long one is elided there.
-        let plan = inject::for_gpus(&host, &node, list, &inject::DriverFiles::default())
-            .map_err(|e| Failure::input(e.to_string().replace(list, &super::elide(list))))?;
-        Ok(crate::slurm::container::inject_gpus(
-            spec,
-            &plan,
-            &self.image.lowers,
-            config,
-            "--gpus",
-            true,
-        )?)
-    }
-}
-
 /// `--env KEY=VALUE`, or `--env KEY` for the caller's value of KEY.
 fn env_flags(flags: &[String]) -> Result<Vec<(String, String)>, Failure> {
     let mut cli_env = Vec::new();
@@ -243,57 +176,6 @@ fn env_flags(flags: &[String]) -> Result<Vec<(String, String)>, Failure> {
         }
     }
     Ok(cli_env)
-}
-
-/// The image's layers and defaults: a `--rootfs` directory as it is, or `--image` resolved (and
-/// imported) for the user the container runs as.
-fn image(
-    args: &ContainerArgs,
-    config: &Config,
-    caller: &spec::UserIds,
-) -> Result<crate::slurm::container::Resolved, Failure> {
-    Ok(match (&args.rootfs, &args.image) {
-        (Some(_), _) if args.entrypoint => {
-            return Err(Failure::input(
-                "--entrypoint applies to an image's Entrypoint; a --rootfs directory has none: \
-                 drop --entrypoint and give the command",
-            ));
-        }
-        (Some(_), _) if args.arch.is_some() => {
-            return Err(Failure::input(
-                "--arch applies to --image (the platform to pick from an image); a --rootfs \
-                 directory is run as it is: drop --arch",
-            ));
-        }
-        (Some(dir), _) => {
-            runtime::check_rootfs(dir)?;
-            // Absolute, so the overlay's lowerdir does not depend on the working directory.
-            let dir = std::fs::canonicalize(dir).map_err(|e| {
-                Failure::input(format!(
-                    "root filesystem {}: {e}",
-                    super::elide(&dir.to_string_lossy())
-                ))
-            })?;
-            crate::slurm::container::Resolved {
-                lowers: vec![dir],
-                defaults: Default::default(),
-                digest: None,
-                in_use: None,
-            }
-        }
-        (None, Some(text)) => {
-            // An image path is opened as the user the container runs as (`--user`): root reads
-            // no image for that user that the user could not read.
-            let reader = match &args.user {
-                Some(u) => {
-                    spec::user::resolve(u).map_err(|e| Failure::input(format!("--user: {e}")))?
-                }
-                None => caller.clone(),
-            };
-            crate::slurm::container::resolve(text, config, &reader, args.arch.clone())?
-        }
-        (None, None) => return Err(Failure::input("give --rootfs DIR or --image REF")),
-    })
 }
 
 /// `--memory`, `--memory-swap`, `--cpus`, `--cpuset` and `--pids`.
@@ -318,7 +200,8 @@ fn resource_limits(args: &ContainerArgs) -> Result<Limits, Failure> {
     })
 }
 
-/// Validates the arguments against the host, resolves the image and builds the request.
+/// Parses the flags and hands them to the library, which checks them against the host, resolves
+/// the image and builds the request.
 pub fn request(
     args: &ContainerArgs,
     command: &[String],
@@ -333,9 +216,9 @@ pub fn request(
     let mut mounts = Vec::new();
     for text in &args.mounts {
         let m = parse::bind_mount(text).map_err(|e| Failure::input(format!("--mount: {e}")))?;
-        mounts.push((text, m));
+        mounts.push((text.clone(), m));
     }
-    let cli_env = env_flags(&args.env)?;
+    let env = env_flags(&args.env)?;
     if let Some(dir) = &args.workdir
         && (!dir.is_absolute() || dir.as_os_str().len() >= libc::PATH_MAX as usize)
     {
@@ -344,180 +227,24 @@ pub fn request(
             super::elide(&dir.to_string_lossy())
         )));
     }
-    let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
-    let image = image(args, config, &caller)?;
-    let user = match (&args.user, &image.defaults.user) {
-        (Some(text), _) => {
-            spec::user::resolve(text).map_err(|e| Failure::input(format!("--user: {e}")))?
-        }
-        // An image's User applies when root starts it, as with docker; an unprivileged caller
-        // always runs as itself.
-        (None, Some(text)) if caller.uid == 0 => image_user(text)?,
-        (None, _) => caller,
-    };
-    // What the user could open, as the user: root's view of a source never decides. This early
-    // look only words the refusal; the runtime opens each source again as the user and mounts
-    // what it opened, so a path swapped in between gains nothing.
-    let mounts = mounts
-        .into_iter()
-        .map(
-            |(text, m)| match privfs::open_readable_as_user(&m.source, &user) {
-                Ok(_) => Ok(m),
-                Err(e) => Err(Failure::input(format!(
-                    "--mount {}: uid {} cannot read the source {}: {e}",
-                    super::elide(text),
-                    user.uid,
-                    super::elide(&m.source.to_string_lossy())
-                ))),
-            },
-        )
-        .collect::<Result<Vec<_>, _>>()?;
-    let env_limits = config.store.env_limits();
-    env_limits
-        .check("--env", &cli_env)
-        .map_err(|e| Failure::input(e.to_string()))?;
-    let mut env = image.defaults.env.clone();
-    env.extend(cli_env);
-    env_limits
-        .check(
-            "the container's environment (the image's Env and --env)",
-            &env,
-        )
-        .map_err(|e| Failure::input(e.to_string()))?;
-    let args_line = if args.image.is_some() {
-        image.defaults.command_line(command, args.entrypoint)
-    } else {
-        command.to_vec()
-    };
-    if args_line.is_empty() && !hold {
-        return Err(Failure::input(if args.rootfs.is_some() {
-            "no command given: a --rootfs directory needs one (berth run --rootfs DIR -- CMD)"
-        } else {
-            "no command given, and the image defines no Entrypoint or Cmd"
-        }));
-    }
-    let limits = resource_limits(args)?;
-    let (cdi, paths): (Vec<String>, Vec<String>) = args
-        .devices
-        .iter()
-        .cloned()
-        .partition(|d| crate::topology::cdi::is_qualified(d));
-    let devices = paths
-        .iter()
-        .map(|p| host_device(&PathBuf::from(p), &user))
-        .collect::<Result<Vec<_>, _>>()?;
-    let terminal = std::io::stdin().is_terminal();
-    let request = Request {
-        rootfs: image.lowers[0].clone(),
-        args: args_line,
-        env,
-        workdir: args
-            .workdir
-            .clone()
-            .or_else(|| image.defaults.workdir.clone()),
-        user,
-        hostname: flag("hostname", &args.hostname, parse::hostname)?,
+    let flags = Flags {
+        rootfs: args.rootfs.clone(),
+        image: args.image.clone(),
+        entrypoint: args.entrypoint,
+        arch: args.arch.clone(),
+        user: args.user.clone(),
         mounts,
-        tmpfs: Vec::new(),
-        devices,
-        limits,
+        env,
+        workdir: args.workdir.clone(),
+        hostname: flag("hostname", &args.hostname, parse::hostname)?,
+        limits: resource_limits(args)?,
+        devices: args.devices.clone(),
+        gpus: args.gpus.clone(),
         net: args.net,
         readonly: args.readonly,
-        share_pids: false,
-        terminal,
-        host_files: host_files(),
-        term: std::env::var("TERM").ok(),
         remap_root: args.remap_root,
-        cgroup_view: Vec::new(),
     };
-    Ok(Prepared {
-        request,
-        image,
-        cdi,
-        gpus: args.gpus.clone(),
-    })
-}
-
-/// An image's `User`: numbers are taken as they are (the image may know users the host does
-/// not); names must exist on the host.
-fn image_user(text: &str) -> Result<spec::UserIds, Failure> {
-    let (u, g) = text.split_once(':').unwrap_or((text, ""));
-    if let Ok(uid) = u.parse::<u32>() {
-        let known = spec::user::by_id(uid, 0);
-        let gid = match g.parse::<u32>() {
-            Ok(gid) => gid,
-            Err(_) if g.is_empty() => known.home.as_ref().map(|_| known.gid).unwrap_or(uid),
-            Err(_) => {
-                return Err(Failure::input(format!(
-                    "the image's User '{}': use numbers, or names that exist on this host",
-                    super::elide(text)
-                )));
-            }
-        };
-        return Ok(spec::user::by_id(uid, gid));
-    }
-    spec::user::resolve(text).map_err(|e| {
-        Failure::input(format!(
-            "the image's User '{}': {e} (or use --user)",
-            super::elide(text)
-        ))
-    })
-}
-
-/// A device node the user asked for, opened as the user (the kernel resolves the path with the
-/// user's permissions) and described from what was opened; the user must be allowed to read or
-/// write it on the host, or the container would give the user a device the host does not.
-fn host_device(path: &std::path::Path, user: &spec::UserIds) -> Result<HostDevice, Failure> {
-    use nix::fcntl::OFlag;
-    let bad = |why: String| {
-        Failure::input(format!(
-            "--device {}: {why}",
-            super::elide(&path.to_string_lossy())
-        ))
-    };
-    if !path.starts_with("/dev/") {
-        return Err(bad("must be a device node under /dev".into()));
-    }
-    let fd = privfs::open_as_user(path, user, OFlag::O_PATH).map_err(|e| bad(e.to_string()))?;
-    let meta = std::fs::File::from(fd.try_clone().map_err(|e| bad(e.to_string()))?)
-        .metadata()
-        .map_err(|e| bad(e.to_string()))?;
-    let ft = meta.file_type();
-    if !ft.is_char_device() && !ft.is_block_device() {
-        return Err(bad("not a character or block device".into()));
-    }
-    let allowed = privfs::as_user(user, || {
-        [libc::R_OK, libc::W_OK].iter().any(|&how| {
-            // SAFETY: faccessat2 on a valid fd with an empty path and AT_EMPTY_PATH; it only
-            // reads its arguments.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_faccessat2,
-                    std::os::fd::AsRawFd::as_raw_fd(&fd),
-                    c"".as_ptr(),
-                    how,
-                    libc::AT_EMPTY_PATH | libc::AT_EACCESS,
-                ) == 0
-            }
-        })
-    })
-    .map_err(|e| bad(e.to_string()))?;
-    if !allowed {
-        return Err(bad(format!(
-            "uid {} may neither read nor write it on the host",
-            user.uid
-        )));
-    }
-    let rdev = meta.rdev();
-    Ok(HostDevice {
-        path: path.to_path_buf(),
-        block: ft.is_block_device(),
-        major: i64::from(libc::major(rdev)),
-        minor: i64::from(libc::minor(rdev)),
-        mode: meta.mode() & 0o7777,
-        uid: meta.uid(),
-        gid: meta.gid(),
-    })
+    Ok(crate::slurm::run::prepare(flags, command, config, hold)?)
 }
 
 /// `--timeout SECONDS`: a positive number; one too large for the clock is the farthest deadline
@@ -549,19 +276,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     }
     let prepared = request(&args.container, &args.command, config, false)?;
     let memory = prepared.request.limits.memory;
-    let (spec, ld_cache) = prepared.spec(config)?;
-    let opts = options(config, timeout);
-    let outcome = runtime::run(&spec, &prepared.image.lowers, &opts).map_err(Failure::from);
-    let leased = prepared.image.in_use.is_some();
-    // The image's lease ends with the container: a squashfs no other container uses goes now.
-    // A --rootfs directory holds no lease, and leaves no image to unmount: the store is not
-    // opened on that path (it cost a walk of the store's directories per run).
-    drop(ld_cache);
-    drop(prepared);
-    if leased {
-        crate::image::mount::release_unused(&config.image());
-    }
-    let outcome = outcome?;
+    let outcome = crate::slurm::run::run(prepared, config, timeout)?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
         eprintln!("berth: {}", summary_line(&outcome));
