@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use super::Failure;
-use super::topo::{Source, discover};
+use super::topo::Source;
 use crate::config::Config;
 use crate::topology::cdi::{self, Registry};
 use crate::topology::inject::DriverFiles;
@@ -122,7 +122,7 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
                     )));
                 }
             }
-            let (host, node) = discover(&g.source, config)?;
+            let (host, node) = crate::slurm::node::discover(&g.source.lib(), config)?;
             let specs = [
                 (
                     "berth-gpu.json",

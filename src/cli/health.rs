@@ -1,7 +1,7 @@
 //! `berth health`: is this node fit to run jobs? Exit 0 when it is; exit 1 with one line saying
 //! why not (fit for `scontrol update nodename=... state=drain reason="..."`) when it is not.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::Args;
 
@@ -10,7 +10,6 @@ use super::topo::Source;
 use crate::config::Config;
 use crate::slurm::health as node_health;
 pub use crate::slurm::health::XidWindow;
-use crate::topology::health::Report;
 
 /// Check GPUs, NICs and PCIe links; exit 1 with a one-line reason when the node should drain
 ///
@@ -53,25 +52,6 @@ pub struct HealthArgs {
     pub job_end: bool,
 }
 
-/// Runs the checks; with `job_start`, also records the kernel log's position for the job.
-pub fn report(
-    config: &Config,
-    source: &Source,
-    expect_gpus: Option<u32>,
-    kmsg_path: Option<&Path>,
-    window: XidWindow,
-    job_start: bool,
-) -> Result<Report, Failure> {
-    Ok(node_health::report(
-        config,
-        &source.lib(),
-        expect_gpus,
-        kmsg_path,
-        window,
-        job_start,
-    )?)
-}
-
 pub fn execute(args: &HealthArgs, config: &Config) -> Result<i32, Failure> {
     let (text, code) = output(args, config)?;
     out!("{text}");
@@ -89,9 +69,9 @@ pub fn output(args: &HealthArgs, config: &Config) -> Result<(String, i32), Failu
     } else {
         XidWindow::None
     };
-    let report = report(
+    let report = node_health::report(
         config,
-        &args.source,
+        &args.source.lib(),
         args.expect_gpus,
         args.kmsg.as_deref(),
         window,

@@ -10,7 +10,6 @@ use super::Failure;
 use crate::config::Config;
 use crate::slurm::node as node_source;
 use crate::topology::bind::{self, MemPolicy};
-use crate::topology::gpu::GpuBackend;
 use crate::topology::job::{self, Job};
 use crate::topology::node::Node;
 use crate::topology::plan::{self, NodePlan, Numbering, PlanOptions};
@@ -126,21 +125,6 @@ pub struct ExecArgs {
 #[derive(Debug, Args)]
 pub struct NvmlArgs {}
 
-/// The host to read, from the flag or the configuration.
-pub fn host(source: &Source, config: &Config) -> Host {
-    node_source::host(&source.lib(), config)
-}
-
-/// The GPU backend: a recording, live NVML on the live host, or "no driver" for a snapshot.
-pub fn backend(source: &Source, config: &Config) -> Result<Box<dyn GpuBackend>, Failure> {
-    Ok(node_source::backend(&source.lib(), config)?)
-}
-
-/// Reads the node.
-pub fn discover(source: &Source, config: &Config) -> Result<(Host, Node), Failure> {
-    Ok(node_source::discover(&source.lib(), config)?)
-}
-
 impl Source {
     pub fn lib(&self) -> node_source::Source {
         node_source::Source {
@@ -224,7 +208,7 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
     let mut out = String::new();
     match &args.command {
         None => {
-            let (_, node) = discover(&args.source, config)?;
+            let (_, node) = node_source::discover(&args.source.lib(), config)?;
             if args.json {
                 out = json(&node) + "\n";
             } else {
@@ -232,7 +216,7 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
             }
         }
         Some(TopoCommand::Nvml(_)) => {
-            let backend = backend(&args.source, config)?;
+            let backend = node_source::backend(&args.source.lib(), config)?;
             match backend.snapshot() {
                 Ok(snap) => out = json(&snap) + "\n",
                 Err(e) => return Err(Failure::system(format!("{e}: nothing to record"))),
@@ -242,7 +226,7 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
             if p.env && args.json {
                 return Err(Failure::input("--env and --json: pick one output"));
             }
-            let (host, node) = discover(&args.source, config)?;
+            let (host, node) = node_source::discover(&args.source.lib(), config)?;
             let job = job(&p.job)?;
             let plan = plan_step(&host, &node, &p.job, &job)?;
             let only = p.rank.or(job.local_id);
@@ -270,7 +254,7 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
 }
 
 fn exec(args: &TopoArgs, e: &ExecArgs, config: &Config) -> Result<i32, Failure> {
-    let (host, node) = discover(&args.source, config)?;
+    let (host, node) = node_source::discover(&args.source.lib(), config)?;
     let job = job(&e.job)?;
     let plan = plan_step(&host, &node, &e.job, &job)?;
     let rank = pick_rank(&plan, e.rank.or(job.local_id).unwrap_or(0))?;
