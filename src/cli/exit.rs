@@ -96,6 +96,15 @@ impl From<SlurmError> for Failure {
     }
 }
 
+impl From<berth_stage::StageError> for Failure {
+    fn from(e: berth_stage::StageError) -> Self {
+        match e {
+            berth_stage::StageError::Refused(m) => Failure::input(m),
+            other => Failure::system(other.to_string()),
+        }
+    }
+}
+
 impl From<AgentError> for Failure {
     fn from(e: AgentError) -> Self {
         match e {
@@ -118,5 +127,9 @@ mod tests {
         assert_eq!(Failure::from(nested).code, INPUT);
         let setup = RuntimeError::Setup(berth_runtime::SetupError::with_code(127, "nope".into()));
         assert_eq!(Failure::from(SlurmError::Runtime(setup)).code, 127);
+        let refused = berth_stage::StageError::Refused("another user's stage".into());
+        assert_eq!(Failure::from(refused).code, INPUT);
+        let io = berth_stage::StageError::Verify { path: "/x".into() };
+        assert_eq!(Failure::from(io).code, HOST);
     }
 }

@@ -7,7 +7,6 @@ use clap::{Args, Subcommand};
 
 use super::Failure;
 use crate::config::Config;
-use crate::spec::user::UserIds;
 use crate::stage;
 
 /// Stage datasets into node-local scratch, results out of it, or show a staged tree's state
@@ -105,55 +104,8 @@ fn scratch_env() -> Option<PathBuf> {
     std::env::var_os("BERTH_SCRATCH").map(PathBuf::from)
 }
 
-/// The user `--user` names, if any. Only root stages as another user: anyone else asking to is
-/// refused, never quietly staged as themselves.
-fn stage_user(common: &Common) -> Result<Option<UserIds>, Failure> {
-    let Some(spec) = &common.user else {
-        return Ok(None);
-    };
-    let ids = crate::spec::user::resolve(spec).map_err(|e| Failure::input(e.to_string()))?;
-    let me = nix::unistd::geteuid().as_raw();
-    if me != 0 && ids.uid != me {
-        return Err(Failure::input(format!(
-            "berth stage: only root can stage as another user (--user {spec}, uid {}; you are uid {me}): run it without --user",
-            ids.uid
-        )));
-    }
-    Ok(Some(ids))
-}
-
-/// Runs `f` as `user` when there is one (root staging for a user: a path the user named is looked
-/// at with the user's rights), else as the caller.
-fn looked_at_as<T: Send>(
-    user: Option<&UserIds>,
-    f: impl FnOnce() -> T + Send,
-) -> Result<T, Failure> {
-    match user {
-        Some(u) => crate::privfs::as_user(u, f)
-            .map_err(|e| Failure::system(format!("berth stage: acting as uid {}: {e}", u.uid))),
-        None => Ok(f()),
-    }
-}
-
-fn run(
-    source: &Path,
-    base: &Path,
-    rel: &Path,
-    user: Option<&UserIds>,
-    opts: &stage::Options,
-) -> Result<i32, Failure> {
-    let report = match user {
-        // The child that copies takes the user's credentials: the user's rights decide.
-        Some(ids) => stage::stage_as(ids, source, base, rel, opts),
-        // Root's own stage goes through the dataset cache too (`stage_as` uses it when root).
-        None if opts.cache.is_some() && nix::unistd::Uid::current().is_root() => {
-            let ids = crate::spec::user::resolve("0").map_err(|e| Failure::input(e.to_string()))?;
-            stage::stage_as(&ids, source, base, rel, opts)
-        }
-        None => stage::stage(source, base, rel, opts),
-    }
-    .map_err(|e| Failure::system(e.to_string()))?;
-    eprintln!("{}", report.summary());
+fn done(report: Result<stage::Report, stage::StageError>) -> Result<i32, Failure> {
+    eprintln!("{}", report?.summary());
     Ok(0)
 }
 
@@ -167,46 +119,28 @@ pub fn execute(args: &StageArgs, config: &Config) -> Result<i32, Failure> {
             let base = to.clone().or_else(scratch_env).ok_or_else(|| {
                 Failure::input("berth stage in: no destination: pass --to DIR or set BERTH_SCRATCH")
             })?;
-            let user = stage_user(common)?;
-            let rel = match dst {
-                Some(d) => d,
-                None => match src.file_name() {
-                    Some(n)
-                        if looked_at_as(user.as_ref(), || {
-                            std::fs::metadata(&src).is_ok_and(|m| m.is_dir())
-                        })? =>
-                    {
-                        PathBuf::from(n)
-                    }
-                    _ => PathBuf::new(),
-                },
-            };
-            let mut opts = options(common, config);
-            if let Some(cap) = config.scratch.cap_bytes {
-                let left = looked_at_as(user.as_ref(), || stage::scratch::remaining(&base, cap))?
-                    .map_err(|e| Failure::system(e.to_string()))?;
-                opts.cap = Some(left);
-            }
-            run(&src, &base, &rel, user.as_ref(), &opts)
+            let user = stage::stage_user(common.user.as_deref())?;
+            done(stage::stage_in(
+                &src,
+                dst.as_deref(),
+                &base,
+                user.as_ref(),
+                config.scratch.cap_bytes,
+                options(common, config),
+            ))
         }
         StageCommand::Out { spec, common } => {
-            let user = stage_user(common)?;
+            let user = stage::stage_user(common.user.as_deref())?;
             let (src, dst) = spec.split_once(':').ok_or_else(|| {
                 Failure::input(format!("berth stage out: {spec:?} is not SRC:DST"))
             })?;
-            let mut src = PathBuf::from(src);
-            if src.is_relative()
-                && let Some(scratch) = scratch_env()
-            {
-                src = scratch.join(src);
-            }
-            run(
-                &src,
+            done(stage::stage_out(
+                Path::new(src),
                 Path::new(dst),
-                Path::new(""),
+                scratch_env().as_deref(),
                 user.as_ref(),
                 &options(common, config),
-            )
+            ))
         }
         StageCommand::Status { dir, json: true } => {
             let marker = stage::status(dir);

@@ -25,6 +25,7 @@ mod fsops;
 pub mod job;
 mod marker;
 mod progress;
+mod request;
 pub mod retain;
 pub mod scratch;
 pub(crate) mod tree;
@@ -35,6 +36,7 @@ use self::copy::{Dest, hash_fd, open_dest, open_source};
 pub use self::copy::{checksums, stage};
 pub use self::marker::status;
 use self::marker::write_marker;
+pub use self::request::{stage_in, stage_out, stage_user};
 pub use self::user::as_user;
 pub use self::user::stage_as;
 use self::walk::{sibling_groups, walk};
@@ -113,6 +115,9 @@ pub enum StageError {
     },
     #[error("retention area: {0}")]
     RetainArea(berth_sys::SysError),
+    /// What the caller may not ask for (another user's stage) or named wrongly: bad input.
+    #[error("{0}")]
+    Refused(String),
 }
 
 fn access_hint(e: &std::io::Error) -> &'static str {
