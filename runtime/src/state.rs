@@ -504,6 +504,33 @@ pub fn list(state_dir: &Path) -> Vec<Record> {
     }
 }
 
+/// Resolves an id or a name to the id of a container the caller may see ([`list`]): another
+/// user's container is never found, exactly like a missing one. A name is unique per user: root
+/// names another user's container by id, or by name when only one container has that name.
+pub fn find(state_dir: &Path, key: &str) -> Option<String> {
+    let records = list(state_dir);
+    if let Some(r) = records.iter().find(|r| r.id == key) {
+        return Some(r.id.clone());
+    }
+    let named: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.labels.get("name").map(String::as_str) == Some(key))
+        .collect();
+    let me = nix::unistd::geteuid().as_raw();
+    match named.as_slice() {
+        [one] => Some(one.id.clone()),
+        // Root asking for a name several users chose: its own, else none (ids are unique).
+        many => many.iter().find(|r| r.uid() == me).map(|r| r.id.clone()),
+    }
+}
+
+/// Whether `uid` has a container named `name` (names are unique per user).
+pub fn name_taken(state_dir: &Path, name: &str, uid: u32) -> bool {
+    list(state_dir)
+        .iter()
+        .any(|r| r.uid() == uid && r.labels.get("name").map(String::as_str) == Some(name))
+}
+
 /// Names in the directory `dir`.
 fn names(dir: &impl AsFd) -> Vec<std::ffi::OsString> {
     let Ok(fd) = dir.as_fd().try_clone_to_owned() else {

@@ -109,36 +109,6 @@ impl From<&state::Record> for PsEntry {
     }
 }
 
-/// Resolves an id or a name to the id of a container the caller may see: any for root, only
-/// their own (those whose process runs as their uid) for another user, so that another user's
-/// container is never found, exactly like a missing one. A name is unique per user: root names
-/// another user's container by id, or by name when only one container has that name.
-pub fn resolve(config: &Config, key: &str) -> Option<String> {
-    let records = state::list(&config.runtime.state_dir);
-    let me = nix::unistd::geteuid().as_raw();
-    let visible = |r: &&state::Record| me == 0 || r.uid() == me;
-    if let Some(r) = records.iter().filter(visible).find(|r| r.id == key) {
-        return Some(r.id.clone());
-    }
-    let named: Vec<&state::Record> = records
-        .iter()
-        .filter(visible)
-        .filter(|r| r.labels.get("name").map(String::as_str) == Some(key))
-        .collect();
-    match named.as_slice() {
-        [one] => Some(one.id.clone()),
-        // Root asking for a name several users chose: its own, else none (ids are unique).
-        many => many.iter().find(|r| r.uid() == me).map(|r| r.id.clone()),
-    }
-}
-
-/// Whether `uid` has a container named `name`.
-fn name_taken(config: &Config, name: &str, uid: u32) -> bool {
-    state::list(&config.runtime.state_dir)
-        .iter()
-        .any(|r| r.uid() == uid && r.labels.get("name").map(String::as_str) == Some(name))
-}
-
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
     let (spec, _ld_cache) = prepared.spec(config)?;
@@ -146,7 +116,7 @@ pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let mut labels = state::with_uid(&BTreeMap::new(), &spec);
     let uid = state::host_uid(&spec);
     if let Some(name) = &args.name {
-        if name_taken(config, name, uid) {
+        if state::name_taken(&config.runtime.state_dir, name, uid) {
             return Err(Failure::input(format!(
                 "--name {0}: a container of that name exists (berth rm {0})",
                 super::elide(name)
@@ -187,7 +157,7 @@ fn needs_root(verb: &str, key: &str) -> Result<(), Failure> {
 }
 
 pub fn exec(args: &ExecArgs, config: &Config) -> Result<i32, Failure> {
-    let id = resolve(config, &args.container).ok_or_else(|| {
+    let id = state::find(&config.runtime.state_dir, &args.container).ok_or_else(|| {
         Failure::input(format!(
             "no container '{}' (see berth ps)",
             super::elide(&args.container)
@@ -208,7 +178,7 @@ pub fn rm(args: &RmArgs, config: &Config) -> Result<i32, Failure> {
     let opts = options(config, None);
     let mut code = 0;
     for key in &args.containers {
-        match resolve(config, key) {
+        match state::find(&config.runtime.state_dir, key) {
             Some(id) => {
                 needs_root("rm", key)?;
                 runtime::remove(&opts, &id).map_err(Failure::from)?;
