@@ -3,7 +3,7 @@
 //! and the container's own statuses (126, 127, the command's) passed through.
 
 use berth_agent::AgentError;
-use berth_image::ImageError;
+use berth_image::{ErrorKind, ImageError};
 use berth_runtime::RuntimeError;
 use berth_slurm::SlurmError;
 use berth_topology::TopologyError;
@@ -41,11 +41,11 @@ impl Failure {
 
 impl From<ImageError> for Failure {
     fn from(e: ImageError) -> Self {
-        match e {
-            ImageError::Reference(..) => Failure::input(e.to_string()),
-            other => Failure {
+        match e.kind() {
+            ErrorKind::Reference => Failure::input(e.to_string()),
+            _ => Failure {
                 code: IMAGE,
-                message: other.to_string(),
+                message: e.to_string(),
             },
         }
     }

@@ -4,7 +4,7 @@
 use super::*;
 
 pub(super) trait Blobs: Sync {
-    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError>;
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError>;
     fn size(&self, name: &str) -> Option<u64>;
 }
 
@@ -42,12 +42,14 @@ impl DirBlobs {
 }
 
 impl Blobs for DirBlobs {
-    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
-        let f = self.open_file(name).map_err(|source| ArchiveError::Io {
-            what: self.what.clone(),
-            path: PathBuf::from(name),
-            source,
-        })?;
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError> {
+        let f = self
+            .open_file(name)
+            .map_err(|source| ImageError::ArchiveIo {
+                what: self.what.clone(),
+                path: PathBuf::from(name),
+                source,
+            })?;
         Ok(Box::new(BufReader::with_capacity(256 * 1024, f)))
     }
 
@@ -159,7 +161,7 @@ pub(super) fn member_name(raw: &str) -> Option<String> {
 }
 
 impl TarBlobs {
-    pub(super) fn index(file: File, what: &str) -> Result<Self, ArchiveError> {
+    pub(super) fn index(file: File, what: &str) -> Result<Self, ImageError> {
         let io_err = |e: io::Error| invalid(what, format!("cannot read the archive: {e}"));
         let meta = file.metadata().map_err(io_err)?;
         if !meta.is_file() {
@@ -236,7 +238,7 @@ impl TarBlobs {
 }
 
 impl Blobs for TarBlobs {
-    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError> {
         let m = self
             .resolve(name)
             .ok_or_else(|| invalid(&self.what, format!("'{name}' is missing from the archive")))?;

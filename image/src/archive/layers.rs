@@ -80,12 +80,11 @@ pub(super) fn import_layer(
         && drained.is_ok()
         && &actual != expected
     {
-        return Err(ArchiveError::BlobMismatch {
+        return Err(ImageError::BlobMismatch {
             what: what.to_string(),
             digest: expected.clone(),
             actual,
-        }
-        .into());
+        });
     }
     let staged = staged.map_err(|e| ImageError::Store(format!("{what}: {e}")))?;
     drained.map_err(|e| read_error(what, job, e))?;
@@ -98,8 +97,7 @@ pub(super) fn import_layer(
                 "layer {} is {} bytes, the manifest says {size}",
                 job.blob, hashed.bytes
             ),
-        )
-        .into());
+        ));
     }
     let extracted = staged
         .extracted()

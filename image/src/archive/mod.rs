@@ -31,55 +31,8 @@ use super::{Image, ImageError, LayerSink, Reference, Rootfs};
 /// JSON documents (index, manifest, config) larger than this are refused.
 const MAX_JSON: u64 = 32 << 20;
 
-/// Archive and layout failures, each naming the archive (as the user wrote it).
-#[derive(Debug, thiserror::Error)]
-pub enum ArchiveError {
-    #[error("{what}: {path}: {source}")]
-    Io {
-        what: String,
-        path: PathBuf,
-        source: io::Error,
-    },
-    #[error("{what}: {why}")]
-    Invalid { what: String, why: String },
-    #[error(
-        "{what}: blob {digest} is corrupt: its content has digest {actual}; nothing was kept: re-create or re-download the archive"
-    )]
-    BlobMismatch {
-        what: String,
-        digest: String,
-        actual: String,
-    },
-    #[error("{what}: no image named '{name}' in it (it has: {names})")]
-    NoSuchName {
-        what: String,
-        name: String,
-        names: String,
-    },
-    #[error("{what} holds several images ({names}): add one of the names, e.g. {what}:{example}")]
-    Ambiguous {
-        what: String,
-        names: String,
-        example: String,
-    },
-    #[error("{what}: {tool} is not installed: install it or import an archive file instead")]
-    NoTool { what: String, tool: String },
-    #[error("{what}: {command} failed: {message}")]
-    Tool {
-        what: String,
-        command: String,
-        message: String,
-    },
-}
-
-impl From<ArchiveError> for ImageError {
-    fn from(e: ArchiveError) -> Self {
-        ImageError::Format(e.to_string())
-    }
-}
-
-fn invalid(what: &str, why: impl Into<String>) -> ArchiveError {
-    ArchiveError::Invalid {
+fn invalid(what: &str, why: impl Into<String>) -> ImageError {
+    ImageError::Invalid {
         what: what.to_string(),
         why: why.into(),
     }
@@ -133,15 +86,15 @@ use self::layers::*;
 use self::plan::*;
 
 /// Runs a local engine's save command into a file; its last stderr line on failure.
-fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), ArchiveError> {
+fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), ImageError> {
     let out = Command::new(tool).args(args).output().map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
-            ArchiveError::NoTool {
+            ImageError::NoTool {
                 what: what.to_string(),
                 tool: tool.to_string(),
             }
         } else {
-            ArchiveError::Tool {
+            ImageError::Tool {
                 what: what.to_string(),
                 command: label.to_string(),
                 message: e.to_string(),
@@ -161,7 +114,7 @@ fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), A
         .trim_start_matches("Error: ")
         .trim_start_matches("Error response from daemon: ")
         .to_string();
-    Err(ArchiveError::Tool {
+    Err(ImageError::Tool {
         what: what.to_string(),
         command: label.to_string(),
         message,
@@ -262,7 +215,7 @@ pub fn import_opened(
                     &what,
                 )
             };
-            let result = saved.map_err(ImageError::from).and_then(|()| {
+            let result = saved.and_then(|()| {
                 let file = File::open(&tmp).map_err(|e| invalid(&what, e.to_string()))?;
                 let blobs = TarBlobs::index(file, &what)?;
                 let plan = if podman {

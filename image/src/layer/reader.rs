@@ -111,31 +111,6 @@ impl TarInput for HashingInput<'_> {
     }
 }
 
-/// A tar format problem or a read error, before it is given layer or archive context.
-#[derive(Debug)]
-pub(crate) enum TarError {
-    Io(io::Error),
-    Format { offset: u64, why: String },
-}
-
-impl From<TarError> for LayerError {
-    fn from(e: TarError) -> Self {
-        match e {
-            TarError::Io(e) => LayerError::Read(e),
-            TarError::Format { offset, why } => LayerError::Format { offset, why },
-        }
-    }
-}
-
-impl std::fmt::Display for TarError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            TarError::Io(e) => write!(f, "{e}"),
-            TarError::Format { offset, why } => write!(f, "at byte {offset}: {why}"),
-        }
-    }
-}
-
 /// The kind of a tar entry, after the extension headers are folded in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -207,22 +182,25 @@ impl<I: TarInput> TarReader<I> {
         self.input
     }
 
-    pub(super) fn bad(&self, why: impl Into<String>) -> TarError {
-        TarError::Format {
+    pub(super) fn bad(&self, why: impl Into<String>) -> ImageError {
+        ImageError::TarFormat {
             offset: self.input.position(),
             why: why.into(),
         }
     }
 
     /// Reads from the current entry's data; 0 at its end.
-    pub fn read_data(&mut self, buf: &mut [u8]) -> Result<usize, TarError> {
+    pub fn read_data(&mut self, buf: &mut [u8]) -> Result<usize, ImageError> {
         if self.data_left == 0 || buf.is_empty() {
             return Ok(0);
         }
         let want = usize::try_from(self.data_left)
             .unwrap_or(usize::MAX)
             .min(buf.len());
-        let n = self.input.fill(&mut buf[..want]).map_err(TarError::Io)?;
+        let n = self
+            .input
+            .fill(&mut buf[..want])
+            .map_err(ImageError::TarRead)?;
         if n == 0 {
             return Err(self.bad(format!(
                 "the stream ends {} bytes before the end of an entry",
@@ -233,7 +211,7 @@ impl<I: TarInput> TarReader<I> {
         Ok(n)
     }
 
-    pub(super) fn read_meta(&mut self, size: u64) -> Result<Vec<u8>, TarError> {
+    pub(super) fn read_meta(&mut self, size: u64) -> Result<Vec<u8>, ImageError> {
         if size > MAX_META {
             return Err(self.bad(format!("extension header of {size} bytes is too large")));
         }
@@ -242,7 +220,7 @@ impl<I: TarInput> TarReader<I> {
             reason = "size is at most MAX_META (1 MiB), checked above"
         )]
         let mut data = vec![0; size as usize];
-        let n = self.input.fill(&mut data).map_err(TarError::Io)?;
+        let n = self.input.fill(&mut data).map_err(ImageError::TarRead)?;
         if n < data.len() {
             return Err(self.bad("the stream ends inside an extension header"));
         }
@@ -251,10 +229,10 @@ impl<I: TarInput> TarReader<I> {
         Ok(data)
     }
 
-    pub(super) fn skip_padding(&mut self, size: u64) -> Result<(), TarError> {
+    pub(super) fn skip_padding(&mut self, size: u64) -> Result<(), ImageError> {
         let pad = (BLOCK - size % BLOCK) % BLOCK;
         // A stream may end right after the last entry's data, without padding or end blocks.
-        if self.input.skip(pad).map_err(TarError::Io)? < pad {
+        if self.input.skip(pad).map_err(ImageError::TarRead)? < pad {
             self.ended = true;
         }
         Ok(())
@@ -263,10 +241,10 @@ impl<I: TarInput> TarReader<I> {
     /// The next entry, or `None` at the end of the archive (end blocks or the stream's end).
     // Long by design: GNU long names and PAX records accumulate across headers until the entry
     // they describe; the loop keeps that state in one place.
-    pub fn next_entry(&mut self) -> Result<Option<TarEntry>, TarError> {
+    pub fn next_entry(&mut self) -> Result<Option<TarEntry>, ImageError> {
         if self.data_left > 0 {
             let left = self.data_left;
-            if self.input.skip(left).map_err(TarError::Io)? < left {
+            if self.input.skip(left).map_err(ImageError::TarRead)? < left {
                 return Err(self.bad("the stream ends inside an entry's data"));
             }
             self.data_left = 0;
@@ -274,7 +252,7 @@ impl<I: TarInput> TarReader<I> {
         if self.pad_left > 0 {
             let pad = self.pad_left;
             self.pad_left = 0;
-            if self.input.skip(pad).map_err(TarError::Io)? < pad {
+            if self.input.skip(pad).map_err(ImageError::TarRead)? < pad {
                 self.ended = true;
             }
         }
@@ -285,7 +263,7 @@ impl<I: TarInput> TarReader<I> {
             }
             let header_offset = self.input.position();
             let mut block = [0u8; BLOCK_LEN];
-            let n = self.input.fill(&mut block).map_err(TarError::Io)?;
+            let n = self.input.fill(&mut block).map_err(ImageError::TarRead)?;
             if n == 0 {
                 // No end-of-archive blocks: accepted (umoci insert writes such layers).
                 self.ended = true;
@@ -299,7 +277,7 @@ impl<I: TarInput> TarReader<I> {
                 return Ok(None);
             }
             let header = Header::from_byte_slice(&block);
-            check_checksum(&block).map_err(|why| TarError::Format {
+            check_checksum(&block).map_err(|why| ImageError::TarFormat {
                 offset: header_offset,
                 why,
             })?;
@@ -308,7 +286,7 @@ impl<I: TarInput> TarReader<I> {
                 if raw.iter().all(|b| *b == 0 || *b == b' ') {
                     return Ok(0);
                 }
-                r.map_err(|e| TarError::Format {
+                r.map_err(|e| ImageError::TarFormat {
                     offset: header_offset,
                     why: format!("bad {what} field: {e}"),
                 })
@@ -330,7 +308,7 @@ impl<I: TarInput> TarReader<I> {
                 }
                 EntryType::XHeader => {
                     let data = self.read_meta(size)?;
-                    parse_pax(&data, &mut ext).map_err(|why| TarError::Format {
+                    parse_pax(&data, &mut ext).map_err(|why| ImageError::TarFormat {
                         offset: header_offset,
                         why,
                     })?;
@@ -342,7 +320,7 @@ impl<I: TarInput> TarReader<I> {
                     continue;
                 }
                 EntryType::GNUSparse => {
-                    return Err(TarError::Format {
+                    return Err(ImageError::TarFormat {
                         offset: header_offset,
                         why: format!(
                             "'{}' is a GNU sparse file, which berth does not support",
@@ -353,7 +331,7 @@ impl<I: TarInput> TarReader<I> {
                 _ => {}
             }
             if ext.sparse {
-                return Err(TarError::Format {
+                return Err(ImageError::TarFormat {
                     offset: header_offset,
                     why: "PAX sparse files are not supported".into(),
                 });
@@ -406,7 +384,7 @@ impl<I: TarInput> TarReader<I> {
                     Some(m) => m,
                     None => (
                         i64::try_from(field(header.mtime(), &old.mtime, "mtime")?).map_err(
-                            |_| TarError::Format {
+                            |_| ImageError::TarFormat {
                                 offset: header_offset,
                                 why: "bad mtime field: out of range".into(),
                             },

@@ -29,8 +29,8 @@ pub(super) fn cstr(bytes: &[u8]) -> CString {
 }
 
 /// A tar entry's uid or gid as the kernel's 32-bit id; a larger one is refused.
-pub(super) fn id32(id: u64, what: &str, rel: &[u8]) -> Result<u32, LayerError> {
-    u32::try_from(id).map_err(|_| LayerError::Refused {
+pub(super) fn id32(id: u64, what: &str, rel: &[u8]) -> Result<u32, ImageError> {
+    u32::try_from(id).map_err(|_| ImageError::Refused {
         path: String::from_utf8_lossy(rel).into_owned(),
         why: format!("{what} {id} is out of range (ids are 32-bit)"),
     })
@@ -122,7 +122,7 @@ pub(super) struct Extractor {
 impl Extractor {
     /// Fails when the file system's free space is below the reserve (checked every few MiB
     /// written and every few entries, so a bomb stops near the reserve, not at ENOSPC).
-    pub(super) fn check_reserve(&mut self, written: u64) -> Result<(), LayerError> {
+    pub(super) fn check_reserve(&mut self, written: u64) -> Result<(), ImageError> {
         if self.reserve == 0 {
             return Ok(());
         }
@@ -140,20 +140,20 @@ impl Extractor {
             .map_err(|e| Self::write_err(b".", "statvfs", io_err(e)))?;
         let free = st.blocks_available() as u64 * st.fragment_size() as u64;
         if free < self.reserve {
-            return Err(LayerError::Bound(Bound::Reserve(free)));
+            return Err(ImageError::Bound(Bound::Reserve(free)));
         }
         Ok(())
     }
 
-    pub(super) fn refuse(entry: &TarEntry, why: impl Into<String>) -> LayerError {
-        LayerError::Refused {
+    pub(super) fn refuse(entry: &TarEntry, why: impl Into<String>) -> ImageError {
+        ImageError::Refused {
             path: entry.path_lossy(),
             why: why.into(),
         }
     }
 
-    pub(super) fn write_err(path: &[u8], op: &'static str, e: impl Into<io::Error>) -> LayerError {
-        LayerError::Write {
+    pub(super) fn write_err(path: &[u8], op: &'static str, e: impl Into<io::Error>) -> ImageError {
+        ImageError::LayerWrite {
             path: String::from_utf8_lossy(path).into_owned(),
             op,
             source: e.into(),
@@ -177,7 +177,7 @@ impl Extractor {
 
     /// Opens the directory `comps` (relative to the layer, symlinks resolved inside it),
     /// creating missing directories (0755, root-owned) when `create` is set.
-    pub(super) fn dir(&mut self, comps: &[&[u8]], create: bool) -> Result<OwnedFd, LayerError> {
+    pub(super) fn dir(&mut self, comps: &[&[u8]], create: bool) -> Result<OwnedFd, ImageError> {
         let rel = join(comps);
         if let Some((path, fd)) = &self.cached
             && *path == rel
@@ -232,7 +232,7 @@ impl Extractor {
         name: &[u8],
         rel: &[u8],
         keep_dir: bool,
-    ) -> Result<bool, LayerError> {
+    ) -> Result<bool, ImageError> {
         let c = cstr(name);
         match fstatat(parent.as_fd(), &c[..], AtFlags::AT_SYMLINK_NOFOLLOW) {
             Err(Errno::ENOENT) => Ok(false),
@@ -264,7 +264,7 @@ impl Extractor {
         name: Option<&[u8]>,
         e: &TarEntry,
         rel: &[u8],
-    ) -> Result<(), LayerError> {
+    ) -> Result<(), ImageError> {
         let (uid, gid) = (
             Some(Uid::from_raw(id32(e.uid, "uid", rel)?)),
             Some(Gid::from_raw(id32(e.gid, "gid", rel)?)),
@@ -314,7 +314,7 @@ impl Extractor {
         &mut self,
         e: &TarEntry,
         reader: &mut TarReader<I>,
-    ) -> Result<(), LayerError> {
+    ) -> Result<(), ImageError> {
         self.check_reserve(0)?;
         let comps = components(&e.path).map_err(|why| Self::refuse(e, why))?;
         let rel = join(&comps);
@@ -425,7 +425,7 @@ impl Extractor {
                         .min(self.buf.len());
                     let n = reader
                         .read_data(&mut self.buf[..want])
-                        .map_err(LayerError::from)?;
+                        .map_err(ImageError::in_layer)?;
                     hasher.update(&self.buf[..n]);
                     file.write_all(&self.buf[..n])
                         .map_err(|err| Self::write_err(&rel, "write", err))?;
@@ -562,7 +562,7 @@ impl Extractor {
     }
 
     /// Sets directory modes and mtimes, deepest last-written first.
-    pub(super) fn finish_dirs(&mut self) -> Result<(), LayerError> {
+    pub(super) fn finish_dirs(&mut self) -> Result<(), ImageError> {
         self.cached = None;
         let dirs = std::mem::take(&mut self.dirs);
         for (rel, mode, mtime) in dirs.iter().rev() {
