@@ -28,6 +28,8 @@ pub enum Kind {
     Io,
     /// `berth export` could not write the image file.
     Export,
+    /// A configuration value or an argument (a duration, a compression level) is invalid.
+    Config,
 }
 
 /// Image errors: one line each, naming the image or file and what to do.
@@ -36,6 +38,10 @@ pub enum ImageError {
     // ---- Any part: a reference, a free-form message of a group, a file.
     #[error("invalid image reference '{0}': {1}")]
     Reference(String, String),
+    /// What is wrong with part of a reference, before [`ImageError::in_reference`] names the
+    /// whole reference.
+    #[error("{0}")]
+    ReferenceSyntax(String),
     /// A registry failure told in words.
     #[error("{0}")]
     Registry(String),
@@ -47,6 +53,10 @@ pub enum ImageError {
     Format(String),
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+    /// What is wrong with a document or value, before the caller names which one (a manifest,
+    /// a login file, a layer record, an image's platform).
+    #[error("{0}")]
+    Detail(String),
 
     // ---- The registry client (`registry`).
     #[error(
@@ -411,6 +421,17 @@ pub enum ImageError {
     /// What to export is not an image berth can export (the user's input).
     #[error("{0}")]
     ExportInvalid(String),
+
+    // ---- Values of the configuration and arguments.
+    #[error("invalid duration '{0}': use a number with s, m, h, d or w, e.g. 30m, 12h, 7d")]
+    Duration(String),
+    #[error("[squashfs] compression_level = {level}: {compressor} takes {min}-{max}")]
+    CompressionLevel {
+        level: u32,
+        compressor: &'static str,
+        min: u32,
+        max: u32,
+    },
 }
 
 impl ImageError {
@@ -418,7 +439,7 @@ impl ImageError {
     pub fn kind(&self) -> Kind {
         use ImageError as E;
         match self {
-            E::Reference(..) => Kind::Reference,
+            E::Reference(..) | E::ReferenceSyntax(_) => Kind::Reference,
             E::Registry(_)
             | E::CredentialsRequired { .. }
             | E::LoginRejected { .. }
@@ -437,6 +458,7 @@ impl ImageError {
             | E::Mirror { .. }
             | E::Aborted => Kind::Registry,
             E::Format(_)
+            | E::Detail(_)
             | E::TarFormat { .. }
             | E::ArchiveIo { .. }
             | E::Invalid { .. }
@@ -457,6 +479,7 @@ impl ImageError {
             | E::NoMksquashfs(_)
             | E::Mksquashfs { .. }
             | E::ExportInvalid(_) => Kind::Export,
+            E::Duration(_) | E::CompressionLevel { .. } => Kind::Config,
             E::Store(_)
             | E::LayerRead(_)
             | E::LayerFormat { .. }
@@ -501,6 +524,15 @@ impl ImageError {
             ImageError::SquashfsIo { path, source } | ImageError::SifIo { path, source } => {
                 ImageError::Io { path, source }
             }
+            other => other,
+        }
+    }
+
+    /// A failure of part of the reference `text` as the whole reference's. Others pass
+    /// unchanged.
+    pub fn in_reference(self, text: &str) -> Self {
+        match self {
+            ImageError::ReferenceSyntax(why) => ImageError::Reference(text.to_string(), why),
             other => other,
         }
     }

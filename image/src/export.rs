@@ -216,7 +216,9 @@ pub fn export(
     format: Format,
     config: &SquashfsConfig,
 ) -> Result<Written, ImageError> {
-    config.check().map_err(ImageError::ExportInvalid)?;
+    config
+        .check()
+        .map_err(|e| ImageError::ExportInvalid(e.to_string()))?;
     let out = absolute(out)?;
     let mut tmp = TempOutput {
         path: temp_name(&out),

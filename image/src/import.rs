@@ -192,7 +192,10 @@ pub fn check_usable(
     if matches!(image.rootfs, Rootfs::Layers(_)) {
         let want = match &who.arch {
             Some(a) => registry::manifest::Wanted::parse(a).map_err(|e| {
-                ImageError::Format(format!("--arch: {}", berth_sys::text::elide(&e)))
+                ImageError::Format(format!(
+                    "--arch: {}",
+                    berth_sys::text::elide(&e.to_string())
+                ))
             })?,
             None => registry::manifest::Wanted::host(),
         };

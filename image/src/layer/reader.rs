@@ -277,10 +277,7 @@ impl<I: TarInput> TarReader<I> {
                 return Ok(None);
             }
             let header = Header::from_byte_slice(&block);
-            check_checksum(&block).map_err(|why| ImageError::TarFormat {
-                offset: header_offset,
-                why,
-            })?;
+            check_checksum(&block, header_offset)?;
             // Empty numeric fields (all NUL or spaces) mean 0, as Go's and GNU's readers take them.
             let field = |r: io::Result<u64>, raw: &[u8], what: &str| {
                 if raw.iter().all(|b| *b == 0 || *b == b' ') {
@@ -308,10 +305,7 @@ impl<I: TarInput> TarReader<I> {
                 }
                 EntryType::XHeader => {
                     let data = self.read_meta(size)?;
-                    parse_pax(&data, &mut ext).map_err(|why| ImageError::TarFormat {
-                        offset: header_offset,
-                        why,
-                    })?;
+                    parse_pax(&data, &mut ext, header_offset)?;
                     continue;
                 }
                 EntryType::XGlobalHeader => {
@@ -411,7 +405,8 @@ pub(super) fn trim_nul(data: &mut Vec<u8>) {
     }
 }
 
-pub(super) fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
+/// Checks the header at `offset` in the stream.
+pub(super) fn check_checksum(block: &[u8; BLOCK_LEN], offset: u64) -> Result<(), ImageError> {
     let field = &block[148..156];
     let text: Vec<u8> = field
         .iter()
@@ -422,7 +417,10 @@ pub(super) fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
     let stored = std::str::from_utf8(&text)
         .ok()
         .and_then(|t| u32::from_str_radix(t, 8).ok())
-        .ok_or_else(|| "header checksum field is not a number (not a tar stream?)".to_string())?;
+        .ok_or_else(|| ImageError::TarFormat {
+            offset,
+            why: "header checksum field is not a number (not a tar stream?)".to_string(),
+        })?;
     let unsigned: u32 = block
         .iter()
         .enumerate()
@@ -448,36 +446,49 @@ pub(super) fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
     if stored == unsigned || i64::from(stored) == i64::from(signed) {
         Ok(())
     } else {
-        Err("header checksum mismatch (not a tar stream, or a corrupt one)".into())
+        Err(ImageError::TarFormat {
+            offset,
+            why: "header checksum mismatch (not a tar stream, or a corrupt one)".into(),
+        })
     }
 }
 
-pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions) -> Result<(), String> {
+/// Parses the PAX records of the extension header at `offset` in the stream.
+pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions, offset: u64) -> Result<(), ImageError> {
+    let bad = |why: &str| ImageError::TarFormat {
+        offset,
+        why: why.to_string(),
+    };
     let mut rest = data;
     while !rest.is_empty() {
         let space = rest
             .iter()
             .position(|b| *b == b' ')
-            .ok_or("PAX record without a length")?;
+            .ok_or_else(|| bad("PAX record without a length"))?;
         let len: usize = std::str::from_utf8(&rest[..space])
             .ok()
             .and_then(|s| s.parse().ok())
-            .ok_or("PAX record with a bad length")?;
+            .ok_or_else(|| bad("PAX record with a bad length"))?;
         if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
-            return Err("PAX record with a bad length".into());
+            return Err(bad("PAX record with a bad length"));
         }
         let record = &rest[space + 1..len - 1];
         rest = &rest[len..];
         let eq = record
             .iter()
             .position(|b| *b == b'=')
-            .ok_or("PAX record without '='")?;
+            .ok_or_else(|| bad("PAX record without '='"))?;
         let (key, value) = (&record[..eq], &record[eq + 1..]);
-        let number = |v: &[u8]| -> Result<u64, String> {
+        let number = |v: &[u8]| {
             std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.parse().ok())
-                .ok_or_else(|| format!("PAX {} is not a number", String::from_utf8_lossy(key)))
+                .ok_or_else(|| {
+                    bad(&format!(
+                        "PAX {} is not a number",
+                        String::from_utf8_lossy(key)
+                    ))
+                })
         };
         match key {
             b"path" => ext.path = Some(value.to_vec()),
@@ -485,7 +496,7 @@ pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions) -> Result<(), String>
             b"size" => ext.size = Some(number(value)?),
             b"uid" => ext.uid = Some(number(value)?),
             b"gid" => ext.gid = Some(number(value)?),
-            b"mtime" => ext.mtime = Some(parse_pax_time(value)?),
+            b"mtime" => ext.mtime = Some(parse_pax_time(value, offset)?),
             _ if key.starts_with(b"SCHILY.xattr.") => ext
                 .xattrs
                 .push((key[b"SCHILY.xattr.".len()..].to_vec(), value.to_vec())),
@@ -496,9 +507,11 @@ pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions) -> Result<(), String>
     Ok(())
 }
 
-pub(super) fn parse_pax_time(v: &[u8]) -> Result<(i64, u32), String> {
-    let text = std::str::from_utf8(v).map_err(|_| "PAX mtime is not text".to_string())?;
-    let bad = || format!("PAX mtime '{text}' is not a time");
+/// A PAX `mtime` of the extension header at `offset` in the stream.
+pub(super) fn parse_pax_time(v: &[u8], offset: u64) -> Result<(i64, u32), ImageError> {
+    let format = |why: String| ImageError::TarFormat { offset, why };
+    let text = std::str::from_utf8(v).map_err(|_| format("PAX mtime is not text".to_string()))?;
+    let bad = || format(format!("PAX mtime '{text}' is not a time"));
     let (secs, frac) = text.split_once('.').unwrap_or((text, ""));
     let secs: i64 = secs.parse().map_err(|_| bad())?;
     if !frac.bytes().all(|b| b.is_ascii_digit()) {

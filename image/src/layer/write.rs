@@ -3,16 +3,20 @@
 
 use super::*;
 
-/// Splits an entry name into safe components: no leading `/`, no `.`, never `..`.
-pub(super) fn components(raw: &[u8]) -> Result<Vec<&[u8]>, String> {
+/// Splits an entry name into safe components: no leading `/`, no `.`, never `..`; `refuse`
+/// makes the error from why a name is refused.
+pub(super) fn components(
+    raw: &[u8],
+    refuse: impl FnOnce(&str) -> ImageError,
+) -> Result<Vec<&[u8]>, ImageError> {
     if raw.contains(&0) {
-        return Err("the name contains a NUL byte".into());
+        return Err(refuse("the name contains a NUL byte"));
     }
     let mut out = Vec::new();
     for c in raw.split(|b| *b == b'/') {
         match c {
             b"" | b"." => {}
-            b".." => return Err("the name has a '..' component".into()),
+            b".." => return Err(refuse("the name has a '..' component")),
             _ => out.push(c),
         }
     }
@@ -316,7 +320,7 @@ impl Extractor {
         reader: &mut TarReader<I>,
     ) -> Result<(), ImageError> {
         self.check_reserve(0)?;
-        let comps = components(&e.path).map_err(|why| Self::refuse(e, why))?;
+        let comps = components(&e.path, |why| Self::refuse(e, why))?;
         let rel = join(&comps);
         // A later entry of the same name replaces a pending copied-up hardlink.
         if e.kind != Kind::Hardlink {
@@ -477,7 +481,7 @@ impl Extractor {
                 .map_err(|err| Self::write_err(&rel, "set times", io_err(err)))?;
             }
             Kind::Hardlink => {
-                let target = components(&e.link).map_err(|why| {
+                let target = components(&e.link, |why| {
                     Self::refuse(
                         e,
                         format!(

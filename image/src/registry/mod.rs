@@ -175,10 +175,8 @@ impl Client {
             user.uid,
             user.home.as_deref(),
         );
-        let credentials = Credentials::load(files, user)
-            .map_err(|detail| ImageError::RegistryConfig { detail })?;
-        let mirrors = parse_mirrors(&config.mirrors)
-            .map_err(|detail| ImageError::RegistryConfig { detail })?;
+        let credentials = Credentials::load(files, user)?;
+        let mirrors = parse_mirrors(&config.mirrors)?;
         Ok(Self {
             transport: Transport::new(config, credentials)?,
             parallel: config.parallel_downloads.max(1),
@@ -319,16 +317,13 @@ impl Client {
         peers: &[Target],
     ) -> Result<Resolved, ImageError> {
         let want = match &options.arch {
-            Some(a) => Wanted::parse(a).map_err(|detail| ImageError::Pull {
-                image: t.image.clone(),
-                detail,
-            })?,
+            Some(a) => Wanted::parse(a).map_err(|e| self.image_error(&t, e.to_string()))?,
             None => Wanted::host(),
         };
         let url = manifest_url(&self.transport, &t, r);
         let (body, digest, content_type) = self.fetch_manifest(&t, &url, r.digest.as_deref())?;
         let parsed = manifest::parse(&body, content_type.as_deref())
-            .map_err(|detail| self.image_error(&t, detail))?;
+            .map_err(|e| self.image_error(&t, e.to_string()))?;
         let (manifest_digest, index_digest, config_desc, layers) = match parsed {
             Manifest::Image { config, layers } => (digest, None, config, layers),
             Manifest::Index(entries) => {
@@ -343,7 +338,7 @@ impl Client {
                 let (body, child, content_type) =
                     self.fetch_manifest(&t, &url, Some(&chosen.digest))?;
                 match manifest::parse(&body, content_type.as_deref())
-                    .map_err(|detail| self.image_error(&t, detail))?
+                    .map_err(|e| self.image_error(&t, e.to_string()))?
                 {
                     Manifest::Image { config, layers } => (child, Some(digest), config, layers),
                     Manifest::Index(_) => {
@@ -379,7 +374,7 @@ impl Client {
             )
         })?;
         check_architecture(&config, &want, options.arch.is_some())
-            .map_err(|detail| self.image_error(&t, detail))?;
+            .map_err(|e| self.image_error(&t, e.to_string()))?;
         let diff_ids = config.rootfs().diff_ids().clone();
         if diff_ids.len() != layers.len() {
             return Err(self.image_error(
@@ -614,7 +609,7 @@ pub fn check_architecture(
     config: &ImageConfiguration,
     want: &manifest::Wanted,
     asked: bool,
-) -> Result<(), String> {
+) -> Result<(), ImageError> {
     let have = config.architecture().to_string();
     let normal = manifest::Wanted::parse(&have)
         .map(|w| w.architecture)
@@ -623,7 +618,7 @@ pub fn check_architecture(
         return Ok(());
     }
     let have = berth_sys::text::elide(&have);
-    Err(if asked {
+    Err(ImageError::Detail(if asked {
         format!(
             "the image is built for {have}, not for {} as --arch asks",
             want.architecture
@@ -634,7 +629,7 @@ pub fn check_architecture(
              anyway",
             want.architecture
         )
-    })
+    }))
 }
 
 fn target(r: &RegistryRef) -> Target {
@@ -683,14 +678,14 @@ fn mirror_key(registry: &str) -> String {
 /// Checks and splits `registry.mirrors`: each mirror is `HOST[:PORT][/PREFIX]`.
 fn parse_mirrors(
     config: &BTreeMap<String, MirrorConfig>,
-) -> Result<BTreeMap<String, Mirrors>, String> {
+) -> Result<BTreeMap<String, Mirrors>, ImageError> {
     let mut out = BTreeMap::new();
     for (registry, m) in config {
-        let bad = |what: &str, detail: &str| {
-            format!(
+        let bad = |what: &str, detail: &str| ImageError::RegistryConfig {
+            detail: format!(
                 "registry.mirrors.\"{}\": {what} {detail}",
                 berth_sys::text::elide(registry)
-            )
+            ),
         };
         if registry.is_empty() || registry.contains(['/', ' ']) {
             return Err(bad(
@@ -750,9 +745,9 @@ fn manifest_url(transport: &Transport, t: &Target, r: &RegistryRef) -> String {
 
 /// Digests from a registry go into URLs and paths: only `sha256:<64 hex>` is accepted.
 fn check_digest(t: &Target, digest: &str) -> Result<(), ImageError> {
-    super::reference::check_digest(digest).map_err(|detail| ImageError::Pull {
+    super::reference::check_digest(digest).map_err(|e| ImageError::Pull {
         image: t.image.clone(),
-        detail,
+        detail: e.to_string(),
     })
 }
 

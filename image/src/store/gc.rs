@@ -69,10 +69,8 @@ pub struct GcReport {
 }
 
 /// Parses `90s`, `30m`, `12h`, `7d`, `2w` (a bare number is seconds).
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let bad = || {
-        format!("invalid duration '{text}': use a number with s, m, h, d or w, e.g. 30m, 12h, 7d")
-    };
+pub fn parse_duration(text: &str) -> Result<Duration, ImageError> {
+    let bad = || ImageError::Duration(text.to_string());
     let t = text.trim();
     let (digits, unit) = match t.find(|c: char| !c.is_ascii_digit()) {
         Some(i) => (&t[..i], &t[i..]),
