@@ -1,7 +1,14 @@
 //! Where an archive's blobs come from: an OCI layout directory opened as the user, or a tar
 //! (OCI or docker archive) read in place, each member by seeking to it.
 
-use super::*;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use super::invalid;
+use crate::ImageError;
+use crate::layer::{Kind, TarInput, TarReader};
 
 pub(super) trait Blobs: Sync {
     fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError>;

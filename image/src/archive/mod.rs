@@ -12,21 +12,16 @@
 //! `rootfs.diff_ids`; a mismatch discards the layer. A docker-archive has no manifest digest: its
 //! image is named by its config's digest (Docker's image ID).
 
-use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::io;
+use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
 
-use serde::Deserialize;
-use sha2::{Digest as _, Sha256};
-
-use super::layer::{Kind, TarInput, TarReader};
-use super::store::{self, Progress, Store, digest_hex, human_size, reference_key};
-use super::{Image, ImageError, LayerSink, Reference, Rootfs};
+use self::blobs::{DirBlobs, TarBlobs};
+use self::layers::run_plan;
+use self::plan::{docker_plan, oci_plan};
+use super::store::{self, Progress, Store, reference_key};
+use super::{Image, ImageError, Reference};
 
 /// JSON documents (index, manifest, config) larger than this are refused.
 const MAX_JSON: u64 = 32 << 20;
@@ -80,10 +75,6 @@ pub fn parse_local(text: &str) -> Option<Result<Reference, ImageError>> {
 mod blobs;
 mod layers;
 mod plan;
-
-use self::blobs::*;
-use self::layers::*;
-use self::plan::*;
 
 /// Runs a local engine's save command into a file; its last stderr line on failure.
 fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), ImageError> {
@@ -238,8 +229,13 @@ pub fn import_opened(
 /// Builders of test images (layer tars, OCI layouts, archives) in memory and in temp dirs.
 #[cfg(test)]
 pub(crate) mod test_images {
-    use super::*;
-    use std::io::Write;
+    use std::collections::BTreeMap;
+    use std::io::{Read, Write};
+    use std::path::Path;
+
+    use sha2::{Digest as _, Sha256};
+
+    use super::plan::REF_NAME;
 
     pub fn sha(bytes: &[u8]) -> String {
         format!("sha256:{:x}", Sha256::digest(bytes))
@@ -413,6 +409,16 @@ pub(crate) mod test_images {
 mod tests {
     use super::test_images::*;
     use super::*;
+    use std::path::Path;
+    use std::sync::Mutex;
+
+    use super::blobs::member_name;
+    use super::layers::sniff;
+    use super::plan::{
+        Compression, Descriptor, Platform, REF_NAME, choose, compression, host_platform,
+        names_match,
+    };
+    use crate::Rootfs;
     use crate::store::quiet;
 
     fn store(dir: &Path) -> Store {

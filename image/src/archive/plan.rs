@@ -1,7 +1,16 @@
 //! What to import from an archive: its index, manifests and config, the platform and name
 //! chosen, the layers to stream (OCI layouts and archives, and docker archives).
 
-use super::*;
+use std::collections::BTreeMap;
+use std::io::Read;
+
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+
+use super::blobs::Blobs;
+use super::{MAX_JSON, invalid};
+use crate::ImageError;
+use crate::store::digest_hex;
 
 #[derive(Clone, Debug, Deserialize)]
 pub(super) struct Descriptor {

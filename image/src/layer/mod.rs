@@ -31,25 +31,19 @@
 //! and PAX records (path, linkpath, size, uid, gid, mtime, `SCHILY.xattr.*`), and is shared with
 //! the archive readers (`archive.rs`) through [`TarInput`].
 
-use std::ffi::{CStr, CString};
-use std::fs::File;
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
-use nix::errno::Errno;
-use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat, openat2};
-use nix::sys::stat::{
-    Mode, SFlag, UtimensatFlags, fchmod, fstatat, futimens, makedev, mkdirat, mknodat, utimensat,
-};
-use nix::sys::time::TimeSpec;
-use nix::unistd::{Gid, Uid, UnlinkatFlags, fchown, fchownat, linkat, symlinkat, unlinkat};
-use sha2::{Digest as _, Sha256};
-use tar::{EntryType, Header};
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+use nix::unistd::Uid;
+use sha2::Digest as _;
 
+use self::reader::HashingInput;
+pub(crate) use self::reader::{Kind, TarInput, TarReader};
+use self::write::Extractor;
 use crate::ImageError;
 
 const BLOCK: u64 = 512;
@@ -214,13 +208,16 @@ pub fn hash_only(tar: &mut dyn Read) -> Result<(String, u64), ImageError> {
 mod reader;
 mod write;
 
-pub(crate) use self::reader::*;
-use self::write::*;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::path::PathBuf;
+
+    use sha2::Sha256;
+    use tar::{EntryType, Header};
 
     /// Builds tar streams entry by entry, names written raw so hostile names are possible.
     struct Tar(Vec<u8>);

@@ -1,7 +1,15 @@
 //! berth's tar header loop over the `tar` crate's header parser: streams without the two zero
 //! blocks, GNU long names and PAX records, for layers (hashed as read) and archives (seekable).
 
-use super::*;
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sha2::{Digest as _, Sha256};
+use tar::{EntryType, Header};
+
+use super::{BLOCK, BLOCK_LEN, Bound, MAX_META};
+use crate::ImageError;
 
 /// A byte source for [`TarReader`]: a stream that must be hashed as it is read (a layer), or a
 /// seekable archive file where skipping is free.

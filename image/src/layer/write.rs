@@ -1,7 +1,25 @@
 //! Writing a layer's entries beneath its directory: parents opened in the layer's root, the last
 //! component never followed, whiteouts, hardlinks within the layer, owners, modes, times, xattrs.
 
-use super::*;
+use std::ffi::{CStr, CString};
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat, openat2};
+use nix::sys::stat::{
+    Mode, SFlag, UtimensatFlags, fchmod, fstatat, futimens, makedev, mkdirat, mknodat, utimensat,
+};
+use nix::sys::time::TimeSpec;
+use nix::unistd::{Gid, Uid, UnlinkatFlags, fchown, fchownat, linkat, symlinkat, unlinkat};
+use sha2::{Digest as _, Sha256};
+
+use super::reader::{Kind, TarEntry, TarInput, TarReader};
+use super::{Bound, Extracted, RESERVE_CHECK_BYTES, RESERVE_CHECK_ENTRIES};
+use crate::ImageError;
 
 /// Splits an entry name into safe components: no leading `/`, no `.`, never `..`; `refuse`
 /// makes the error from why a name is refused.

@@ -2,7 +2,16 @@
 //! once, each downloaded, inflated and extracted on three threads (`pipeline`), checked by
 //! digest before it is published.
 
-use super::*;
+use std::collections::HashMap;
+use std::io::{BufRead, Read};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::http::Target;
+use super::manifest::Descriptor;
+use super::{Client, ProgressMode, blob, pipeline, progress};
+use crate::{ImageError, LayerSink};
 
 impl Client {
     /// Streams every layer the sink lacks into it, `parallel` at once; returns the layer

@@ -22,11 +22,8 @@ mod peer;
 mod pipeline;
 mod progress;
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, Read};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use oci_spec::image::ImageConfiguration;
 use ureq::http::StatusCode;

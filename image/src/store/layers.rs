@@ -2,7 +2,16 @@
 //! against the disk's room), then published by rename; what the store tells a reader of a
 //! layer directory it may use.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::fs::{self, LockMode, Workspace};
+use super::{Store, digest_hex, human_size, record};
+use crate::layer;
+use crate::{ImageError, LayerSink, StagedLayer};
 
 impl Store {
     /// Extracts one layer stream into the workspace (or, if another import published it

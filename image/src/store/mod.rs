@@ -38,9 +38,7 @@ pub use layers::Staged;
 pub(crate) use layers::{dedup_layers, publish_dir};
 pub use verify::{LayerCheck, VerifyReport};
 
-use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::Read;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -51,8 +49,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
 use self::fs::{LockMode, Workspace};
-use super::layer;
-use super::{Digest, Image, ImageError, LayerSink, Reference, Rootfs, StagedLayer};
+use super::{Digest, Image, ImageError, Reference, Rootfs};
 use crate::config::StoreConfig;
 
 /// Compressed layers are assumed to grow this much when extracted (gzip and zstd layers of
