@@ -552,3 +552,52 @@ impl ImageError {
             if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_import_reports_a_read_failure_without_the_file_kind() {
+        let e = ImageError::SquashfsIo {
+            path: "/x.sqsh".into(),
+            source: io::Error::from_raw_os_error(libc::ENOENT),
+        };
+        assert!(e.to_string().starts_with("reading /x.sqsh: "), "{e}");
+        let plain = e.plain_io();
+        assert!(plain.to_string().starts_with("/x.sqsh: "), "{plain}");
+        assert_eq!(plain.kind(), Kind::Io);
+    }
+
+    #[test]
+    fn parts_take_the_context_of_what_they_are_part_of() {
+        let e = ImageError::ReferenceSyntax("empty tag after ':'".into()).in_reference("ubuntu:");
+        assert_eq!(
+            e.to_string(),
+            "invalid image reference 'ubuntu:': empty tag after ':'"
+        );
+        assert_eq!(e.kind(), Kind::Reference);
+        let e = ImageError::TarFormat {
+            offset: 512,
+            why: "bad".into(),
+        }
+        .in_layer();
+        assert_eq!(e.to_string(), "not a valid tar stream at byte 512: bad");
+    }
+
+    #[test]
+    fn files_that_are_not_images_are_format_failures() {
+        let not_sqsh = ImageError::NotSquashfs {
+            path: "/x".into(),
+            offset: 0,
+        };
+        assert_eq!(not_sqsh.kind(), Kind::Format);
+        let sif = ImageError::Sif {
+            path: "/x.sif".into(),
+            fault: Fault::BadMagic,
+        };
+        assert_eq!(sif.kind(), Kind::Format);
+        assert_eq!(ImageError::NotStored("x".into()).kind(), Kind::Store);
+        assert_eq!(ImageError::Aborted.kind(), Kind::Registry);
+    }
+}

@@ -118,5 +118,16 @@ mod tests {
         assert_eq!(Failure::from(nested).code, INPUT);
         let setup = RuntimeError::Setup(berth_runtime::SetupError::with_code(127, "nope".into()));
         assert_eq!(Failure::from(SlurmError::Runtime(setup)).code, 127);
+        let reference = ImageError::Reference("ubuntu:".into(), "empty tag after ':'".into());
+        assert_eq!(Failure::from(reference).code, INPUT);
+        assert_eq!(Failure::from(ImageError::NotStored("x".into())).code, IMAGE);
+        let unreachable = AgentError::Image(ImageError::Unreachable {
+            image: "x".into(),
+            registry: "r".into(),
+            attempts: 1,
+            detail: "refused".into(),
+        });
+        assert_eq!(Failure::from(unreachable).code, IMAGE);
+        assert_eq!(Failure::from(AgentError::host("no controller")).code, HOST);
     }
 }
