@@ -2,6 +2,7 @@
 //! could not join its container. Each message is the one line the user sees.
 
 use std::io;
+use std::path::PathBuf;
 
 use crate::options::Source;
 
@@ -28,6 +29,32 @@ pub enum SpankError {
     },
     #[error("${var}: '{value}' is not a boolean: use 1 or 0 (also true/false, yes/no, on/off)")]
     NotBool { var: String, value: String },
+
+    #[error(
+        "the batch script path '{0}' cannot be mounted into the container: SlurmdSpoolDir must \
+         be an absolute path without ':' or ','"
+    )]
+    BatchScript(String),
+
+    // ---- berth's configuration file, as far as the plugin reads it (`config`).
+    #[error("cannot read {}: {}: check config= in plugstack.conf", path.display(), crate::io_text(.source))]
+    ConfigRead { path: PathBuf, source: io::Error },
+    #[error("{}: {source}", path.display())]
+    ConfigFile {
+        path: PathBuf,
+        source: Box<SpankError>,
+    },
+    /// berth.toml is not TOML; the parser's message.
+    #[error("{0}")]
+    ConfigSyntax(String),
+    #[error("[scratch] root is not an absolute path")]
+    ScratchRoot,
+
+    // ---- The protocol with `berth step create` (`request`).
+    #[error("the plugin's options do not fit the protocol: {0}")]
+    Protocol(#[from] berth_proto::ProtoError),
+    #[error("berth step create reported namespace '{0}', which a task cannot join")]
+    Namespace(String),
 
     // ---- Joining the container (`join`).
     #[error(

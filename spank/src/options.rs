@@ -488,12 +488,9 @@ impl Options {
 
     /// Adds the bind mount of the batch script `path` (a file in slurmd's spool directory) at
     /// the same path, read-only, so slurmstepd can execute it inside the container.
-    pub fn add_batch_script(&mut self, path: &str) -> Result<(), String> {
+    pub fn add_batch_script(&mut self, path: &str) -> Result<(), SpankError> {
         if !path.starts_with('/') || path.contains([':', ',']) {
-            return Err(format!(
-                "the batch script path '{path}' cannot be mounted into the container: \
-                 SlurmdSpoolDir must be an absolute path without ':' or ','"
-            ));
+            return Err(SpankError::BatchScript(path.to_string()));
         }
         push_unique(
             &mut self.mounts,
@@ -992,7 +989,12 @@ mod tests {
             "/data:/data,/var/spool/slurmd/job00012/slurm_script:/var/spool/slurmd/job00012/slurm_script:ro"
         );
         for bad in ["relative/slurm_script", "/a:b/slurm_script", "/a,b/x"] {
-            assert!(o.add_batch_script(bad).unwrap_err().contains(bad));
+            assert!(
+                o.add_batch_script(bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains(bad)
+            );
         }
     }
 
