@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use berth::config::RegistryConfig;
-use berth::image::registry::{Client, ProgressMode, PullOptions, Pulled, RegistryError};
+use berth::image::registry::{Client, ProgressMode, PullOptions, Pulled};
 use berth::image::store::Store;
 use berth::image::{ImageError, LayerSink, RegistryRef, StagedLayer, reference};
 use harness::{Compression, Entry, Mode, Pki, Proxy, Registry, TokenServer, Uploader};
@@ -351,7 +351,7 @@ fn quiet() -> PullOptions {
     }
 }
 
-fn pull(cfg: &RegistryConfig, text: &str, sink: &TestSink) -> Result<Pulled, RegistryError> {
+fn pull(cfg: &RegistryConfig, text: &str, sink: &TestSink) -> Result<Pulled, ImageError> {
     Client::new(cfg, None)
         .unwrap()
         .pull(&reference(text), &quiet(), sink)
@@ -367,7 +367,7 @@ fn read(dir: &Path, rel: &str) -> String {
 }
 
 /// What a user sees for `e` (via ImageError); it must be one line.
-fn one_line(e: &RegistryError) -> String {
+fn one_line(e: &ImageError) -> String {
     let text = ImageError::Registry(e.to_string()).to_string();
     assert!(!text.contains('\n'), "{text}");
     eprintln!("error seen: {text}");
@@ -510,7 +510,7 @@ fn basic_auth_from_credentials_files() {
         .unwrap_err();
     let text = one_line(&err);
     assert!(
-        matches!(err, RegistryError::CredentialsRequired { .. }),
+        matches!(err, ImageError::CredentialsRequired { .. }),
         "{text}"
     );
     assert!(text.contains(&format!("machine {}", r2.host())), "{text}");
@@ -546,7 +546,7 @@ fn basic_auth_from_credentials_files() {
         )
         .unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, RegistryError::LoginRejected { .. }), "{text}");
+    assert!(matches!(err, ImageError::LoginRejected { .. }), "{text}");
     assert!(text.contains("'bob'"), "{text}");
     assert!(text.contains(&r2.host()), "{text}");
     assert!(
@@ -570,7 +570,7 @@ fn basic_auth_from_credentials_files() {
             &TestSink::new(),
         )
         .unwrap_err();
-    assert!(matches!(err, RegistryError::NoSuchLogin { .. }), "{err}");
+    assert!(matches!(err, ImageError::NoSuchLogin { .. }), "{err}");
 
     // Enroot's credentials file ($ENROOT_CONFIG_PATH/.credentials), wrong password there.
     let enroot = home_with(
@@ -637,7 +637,7 @@ fn bearer_token_auth_with_a_token_server() {
     // Anonymous: the token server refuses; the error says to add a login.
     let err = pull(&insecure(&r.host()), &image, &TestSink::new()).unwrap_err();
     assert!(
-        matches!(err, RegistryError::CredentialsRequired { .. }),
+        matches!(err, ImageError::CredentialsRequired { .. }),
         "{err}"
     );
 
@@ -692,7 +692,7 @@ fn bearer_token_auth_with_a_token_server() {
         .unwrap()
         .pull(&reference(&image), &quiet(), &TestSink::new())
         .unwrap_err();
-    assert!(matches!(err, RegistryError::LoginRejected { .. }), "{err}");
+    assert!(matches!(err, ImageError::LoginRejected { .. }), "{err}");
 
     // An anonymous token server (no login required): the pull counts as anonymous.
     let open = TokenServer::start(ISSUER, SERVICE, &f.pki.token_cert, &f.pki.token_key, None);
@@ -722,7 +722,7 @@ fn tls_needs_the_ca_and_plain_http_must_be_listed() {
     let image = format!("{}#test/busybox:1", r.host());
     let err = pull(&config(), &image, &TestSink::new()).unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, RegistryError::Tls { .. }), "{text}");
+    assert!(matches!(err, ImageError::Tls { .. }), "{text}");
     assert!(text.contains("registry.ca_files"), "{text}");
 
     let with_ca = RegistryConfig {
@@ -773,7 +773,7 @@ fn unknown_tag_and_repository_are_one_line() {
     )
     .unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, RegistryError::NotFound { .. }), "{text}");
+    assert!(matches!(err, ImageError::NotFound { .. }), "{text}");
     assert!(text.contains("test/busybox:nope"), "{text}");
     assert!(text.contains("check the tag"), "{text}");
     let err = pull(
@@ -796,7 +796,7 @@ fn unknown_tag_and_repository_are_one_line() {
     .unwrap_err();
     let text = one_line(&err);
     assert!(
-        matches!(err, RegistryError::Unreachable { attempts: 4, .. }),
+        matches!(err, ImageError::Unreachable { attempts: 4, .. }),
         "{text}"
     );
     // Backoff 100 + 200 + 400 ms between the four attempts.
@@ -836,7 +836,7 @@ fn corrupt_blob_is_a_digest_mismatch_and_nothing_is_published() {
     .unwrap_err();
     let text = one_line(&err);
     assert!(
-        matches!(err, RegistryError::DigestMismatch { what: "layer", .. }),
+        matches!(err, ImageError::DigestMismatch { what: "layer", .. }),
         "{text}"
     );
     assert!(text.contains(&layer.digest), "{text}");
@@ -852,7 +852,7 @@ fn pull_through_proxy(
     proxy: &Proxy,
     sink: Arc<TestSink>,
     after: u64,
-) -> std::thread::JoinHandle<Result<Pulled, RegistryError>> {
+) -> std::thread::JoinHandle<Result<Pulled, ImageError>> {
     let host = proxy.host();
     let handle = std::thread::spawn(move || {
         let cfg = RegistryConfig {
@@ -882,7 +882,7 @@ fn registry_killed_mid_pull_retries_then_fails_clearly() {
     r.kill();
     let err = handle.join().unwrap().unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, RegistryError::Unreachable { .. }), "{text}");
+    assert!(matches!(err, ImageError::Unreachable { .. }), "{text}");
     assert!(text.contains("unreachable after"), "{text}");
     // Backoff 250 + 500 + 1000 + 2000 ms before giving up.
     assert!(

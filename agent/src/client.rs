@@ -63,10 +63,10 @@ pub fn read_key(path: &Path) -> Result<String, AgentError> {
 /// Whether a key file of owner `uid` and mode `mode` may be trusted by user `euid`: a regular
 /// file owned by root or `euid`, with no permission for group or others. The same rule as
 /// `berth-controller`'s (berth_api::key_file_problem).
-pub fn key_file_ok(uid: u32, mode: u32, euid: u32) -> Result<(), String> {
+pub fn key_file_ok(uid: u32, mode: u32, euid: u32) -> Result<(), AgentError> {
     match berth_api::key_file_problem(uid, mode, euid) {
         None => Ok(()),
-        Some(why) => Err(why),
+        Some(why) => Err(AgentError::Input(why)),
     }
 }
 
@@ -92,7 +92,12 @@ impl Client {
         })
     }
 
-    fn once(&self, addr: &str, path: &str, body: Option<&[u8]>) -> Result<(u16, Vec<u8>), String> {
+    fn once(
+        &self,
+        addr: &str,
+        path: &str,
+        body: Option<&[u8]>,
+    ) -> Result<(u16, Vec<u8>), AgentError> {
         let url = format!("http://{addr}{path}");
         let resp = match body {
             Some(b) => self
@@ -107,14 +112,14 @@ impl Client {
                 .header(berth_api::KEY_HEADER, &self.bearer)
                 .call(),
         };
-        let mut resp = resp.map_err(|e| format!("{url}: {e}"))?;
+        let mut resp = resp.map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
         let status = resp.status().as_u16();
         let bytes = resp
             .body_mut()
             .with_config()
             .limit(REPLY_MAX)
             .read_to_vec()
-            .map_err(|e| format!("{url}: {e}"))?;
+            .map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
         Ok((status, bytes))
     }
 
@@ -125,7 +130,7 @@ impl Client {
         path: &str,
         body: Option<&[u8]>,
         leader_only: bool,
-    ) -> Result<(String, u16, Vec<u8>), String> {
+    ) -> Result<(String, u16, Vec<u8>), AgentError> {
         let mut order: Vec<String> = self.leader.iter().cloned().collect();
         order.extend(
             self.controllers
@@ -161,17 +166,17 @@ impl Client {
                         if self.leader.as_deref() == Some(addr.as_str()) {
                             self.leader = None;
                         }
-                        errors.push(e);
+                        errors.push(e.to_string());
                         break;
                     }
                 }
             }
         }
-        Err(format!(
+        Err(AgentError::Host(format!(
             "no cluster controller answered ({}): check agent.controllers and that a \
              controller runs",
             errors.join("; ")
-        ))
+        )))
     }
 }
 
@@ -185,6 +190,7 @@ mod tests {
         assert!(
             key_file_ok(0, 0o100644, 0)
                 .unwrap_err()
+                .to_string()
                 .contains("chmod 600")
         );
         assert!(key_file_ok(1000, 0o100600, 0).is_err());

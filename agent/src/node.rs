@@ -616,7 +616,7 @@ pub fn run(
 }
 
 /// Posts one heartbeat; counts it in the metrics.
-fn send(client: &mut Client, hb: &Heartbeat, metrics: &Metrics) -> Result<(), String> {
+fn send(client: &mut Client, hb: &Heartbeat, metrics: &Metrics) -> Result<(), AgentError> {
     let body = serde_json::to_vec(hb).expect("a heartbeat serializes");
     let sent = match client.request("/v1/heartbeat", Some(&body), true) {
         Ok((_, 200, bytes)) => {
@@ -625,10 +625,10 @@ fn send(client: &mut Client, hb: &Heartbeat, metrics: &Metrics) -> Result<(), St
             }
             Ok(())
         }
-        Ok((addr, status, bytes)) => Err(format!(
+        Ok((addr, status, bytes)) => Err(AgentError::Host(format!(
             "{addr}: HTTP {status}: {}",
             String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
-        )),
+        ))),
         Err(e) => Err(e),
     };
     match &sent {

@@ -479,18 +479,16 @@ impl Server {
     fn warm(&self, req: WarmRequest) -> WarmReply {
         let _one = self.warming.lock().unwrap_or_else(|p| p.into_inner());
         let started = Instant::now();
-        let result = (|| -> Result<String, String> {
-            let reference =
-                berth_image::reference::parse(&req.reference).map_err(|e| e.to_string())?;
+        let result = (|| -> Result<String, AgentError> {
+            let reference = berth_image::reference::parse(&req.reference)?;
             if !matches!(reference, Reference::Registry(_)) {
-                return Err(format!(
+                return Err(AgentError::input(format!(
                     "{}: only registry images are pre-warmed",
                     req.reference
-                ));
+                )));
             }
-            let store =
-                berth_image::store::Store::open(&self.config.store).map_err(|e| e.to_string())?;
-            let user = berth_spec::user::current().map_err(|e| e.to_string())?;
+            let store = berth_image::store::Store::open(&self.config.store)?;
+            let user = berth_spec::user::current().map_err(|e| AgentError::host(e.to_string()))?;
             let who = berth_image::import::Requester {
                 uid: user.uid,
                 home: user.home.as_deref(),
@@ -510,8 +508,7 @@ impl Server {
                     &who,
                     &berth_image::store::quiet,
                 )
-            })
-            .map_err(|e| e.to_string())?;
+            })?;
             Ok(image.digest)
         })();
         let seconds = started.elapsed().as_secs_f64();
@@ -531,7 +528,7 @@ impl Server {
                 WarmReply {
                     node: self.node.clone(),
                     digest: None,
-                    error: Some(e),
+                    error: Some(e.to_string()),
                     seconds,
                 }
             }

@@ -152,7 +152,7 @@ fn warm(
     bearer: &str,
     req: &WarmRequest,
     timeout: Duration,
-) -> Result<WarmReply, String> {
+) -> Result<WarmReply, AgentError> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(timeout))
@@ -164,21 +164,22 @@ fn warm(
         .header(berth_api::KEY_HEADER, bearer)
         .content_type("application/json")
         .send(&body[..])
-        .map_err(|e| format!("{addr}: {e}"))?;
+        .map_err(|e| AgentError::Host(format!("{addr}: {e}")))?;
     let status = r.status().as_u16();
     let bytes = r
         .body_mut()
         .with_config()
         .limit(1 << 20)
         .read_to_vec()
-        .map_err(|e| format!("{addr}: {e}"))?;
+        .map_err(|e| AgentError::Host(format!("{addr}: {e}")))?;
     if status != 200 {
-        return Err(format!(
+        return Err(AgentError::Host(format!(
             "{addr}: HTTP {status}: {}",
             String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
-        ));
+        )));
     }
-    serde_json::from_slice(&bytes).map_err(|e| format!("{addr}: the answer does not parse: {e}"))
+    serde_json::from_slice(&bytes)
+        .map_err(|e| AgentError::Host(format!("{addr}: the answer does not parse: {e}")))
 }
 
 /// One node's outcome.
@@ -204,9 +205,7 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
     }
     let key = berth_image::store::reference_key(&reference);
     let mut client = Client::new(config)?;
-    let (addr, status, bytes) = client
-        .request("/v1/catalog", None, true)
-        .map_err(AgentError::Host)?;
+    let (addr, status, bytes) = client.request("/v1/catalog", None, true)?;
     if status != 200 {
         return Err(AgentError::host(format!(
             "controller {addr}: HTTP {status}: {}",
@@ -245,7 +244,7 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
     let timeout = req.timeout;
     let started = Instant::now();
     let mut plan = Plan::new(targets.clone(), holders.clone(), req.fanout);
-    let (tx, rx) = mpsc::channel::<(Assignment, Result<WarmReply, String>)>();
+    let (tx, rx) = mpsc::channel::<(Assignment, Result<WarmReply, AgentError>)>();
     let mut outcomes: HashMap<String, Outcome> = HashMap::new();
     for h in holders.iter().filter(|h| targets.contains(h)) {
         outcomes.insert(
@@ -295,7 +294,7 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
                     node: a.node.clone(),
                     from: a.parent.clone().unwrap_or_else(|| "registry".into()),
                     digest: None,
-                    error: Some(e),
+                    error: Some(e.to_string()),
                     seconds: 0.0,
                 },
             ),

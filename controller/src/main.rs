@@ -5,6 +5,7 @@
 //! under the data directory. See README.md, "Cluster controller".
 
 mod catalog;
+mod error;
 mod network;
 mod server;
 mod sim;

@@ -29,6 +29,7 @@ use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 use openraft::{BasicNode, Raft, ServerState};
 use sha2::{Digest, Sha256};
 
+use crate::error::ControllerError;
 use crate::state::{Command, Desired, DrainedBy, PREFIX, State};
 use crate::store::Store;
 use crate::{Settings, TypeConfig};
@@ -529,7 +530,7 @@ async fn run_tool(
     args: &[String],
     term: u64,
     id: u64,
-) -> Result<String, String> {
+) -> Result<String, ControllerError> {
     let mut cmd = tokio::process::Command::new(path);
     cmd.args(args)
         .env("BERTH_CONTROLLER_TERM", term.to_string())
@@ -540,16 +541,21 @@ async fn run_tool(
         .kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())
         .await
-        .map_err(|_| format!("{} did not finish in 30 s", path.display()))?
-        .map_err(|e| format!("running {}: {e}", path.display()))?;
+        .map_err(|_| ControllerError::Timeout {
+            path: path.to_path_buf(),
+            secs: 30,
+        })?
+        .map_err(|source| ControllerError::Spawn {
+            path: path.to_path_buf(),
+            source,
+        })?;
     if !out.status.success() {
-        return Err(format!(
-            "{} {}: {}: {}",
-            path.display(),
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        return Err(ControllerError::Failed {
+            path: path.to_path_buf(),
+            args: args.to_vec(),
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -654,7 +660,7 @@ fn failpoint(app: &App) {
     }
 }
 
-async fn reconcile(app: &App) -> Result<(), String> {
+async fn reconcile(app: &App) -> Result<(), ControllerError> {
     let Some(term) = confirm_leader(app).await else {
         return Ok(());
     };

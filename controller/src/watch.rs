@@ -21,6 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use berth_api::{DaemonReport, DaemonState, SlurmView, TakeoverView};
 
 use crate::Settings;
+use crate::error::ControllerError;
 use crate::server::{App, Beat};
 use crate::state::Command;
 use crate::takeover::{Decided, Ping, Trigger, Verdict};
@@ -183,7 +184,7 @@ async fn tool_ok(
     args: &[&str],
     conf: &Path,
     timeout: Duration,
-) -> Result<String, String> {
+) -> Result<String, ControllerError> {
     match tool(prog, args, conf, timeout).await {
         Ok(ToolOut {
             stdout,
@@ -192,13 +193,12 @@ async fn tool_ok(
         Ok(ToolOut {
             failed: Some(why), ..
         })
-        | Err(Some(why)) => Err(why),
-        Err(None) => Err(format!(
-            "{} {}: no answer within {} s",
-            prog.display(),
-            args.join(" "),
-            timeout.as_secs()
-        )),
+        | Err(Some(why)) => Err(ControllerError::Tool(why)),
+        Err(None) => Err(ControllerError::NoAnswer {
+            path: prog.to_path_buf(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            secs: timeout.as_secs(),
+        }),
     }
 }
 

@@ -21,6 +21,10 @@ use berth::image::{archive, layer, reference, sif, squashfs};
 #[allow(dead_code)]
 mod config;
 use berth_proto::mounts;
+#[path = "../../spank/src/error.rs"]
+#[allow(dead_code)]
+mod error;
+use error::SpankError;
 #[path = "../../spank/src/options.rs"]
 #[allow(dead_code)]
 mod options;
@@ -109,7 +113,7 @@ pub fn fuzz_manifest(data: &[u8]) {
             let _ = format!("{other:?}");
         }
         Err(e) => {
-            let _ = e.len();
+            let _ = e.to_string().len();
         }
     }
 }

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
+use crate::ImageError;
+
 /// The image sections of the node's configuration, borrowed from it.
 #[derive(Clone, Copy, Debug)]
 pub struct Settings<'a> {
@@ -160,17 +162,16 @@ impl Default for SquashfsConfig {
 
 impl SquashfsConfig {
     /// Checks values serde cannot: the level's range for the compressor.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ImageError> {
         if let Some(range) = self.compression.levels()
             && !range.contains(&self.compression_level)
         {
-            return Err(format!(
-                "[squashfs] compression_level = {}: {} takes {}-{}",
-                self.compression_level,
-                self.compression.name(),
-                range.start(),
-                range.end()
-            ));
+            return Err(ImageError::CompressionLevel {
+                level: self.compression_level,
+                compressor: self.compression.name(),
+                min: *range.start(),
+                max: *range.end(),
+            });
         }
         Ok(())
     }

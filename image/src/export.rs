@@ -25,10 +25,9 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use nix::errno::Errno;
-
+use super::ImageError;
 use super::sif::{self, FsType, ObjectKind, PartType, Partition};
-use super::squashfs::{SquashfsError, probe_squashfs_magic};
+use super::squashfs::probe_squashfs_magic;
 use crate::config::{Compression, SquashfsConfig};
 
 /// The file format written.
@@ -63,34 +62,6 @@ pub enum Source {
         offset: u64,
         size: u64,
     },
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ExportError {
-    #[error(
-        "writing {out}: no space left on device ({dir} has {free} free of {total}); free some space or export elsewhere with -o"
-    )]
-    NoSpace {
-        out: PathBuf,
-        dir: PathBuf,
-        free: String,
-        total: String,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
-    #[error(
-        "mksquashfs not found (looked for {0}); install squashfs-tools (apt-get install squashfs-tools)"
-    )]
-    NoMksquashfs(String),
-    #[error("mksquashfs failed writing {out}: {message}")]
-    Mksquashfs { out: PathBuf, message: String },
-    #[error("{0}")]
-    Invalid(String),
-    #[error(transparent)]
-    Squashfs(#[from] SquashfsError),
 }
 
 /// What [`export`] wrote.
@@ -147,7 +118,7 @@ pub fn mksquashfs_args(
 
 /// The mksquashfs binary: on PATH, else where Debian and others install it (a Slurm prolog
 /// runs with no PATH).
-pub fn find_mksquashfs() -> Result<PathBuf, ExportError> {
+pub fn find_mksquashfs() -> Result<PathBuf, ImageError> {
     let dirs: Vec<PathBuf> = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect())
         .unwrap_or_default();
@@ -157,7 +128,7 @@ pub fn find_mksquashfs() -> Result<PathBuf, ExportError> {
         .chain(fallback.iter().map(Path::new))
         .map(|d| d.join("mksquashfs"))
         .find(|p| p.is_file())
-        .ok_or_else(|| ExportError::NoMksquashfs(format!("PATH, {}", fallback.join(", "))))
+        .ok_or_else(|| ImageError::NoMksquashfs(format!("PATH, {}", fallback.join(", "))))
 }
 
 /// The partially written output: removed on drop unless committed.
@@ -217,10 +188,10 @@ fn space(dir: &Path) -> (String, String) {
     }
 }
 
-fn no_space(out: &Path) -> ExportError {
+fn no_space(out: &Path) -> ImageError {
     let dir = out.parent().unwrap_or(Path::new("/")).to_path_buf();
     let (free, total) = space(&dir);
-    ExportError::NoSpace {
+    ImageError::ExportNoSpace {
         out: out.to_path_buf(),
         dir,
         free,
@@ -228,12 +199,12 @@ fn no_space(out: &Path) -> ExportError {
     }
 }
 
-fn io_err(out: &Path, what: String) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
+fn io_err(out: &Path, what: String) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     move |source| {
         if source.raw_os_error() == Some(libc::ENOSPC) {
             no_space(out)
         } else {
-            ExportError::Io { what, source }
+            ImageError::ExportIo { what, source }
         }
     }
 }
@@ -244,8 +215,10 @@ pub fn export(
     out: &Path,
     format: Format,
     config: &SquashfsConfig,
-) -> Result<Written, ExportError> {
-    config.check().map_err(ExportError::Invalid)?;
+) -> Result<Written, ImageError> {
+    config
+        .check()
+        .map_err(|e| ImageError::ExportInvalid(e.to_string()))?;
     let out = absolute(out)?;
     let mut tmp = TempOutput {
         path: temp_name(&out),
@@ -254,7 +227,7 @@ pub fn export(
     let _ = std::fs::remove_file(&tmp.path);
     let bytes = match write_temp(source, &tmp.path, &out, format, config) {
         Ok(bytes) => bytes,
-        Err(ExportError::NoSpace { .. }) => {
+        Err(ImageError::ExportNoSpace { .. }) => {
             // Report the space there is once the partial output is gone.
             drop(tmp);
             return Err(no_space(&out));
@@ -283,7 +256,7 @@ fn write_temp(
     out: &Path,
     format: Format,
     config: &SquashfsConfig,
-) -> Result<u64, ExportError> {
+) -> Result<u64, ImageError> {
     let offset = match format {
         Format::Sqsh => 0,
         Format::Sif => sif::DATA_OFFSET.next_multiple_of(sif::PARTITION_ALIGNMENT),
@@ -311,7 +284,7 @@ fn write_temp(
         .len();
     // Not even a superblock: nothing a reader could mount.
     if len < offset + 96 {
-        return Err(ExportError::Invalid(format!(
+        return Err(ImageError::ExportInvalid(format!(
             "{}: only {len} bytes were written, too few for a squashfs",
             tmp.display()
         )));
@@ -341,21 +314,21 @@ fn write_temp(
     Ok(len)
 }
 
-fn absolute(out: &Path) -> Result<PathBuf, ExportError> {
-    let out = std::path::absolute(out).map_err(|source| ExportError::Io {
+fn absolute(out: &Path) -> Result<PathBuf, ImageError> {
+    let out = std::path::absolute(out).map_err(|source| ImageError::ExportIo {
         what: format!("resolving {}", out.display()),
         source,
     })?;
     let dir = out.parent().unwrap_or(Path::new("/"));
     if !dir.is_dir() {
-        return Err(ExportError::Invalid(format!(
+        return Err(ImageError::ExportInvalid(format!(
             "{}: directory {} does not exist",
             out.display(),
             dir.display()
         )));
     }
     if out.is_dir() {
-        return Err(ExportError::Invalid(format!(
+        return Err(ImageError::ExportInvalid(format!(
             "{} is a directory; give a file name such as {}/image.sqsh",
             out.display(),
             out.display()
@@ -371,7 +344,7 @@ fn copy_range(
     tmp: &Path,
     offset: u64,
     out: &Path,
-) -> Result<(), ExportError> {
+) -> Result<(), ImageError> {
     let mut src = File::open(file).map_err(io_err(out, format!("opening {}", file.display())))?;
     src.seek(SeekFrom::Start(at))
         .map_err(io_err(out, format!("reading {}", file.display())))?;
@@ -387,7 +360,7 @@ fn copy_range(
         format!("copying {} into {}", file.display(), tmp.display()),
     ))?;
     if copied != size {
-        return Err(ExportError::Invalid(format!(
+        return Err(ImageError::ExportInvalid(format!(
             "{}: expected {size} bytes at byte {at}, found {copied}",
             file.display()
         )));
@@ -396,9 +369,10 @@ fn copy_range(
         .map_err(io_err(out, format!("writing {}", tmp.display())))
 }
 
-fn cstring(p: &Path) -> Result<CString, ExportError> {
-    CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| ExportError::Invalid(format!("{}: path contains a NUL byte", p.display())))
+fn cstring(p: &Path) -> Result<CString, ImageError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+        ImageError::ExportInvalid(format!("{}: path contains a NUL byte", p.display()))
+    })
 }
 
 fn check(r: libc::c_int) -> std::io::Result<()> {
@@ -411,25 +385,22 @@ fn check(r: libc::c_int) -> std::io::Result<()> {
 
 /// Runs mksquashfs and turns its failure into one line.
 /// `setup` names what the child does before exec, for the error if that fails.
-fn run_mksquashfs(
-    mut cmd: Command,
-    setup: &str,
-    tmp: &Path,
-    out: &Path,
-) -> Result<(), ExportError> {
+fn run_mksquashfs(mut cmd: Command, setup: &str, tmp: &Path, out: &Path) -> Result<(), ImageError> {
     let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|source| ExportError::Io {
+        .map_err(|source| ImageError::ExportIo {
             what: format!("starting mksquashfs ({setup})"),
             source,
         })?;
-    let output = child.wait_with_output().map_err(|source| ExportError::Io {
-        what: "waiting for mksquashfs".into(),
-        source,
-    })?;
+    let output = child
+        .wait_with_output()
+        .map_err(|source| ImageError::ExportIo {
+            what: "waiting for mksquashfs".into(),
+            source,
+        })?;
     if output.status.success() && tmp.exists() {
         return Ok(());
     }
@@ -449,7 +420,7 @@ fn run_mksquashfs(
         .or_else(|| stderr.lines().map(str::trim).rfind(|l| !l.is_empty()))
         .map(str::to_string)
         .unwrap_or_else(|| format!("it exited with {}", output.status));
-    Err(ExportError::Mksquashfs {
+    Err(ImageError::Mksquashfs {
         out: out.to_path_buf(),
         message,
     })
@@ -465,13 +436,13 @@ fn squash_layers(
     offset: u64,
     config: &SquashfsConfig,
     out: &Path,
-) -> Result<(), ExportError> {
+) -> Result<(), ImageError> {
     let Some(top) = layers.last() else {
-        return Err(ExportError::Invalid("no layers to export".into()));
+        return Err(ImageError::ExportInvalid("no layers to export".into()));
     };
     for l in layers {
         if !l.is_dir() {
-            return Err(ExportError::Invalid(format!(
+            return Err(ImageError::ExportInvalid(format!(
                 "root file system {} is not a directory",
                 l.display()
             )));
@@ -480,7 +451,7 @@ fn squash_layers(
     let mksquashfs = find_mksquashfs()?;
     if !is_root() {
         if layers.len() > 1 {
-            return Err(ExportError::Invalid(
+            return Err(ImageError::ExportInvalid(
                 "exporting several layers needs root (it mounts an overlay)".into(),
             ));
         }
@@ -504,7 +475,7 @@ fn squash_layers(
         .map(|p| berth_sys::mount::overlay_escape(p))
         .collect();
     let data = CString::new(format!("lowerdir={}", lowerdir.join(":")))
-        .map_err(|_| ExportError::Invalid("layer path contains a NUL byte".into()))?;
+        .map_err(|_| ImageError::ExportInvalid("layer path contains a NUL byte".into()))?;
     let target = cstring(&merged)?;
     let mut cmd = Command::new(&mksquashfs);
     cmd.args(mksquashfs_args(&merged, tmp, offset, config));
@@ -546,11 +517,11 @@ fn squash_container(
     offset: u64,
     config: &SquashfsConfig,
     out: &Path,
-) -> Result<(), ExportError> {
+) -> Result<(), ImageError> {
     let mksquashfs = find_mksquashfs()?;
-    let open = |path: String, flags: nix::fcntl::OFlag| -> Result<OwnedFd, ExportError> {
+    let open = |path: String, flags: nix::fcntl::OFlag| -> Result<OwnedFd, ImageError> {
         nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty()).map_err(|e| {
-            ExportError::Io {
+            ImageError::ExportIo {
                 what: format!("opening {path}"),
                 source: e.into(),
             }
@@ -574,14 +545,14 @@ fn squash_container(
     // A descriptor number the child can rely on: it replaces this inherited placeholder with its
     // handle on the container's root, and mksquashfs reads /proc/self/fd/N/.
     let placeholder: OwnedFd = File::open("/dev/null")
-        .map_err(|source| ExportError::Io {
+        .map_err(|source| ImageError::ExportIo {
             what: "opening /dev/null".into(),
             source,
         })?
         .into();
     // SAFETY: fcntl F_SETFD on a descriptor owned here: clears FD_CLOEXEC so the child inherits it.
     check(unsafe { libc::fcntl(placeholder.as_raw_fd(), libc::F_SETFD, 0) }).map_err(|source| {
-        ExportError::Io {
+        ImageError::ExportIo {
             what: "preparing a descriptor".into(),
             source,
         }
@@ -603,7 +574,7 @@ fn squash_container(
             )
         })
         .transpose()
-        .map_err(|e| ExportError::Io {
+        .map_err(|e| ImageError::ExportIo {
             what: "reading the remapped container's files".into(),
             source: std::io::Error::other(e),
         })?;
@@ -674,23 +645,14 @@ fn remapped_root(pid: i32) -> Option<(u32, u32)> {
 }
 
 /// Whether a `setns`-based export can read a process's root: the caller must be root.
-pub fn can_export_containers() -> Result<(), ExportError> {
+pub fn can_export_containers() -> Result<(), ImageError> {
     if is_root() {
         Ok(())
     } else {
-        Err(ExportError::Invalid(
+        Err(ImageError::ExportInvalid(
             "exporting a running container needs root (it joins the container's mount namespace)"
                 .into(),
         ))
-    }
-}
-
-impl From<Errno> for ExportError {
-    fn from(e: Errno) -> Self {
-        ExportError::Io {
-            what: "system call".into(),
-            source: e.into(),
-        }
     }
 }
 

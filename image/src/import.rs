@@ -133,7 +133,7 @@ fn client(config: &Settings<'_>, who: &Requester<'_>) -> Result<registry::Client
     let home = who.home.filter(|h| h.is_dir());
     // Acting for another user, berth's own environment ($ENROOT_CONFIG_PATH, …) is not theirs;
     // their files are read as them.
-    registry::Client::for_uid(config.registry, who.uid, home).map_err(ImageError::from)
+    registry::Client::for_uid(config.registry, who.uid, home)
 }
 
 /// Imports `reference` into `store` (a no-op when the store has it), contacting the registry for
@@ -192,7 +192,10 @@ pub fn check_usable(
     if matches!(image.rootfs, Rootfs::Layers(_)) {
         let want = match &who.arch {
             Some(a) => registry::manifest::Wanted::parse(a).map_err(|e| {
-                ImageError::Format(format!("--arch: {}", berth_sys::text::elide(&e)))
+                ImageError::Format(format!(
+                    "--arch: {}",
+                    berth_sys::text::elide(&e.to_string())
+                ))
             })?,
             None => registry::manifest::Wanted::host(),
         };

@@ -11,6 +11,7 @@
 
 pub mod archive;
 pub mod config;
+mod error;
 pub mod export;
 pub mod import;
 pub mod layer;
@@ -28,6 +29,8 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+pub use error::{ImageError, Kind as ErrorKind};
 
 /// Where an image comes from, as the user wrote it (see `reference::parse`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -114,26 +117,4 @@ pub trait LayerSink: Sync {
 pub trait StagedLayer: Send {
     /// Atomically publishes the layer (rename) and returns its directory.
     fn publish(self: Box<Self>) -> Result<PathBuf, ImageError>;
-}
-
-/// Image errors: one line each, naming the image or file and what to do. Each submodule keeps
-/// its own detailed error type and converts into these.
-#[derive(Debug, thiserror::Error)]
-pub enum ImageError {
-    #[error("invalid image reference '{0}': {1}")]
-    Reference(String, String),
-    /// Talking to a registry failed (network, auth, missing tag, digest mismatch, ...).
-    #[error("{0}")]
-    Registry(String),
-    /// The store could not import, find or remove an image (space, locks, corrupt entries).
-    #[error("{0}")]
-    Store(String),
-    /// A file is not a valid image of its kind (tar, archive, layout, squashfs, SIF).
-    #[error("{0}")]
-    Format(String),
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
 }

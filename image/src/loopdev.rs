@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 
+use crate::ImageError;
+
 // From <linux/loop.h>; the libc crate does not define them.
 const LOOP_SET_FD: libc::c_ulong = 0x4C00;
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
@@ -23,7 +25,7 @@ const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_NAME_SIZE: usize = 64;
 const LOOP_MAJOR: u32 = 7;
 /// Attempts when other processes take the free device first.
-const ATTACH_ATTEMPTS: usize = 64;
+pub(crate) const ATTACH_ATTEMPTS: usize = 64;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -49,32 +51,6 @@ struct LoopConfig {
     block_size: u32,
     info: LoopInfo64,
     reserved: [u64; 8],
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum LoopError {
-    #[error("opening /dev/loop-control: {0} (berth needs root and the loop driver: modprobe loop)")]
-    Control(std::io::Error),
-    #[error("no free loop device: {0}")]
-    NoFree(Errno),
-    #[error("opening {path}: {source}")]
-    Device {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("opening {path}: {source}")]
-    Backing {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("configuring {device} for {file}: {errno}")]
-    Configure {
-        device: PathBuf,
-        file: PathBuf,
-        errno: Errno,
-    },
-    #[error("every free loop device was taken by other processes {ATTACH_ATTEMPTS} times in a row")]
-    Contended,
 }
 
 /// An attached loop device. Keep it until the file system on it is mounted: with autoclear,
@@ -109,7 +85,7 @@ fn info(file: &Path, offset: u64, size: u64, flags: u32) -> LoopInfo64 {
 }
 
 /// The node of loop device `n`, created when /dev has none (a /dev without udev or devtmpfs).
-fn device_node(n: u32) -> Result<PathBuf, LoopError> {
+fn device_node(n: u32) -> Result<PathBuf, ImageError> {
     let path = PathBuf::from(format!("/dev/loop{n}"));
     if path.exists() {
         return Ok(path);
@@ -128,7 +104,7 @@ fn device_node(n: u32) -> Result<PathBuf, LoopError> {
         nix::sys::stat::makedev(u64::from(major), u64::from(minor)),
     ) {
         Ok(()) | Err(Errno::EEXIST) => Ok(path),
-        Err(e) => Err(LoopError::Device {
+        Err(e) => Err(ImageError::LoopDevice {
             path,
             source: e.into(),
         }),
@@ -154,7 +130,7 @@ pub enum Method {
 
 impl LoopDevice {
     /// Attaches `size` bytes of `file` starting at `offset`, read-only, with autoclear.
-    pub fn attach(file: &Path, offset: u64, size: u64) -> Result<LoopDevice, LoopError> {
+    pub fn attach(file: &Path, offset: u64, size: u64) -> Result<LoopDevice, ImageError> {
         Self::attach_with(file, offset, size, Method::Configure)
     }
 
@@ -164,12 +140,12 @@ impl LoopDevice {
         offset: u64,
         size: u64,
         method: Method,
-    ) -> Result<LoopDevice, LoopError> {
+    ) -> Result<LoopDevice, ImageError> {
         let backing = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC)
             .open(file)
-            .map_err(|source| LoopError::Backing {
+            .map_err(|source| ImageError::LoopBacking {
                 path: file.to_path_buf(),
                 source,
             })?;
@@ -185,13 +161,13 @@ impl LoopDevice {
         offset: u64,
         size: u64,
         method: Method,
-    ) -> Result<LoopDevice, LoopError> {
+    ) -> Result<LoopDevice, ImageError> {
         let control = OpenOptions::new()
             .read(true)
             .write(true)
             .custom_flags(libc::O_CLOEXEC)
             .open("/dev/loop-control")
-            .map_err(LoopError::Control)?;
+            .map_err(ImageError::LoopControl)?;
         let flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
         for _ in 0..ATTACH_ATTEMPTS {
             #[expect(
@@ -199,13 +175,13 @@ impl LoopDevice {
                 reason = "ioctl_ptr turns a negative result into an error"
             )]
             let n = ioctl_ptr::<u8>(&control, LOOP_CTL_GET_FREE, std::ptr::null())
-                .map_err(LoopError::NoFree)? as u32;
+                .map_err(ImageError::NoFreeLoop)? as u32;
             let path = device_node(n)?;
             let device = OpenOptions::new()
                 .read(true)
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&path)
-                .map_err(|source| LoopError::Device {
+                .map_err(|source| ImageError::LoopDevice {
                     path: path.clone(),
                     source,
                 })?;
@@ -216,7 +192,7 @@ impl LoopDevice {
                 info: info(file, offset, size, flags),
                 reserved: [0; 8],
             };
-            let configure_err = |errno| LoopError::Configure {
+            let configure_err = |errno| ImageError::LoopConfigure {
                 device: path.clone(),
                 file: file.to_path_buf(),
                 errno,
@@ -261,7 +237,7 @@ impl LoopDevice {
             }
             return Ok(dev);
         }
-        Err(LoopError::Contended)
+        Err(ImageError::LoopContended)
     }
 
     /// Detaches the device now (after a failed mount).

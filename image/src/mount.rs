@@ -13,53 +13,12 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags};
 
-use super::loopdev::{LoopDevice, LoopError, Method};
-use super::squashfs::{SquashfsError, probe_squashfs_magic};
+use super::loopdev::{LoopDevice, Method};
+use super::squashfs::probe_squashfs_magic;
 use super::{ImageError, Rootfs};
 
-#[derive(Debug, thiserror::Error)]
-pub enum MountError {
-    #[error("image digest {0:?} is not sha256:<64 hex digits>")]
-    Digest(String),
-    #[error("{0}: this image is stored as layer directories, not as a squashfs")]
-    NotSquashfs(String),
-    #[error("{what} {path}: {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(
-        "{path} is already a {fstype} mount, not this image's squashfs; unmount it or set another [squashfs] mount_dir"
-    )]
-    Occupied { path: PathBuf, fstype: String },
-    #[error("attaching {file} to a loop device: {source}")]
-    Loop { file: PathBuf, source: LoopError },
-    #[error("mounting the squashfs of {file} (byte {offset}) on {target}: {errno}{hint}")]
-    Mount {
-        file: PathBuf,
-        offset: u64,
-        target: PathBuf,
-        errno: Errno,
-        hint: &'static str,
-    },
-    #[error("unmounting {target}: {errno}")]
-    Unmount { target: PathBuf, errno: Errno },
-    #[error(transparent)]
-    Squashfs(#[from] SquashfsError),
-}
-
-impl From<MountError> for ImageError {
-    fn from(e: MountError) -> Self {
-        match e {
-            MountError::Squashfs(s) => s.into(),
-            other => ImageError::Store(other.to_string()),
-        }
-    }
-}
-
 /// The hex part of a `sha256:<hex>` digest, checked: it becomes a directory name.
-pub fn digest_hex(digest: &str) -> Result<&str, MountError> {
+pub fn digest_hex(digest: &str) -> Result<&str, ImageError> {
     let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
     if hex.len() == 64
         && hex
@@ -68,7 +27,7 @@ pub fn digest_hex(digest: &str) -> Result<&str, MountError> {
     {
         Ok(hex)
     } else {
-        Err(MountError::Digest(digest.to_string()))
+        Err(ImageError::MountDigest(digest.to_string()))
     }
 }
 
@@ -123,9 +82,9 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         .collect()
 }
 
-fn mounts() -> Result<Vec<MountEntry>, MountError> {
+fn mounts() -> Result<Vec<MountEntry>, ImageError> {
     let path = "/proc/self/mountinfo";
-    let text = std::fs::read_to_string(path).map_err(|source| MountError::Io {
+    let text = std::fs::read_to_string(path).map_err(|source| ImageError::MountIo {
         what: "reading",
         path: path.into(),
         source,
@@ -134,14 +93,14 @@ fn mounts() -> Result<Vec<MountEntry>, MountError> {
 }
 
 /// The topmost mount at `path`, if any.
-pub fn mounted_at(path: &Path) -> Result<Option<MountEntry>, MountError> {
+pub fn mounted_at(path: &Path) -> Result<Option<MountEntry>, ImageError> {
     Ok(mounts()?.into_iter().rev().find(|m| m.mount_point == path))
 }
 
 /// An exclusive `flock` on one image's lock file, released on drop.
 struct ImageLock(#[allow(dead_code)] File);
 
-fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, MountError> {
+fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, ImageError> {
     let path = mount_root.join(format!(".lock-{hex}"));
     let file = OpenOptions::new()
         .create(true)
@@ -150,7 +109,7 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, MountError> {
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
-        .map_err(|source| MountError::Io {
+        .map_err(|source| ImageError::MountIo {
             what: "opening the lock",
             path: path.clone(),
             source,
@@ -161,7 +120,7 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, MountError> {
             Ok(_) => return Ok(ImageLock(file)),
             Err(Errno::EINTR) => continue,
             Err(e) => {
-                return Err(MountError::Io {
+                return Err(ImageError::MountIo {
                     what: "locking",
                     path,
                     source: e.into(),
@@ -175,9 +134,9 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, MountError> {
 /// as root, it must be root's all the way from `/` and is kept 0700: the mounts under it hold
 /// private images, which other users must not read on the host (containers reach them through
 /// overlays root mounts, which this does not hinder).
-fn root_dir(mount_root: &Path) -> Result<PathBuf, MountError> {
+fn root_dir(mount_root: &Path) -> Result<PathBuf, ImageError> {
     if nix::unistd::geteuid().is_root() {
-        berth_sys::privfs::root_dir(mount_root, 0o700).map_err(|e| MountError::Io {
+        berth_sys::privfs::root_dir(mount_root, 0o700).map_err(|e| ImageError::MountIo {
             what: "checking",
             path: mount_root.to_path_buf(),
             source: std::io::Error::other(e.to_string()),
@@ -187,13 +146,13 @@ fn root_dir(mount_root: &Path) -> Result<PathBuf, MountError> {
             .recursive(true)
             .mode(0o700)
             .create(mount_root)
-            .map_err(|source| MountError::Io {
+            .map_err(|source| ImageError::MountIo {
                 what: "creating",
                 path: mount_root.to_path_buf(),
                 source,
             })?;
     }
-    std::fs::canonicalize(mount_root).map_err(|source| MountError::Io {
+    std::fs::canonicalize(mount_root).map_err(|source| ImageError::MountIo {
         what: "resolving",
         path: mount_root.to_path_buf(),
         source,
@@ -201,10 +160,10 @@ fn root_dir(mount_root: &Path) -> Result<PathBuf, MountError> {
 }
 
 /// The directory of one user's own mounts, `<mount_dir>/u<uid>`, root's and 0700 like its parent.
-fn user_dir(root: &Path, uid: u32) -> Result<PathBuf, MountError> {
+fn user_dir(root: &Path, uid: u32) -> Result<PathBuf, ImageError> {
     let dir = root.join(format!("u{uid}"));
     if nix::unistd::geteuid().is_root() {
-        berth_sys::privfs::root_dir(&dir, 0o700).map_err(|e| MountError::Io {
+        berth_sys::privfs::root_dir(&dir, 0o700).map_err(|e| ImageError::MountIo {
             what: "checking",
             path: dir.clone(),
             source: std::io::Error::other(e.to_string()),
@@ -214,7 +173,7 @@ fn user_dir(root: &Path, uid: u32) -> Result<PathBuf, MountError> {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(source) => {
-                return Err(MountError::Io {
+                return Err(ImageError::MountIo {
                     what: "creating",
                     path: dir,
                     source,
@@ -279,7 +238,7 @@ pub fn mount_opened(
     size: u64,
     uid: u32,
     mount_root: &Path,
-) -> Result<PathBuf, MountError> {
+) -> Result<PathBuf, ImageError> {
     let hex = digest_hex(digest)?;
     let root = root_dir(mount_root)?;
     // A shared mount found in place is reused only if it too is backed by a file root alone can
@@ -311,12 +270,12 @@ pub fn mount_shared(
     digest: &str,
     rootfs: &Rootfs,
     mount_root: &Path,
-) -> Result<PathBuf, MountError> {
+) -> Result<PathBuf, ImageError> {
     match rootfs {
         Rootfs::Squashfs { file, offset, size } => {
             mount_shared_at(digest, file, *offset, *size, mount_root)
         }
-        Rootfs::Layers(_) => Err(MountError::NotSquashfs(digest.to_string())),
+        Rootfs::Layers(_) => Err(ImageError::StoredAsLayers(digest.to_string())),
     }
 }
 
@@ -327,11 +286,11 @@ pub fn mount_shared_at(
     offset: u64,
     size: u64,
     mount_root: &Path,
-) -> Result<PathBuf, MountError> {
+) -> Result<PathBuf, ImageError> {
     let hex = digest_hex(digest)?;
     let root = root_dir(mount_root)?;
     let _lock = lock(&root, hex)?;
-    let opened = File::open(file).map_err(|source| MountError::Io {
+    let opened = File::open(file).map_err(|source| ImageError::MountIo {
         what: "opening",
         path: file.to_path_buf(),
         source,
@@ -346,14 +305,14 @@ fn mount_at(
     offset: u64,
     size: u64,
     target: &Path,
-) -> Result<PathBuf, MountError> {
+) -> Result<PathBuf, ImageError> {
     let target = target.to_path_buf();
     if let Some(m) = mounted_at(&target)? {
         if m.fstype == "squashfs" {
             tracing::debug!("{} already mounted from {}", target.display(), m.source);
             return Ok(target);
         }
-        return Err(MountError::Occupied {
+        return Err(ImageError::Occupied {
             path: target,
             fstype: m.fstype,
         });
@@ -362,19 +321,21 @@ fn mount_at(
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(source) => {
-            return Err(MountError::Io {
+            return Err(ImageError::MountIo {
                 what: "creating",
                 path: target,
                 source,
             });
         }
     }
-    probe_squashfs_magic(&berth_sys::privfs::fd_path(opened), offset)?;
+    // As an import reports it: the caller names the image.
+    probe_squashfs_magic(&berth_sys::privfs::fd_path(opened), offset)
+        .map_err(ImageError::plain_io)?;
     let device =
         LoopDevice::attach_fd(opened, file, offset, size, Method::Configure).map_err(|source| {
-            MountError::Loop {
+            ImageError::Loop {
                 file: file.to_path_buf(),
-                source,
+                source: Box::new(source),
             }
         })?;
     let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
@@ -393,7 +354,7 @@ fn mount_at(
             }
             _ => "",
         };
-        return Err(MountError::Mount {
+        return Err(ImageError::Mount {
             file: file.to_path_buf(),
             offset,
             target,
@@ -421,12 +382,12 @@ pub fn attach_directory(
     tree: &impl AsRawFd,
     shown: &Path,
     mount_root: &Path,
-) -> Result<DirectoryMount, MountError> {
+) -> Result<DirectoryMount, ImageError> {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let root = root_dir(mount_root)?;
     let dirs = root.join("dirs");
     if nix::unistd::geteuid().is_root() {
-        berth_sys::privfs::root_dir(&dirs, 0o700).map_err(|e| MountError::Io {
+        berth_sys::privfs::root_dir(&dirs, 0o700).map_err(|e| ImageError::MountIo {
             what: "checking",
             path: dirs.clone(),
             source: std::io::Error::other(e.to_string()),
@@ -434,7 +395,7 @@ pub fn attach_directory(
     }
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let target = dirs.join(format!("{}-{n}", std::process::id()));
-    let io = |what, source| MountError::Io {
+    let io = |what, source| ImageError::MountIo {
         what,
         path: target.clone(),
         source,
@@ -461,7 +422,7 @@ pub fn attach_directory(
     if r != 0 {
         let e = std::io::Error::last_os_error();
         let _ = std::fs::remove_dir(&target);
-        return Err(MountError::Io {
+        return Err(ImageError::MountIo {
             what: "attaching the directory image",
             path: shown.to_path_buf(),
             source: e,
@@ -531,9 +492,9 @@ pub fn release_unused(config: &crate::config::Settings<'_>) {
 
 /// The image directories under the (canonical) mount root: (directory, digest hex, lock name)
 /// for the shared mounts and each user's own (`u<uid>/`), sorted.
-fn image_dirs(root: &Path) -> Result<Vec<(PathBuf, String, String)>, MountError> {
+fn image_dirs(root: &Path) -> Result<Vec<(PathBuf, String, String)>, ImageError> {
     let root = root.to_path_buf();
-    let entries = std::fs::read_dir(&root).map_err(|source| MountError::Io {
+    let entries = std::fs::read_dir(&root).map_err(|source| ImageError::MountIo {
         what: "listing",
         path: root.clone(),
         source,
@@ -592,12 +553,12 @@ pub fn unused_mounts(mount_root: &Path, in_use: impl Fn(&str) -> bool) -> Vec<St
 pub fn unmount_unused(
     mount_root: &Path,
     in_use: impl Fn(&str) -> bool,
-) -> Result<Vec<String>, MountError> {
+) -> Result<Vec<String>, ImageError> {
     let root = match std::fs::canonicalize(mount_root) {
         Ok(root) => root,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(source) => {
-            return Err(MountError::Io {
+            return Err(ImageError::MountIo {
                 what: "resolving",
                 path: mount_root.to_path_buf(),
                 source,
@@ -638,7 +599,7 @@ pub fn unmount_unused(
                     );
                     break;
                 }
-                Err(errno) => return Err(MountError::Unmount { target, errno }),
+                Err(errno) => return Err(ImageError::Unmount { target, errno }),
             }
         }
         if mounted_at(&target)?.is_none() {
@@ -709,6 +670,6 @@ garbage\n";
             dir.path(),
         )
         .unwrap_err();
-        assert!(matches!(err, MountError::NotSquashfs(_)));
+        assert!(matches!(err, ImageError::StoredAsLayers(_)));
     }
 }

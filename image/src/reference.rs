@@ -44,6 +44,7 @@ pub fn parse(text: &str) -> Result<Reference, ImageError> {
 /// symlinks, as a user reading the command line would expect).
 pub fn parse_in(text: &str, cwd: &Path) -> Result<Reference, ImageError> {
     let err = |why: String| ImageError::Reference(text.to_string(), why);
+    let part = |e: ImageError| e.in_reference(text);
     if text.is_empty() {
         return Err(err(format!("empty; {FORMS}")));
     }
@@ -51,36 +52,36 @@ pub fn parse_in(text: &str, cwd: &Path) -> Result<Reference, ImageError> {
         return Err(err(format!("contains the character {c:?}; {FORMS}")));
     }
     if let Some(rest) = text.strip_prefix("docker://") {
-        return parse_docker(rest).map(Reference::Registry).map_err(err);
+        return parse_docker(rest).map(Reference::Registry).map_err(part);
     }
     if let Some(rest) = text.strip_prefix("podman://") {
-        return local_name(rest).map(Reference::Podman).map_err(err);
+        return local_name(rest).map(Reference::Podman).map_err(part);
     }
     if let Some(rest) = text.strip_prefix("dockerd://") {
-        return local_name(rest).map(Reference::Dockerd).map_err(err);
+        return local_name(rest).map(Reference::Dockerd).map_err(part);
     }
     if let Some(rest) = text.strip_prefix("oci:") {
-        let (dir, name) = path_and_name(rest, cwd).map_err(err)?;
+        let (dir, name) = path_and_name(rest, cwd).map_err(part)?;
         return Ok(Reference::OciLayout { dir, name });
     }
     if let Some(rest) = text.strip_prefix("oci-archive:") {
-        let (file, name) = path_and_name(rest, cwd).map_err(err)?;
+        let (file, name) = path_and_name(rest, cwd).map_err(part)?;
         return Ok(Reference::OciArchive { file, name });
     }
     if let Some(rest) = text.strip_prefix("docker-archive:") {
-        let (file, name) = path_and_name(rest, cwd).map_err(err)?;
+        let (file, name) = path_and_name(rest, cwd).map_err(part)?;
         return Ok(Reference::DockerArchive { file, name });
     }
     if text.starts_with('/') || text.starts_with('.') {
-        return parse_file(text, cwd).map_err(err);
+        return parse_file(text, cwd).map_err(part);
     }
     if let Some((scheme, _)) = text.split_once("://") {
         return Err(err(format!("unknown transport '{scheme}://'; {FORMS}")));
     }
-    parse_enroot(text).map(Reference::Registry).map_err(err)
+    parse_enroot(text).map(Reference::Registry).map_err(part)
 }
 
-fn parse_file(text: &str, cwd: &Path) -> Result<Reference, String> {
+fn parse_file(text: &str, cwd: &Path) -> Result<Reference, ImageError> {
     let path = absolute(Path::new(text), cwd);
     let name = path
         .file_name()
@@ -92,33 +93,38 @@ fn parse_file(text: &str, cwd: &Path) -> Result<Reference, String> {
     } else if stem_ok(".sif") {
         Ok(Reference::Sif(path))
     } else {
-        Err(format!(
+        syntax(format!(
             "a path must name a .sqsh, .squashfs or .sif file (use oci:, oci-archive: or \
              docker-archive: for other kinds); {FORMS}"
         ))
     }
 }
 
+/// What is wrong with part of a reference; [`parse_in`] names the whole reference.
+fn syntax<T>(why: impl Into<String>) -> Result<T, ImageError> {
+    Err(ImageError::ReferenceSyntax(why.into()))
+}
+
 /// `PATH[:NAME]` of skopeo's `oci:`-style transports: like skopeo, the first `:` ends the path.
-fn path_and_name(rest: &str, cwd: &Path) -> Result<(PathBuf, Option<String>), String> {
+fn path_and_name(rest: &str, cwd: &Path) -> Result<(PathBuf, Option<String>), ImageError> {
     let (path, name) = match rest.split_once(':') {
         Some((p, n)) => (p, Some(n)),
         None => (rest, None),
     };
     if path.is_empty() {
-        return Err(format!("no path given; {FORMS}"));
+        return syntax(format!("no path given; {FORMS}"));
     }
     let name = match name {
         None => None,
-        Some("") => return Err("empty name after ':'".to_string()),
+        Some("") => return syntax("empty name after ':'".to_string()),
         Some(n) => Some(n.to_string()),
     };
     Ok((absolute(Path::new(path), cwd), name))
 }
 
-fn local_name(rest: &str) -> Result<String, String> {
+fn local_name(rest: &str) -> Result<String, ImageError> {
     if rest.is_empty() {
-        return Err(format!("no image name given; {FORMS}"));
+        return syntax(format!("no image name given; {FORMS}"));
     }
     let (name, tag) = split_tag(rest);
     if let Some(tag) = tag {
@@ -126,7 +132,7 @@ fn local_name(rest: &str) -> Result<String, String> {
     }
     for component in name.split('/') {
         if component.is_empty() {
-            return Err(format!("empty path component in '{name}'"));
+            return syntax(format!("empty path component in '{name}'"));
         }
     }
     Ok(rest.to_string())
@@ -154,7 +160,7 @@ fn absolute(path: &Path, cwd: &Path) -> PathBuf {
 
 /// Splits a leading `USER@`: the first `@` is a user separator unless what follows it is the
 /// digest (`IMAGE@sha256:…`).
-fn split_user(text: &str) -> Result<(Option<String>, &str), String> {
+fn split_user(text: &str) -> Result<(Option<String>, &str), ImageError> {
     let Some((user, rest)) = text.split_once('@') else {
         return Ok((None, text));
     };
@@ -162,10 +168,10 @@ fn split_user(text: &str) -> Result<(Option<String>, &str), String> {
         return Ok((None, text));
     }
     if user.is_empty() {
-        return Err("empty user name before '@'".to_string());
+        return syntax("empty user name before '@'".to_string());
     }
     if user.contains(['/', '#', ':']) {
-        return Err(format!("'{user}' is not a user name"));
+        return syntax(format!("'{user}' is not a user name"));
     }
     Ok((Some(user.to_string()), rest))
 }
@@ -190,12 +196,12 @@ fn looks_like_digest(text: &str) -> bool {
 }
 
 /// `[USER@][REGISTRY#]IMAGE[:TAG][@DIGEST]`.
-fn parse_enroot(text: &str) -> Result<RegistryRef, String> {
+fn parse_enroot(text: &str) -> Result<RegistryRef, ImageError> {
     let (user, rest) = split_user(text)?;
     let (registry, image) = match rest.split_once('#') {
         Some((registry, image)) => {
             if registry.is_empty() {
-                return Err("empty registry before '#'".to_string());
+                return syntax("empty registry before '#'".to_string());
             }
             check_registry(registry)?;
             (registry.to_string(), image)
@@ -225,9 +231,9 @@ fn canonical_registry(registry: String) -> String {
 }
 
 /// `[USER@][REGISTRY/]IMAGE[:TAG][@DIGEST]` after `docker://`.
-fn parse_docker(text: &str) -> Result<RegistryRef, String> {
+fn parse_docker(text: &str) -> Result<RegistryRef, ImageError> {
     if text.is_empty() {
-        return Err(format!("no image after 'docker://'; {FORMS}"));
+        return syntax(format!("no image after 'docker://'; {FORMS}"));
     }
     let (user, rest) = match text.split_once('/') {
         // Only a '@' in the first component can be a user separator.
@@ -236,7 +242,9 @@ fn parse_docker(text: &str) -> Result<RegistryRef, String> {
         None => split_user(text)?,
     };
     if rest.contains('#') {
-        return Err("'#' is Enroot syntax: drop 'docker://' or write REGISTRY/IMAGE".to_string());
+        return syntax(
+            "'#' is Enroot syntax: drop 'docker://' or write REGISTRY/IMAGE".to_string(),
+        );
     }
     let (registry, image) = match rest.split_once('/') {
         Some((first, image)) if looks_like_registry(first) => {
@@ -257,9 +265,9 @@ fn registry_ref(
     user: Option<String>,
     registry: String,
     image: &str,
-) -> Result<RegistryRef, String> {
+) -> Result<RegistryRef, ImageError> {
     if image.is_empty() {
-        return Err("no image name given".to_string());
+        return syntax("no image name given".to_string());
     }
     let (named, digest) = match image.split_once('@') {
         Some((named, digest)) => {
@@ -302,24 +310,24 @@ fn split_tag(named: &str) -> (&str, Option<&str>) {
 }
 
 /// `path-component ("/" path-component)*`, each `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*`.
-fn check_repository(name: &str) -> Result<(), String> {
+fn check_repository(name: &str) -> Result<(), ImageError> {
     if name.is_empty() {
-        return Err("empty image name".to_string());
+        return syntax("empty image name".to_string());
     }
     if name.len() > MAX_NAME_LEN {
-        return Err(format!("image name longer than {MAX_NAME_LEN} characters"));
+        return syntax(format!("image name longer than {MAX_NAME_LEN} characters"));
     }
     for component in name.split('/') {
         if component.is_empty() {
-            return Err(format!("empty path component in image name '{name}'"));
+            return syntax(format!("empty path component in image name '{name}'"));
         }
         if component.chars().any(|c| c.is_ascii_uppercase()) {
-            return Err(format!(
+            return syntax(format!(
                 "image name '{name}' must be lower case (repository names are)"
             ));
         }
         if !path_component_ok(component) {
-            return Err(format!(
+            return syntax(format!(
                 "'{component}' in '{name}' is not a valid image name component (lower-case \
                  letters and digits, separated by '.', '_', '__' or dashes)"
             ));
@@ -355,7 +363,7 @@ fn path_component_ok(c: &str) -> bool {
 }
 
 /// `[\w][\w.-]{0,127}`.
-fn check_tag(tag: &str) -> Result<(), String> {
+fn check_tag(tag: &str) -> Result<(), ImageError> {
     let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
     let mut chars = tag.chars();
     let ok = match chars.next() {
@@ -367,9 +375,9 @@ fn check_tag(tag: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else if tag.is_empty() {
-        Err("empty tag after ':'".to_string())
+        syntax("empty tag after ':'".to_string())
     } else {
-        Err(format!(
+        syntax(format!(
             "'{tag}' is not a valid tag (letters, digits, '_', '.', '-', not starting with '.' \
              or '-', at most 128 characters)"
         ))
@@ -377,9 +385,9 @@ fn check_tag(tag: &str) -> Result<(), String> {
 }
 
 /// `sha256:` + 64 lower-case hex digits: the only digest algorithm berth verifies.
-pub fn check_digest(digest: &str) -> Result<(), String> {
+pub fn check_digest(digest: &str) -> Result<(), ImageError> {
     let Some(hex) = digest.strip_prefix("sha256:") else {
-        return Err(format!(
+        return syntax(format!(
             "'{digest}' is not a supported digest (expected sha256:<64 hex digits>)"
         ));
     };
@@ -390,18 +398,18 @@ pub fn check_digest(digest: &str) -> Result<(), String> {
     {
         Ok(())
     } else {
-        Err(format!(
+        syntax(format!(
             "'{digest}' is not a valid digest (expected sha256:<64 lower-case hex digits>)"
         ))
     }
 }
 
 /// `host[:port]` where host is DNS labels, an IPv4 address or a bracketed IPv6 address.
-fn check_registry(registry: &str) -> Result<(), String> {
+fn check_registry(registry: &str) -> Result<(), ImageError> {
     let bad = || {
-        format!(
+        ImageError::ReferenceSyntax(format!(
             "'{registry}' is not a valid registry (expected HOST[:PORT], e.g. nvcr.io or 127.0.0.1:5000)"
-        )
+        ))
     };
     let (host, port) = if let Some(rest) = registry.strip_prefix('[') {
         let (v6, after) = rest.split_once(']').ok_or_else(bad)?;

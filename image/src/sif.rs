@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::ImageError;
 
@@ -62,26 +62,6 @@ pub enum Fault {
         "the root file system is {0}, not squashfs; berth runs squashfs root file systems only: rebuild it with `apptainer build`"
     )]
     NotSquashfs(String),
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SifError {
-    #[error("SIF file {path}: {fault}")]
-    Format { path: PathBuf, fault: Fault },
-    #[error("reading SIF file {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
-
-impl From<SifError> for ImageError {
-    fn from(e: SifError) -> Self {
-        match e {
-            SifError::Format { .. } => ImageError::Format(e.to_string()),
-            SifError::Io { path, source } => ImageError::Io { path, source },
-        }
-    }
 }
 
 /// A data object's type (the descriptor's `type` field).
@@ -475,12 +455,12 @@ impl Sif {
     }
 
     /// Reads the header and descriptor table of the SIF file at `path`.
-    pub fn open(path: &Path) -> Result<Sif, SifError> {
-        let io = |source| SifError::Io {
+    pub fn open(path: &Path) -> Result<Sif, ImageError> {
+        let io = |source| ImageError::SifIo {
             path: path.to_path_buf(),
             source,
         };
-        let fault = |fault| SifError::Format {
+        let fault = |fault| ImageError::Sif {
             path: path.to_path_buf(),
             fault,
         };
@@ -746,12 +726,12 @@ pub fn random_id() -> [u8; 16] {
 /// A SIF file of the shared test data (sylabs/sif's test images, see its README), found next to
 /// the checkout or inside it. For tests (the `testdata` feature lends it to berth's).
 #[cfg(any(test, feature = "testdata"))]
-pub fn testdata_sif(name: &str) -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+pub fn testdata_sif(name: &str) -> std::path::PathBuf {
+    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let candidates = [
         manifest.join("../shared/testdata/sif"),
         manifest.join("../../shared/testdata/sif"),
-        PathBuf::from("/work/shared/testdata/sif"),
+        std::path::PathBuf::from("/work/shared/testdata/sif"),
     ];
     candidates
         .iter()
@@ -764,6 +744,7 @@ pub fn testdata_sif(name: &str) -> PathBuf {
 mod tests {
     use super::*;
     use std::io::Cursor;
+    use std::path::PathBuf;
 
     fn testdata(name: &str) -> PathBuf {
         testdata_sif(name)
@@ -1053,11 +1034,11 @@ mod tests {
 
     #[test]
     fn errors_are_one_line_and_name_the_file() {
-        let err = SifError::Format {
+        let err = ImageError::Sif {
             path: "/images/x.sif".into(),
             fault: Fault::Encrypted,
         };
-        let text = ImageError::from(err).to_string();
+        let text = err.to_string();
         assert!(text.starts_with("SIF file /images/x.sif: "), "{text}");
         assert!(!text.contains('\n'));
     }

@@ -12,57 +12,14 @@ use std::path::{Path, PathBuf};
 use backhand::{FilesystemReader, InnerNode, Node, SquashfsFileReader};
 use sha2::{Digest as _, Sha256};
 
-pub use super::mount::{MountError, mount_shared, mount_shared_at, unmount_unused};
-use super::sif::{Sif, SifError};
+pub use super::mount::{mount_shared, mount_shared_at, unmount_unused};
+use super::sif::Sif;
 use super::synth::{self, FileSource, Synthesised};
 use super::{Image, ImageError, Reference, Rootfs};
 
 /// The first four bytes of every squashfs (little-endian 0x73717368).
 pub const MAGIC: &[u8; 4] = b"hsqs";
 const SUPERBLOCK_LEN: usize = 96;
-
-#[derive(Debug, thiserror::Error)]
-pub enum SquashfsError {
-    #[error(
-        "{path}: not a squashfs image (no 'hsqs' magic at byte {offset}); use an Enroot .sqsh, a squashfs file or an Apptainer .sif"
-    )]
-    NotSquashfs { path: PathBuf, offset: u64 },
-    #[error(
-        "{path}: squashfs version {major}.{minor} at byte {offset} cannot be mounted by Linux (it mounts 4.0); rebuild it with a current mksquashfs"
-    )]
-    Version {
-        path: PathBuf,
-        offset: u64,
-        major: u16,
-        minor: u16,
-    },
-    #[error("{path}: the squashfs at byte {offset} is damaged: {why}; fetch or rebuild the image")]
-    Corrupt {
-        path: PathBuf,
-        offset: u64,
-        why: String,
-    },
-    #[error(
-        "{path}: the squashfs is compressed with {compression}, which Linux cannot mount; rebuild it with -comp zstd (or gzip, xz, lzo, lz4)"
-    )]
-    Compression { path: PathBuf, compression: String },
-    #[error("{path}: not a regular file; give the path of a .sqsh or .sif file")]
-    NotAFile { path: PathBuf },
-    #[error("reading {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
-
-impl From<SquashfsError> for ImageError {
-    fn from(e: SquashfsError) -> Self {
-        match e {
-            SquashfsError::Io { path, source } => ImageError::Io { path, source },
-            other => ImageError::Format(other.to_string()),
-        }
-    }
-}
 
 /// The compressor named in a superblock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,15 +122,15 @@ pub fn parse_superblock(b: &[u8]) -> Result<Superblock, SuperblockFault> {
 
 /// Checks that `path` holds a mountable squashfs at `offset` that fits in the file (a sanity
 /// check before loop-mounting: a clear error instead of the kernel's "wrong fs type").
-pub fn probe_squashfs_magic(path: &Path, offset: u64) -> Result<Superblock, SquashfsError> {
-    let io = |source| SquashfsError::Io {
+pub fn probe_squashfs_magic(path: &Path, offset: u64) -> Result<Superblock, ImageError> {
+    let io = |source| ImageError::SquashfsIo {
         path: path.to_path_buf(),
         source,
     };
     let mut file = File::open(path).map_err(io)?;
     let meta = file.metadata().map_err(io)?;
     if !meta.is_file() {
-        return Err(SquashfsError::NotAFile {
+        return Err(ImageError::NotAFile {
             path: path.to_path_buf(),
         });
     }
@@ -181,29 +138,29 @@ pub fn probe_squashfs_magic(path: &Path, offset: u64) -> Result<Superblock, Squa
     file.seek(SeekFrom::Start(offset)).map_err(io)?;
     let n = read_full(&mut file, &mut b).map_err(io)?;
     let sb = parse_superblock(&b[..n]).map_err(|fault| match fault {
-        SuperblockFault::Magic => SquashfsError::NotSquashfs {
+        SuperblockFault::Magic => ImageError::NotSquashfs {
             path: path.to_path_buf(),
             offset,
         },
-        SuperblockFault::Version(major, minor) => SquashfsError::Version {
+        SuperblockFault::Version(major, minor) => ImageError::SquashfsVersion {
             path: path.to_path_buf(),
             offset,
             major,
             minor,
         },
-        SuperblockFault::Corrupt(why) => SquashfsError::Corrupt {
+        SuperblockFault::Corrupt(why) => ImageError::SquashfsCorrupt {
             path: path.to_path_buf(),
             offset,
             why,
         },
-        SuperblockFault::Compression(c) => SquashfsError::Compression {
+        SuperblockFault::Compression(c) => ImageError::Compression {
             path: path.to_path_buf(),
             compression: c.name(),
         },
     })?;
     let available = meta.len().saturating_sub(offset);
     if sb.bytes_used > available {
-        return Err(SquashfsError::Corrupt {
+        return Err(ImageError::SquashfsCorrupt {
             path: path.to_path_buf(),
             offset,
             why: format!(
@@ -227,8 +184,8 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 }
 
 /// `sha256:<hex>` of a whole file, streamed.
-pub fn sha256_file(path: &Path) -> Result<String, SquashfsError> {
-    let io = |source| SquashfsError::Io {
+pub fn sha256_file(path: &Path) -> Result<String, ImageError> {
+    let io = |source| ImageError::SquashfsIo {
         path: path.to_path_buf(),
         source,
     };
@@ -262,13 +219,13 @@ pub struct InspectOptions {
     pub enroot_entrypoint: bool,
 }
 
-fn absolute_file(path: &Path) -> Result<PathBuf, SquashfsError> {
-    let file = std::fs::canonicalize(path).map_err(|source| SquashfsError::Io {
+fn absolute_file(path: &Path) -> Result<PathBuf, ImageError> {
+    let file = std::fs::canonicalize(path).map_err(|source| ImageError::SquashfsIo {
         path: path.to_path_buf(),
         source,
     })?;
     if !std::fs::metadata(&file).is_ok_and(|m| m.is_file()) {
-        return Err(SquashfsError::NotAFile {
+        return Err(ImageError::NotAFile {
             path: path.to_path_buf(),
         });
     }
@@ -282,7 +239,7 @@ pub fn inspect_squashfs(path: &Path) -> Result<Image, ImageError> {
 }
 
 pub fn inspect_squashfs_with(path: &Path, opts: &InspectOptions) -> Result<Image, ImageError> {
-    let file = absolute_file(path)?;
+    let file = absolute_file(path).map_err(ImageError::plain_io)?;
     inspect_squashfs_at(&file, &file, opts)
 }
 
@@ -293,16 +250,16 @@ pub fn inspect_squashfs_at(
     shown: &Path,
     opts: &InspectOptions,
 ) -> Result<Image, ImageError> {
-    probe_squashfs_magic(read, 0)?;
+    probe_squashfs_magic(read, 0).map_err(ImageError::plain_io)?;
     let size = std::fs::metadata(read)
         .map_err(|source| ImageError::Io {
             path: shown.to_path_buf(),
             source,
         })?
         .len();
-    let files = SquashfsFiles::open(read, 0)?;
+    let files = SquashfsFiles::open(read, 0).map_err(ImageError::plain_io)?;
     let config = image_config(synth::enroot(&files, opts.enroot_entrypoint));
-    let digest = sha256_file(read)?;
+    let digest = sha256_file(read).map_err(ImageError::plain_io)?;
     Ok(Image {
         digest,
         source: Reference::Squashfs(shown.to_path_buf()),
@@ -319,7 +276,7 @@ pub fn inspect_squashfs_at(
 /// An Apptainer SIF as an image: its primary squashfs partition, at its offset in the file.
 /// The digest is the sha256 of the whole SIF file.
 pub fn inspect_sif(path: &Path) -> Result<Image, ImageError> {
-    let file = absolute_file(path)?;
+    let file = absolute_file(path).map_err(ImageError::plain_io)?;
     inspect_sif_at(&file, &file)
 }
 
@@ -327,29 +284,28 @@ pub fn inspect_sif(path: &Path) -> Result<Image, ImageError> {
 /// named `shown`.
 pub fn inspect_sif_at(read: &Path, shown: &Path) -> Result<Image, ImageError> {
     let file = read.to_path_buf();
-    let sif = Sif::open(&file)?;
+    let sif = Sif::open(&file).map_err(ImageError::plain_io)?;
     let part = sif
         .primary_partition()
-        .map_err(|fault| SifError::Format {
+        .map_err(|fault| ImageError::Sif {
             path: file.clone(),
             fault,
         })?
         .clone();
-    let sb = probe_squashfs_magic(&file, part.offset)?;
+    let sb = probe_squashfs_magic(&file, part.offset).map_err(ImageError::plain_io)?;
     if sb.bytes_used > part.size {
-        return Err(SquashfsError::Corrupt {
+        return Err(ImageError::SquashfsCorrupt {
             path: file,
             offset: part.offset,
             why: format!(
                 "it needs {} bytes but its SIF partition holds {}",
                 sb.bytes_used, part.size
             ),
-        }
-        .into());
+        });
     }
-    let files = SquashfsFiles::open(&file, part.offset)?;
+    let files = SquashfsFiles::open(&file, part.offset).map_err(ImageError::plain_io)?;
     let config = image_config(synth::apptainer(&files));
-    let digest = sha256_file(&file)?;
+    let digest = sha256_file(&file).map_err(ImageError::plain_io)?;
     Ok(Image {
         digest,
         source: Reference::Sif(shown.to_path_buf()),
@@ -394,12 +350,12 @@ impl std::fmt::Debug for SquashfsFiles {
 }
 
 impl SquashfsFiles {
-    pub fn open(path: &Path, offset: u64) -> Result<Self, SquashfsError> {
-        let file = File::open(path).map_err(|source| SquashfsError::Io {
+    pub fn open(path: &Path, offset: u64) -> Result<Self, ImageError> {
+        let file = File::open(path).map_err(|source| ImageError::SquashfsIo {
             path: path.to_path_buf(),
             source,
         })?;
-        let corrupt = |why: String| SquashfsError::Corrupt {
+        let corrupt = |why: String| ImageError::SquashfsCorrupt {
             path: path.to_path_buf(),
             offset,
             why: format!("reading its directory tree failed: {why}"),
@@ -591,22 +547,19 @@ mod tests {
         let path = testdata("one-group.sif");
         probe_squashfs_magic(&path, 36864).unwrap();
         let err = probe_squashfs_magic(&path, 32768).unwrap_err();
-        assert!(matches!(
-            err,
-            SquashfsError::NotSquashfs { offset: 32768, .. }
-        ));
-        let text = ImageError::from(err).to_string();
+        assert!(matches!(err, ImageError::NotSquashfs { offset: 32768, .. }));
+        let text = err.to_string();
         assert!(
             text.contains("not a squashfs image") && !text.contains('\n'),
             "{text}"
         );
         assert!(matches!(
             probe_squashfs_magic(Path::new("/"), 0),
-            Err(SquashfsError::NotAFile { .. })
+            Err(ImageError::NotAFile { .. })
         ));
         assert!(matches!(
             probe_squashfs_magic(&path, 1 << 30),
-            Err(SquashfsError::NotSquashfs { .. })
+            Err(ImageError::NotSquashfs { .. })
         ));
     }
 

@@ -393,7 +393,7 @@ mod tests {
         c.squashfs.check().unwrap();
         assert!(!c.squashfs.enroot_entrypoint);
         let bad = Config::parse("[squashfs]\ncompression_level = 23\n").unwrap();
-        let err = bad.squashfs.check().unwrap_err();
+        let err = bad.squashfs.check().unwrap_err().to_string();
         assert!(err.contains("zstd takes 1-22"), "{err}");
         let lz4 = Config::parse("[squashfs]\ncompression = \"lz4\"\ncompression_level = 99\n");
         assert!(

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use berth_image::ImageError;
+use berth_image::ErrorKind;
 use berth_image::import::{self, Opened, Requester};
 use berth_image::reference;
 use berth_image::store::{self, InUse, Store};
@@ -84,7 +84,7 @@ pub fn resolve(
     let reference = reference::parse(text).map_err(SlurmError::Image)?;
     let opened = if store::is_local_path(&reference) {
         Some(Opened::open(&reference, Some(user)).map_err(|e| match e {
-            ImageError::Format(m) => SlurmError::Input(m),
+            e if e.kind() == ErrorKind::Format => SlurmError::Input(e.to_string()),
             other => SlurmError::Image(other),
         })?)
     } else {

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use berth_runtime::state;
 use berth_topology::health::{self, Options, Report};
-use berth_topology::kmsg;
+use berth_topology::{TopologyError, kmsg};
 
 use crate::SlurmError;
 use crate::config::Config;
@@ -106,7 +106,7 @@ pub fn report(
     let kmsg_path = kmsg_path
         .map(Path::to_path_buf)
         .unwrap_or_else(|| host.path("/dev/kmsg"));
-    let records = kmsg::read(&kmsg_path).map_err(|e| e.to_string());
+    let records = kmsg::read(&kmsg_path);
     let job = if job_start || window == XidWindow::Job {
         Some(job_id()?)
     } else {
@@ -132,10 +132,13 @@ pub fn report(
             seq.map(Some)
         }
     };
+    let no_window = TopologyError::Value(
+        "no window: use --job-start/--job-end, --xid-after or --all-xids".into(),
+    );
     let xids = match (&records, after) {
-        (_, None) => Err("no window: use --job-start/--job-end, --xid-after or --all-xids".into()),
+        (_, None) => Err(&no_window),
         (Ok(r), Some(after)) => Ok(kmsg::xids(r, after)),
-        (Err(e), Some(_)) => Err(e.clone()),
+        (Err(e), Some(_)) => Err(e),
     };
     let opts = Options {
         expected_gpus: expect_gpus.or(config.topology.expected_gpus),
@@ -143,9 +146,5 @@ pub fn report(
         ignore_ports: config.topology.ignore_ports.clone(),
         check_gpu_link_speed: config.topology.check_gpu_link_speed,
     };
-    Ok(health::check(
-        &node,
-        xids.as_deref().map_err(|e| e.clone()),
-        &opts,
-    ))
+    Ok(health::check(&node, xids.as_deref().map_err(|e| *e), &opts))
 }

@@ -559,9 +559,7 @@ fn as_user(
     gid: u32,
     f: impl FnOnce() -> std::io::Result<()>,
 ) -> Result<(), berth_stage::StageError> {
-    berth_stage::as_user(&spec::user::by_id(uid, gid), || {
-        f().map_err(|e| e.to_string())
-    })
+    berth_stage::as_user(&spec::user::by_id(uid, gid), f)
 }
 
 #[cfg(test)]

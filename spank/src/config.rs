@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use crate::SpankError;
 use crate::options::parse_bool;
 
 /// Where named containers live: per job (removed by the Epilog) or per user across jobs.
@@ -39,36 +40,33 @@ pub const DEFAULT_SCRATCH_ROOT: &str = "/var/tmp/berth-scratch";
 /// The root of the jobs' scratch directories, from berth's configuration file `path` (the
 /// `config=` argument; `None`: berth's default file, which may be absent). The error is for the
 /// user's line.
-pub fn job_scratch_root(path: Option<&std::path::Path>) -> Result<PathBuf, String> {
+pub fn job_scratch_root(path: Option<&std::path::Path>) -> Result<PathBuf, SpankError> {
     let file = path.map_or_else(|| PathBuf::from(DEFAULT_BERTH_CONFIG), PathBuf::from);
     let text = match std::fs::read_to_string(&file) {
         Ok(t) => Some(t),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && path.is_none() => None,
-        Err(e) => {
-            return Err(format!(
-                "cannot read {}: {}: check config= in plugstack.conf",
-                file.display(),
-                crate::io_text(&e)
-            ));
-        }
+        Err(source) => return Err(SpankError::ConfigRead { path: file, source }),
     };
-    scratch_root(text.as_deref()).map_err(|e| format!("{}: {e}", file.display()))
+    scratch_root(text.as_deref()).map_err(|e| SpankError::ConfigFile {
+        path: file,
+        source: Box::new(e),
+    })
 }
 
 /// The root of the jobs' scratch directories, `[scratch] root` in berth's configuration text
 /// (`None`: no file, berth's defaults). The plugin reads only this key: the scratch of a job is
 /// `ROOT/JOB` by berth's rule, so every step can be told where it is without running berth.
-pub fn scratch_root(berth_toml: Option<&str>) -> Result<PathBuf, String> {
+pub fn scratch_root(berth_toml: Option<&str>) -> Result<PathBuf, SpankError> {
     let Some(text) = berth_toml else {
         return Ok(PathBuf::from(DEFAULT_SCRATCH_ROOT));
     };
     let table: toml::Table = text
         .parse()
-        .map_err(|e: toml::de::Error| e.message().to_string())?;
+        .map_err(|e: toml::de::Error| SpankError::ConfigSyntax(e.message().to_string()))?;
     match table.get("scratch").and_then(|s| s.get("root")) {
         None => Ok(PathBuf::from(DEFAULT_SCRATCH_ROOT)),
         Some(toml::Value::String(s)) if s.starts_with('/') => Ok(PathBuf::from(s)),
-        Some(_) => Err("[scratch] root is not an absolute path".to_string()),
+        Some(_) => Err(SpankError::ScratchRoot),
     }
 }
 
@@ -195,8 +193,9 @@ mod tests {
         );
         scratch_root(Some("[scratch]\nroot = \"rel\"\n")).unwrap_err();
         scratch_root(Some("[scratch\n")).unwrap_err();
-        let e =
-            job_scratch_root(Some(std::path::Path::new("/nonexistent/berth.toml"))).unwrap_err();
+        let e = job_scratch_root(Some(std::path::Path::new("/nonexistent/berth.toml")))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("cannot read /nonexistent/berth.toml: "),
             "{e}"

@@ -13,6 +13,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
+use crate::SpankError;
 use crate::request::Namespace;
 
 #[repr(C)]
@@ -75,37 +76,17 @@ pub fn keep_caps_across_setuid() -> io::Result<()> {
     Ok(())
 }
 
-/// Why a task could not join its container.
-#[derive(Debug, thiserror::Error)]
-pub enum JoinError {
-    #[error(
-        "cannot join the container: the task lost CAP_SYS_ADMIN before slurm_spank_task_init \
-         (this Slurm version drops capabilities earlier than berth expects): report it with the \
-         Slurm version"
-    )]
-    NoCapability,
-    #[error("cannot join the container's {ns} namespace: {}", crate::io_text(.source))]
-    Setns { ns: &'static str, source: io::Error },
-    #[error("cannot change the task's capabilities: {}", crate::io_text(.0))]
-    Caps(io::Error),
-    #[error(
-        "cannot install the remap-root seccomp filter (chown and setuid calls that report \
-         success): {}", crate::io_text(.0)
-    )]
-    Seccomp(io::Error),
-}
-
 /// Joins every namespace in `namespaces` (already in joining order), then leaves the task with
 /// no capability in any set (bounding and ambient included), no keep-caps flag and
 /// `no_new_privs`, so the program Slurm executes next cannot gain privileges by any means. On
 /// error the capabilities are cleared too, and the caller fails the task.
-pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), JoinError> {
+pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), SpankError> {
     let result = join(namespaces).and_then(|()| {
         // After the joins: joining a user namespace resets the bounding set to full.
-        drop_bounding_set().map_err(JoinError::Caps)?;
+        drop_bounding_set().map_err(SpankError::Caps)?;
         // SAFETY: prctl with integer arguments only.
         if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } < 0 {
-            return Err(JoinError::Caps(io::Error::last_os_error()));
+            return Err(SpankError::Caps(io::Error::last_os_error()));
         }
         // A remapped container's tasks get berth's filter, as Pyxis installs Enroot's here;
         // after no_new_privs, which it needs (see berth-sys's seccomp module for why it grants
@@ -114,13 +95,13 @@ pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), JoinError> {
             .iter()
             .any(|(ns, _)| matches!(ns, Namespace::User))
         {
-            berth_sys::seccomp::install().map_err(JoinError::Seccomp)?;
+            berth_sys::seccomp::install().map_err(SpankError::Seccomp)?;
         }
         Ok(())
     });
     let cleared = drop_all_caps();
     result?;
-    cleared.map_err(JoinError::Caps)
+    cleared.map_err(SpankError::Caps)
 }
 
 /// Drops every capability from the bounding set (needs CAP_SETPCAP in the effective set).
@@ -139,19 +120,19 @@ fn drop_bounding_set() -> io::Result<()> {
     Ok(())
 }
 
-fn join(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), JoinError> {
+fn join(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), SpankError> {
     let need = bit(CAP_SYS_ADMIN) | bit(CAP_SYS_CHROOT) | bit(CAP_SETPCAP);
-    let mut caps = capget().map_err(JoinError::Caps)?;
+    let mut caps = capget().map_err(SpankError::Caps)?;
     if caps[0].permitted & need != need {
-        return Err(JoinError::NoCapability);
+        return Err(SpankError::NoCapability);
     }
     caps[0].effective |= need;
-    capset(&caps).map_err(JoinError::Caps)?;
+    capset(&caps).map_err(SpankError::Caps)?;
     for (ns, fd) in namespaces {
         // SAFETY: setns on a namespace file descriptor this process owns, checked against its
         // CLONE_NEW* type.
         if unsafe { libc::setns(fd.as_raw_fd(), ns.clone_flag()) } < 0 {
-            return Err(JoinError::Setns {
+            return Err(SpankError::Setns {
                 ns: ns.key(),
                 source: io::Error::last_os_error(),
             });
@@ -261,7 +242,7 @@ mod tests {
                 Err(_) => return 12,
             };
             match enter(&[(Namespace::Uts, fd)]) {
-                Err(JoinError::NoCapability) => 0,
+                Err(SpankError::NoCapability) => 0,
                 _ => 13,
             }
         });

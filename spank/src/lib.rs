@@ -11,6 +11,7 @@
 //! needs Slurm's symbols and is tested end to end on a real Slurm (tests/root_slurm.rs).
 
 mod config;
+mod error;
 mod join;
 /// berth's own parser of `--container-mounts`, from the protocol crate both sides share: the
 /// plugin checks entries one by one and leaves the rest of it to berth.
@@ -24,6 +25,8 @@ mod runner;
 mod ffi;
 #[cfg(not(test))]
 mod plugin;
+
+pub(crate) use error::SpankError;
 
 /// An I/O error as a user reads it: "No such file or directory", without Rust's
 /// " (os error 2)" suffix.

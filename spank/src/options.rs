@@ -13,6 +13,8 @@ use std::ffi::CStr;
 
 use serde_json::{Map, Value};
 
+use crate::SpankError;
+
 /// One value a user can set: a string, a comma-separated list, or a boolean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Key {
@@ -280,30 +282,6 @@ impl std::fmt::Display for Source {
     }
 }
 
-/// A value a user gave that berth cannot use; the message is the one line the user sees.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum OptionError {
-    #[error("--{flag}{origin}: an argument is required")]
-    Empty { flag: &'static str, origin: Source },
-    #[error("--{flag} given twice with different values ('{first}' and '{second}'): give it once")]
-    Conflict {
-        flag: &'static str,
-        first: String,
-        second: String,
-    },
-    #[error("--{yes} and --{no} both given: give one of them")]
-    BothWays { yes: &'static str, no: &'static str },
-    #[error("--{flag}{origin}: invalid value '{value}': {hint}")]
-    Invalid {
-        flag: &'static str,
-        origin: Source,
-        value: String,
-        hint: std::borrow::Cow<'static, str>,
-    },
-    #[error("${var}: '{value}' is not a boolean: use 1 or 0 (also true/false, yes/no, on/off)")]
-    NotBool { var: String, value: String },
-}
-
 /// The values the user set; `None` / empty means "not set" (berth applies its default).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Options {
@@ -326,7 +304,7 @@ pub struct Options {
 
 impl Options {
     /// Applies flag `FLAGS[index]` with its argument (callback of `--NAME[=ARG]`).
-    pub fn apply_flag(&mut self, index: usize, arg: Option<&str>) -> Result<(), OptionError> {
+    pub fn apply_flag(&mut self, index: usize, arg: Option<&str>) -> Result<(), SpankError> {
         let Some(flag) = FLAGS.get(index) else {
             return Ok(());
         };
@@ -339,10 +317,7 @@ impl Options {
     /// Fills every value not set by a flag from the environment: `BERTH_CONTAINER_*`, else
     /// `PYXIS_CONTAINER_*`. Empty variables count as unset. `lookup` reads one variable (the
     /// process environment in srun/sbatch, the job's in slurmstepd).
-    pub fn apply_env(
-        &mut self,
-        lookup: impl Fn(&str) -> Option<String>,
-    ) -> Result<(), OptionError> {
+    pub fn apply_env(&mut self, lookup: impl Fn(&str) -> Option<String>) -> Result<(), SpankError> {
         for key in Key::ALL {
             if self.is_set(key) {
                 continue;
@@ -362,7 +337,7 @@ impl Options {
                 lookup(&var).filter(|v| !v.is_empty()).map(|v| (var, v))
             });
             if let Some((var, value)) = found {
-                let readonly = parse_bool(&value).ok_or(OptionError::NotBool {
+                let readonly = parse_bool(&value).ok_or(SpankError::NotBool {
                     var: var.clone(),
                     value: value.clone(),
                 })?;
@@ -372,14 +347,14 @@ impl Options {
         Ok(())
     }
 
-    fn set_from_env(&mut self, key: Key, var: &str, value: &str) -> Result<(), OptionError> {
+    fn set_from_env(&mut self, key: Key, var: &str, value: &str) -> Result<(), SpankError> {
         match key {
             Key::MountHome
             | Key::RemapRoot
             | Key::Entrypoint
             | Key::EntrypointLog
             | Key::Writable => {
-                let b = parse_bool(value).ok_or_else(|| OptionError::NotBool {
+                let b = parse_bool(value).ok_or_else(|| SpankError::NotBool {
                     var: var.to_string(),
                     value: value.to_string(),
                 })?;
@@ -409,7 +384,7 @@ impl Options {
         }
     }
 
-    fn set_bool(&mut self, key: Key, value: bool) -> Result<(), OptionError> {
+    fn set_bool(&mut self, key: Key, value: bool) -> Result<(), SpankError> {
         let slot = match key {
             Key::MountHome => &mut self.mount_home,
             Key::RemapRoot => &mut self.remap_root,
@@ -421,7 +396,7 @@ impl Options {
         match *slot {
             Some(old) if old != value => {
                 let (yes, no) = pair_names(key);
-                Err(OptionError::BothWays { yes, no })
+                Err(SpankError::BothWays { yes, no })
             }
             _ => {
                 *slot = Some(value);
@@ -430,15 +405,15 @@ impl Options {
         }
     }
 
-    fn set_value(&mut self, key: Key, value: &str, source: &Source) -> Result<(), OptionError> {
+    fn set_value(&mut self, key: Key, value: &str, source: &Source) -> Result<(), SpankError> {
         let flag = key.flag();
         if value.is_empty() {
-            return Err(OptionError::Empty {
+            return Err(SpankError::Empty {
                 flag,
                 origin: source.clone(),
             });
         }
-        let invalid_because = |hint: std::borrow::Cow<'static, str>| OptionError::Invalid {
+        let invalid_because = |hint: std::borrow::Cow<'static, str>| SpankError::Invalid {
             flag,
             origin: source.clone(),
             value: value.to_string(),
@@ -513,12 +488,9 @@ impl Options {
 
     /// Adds the bind mount of the batch script `path` (a file in slurmd's spool directory) at
     /// the same path, read-only, so slurmstepd can execute it inside the container.
-    pub fn add_batch_script(&mut self, path: &str) -> Result<(), String> {
+    pub fn add_batch_script(&mut self, path: &str) -> Result<(), SpankError> {
         if !path.starts_with('/') || path.contains([':', ',']) {
-            return Err(format!(
-                "the batch script path '{path}' cannot be mounted into the container: \
-                 SlurmdSpoolDir must be an absolute path without ':' or ','"
-            ));
+            return Err(SpankError::BatchScript(path.to_string()));
         }
         push_unique(
             &mut self.mounts,
@@ -621,9 +593,9 @@ fn pair_names(key: Key) -> (&'static str, &'static str) {
     (yes, no)
 }
 
-fn set_once(slot: &mut Option<String>, flag: &'static str, value: &str) -> Result<(), OptionError> {
+fn set_once(slot: &mut Option<String>, flag: &'static str, value: &str) -> Result<(), SpankError> {
     match slot {
-        Some(old) if old != value => Err(OptionError::Conflict {
+        Some(old) if old != value => Err(SpankError::Conflict {
             flag,
             first: old.clone(),
             second: value.to_string(),
@@ -743,7 +715,7 @@ mod tests {
             .unwrap_or_else(|| panic!("no flag {name}"))
     }
 
-    fn flag(o: &mut Options, name: &str, arg: Option<&str>) -> Result<(), OptionError> {
+    fn flag(o: &mut Options, name: &str, arg: Option<&str>) -> Result<(), SpankError> {
         o.apply_flag(index(name), arg)
     }
 
@@ -813,7 +785,7 @@ mod tests {
             "--container-workdir: an argument is required"
         );
         let e = flag(&mut o, "container-workdir", None).unwrap_err();
-        assert!(matches!(e, OptionError::Empty { .. }));
+        assert!(matches!(e, SpankError::Empty { .. }));
     }
 
     #[test]
@@ -1017,7 +989,12 @@ mod tests {
             "/data:/data,/var/spool/slurmd/job00012/slurm_script:/var/spool/slurmd/job00012/slurm_script:ro"
         );
         for bad in ["relative/slurm_script", "/a:b/slurm_script", "/a,b/x"] {
-            assert!(o.add_batch_script(bad).unwrap_err().contains(bad));
+            assert!(
+                o.add_batch_script(bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains(bad)
+            );
         }
     }
 
@@ -1028,7 +1005,7 @@ mod tests {
         flag(&mut o, "container-bind", Some("none")).unwrap();
         assert_eq!(o.bind.as_deref(), Some("none"));
         let e = flag(&mut o, "container-bind", Some("closest")).unwrap_err();
-        assert!(matches!(e, OptionError::Conflict { .. }), "{e}");
+        assert!(matches!(e, SpankError::Conflict { .. }), "{e}");
         let e = flag(&mut Options::default(), "container-bind", Some("nearest")).unwrap_err();
         assert_eq!(
             e.to_string(),

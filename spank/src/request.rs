@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 pub use berth_proto::answer::Created;
 use berth_proto::step::{Options, PluginConfig as WirePluginConfig, StepRequest};
 
+use crate::SpankError;
 use crate::config::PluginConfig;
 
 /// The identity of the step on this node, from `spank_get_item`.
@@ -29,9 +30,8 @@ pub fn create_request(
     options: &Map<String, Value>,
     config: &PluginConfig,
     job_env: &[String],
-) -> Result<StepRequest, String> {
-    let options = Options::from_json(Value::Object(options.clone()))
-        .map_err(|e| format!("the plugin's options do not fit the protocol: {e}"))?;
+) -> Result<StepRequest, SpankError> {
+    let options = Options::from_json(Value::Object(options.clone()))?;
     let mut request = StepRequest::new(step.job_id.into(), step.step_id.into(), step.uid, step.gid);
     request.local_task_count = step.local_task_count;
     request.options = options;
@@ -131,12 +131,10 @@ pub fn pmix_mca(getenv: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, S
 }
 
 /// The namespaces of berth's answer with their paths, in joining order.
-pub fn join_order(created: &Created) -> Result<Vec<(Namespace, &str)>, String> {
+pub fn join_order(created: &Created) -> Result<Vec<(Namespace, &str)>, SpankError> {
     let mut list = Vec::new();
     for (key, path) in &created.namespaces {
-        let ns = Namespace::from_key(key).ok_or_else(|| {
-            format!("berth step create reported namespace '{key}', which a task cannot join")
-        })?;
+        let ns = Namespace::from_key(key).ok_or_else(|| SpankError::Namespace(key.clone()))?;
         list.push((ns, path.as_str()));
     }
     list.sort();
@@ -250,7 +248,9 @@ mod tests {
         assert_eq!(json["plugin"].as_object().unwrap().len(), 3);
         // An option the protocol does not define is the plugin's bug, named before berth runs.
         options.insert("container-nonsense".into(), true.into());
-        let e = create_request(&step(), &options, &config, &env).unwrap_err();
+        let e = create_request(&step(), &options, &config, &env)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("container-nonsense"), "{e}");
     }
 
@@ -280,7 +280,7 @@ mod tests {
                 1,
             );
         let c = Created::parse(pid_ns.as_bytes()).unwrap();
-        let e = join_order(&c).unwrap_err();
+        let e = join_order(&c).unwrap_err().to_string();
         assert!(
             e.contains("namespace 'pid', which a task cannot join"),
             "{e}"

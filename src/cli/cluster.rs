@@ -64,9 +64,7 @@ fn ask(
     body: Option<Vec<u8>>,
     leader_only: bool,
 ) -> Result<Vec<u8>, Failure> {
-    let (addr, status, bytes) = client
-        .request(path, body.as_deref(), leader_only)
-        .map_err(Failure::system)?;
+    let (addr, status, bytes) = client.request(path, body.as_deref(), leader_only)?;
     if status != 200 {
         return Err(fail_answer(&addr, status, &bytes));
     }

@@ -3,7 +3,7 @@
 //! and the container's own statuses (126, 127, the command's) passed through.
 
 use berth_agent::AgentError;
-use berth_image::ImageError;
+use berth_image::{ErrorKind, ImageError};
 use berth_runtime::RuntimeError;
 use berth_slurm::SlurmError;
 use berth_topology::TopologyError;
@@ -41,11 +41,11 @@ impl Failure {
 
 impl From<ImageError> for Failure {
     fn from(e: ImageError) -> Self {
-        match e {
-            ImageError::Reference(..) => Failure::input(e.to_string()),
-            other => Failure {
+        match e.kind() {
+            ErrorKind::Reference => Failure::input(e.to_string()),
+            _ => Failure {
                 code: IMAGE,
-                message: other.to_string(),
+                message: e.to_string(),
             },
         }
     }
@@ -131,5 +131,16 @@ mod tests {
         assert_eq!(Failure::from(refused).code, INPUT);
         let io = berth_stage::StageError::Verify { path: "/x".into() };
         assert_eq!(Failure::from(io).code, HOST);
+        let reference = ImageError::Reference("ubuntu:".into(), "empty tag after ':'".into());
+        assert_eq!(Failure::from(reference).code, INPUT);
+        assert_eq!(Failure::from(ImageError::NotStored("x".into())).code, IMAGE);
+        let unreachable = AgentError::Image(ImageError::Unreachable {
+            image: "x".into(),
+            registry: "r".into(),
+            attempts: 1,
+            detail: "refused".into(),
+        });
+        assert_eq!(Failure::from(unreachable).code, IMAGE);
+        assert_eq!(Failure::from(AgentError::host("no controller")).code, HOST);
     }
 }

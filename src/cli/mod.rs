@@ -333,7 +333,7 @@ pub mod values {
     pub fn duration(text: &str) -> Result<String, String> {
         crate::image::store::parse_duration(text)
             .map(|_| text.to_string())
-            .map_err(|e| e.replace(text, &super::elide(text)))
+            .map_err(|e| e.to_string().replace(text, &super::elide(text)))
     }
 
     /// `--mount SRC:DST[:ro|rw]`.

@@ -611,13 +611,11 @@ pub(super) fn stage_cached(
 ) -> Result<Report, StageError> {
     let start = Instant::now();
     let workers = opts.workers;
-    let mut manifest = as_user(user, || survey(canon, workers).map_err(|e| e.to_string()))?;
+    let mut manifest = as_user(user, || survey(canon, workers))?;
     manifest.xattrs = opts.xattrs;
     if manifest.bytes() > cache.max_bytes {
         // Larger than the whole cache: copied as without one.
-        return as_user(user, || {
-            super::stage(canon, base, rel, opts).map_err(|e| e.to_string())
-        });
+        return as_user(user, || super::stage(canon, base, rel, opts));
     }
     let c = Cache::open(&cache.dir)?;
     let key = key(canon);
@@ -643,9 +641,7 @@ pub(super) fn stage_cached(
                         cache.dir.display(),
                         canon.display()
                     );
-                    return as_user(user, || {
-                        super::stage(canon, base, rel, opts).map_err(|e| e.to_string())
-                    });
+                    return as_user(user, || super::stage(canon, base, rel, opts));
                 }
                 Err(e) => return Err(e),
             }
@@ -668,7 +664,7 @@ pub(super) fn stage_cached(
     report.bytes_copied = copied.1;
     if opts.verify {
         let dest = base.join(rel);
-        as_user(user, || verify(&manifest, &dest).map_err(|e| e.to_string()))?;
+        as_user(user, || verify(&manifest, &dest))?;
         report.verified = true;
     }
     c.evict(cache.max_bytes);

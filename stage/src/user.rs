@@ -3,7 +3,7 @@
 use std::io::{Read, Write};
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{Options, Report, StageError, cache, stage};
 use berth_spec::user::UserIds;
@@ -34,18 +34,26 @@ pub fn stage_as(
     {
         return cache::stage_cached(user, &canon, base, rel, opts, cache);
     }
-    as_user(user, || {
-        stage(source, base, rel, opts).map_err(|e| e.to_string())
-    })
+    as_user(user, || stage(source, base, rel, opts))
+}
+
+/// What the staging child sends the parent through the pipe: its value, or its failure as the
+/// one line the parent reports ([`StageError::Child`]); the error's own type (an `io::Error`
+/// inside) does not cross a process boundary.
+#[derive(Serialize, Deserialize)]
+enum ChildResult<T> {
+    Done(T),
+    Failed { message: String },
 }
 
 /// Runs `f` in a forked child with `user`'s uid, gid and groups and returns its result (the
 /// caller must be root and single-threaded; see [`stage_as`]). `berth step` writes
 /// `--container-save` through it too.
-pub fn as_user<T, F>(user: &UserIds, f: F) -> Result<T, StageError>
+pub fn as_user<T, E, F>(user: &UserIds, f: F) -> Result<T, StageError>
 where
     T: Serialize + serde::de::DeserializeOwned,
-    F: FnOnce() -> Result<T, String>,
+    E: std::fmt::Display,
+    F: FnOnce() -> Result<T, E>,
 {
     use nix::sys::wait::waitpid;
     use nix::unistd::{ForkResult, Gid, Uid, fork, setgroups, setresgid, setresuid};
@@ -63,7 +71,7 @@ where
             let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
             let gid = Gid::from_raw(user.gid);
             let uid = Uid::from_raw(user.uid);
-            let result: Result<T, String> = setgroups(&groups)
+            let result = setgroups(&groups)
                 .and_then(|_| setresgid(gid, gid, gid))
                 .and_then(|_| setresuid(uid, uid, uid))
                 .map_err(|e| format!("staging as uid {}: dropping privileges: {e}", user.uid))
@@ -80,9 +88,13 @@ where
                         unsafe { libc::_exit(1) }
                     }
                 })
-                .and_then(|_| f());
-            let mut w = std::fs::File::from(writer);
+                .and_then(|_| f().map_err(|e| e.to_string()));
             let ok = result.is_ok();
+            let result = match result {
+                Ok(value) => ChildResult::Done(value),
+                Err(message) => ChildResult::Failed { message },
+            };
+            let mut w = std::fs::File::from(writer);
             let _ = w.write_all(&serde_json::to_vec(&result).unwrap_or_default());
             drop(w);
             // SAFETY: leaving the child without running the parent's exit handlers.
@@ -93,9 +105,9 @@ where
             let mut buf = Vec::new();
             let _ = std::fs::File::from(reader).read_to_end(&mut buf);
             let status = waitpid(child, None);
-            match serde_json::from_slice::<Result<T, String>>(&buf) {
-                Ok(Ok(value)) => Ok(value),
-                Ok(Err(message)) => Err(StageError::Child(message)),
+            match serde_json::from_slice::<ChildResult<T>>(&buf) {
+                Ok(ChildResult::Done(value)) => Ok(value),
+                Ok(ChildResult::Failed { message }) => Err(StageError::Child(message)),
                 Err(_) => Err(cred_err(format!(
                     "the staging process ended without a result ({status:?})",
                 ))),

@@ -150,74 +150,95 @@ impl CdiSpec {
         } else {
             serde_norway::from_str(text).map_err(|e| err(e.to_string()))?
         };
-        spec.validate().map_err(err)?;
+        spec.validate().map_err(|e| err(e.to_string()))?;
         Ok(spec)
     }
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), TopologyError> {
         if !VERSIONS.contains(&self.cdi_version.as_str()) {
-            return Err(format!(
+            return Err(TopologyError::Value(format!(
                 "cdiVersion '{}' is not supported: berth reads {} to {}",
                 self.cdi_version,
                 VERSIONS[0],
                 VERSIONS[VERSIONS.len() - 1]
-            ));
+            )));
         }
         if !self
             .kind
             .split_once('/')
             .is_some_and(|(v, c)| name_ok(v, &[]) && name_ok(c, &[]))
         {
-            return Err(format!("kind '{}' is not vendor.com/class", self.kind));
+            return Err(TopologyError::Value(format!(
+                "kind '{}' is not vendor.com/class",
+                self.kind
+            )));
         }
         let mut seen = Vec::new();
         for d in &self.devices {
             if !name_ok(&d.name, &[':']) {
-                return Err(format!("device name '{}' is invalid", d.name));
+                return Err(TopologyError::Value(format!(
+                    "device name '{}' is invalid",
+                    d.name
+                )));
             }
             if seen.contains(&&d.name) {
-                return Err(format!("device '{}' is defined twice", d.name));
+                return Err(TopologyError::Value(format!(
+                    "device '{}' is defined twice",
+                    d.name
+                )));
             }
             seen.push(&d.name);
             d.container_edits
                 .validate()
-                .map_err(|e| format!("device '{}': {e}", d.name))?;
+                .map_err(|e| TopologyError::Value(format!("device '{}': {e}", d.name)))?;
         }
         self.container_edits.validate()
     }
 }
 
 impl ContainerEdits {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), TopologyError> {
         for e in &self.env {
             if e.split_once('=').is_none_or(|(k, _)| k.is_empty()) {
-                return Err(format!("env '{e}' is not KEY=VALUE"));
+                return Err(TopologyError::Value(format!("env '{e}' is not KEY=VALUE")));
             }
         }
         for d in &self.device_nodes {
             if !d.path.starts_with('/') {
-                return Err(format!("device node path '{}' is not absolute", d.path));
+                return Err(TopologyError::Value(format!(
+                    "device node path '{}' is not absolute",
+                    d.path
+                )));
             }
             if let Some(t) = &d.typ
                 && !["c", "b", "u", "p"].contains(&t.as_str())
             {
-                return Err(format!("device node {} has type '{t}'", d.path));
+                return Err(TopologyError::Value(format!(
+                    "device node {} has type '{t}'",
+                    d.path
+                )));
             }
         }
         for m in &self.mounts {
             if !m.container_path.starts_with('/') {
-                return Err(format!(
+                return Err(TopologyError::Value(format!(
                     "mount containerPath '{}' is not absolute",
                     m.container_path
-                ));
+                )));
             }
         }
         for h in &self.hooks {
             if !HOOK_NAMES.contains(&h.hook_name.as_str()) {
-                return Err(format!("hook name '{}' is unknown", h.hook_name));
+                return Err(TopologyError::Value(format!(
+                    "hook name '{}' is unknown",
+                    h.hook_name
+                )));
             }
             if !h.path.starts_with('/') {
-                return Err(format!("hook path '{}' is not absolute", h.path));
+                return Err(TopologyError::Value(format!(
+                    "hook path '{}' is not absolute",
+                    h.path
+                )));
             }
         }
         Ok(())
@@ -241,12 +262,33 @@ struct Entry {
     device_edits: ContainerEdits,
 }
 
+/// A device name as the spec directories define it.
+#[derive(Clone, Debug)]
+enum Definition {
+    Usable(Box<Entry>),
+    /// Defined by two spec files of the same directory: nothing but a higher directory resolves
+    /// it.
+    Conflict {
+        first: PathBuf,
+        second: PathBuf,
+    },
+}
+
+impl Definition {
+    fn usable(&self) -> Option<&Entry> {
+        match self {
+            Definition::Usable(e) => Some(e.as_ref()),
+            Definition::Conflict { .. } => None,
+        }
+    }
+}
+
 /// Every device of the spec directories; later directories override earlier ones, as the CDI
 /// specification orders /etc/cdi before /var/run/cdi.
 #[derive(Clone, Debug, Default)]
 pub struct Registry {
     /// Qualified name → (directory priority, the device or why it cannot be used).
-    devices: BTreeMap<String, (usize, Result<Entry, String>)>,
+    devices: BTreeMap<String, (usize, Definition)>,
     /// Spec files that could not be read, with why.
     pub errors: Vec<String>,
 }
@@ -287,13 +329,16 @@ impl Registry {
                     };
                     let new = match r.devices.get(&qualified) {
                         // Same directory: a conflict nothing but a higher directory resolves.
-                        Some((p, Ok(old))) if *p == priority => Err(format!(
-                            "defined in both {} and {}",
-                            old.path.display(),
-                            path.display()
-                        )),
-                        Some((p, Err(why))) if *p == priority => Err(why.clone()),
-                        _ => Ok(entry),
+                        Some((p, Definition::Usable(old))) if *p == priority => {
+                            Definition::Conflict {
+                                first: old.path.clone(),
+                                second: path.clone(),
+                            }
+                        }
+                        Some((p, conflict @ Definition::Conflict { .. })) if *p == priority => {
+                            conflict.clone()
+                        }
+                        _ => Definition::Usable(Box::new(entry)),
                     };
                     r.devices.insert(qualified, (priority, new));
                 }
@@ -306,7 +351,7 @@ impl Registry {
     pub fn names(&self) -> Vec<String> {
         self.devices
             .iter()
-            .filter(|(_, (_, e))| e.is_ok())
+            .filter(|(_, (_, d))| d.usable().is_some())
             .map(|(n, _)| n.clone())
             .collect()
     }
@@ -315,7 +360,7 @@ impl Registry {
     pub fn source(&self, name: &str) -> Option<&Path> {
         self.devices
             .get(name)
-            .and_then(|(_, e)| e.as_ref().ok())
+            .and_then(|(_, d)| d.usable())
             .map(|e| e.path.as_path())
     }
 
@@ -331,11 +376,15 @@ impl Registry {
                 });
             }
             let entry = match self.devices.get(name) {
-                Some((_, Ok(e))) => e,
-                Some((_, Err(why))) => {
+                Some((_, Definition::Usable(e))) => e,
+                Some((_, Definition::Conflict { first, second })) => {
                     return Err(TopologyError::CdiDevice {
                         name: name.clone(),
-                        what: format!("{why}: remove one of the definitions"),
+                        what: format!(
+                            "defined in both {} and {}: remove one of the definitions",
+                            first.display(),
+                            second.display()
+                        ),
                     });
                 }
                 None => {

@@ -6,6 +6,7 @@
 
 use serde::Serialize;
 
+use super::TopologyError;
 use super::glob_match;
 use super::gpu::GpuUnavailable;
 use super::kmsg::Xid;
@@ -64,7 +65,7 @@ const REASON_MAX: usize = 200;
 /// could not be read (then the check is skipped and says so).
 // Long by design: five independent checks, each a commented block adding to one report in the
 // order `berth health` prints them; apart, that order would live in a sixth place.
-pub fn check(node: &Node, xids: Result<&[Xid], String>, opts: &Options) -> Report {
+pub fn check(node: &Node, xids: Result<&[Xid], &TopologyError>, opts: &Options) -> Report {
     let mut checks = Vec::new();
     let mut add = |name: &'static str, problems: Vec<String>, ok_detail: String| {
         checks.push(Check {
@@ -446,7 +447,9 @@ mod tests {
         let n = node::discover(&cpu.host(), &Recorded::no_driver(), &NicPolicy::default()).unwrap();
         let r = check(
             &n,
-            Err("reading /dev/kmsg: permission denied".into()),
+            Err(&TopologyError::Value(
+                "reading /dev/kmsg: permission denied".into(),
+            )),
             &Options::default(),
         );
         assert!(r.healthy, "{:?}", r.problems);

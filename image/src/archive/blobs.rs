@@ -1,10 +1,17 @@
 //! Where an archive's blobs come from: an OCI layout directory opened as the user, or a tar
 //! (OCI or docker archive) read in place, each member by seeking to it.
 
-use super::*;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use super::invalid;
+use crate::ImageError;
+use crate::layer::{Kind, TarInput, TarReader};
 
 pub(super) trait Blobs: Sync {
-    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError>;
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError>;
     fn size(&self, name: &str) -> Option<u64>;
 }
 
@@ -42,12 +49,14 @@ impl DirBlobs {
 }
 
 impl Blobs for DirBlobs {
-    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
-        let f = self.open_file(name).map_err(|source| ArchiveError::Io {
-            what: self.what.clone(),
-            path: PathBuf::from(name),
-            source,
-        })?;
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError> {
+        let f = self
+            .open_file(name)
+            .map_err(|source| ImageError::ArchiveIo {
+                what: self.what.clone(),
+                path: PathBuf::from(name),
+                source,
+            })?;
         Ok(Box::new(BufReader::with_capacity(256 * 1024, f)))
     }
 
@@ -159,7 +168,7 @@ pub(super) fn member_name(raw: &str) -> Option<String> {
 }
 
 impl TarBlobs {
-    pub(super) fn index(file: File, what: &str) -> Result<Self, ArchiveError> {
+    pub(super) fn index(file: File, what: &str) -> Result<Self, ImageError> {
         let io_err = |e: io::Error| invalid(what, format!("cannot read the archive: {e}"));
         let meta = file.metadata().map_err(io_err)?;
         if !meta.is_file() {
@@ -236,7 +245,7 @@ impl TarBlobs {
 }
 
 impl Blobs for TarBlobs {
-    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ArchiveError> {
+    fn open(&self, name: &str) -> Result<Box<dyn Read + Send + '_>, ImageError> {
         let m = self
             .resolve(name)
             .ok_or_else(|| invalid(&self.what, format!("'{name}' is missing from the archive")))?;

@@ -1,7 +1,19 @@
 //! Streaming an archive's layers into the store: decompressed, hashed against the manifest
 //! and the config's diff_ids, several at once.
 
-use super::*;
+use std::io::{self, BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use sha2::{Digest as _, Sha256};
+
+use super::blobs::Blobs;
+use super::invalid;
+use super::plan::{Compression, LayerJob, Plan};
+use crate::store::{self, Progress, Store, human_size, reference_key};
+use crate::{Image, ImageError, LayerSink, Reference, Rootfs};
 
 /// Hashes and counts a blob as it is read; fails fast once another layer has failed.
 pub(super) struct Hashed<'a, R> {
@@ -80,12 +92,11 @@ pub(super) fn import_layer(
         && drained.is_ok()
         && &actual != expected
     {
-        return Err(ArchiveError::BlobMismatch {
+        return Err(ImageError::BlobMismatch {
             what: what.to_string(),
             digest: expected.clone(),
             actual,
-        }
-        .into());
+        });
     }
     let staged = staged.map_err(|e| ImageError::Store(format!("{what}: {e}")))?;
     drained.map_err(|e| read_error(what, job, e))?;
@@ -98,8 +109,7 @@ pub(super) fn import_layer(
                 "layer {} is {} bytes, the manifest says {size}",
                 job.blob, hashed.bytes
             ),
-        )
-        .into());
+        ));
     }
     let extracted = staged
         .extracted()

@@ -12,74 +12,22 @@
 //! `rootfs.diff_ids`; a mismatch discards the layer. A docker-archive has no manifest digest: its
 //! image is named by its config's digest (Docker's image ID).
 
-use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::io;
+use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
 
-use serde::Deserialize;
-use sha2::{Digest as _, Sha256};
-
-use super::layer::{Kind, TarInput, TarReader};
-use super::store::{self, Progress, Store, digest_hex, human_size, reference_key};
-use super::{Image, ImageError, LayerSink, Reference, Rootfs};
+use self::blobs::{DirBlobs, TarBlobs};
+use self::layers::run_plan;
+use self::plan::{docker_plan, oci_plan};
+use super::store::{self, Progress, Store, reference_key};
+use super::{Image, ImageError, Reference};
 
 /// JSON documents (index, manifest, config) larger than this are refused.
 const MAX_JSON: u64 = 32 << 20;
 
-/// Archive and layout failures, each naming the archive (as the user wrote it).
-#[derive(Debug, thiserror::Error)]
-pub enum ArchiveError {
-    #[error("{what}: {path}: {source}")]
-    Io {
-        what: String,
-        path: PathBuf,
-        source: io::Error,
-    },
-    #[error("{what}: {why}")]
-    Invalid { what: String, why: String },
-    #[error(
-        "{what}: blob {digest} is corrupt: its content has digest {actual}; nothing was kept: re-create or re-download the archive"
-    )]
-    BlobMismatch {
-        what: String,
-        digest: String,
-        actual: String,
-    },
-    #[error("{what}: no image named '{name}' in it (it has: {names})")]
-    NoSuchName {
-        what: String,
-        name: String,
-        names: String,
-    },
-    #[error("{what} holds several images ({names}): add one of the names, e.g. {what}:{example}")]
-    Ambiguous {
-        what: String,
-        names: String,
-        example: String,
-    },
-    #[error("{what}: {tool} is not installed: install it or import an archive file instead")]
-    NoTool { what: String, tool: String },
-    #[error("{what}: {command} failed: {message}")]
-    Tool {
-        what: String,
-        command: String,
-        message: String,
-    },
-}
-
-impl From<ArchiveError> for ImageError {
-    fn from(e: ArchiveError) -> Self {
-        ImageError::Format(e.to_string())
-    }
-}
-
-fn invalid(what: &str, why: impl Into<String>) -> ArchiveError {
-    ArchiveError::Invalid {
+fn invalid(what: &str, why: impl Into<String>) -> ImageError {
+    ImageError::Invalid {
         what: what.to_string(),
         why: why.into(),
     }
@@ -128,20 +76,16 @@ mod blobs;
 mod layers;
 mod plan;
 
-use self::blobs::*;
-use self::layers::*;
-use self::plan::*;
-
 /// Runs a local engine's save command into a file; its last stderr line on failure.
-fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), ArchiveError> {
+fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), ImageError> {
     let out = Command::new(tool).args(args).output().map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
-            ArchiveError::NoTool {
+            ImageError::NoTool {
                 what: what.to_string(),
                 tool: tool.to_string(),
             }
         } else {
-            ArchiveError::Tool {
+            ImageError::Tool {
                 what: what.to_string(),
                 command: label.to_string(),
                 message: e.to_string(),
@@ -161,7 +105,7 @@ fn save_with(tool: &str, label: &str, args: &[&str], what: &str) -> Result<(), A
         .trim_start_matches("Error: ")
         .trim_start_matches("Error response from daemon: ")
         .to_string();
-    Err(ArchiveError::Tool {
+    Err(ImageError::Tool {
         what: what.to_string(),
         command: label.to_string(),
         message,
@@ -262,7 +206,7 @@ pub fn import_opened(
                     &what,
                 )
             };
-            let result = saved.map_err(ImageError::from).and_then(|()| {
+            let result = saved.and_then(|()| {
                 let file = File::open(&tmp).map_err(|e| invalid(&what, e.to_string()))?;
                 let blobs = TarBlobs::index(file, &what)?;
                 let plan = if podman {
@@ -285,8 +229,13 @@ pub fn import_opened(
 /// Builders of test images (layer tars, OCI layouts, archives) in memory and in temp dirs.
 #[cfg(test)]
 pub(crate) mod test_images {
-    use super::*;
-    use std::io::Write;
+    use std::collections::BTreeMap;
+    use std::io::{Read, Write};
+    use std::path::Path;
+
+    use sha2::{Digest as _, Sha256};
+
+    use super::plan::REF_NAME;
 
     pub fn sha(bytes: &[u8]) -> String {
         format!("sha256:{:x}", Sha256::digest(bytes))
@@ -460,6 +409,16 @@ pub(crate) mod test_images {
 mod tests {
     use super::test_images::*;
     use super::*;
+    use std::path::Path;
+    use std::sync::Mutex;
+
+    use super::blobs::member_name;
+    use super::layers::sniff;
+    use super::plan::{
+        Compression, Descriptor, Platform, REF_NAME, choose, compression, host_platform,
+        names_match,
+    };
+    use crate::Rootfs;
     use crate::store::quiet;
 
     fn store(dir: &Path) -> Store {

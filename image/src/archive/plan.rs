@@ -1,7 +1,16 @@
 //! What to import from an archive: its index, manifests and config, the platform and name
 //! chosen, the layers to stream (OCI layouts and archives, and docker archives).
 
-use super::*;
+use std::collections::BTreeMap;
+use std::io::Read;
+
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+
+use super::blobs::Blobs;
+use super::{MAX_JSON, invalid};
+use crate::ImageError;
+use crate::store::digest_hex;
 
 #[derive(Clone, Debug, Deserialize)]
 pub(super) struct Descriptor {
@@ -139,7 +148,7 @@ pub(super) struct Plan {
     pub(super) layers: Vec<LayerJob>,
 }
 
-pub(super) fn blob_path(what: &str, digest: &str) -> Result<String, ArchiveError> {
+pub(super) fn blob_path(what: &str, digest: &str) -> Result<String, ImageError> {
     let hex = digest_hex(digest).map_err(|_| {
         invalid(
             what,
@@ -149,7 +158,7 @@ pub(super) fn blob_path(what: &str, digest: &str) -> Result<String, ArchiveError
     Ok(format!("blobs/sha256/{hex}"))
 }
 
-pub(super) fn read_all(blobs: &dyn Blobs, name: &str, what: &str) -> Result<Vec<u8>, ArchiveError> {
+pub(super) fn read_all(blobs: &dyn Blobs, name: &str, what: &str) -> Result<Vec<u8>, ImageError> {
     if blobs.size(name).is_some_and(|s| s > MAX_JSON) {
         return Err(invalid(
             what,
@@ -176,11 +185,11 @@ pub(super) fn read_blob(
     blobs: &dyn Blobs,
     digest: &str,
     what: &str,
-) -> Result<Vec<u8>, ArchiveError> {
+) -> Result<Vec<u8>, ImageError> {
     let data = read_all(blobs, &blob_path(what, digest)?, what)?;
     let actual = format!("sha256:{:x}", Sha256::digest(&data));
     if actual != digest {
-        return Err(ArchiveError::BlobMismatch {
+        return Err(ImageError::BlobMismatch {
             what: what.to_string(),
             digest: digest.to_string(),
             actual,
@@ -193,7 +202,7 @@ pub(super) fn json<T: serde::de::DeserializeOwned>(
     data: &[u8],
     what: &str,
     doc: &str,
-) -> Result<T, ArchiveError> {
+) -> Result<T, ImageError> {
     serde_json::from_slice(data).map_err(|e| invalid(what, format!("{doc} is not valid: {e}")))
 }
 
@@ -203,7 +212,7 @@ pub(super) fn choose<'a>(
     manifests: &'a [Descriptor],
     name: Option<&str>,
     what: &str,
-) -> Result<&'a Descriptor, ArchiveError> {
+) -> Result<&'a Descriptor, ImageError> {
     let names: Vec<&str> = manifests
         .iter()
         .filter_map(|d| d.annotations.get(REF_NAME).map(String::as_str))
@@ -230,7 +239,7 @@ pub(super) fn choose<'a>(
                             .is_some_and(|n| names_match(n, want))
                 })
             })
-            .ok_or_else(|| ArchiveError::NoSuchName {
+            .ok_or_else(|| ImageError::NoSuchName {
                 what: what.to_string(),
                 name: want.to_string(),
                 names: listed(),
@@ -242,7 +251,7 @@ pub(super) fn choose<'a>(
         many if names.is_empty() && many.iter().all(|d| d.platform.is_some()) => {
             by_platform(many, what)
         }
-        _ => Err(ArchiveError::Ambiguous {
+        _ => Err(ImageError::AmbiguousName {
             what: what.to_string(),
             names: listed(),
             example: names.first().copied().unwrap_or("NAME").to_string(),
@@ -253,7 +262,7 @@ pub(super) fn choose<'a>(
 pub(super) fn by_platform<'a>(
     manifests: &'a [Descriptor],
     what: &str,
-) -> Result<&'a Descriptor, ArchiveError> {
+) -> Result<&'a Descriptor, ImageError> {
     let (os, arch) = host_platform();
     manifests
         .iter()
@@ -282,7 +291,7 @@ pub(super) fn oci_plan(
     blobs: &dyn Blobs,
     name: Option<&str>,
     what: &str,
-) -> Result<Plan, ArchiveError> {
+) -> Result<Plan, ImageError> {
     let index: Index = json(&read_all(blobs, "index.json", what)?, what, "index.json")?;
     let mut desc = choose(&index.manifests, name, what)?.clone();
     let mut manifest_bytes = read_blob(blobs, &desc.digest, what)?;
@@ -341,7 +350,7 @@ pub(super) fn oci_plan(
 pub(super) fn parse_config(
     bytes: &[u8],
     what: &str,
-) -> Result<(oci_spec::image::ImageConfiguration, Vec<String>), ArchiveError> {
+) -> Result<(oci_spec::image::ImageConfiguration, Vec<String>), ImageError> {
     let config: oci_spec::image::ImageConfiguration = json(bytes, what, "the image config")?;
     let rootfs: ConfigRootfs = json(bytes, what, "the image config")?;
     for d in &rootfs.rootfs.diff_ids {
@@ -365,7 +374,7 @@ pub(super) fn docker_plan(
     blobs: &dyn Blobs,
     name: Option<&str>,
     what: &str,
-) -> Result<Plan, ArchiveError> {
+) -> Result<Plan, ImageError> {
     let entries: Vec<DockerEntry> = json(
         &read_all(blobs, "manifest.json", what)?,
         what,
@@ -385,7 +394,7 @@ pub(super) fn docker_plan(
             .parse::<usize>()
             .ok()
             .and_then(|i| entries.get(i))
-            .ok_or_else(|| ArchiveError::NoSuchName {
+            .ok_or_else(|| ImageError::NoSuchName {
                 what: what.to_string(),
                 name: n.to_string(),
                 names: format!("@0 to @{}", entries.len().saturating_sub(1)),
@@ -398,7 +407,7 @@ pub(super) fn docker_plan(
                     .iter()
                     .find(|e| tags(e).iter().any(|t| names_match(t, n)))
             })
-            .ok_or_else(|| ArchiveError::NoSuchName {
+            .ok_or_else(|| ImageError::NoSuchName {
                 what: what.to_string(),
                 name: n.to_string(),
                 names: listed(),
@@ -407,7 +416,7 @@ pub(super) fn docker_plan(
             [] => return Err(invalid(what, "manifest.json lists no images")),
             [only] => only,
             _ => {
-                return Err(ArchiveError::Ambiguous {
+                return Err(ImageError::AmbiguousName {
                     what: what.to_string(),
                     names: listed(),
                     example: all_names.first().cloned().unwrap_or_else(|| "@0".into()),

@@ -31,62 +31,26 @@
 //! and PAX records (path, linkpath, size, uid, gid, mtime, `SCHILY.xattr.*`), and is shared with
 //! the archive readers (`archive.rs`) through [`TarInput`].
 
-use std::ffi::{CStr, CString};
-use std::fs::File;
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
-use nix::errno::Errno;
-use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat, openat2};
-use nix::sys::stat::{
-    Mode, SFlag, UtimensatFlags, fchmod, fstatat, futimens, makedev, mkdirat, mknodat, utimensat,
-};
-use nix::sys::time::TimeSpec;
-use nix::unistd::{Gid, Uid, UnlinkatFlags, fchown, fchownat, linkat, symlinkat, unlinkat};
-use sha2::{Digest as _, Sha256};
-use tar::{EntryType, Header};
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+use nix::unistd::Uid;
+use sha2::Digest as _;
+
+use self::reader::HashingInput;
+pub(crate) use self::reader::{Kind, TarInput, TarReader};
+use self::write::Extractor;
+use crate::ImageError;
 
 const BLOCK: u64 = 512;
 /// [`BLOCK`] as a buffer length.
 const BLOCK_LEN: usize = 512;
 /// Long names and PAX headers larger than this are refused (a hostile size would be allocated).
 const MAX_META: u64 = 1 << 20;
-
-/// Why a layer could not be extracted. The store adds which layer and image.
-#[derive(Debug, thiserror::Error)]
-pub enum LayerError {
-    /// Reading the stream failed (decompression, network, file).
-    #[error("reading the layer stream: {0}")]
-    Read(#[source] io::Error),
-    /// The stream is not a tar archive berth can read.
-    #[error("not a valid tar stream at byte {offset}: {why}")]
-    Format { offset: u64, why: String },
-    /// An entry was refused because it would reach outside the layer or is malformed.
-    #[error("refused tar entry '{path}': {why}")]
-    Refused { path: String, why: String },
-    /// A bound of the store was reached; the store names the key.
-    #[error("{0}")]
-    Bound(Bound),
-    /// Writing the entry into the layer directory failed.
-    #[error("writing '{path}' ({op}): {source}")]
-    Write {
-        path: String,
-        op: &'static str,
-        source: io::Error,
-    },
-}
-
-impl LayerError {
-    /// The file system ran out of space (or quota) while writing.
-    pub fn is_no_space(&self) -> bool {
-        matches!(self, LayerError::Write { source, .. }
-            if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
-    }
-}
 
 /// Which bound an extraction reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,23 +126,23 @@ pub struct Extracted {
 
 /// Extracts the tar stream `tar` into `dest` (an existing, empty directory) and returns its
 /// diff_id. The whole stream is read, trailing blocks included, so the hash covers all of it.
-pub fn extract(tar: &mut dyn Read, dest: &Path) -> Result<Extracted, LayerError> {
+pub fn extract(tar: &mut dyn Read, dest: &Path) -> Result<Extracted, ImageError> {
     extract_bounded(tar, dest, &Limits::default())
 }
 
-/// [`extract`] within `limits`: on reaching one, [`LayerError::Bound`] (the caller removes the
+/// [`extract`] within `limits`: on reaching one, [`ImageError::Bound`] (the caller removes the
 /// partial directory).
 pub fn extract_bounded(
     tar: &mut dyn Read,
     dest: &Path,
     limits: &Limits,
-) -> Result<Extracted, LayerError> {
+) -> Result<Extracted, ImageError> {
     let root = nix::fcntl::open(
         dest,
         OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| LayerError::Write {
+    .map_err(|e| ImageError::LayerWrite {
         path: dest.display().to_string(),
         op: "open",
         source: e.into(),
@@ -204,16 +168,16 @@ pub fn extract_bounded(
         pending: std::collections::BTreeMap::new(),
     };
     let result = (|| {
-        while let Some(entry) = reader.next_entry().map_err(LayerError::from)? {
+        while let Some(entry) = reader.next_entry().map_err(ImageError::in_layer)? {
             x.entry(&entry, &mut reader)?;
         }
         x.finish_dirs()
     })();
-    let result = result.and_then(|()| reader.input.drain().map_err(LayerError::Read));
+    let result = result.and_then(|()| reader.input.drain().map_err(ImageError::LayerRead));
     if let Err(e) = result {
         // A bound reached while reading shows up as a read error: name the bound instead.
         return Err(match reader.input.hit {
-            Some(b) => LayerError::Bound(b),
+            Some(b) => ImageError::Bound(b),
             None => e,
         });
     }
@@ -223,7 +187,7 @@ pub fn extract_bounded(
     let digests = std::mem::take(&mut x.digests);
     x.out.files =
         crate::store::record::walk(dest, &|ino| digests.get(&ino).cloned()).map_err(|e| {
-            LayerError::Write {
+            ImageError::LayerWrite {
                 path: dest.display().to_string(),
                 op: "record",
                 source: e,
@@ -235,22 +199,25 @@ pub fn extract_bounded(
 
 /// Reads the whole stream and returns its diff_id without extracting anything (used when the
 /// layer is already in the store but the stream must still be consumed and verified).
-pub fn hash_only(tar: &mut dyn Read) -> Result<(String, u64), LayerError> {
+pub fn hash_only(tar: &mut dyn Read) -> Result<(String, u64), ImageError> {
     let mut input = HashingInput::new(tar);
-    input.drain().map_err(LayerError::Read)?;
+    input.drain().map_err(ImageError::LayerRead)?;
     Ok((format!("sha256:{:x}", input.hasher.finalize()), input.pos))
 }
 
 mod reader;
 mod write;
 
-pub(crate) use self::reader::*;
-use self::write::*;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::path::PathBuf;
+
+    use sha2::Sha256;
+    use tar::{EntryType, Header};
 
     /// Builds tar streams entry by entry, names written raw so hostile names are possible.
     struct Tar(Vec<u8>);
@@ -369,7 +336,7 @@ mod tests {
         format!("sha256:{:x}", Sha256::digest(bytes))
     }
 
-    fn run(bytes: &[u8]) -> (tempfile::TempDir, PathBuf, Result<Extracted, LayerError>) {
+    fn run(bytes: &[u8]) -> (tempfile::TempDir, PathBuf, Result<Extracted, ImageError>) {
         let tmp = tempfile::tempdir().unwrap();
         let layer = tmp.path().join("layer");
         std::fs::create_dir(&layer).unwrap();
@@ -419,13 +386,13 @@ mod tests {
     fn dot_dot_names_are_refused_and_nothing_is_written_outside() {
         let bytes = Tar::new().file("../x", b"escape").end();
         let (t, layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Refused { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::Refused { .. })), "{r:?}");
         assert!(!t.path().join("x").exists());
         assert_eq!(std::fs::read_dir(&layer).unwrap().count(), 0);
 
         let bytes = Tar::new().file("a/../../x", b"escape").end();
         let (t, _layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Refused { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::Refused { .. })), "{r:?}");
         assert!(!t.path().join("x").exists());
     }
 
@@ -510,7 +477,7 @@ mod tests {
 
         let bytes = Tar::new().hardlink("h", "../../x").end();
         let (_t, layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Refused { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::Refused { .. })), "{r:?}");
         assert!(!layer.join("h").exists());
 
         let bytes = Tar::new().hardlink("h", "/etc/passwd").end();
@@ -579,7 +546,7 @@ mod tests {
             let r = extract_bounded(&mut &bytes[..], &layer, &limits);
             (t, layer, r)
         };
-        assert!(matches!(r, Err(LayerError::Bound(Bound::Layer))), "{r:?}");
+        assert!(matches!(r, Err(ImageError::Bound(Bound::Layer))), "{r:?}");
         drop(layer);
         let total = Arc::new(AtomicU64::new(0));
         let limits = Limits {
@@ -593,7 +560,7 @@ mod tests {
         std::fs::create_dir(&l2).unwrap();
         extract_bounded(&mut &bytes[..], &l1, &limits).unwrap();
         let r = extract_bounded(&mut &bytes[..], &l2, &limits);
-        assert!(matches!(r, Err(LayerError::Bound(Bound::Image))), "{r:?}");
+        assert!(matches!(r, Err(ImageError::Bound(Bound::Image))), "{r:?}");
         let limits = Limits {
             reserve_bytes: u64::MAX,
             ..Limits::default()
@@ -602,7 +569,7 @@ mod tests {
         std::fs::create_dir(&l3).unwrap();
         let r = extract_bounded(&mut &bytes[..], &l3, &limits);
         assert!(
-            matches!(r, Err(LayerError::Bound(Bound::Reserve(_)))),
+            matches!(r, Err(ImageError::Bound(Bound::Reserve(_)))),
             "{r:?}"
         );
     }
@@ -662,9 +629,9 @@ mod tests {
     fn a_stream_cut_inside_a_file_is_an_error() {
         let bytes = Tar::new().file("big", &[7u8; 2000]).end();
         let (_t, _layer, r) = run(&bytes[..512 + 1000]);
-        assert!(matches!(r, Err(LayerError::Format { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::LayerFormat { .. })), "{r:?}");
         let (_t, _layer, r) = run(&bytes[..300]);
-        assert!(matches!(r, Err(LayerError::Format { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::LayerFormat { .. })), "{r:?}");
     }
 
     #[test]
@@ -774,7 +741,7 @@ mod tests {
     fn garbage_is_not_a_tar_stream() {
         let bytes = vec![b'x'; 4096];
         let (_t, _layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Format { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::LayerFormat { .. })), "{r:?}");
     }
 
     #[test]
@@ -782,7 +749,7 @@ mod tests {
         let h = Tar::header(EntryType::GNUSparse, b"sparse", b"", 0, 0o644);
         let bytes = Tar::new().push(&h, b"").end();
         let (_t, _layer, r) = run(&bytes);
-        assert!(matches!(r, Err(LayerError::Format { .. })), "{r:?}");
+        assert!(matches!(r, Err(ImageError::LayerFormat { .. })), "{r:?}");
     }
 
     #[test]

@@ -1,7 +1,15 @@
 //! berth's tar header loop over the `tar` crate's header parser: streams without the two zero
 //! blocks, GNU long names and PAX records, for layers (hashed as read) and archives (seekable).
 
-use super::*;
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sha2::{Digest as _, Sha256};
+use tar::{EntryType, Header};
+
+use super::{BLOCK, BLOCK_LEN, Bound, MAX_META};
+use crate::ImageError;
 
 /// A byte source for [`TarReader`]: a stream that must be hashed as it is read (a layer), or a
 /// seekable archive file where skipping is free.
@@ -111,31 +119,6 @@ impl TarInput for HashingInput<'_> {
     }
 }
 
-/// A tar format problem or a read error, before it is given layer or archive context.
-#[derive(Debug)]
-pub(crate) enum TarError {
-    Io(io::Error),
-    Format { offset: u64, why: String },
-}
-
-impl From<TarError> for LayerError {
-    fn from(e: TarError) -> Self {
-        match e {
-            TarError::Io(e) => LayerError::Read(e),
-            TarError::Format { offset, why } => LayerError::Format { offset, why },
-        }
-    }
-}
-
-impl std::fmt::Display for TarError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            TarError::Io(e) => write!(f, "{e}"),
-            TarError::Format { offset, why } => write!(f, "at byte {offset}: {why}"),
-        }
-    }
-}
-
 /// The kind of a tar entry, after the extension headers are folded in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -207,22 +190,25 @@ impl<I: TarInput> TarReader<I> {
         self.input
     }
 
-    pub(super) fn bad(&self, why: impl Into<String>) -> TarError {
-        TarError::Format {
+    pub(super) fn bad(&self, why: impl Into<String>) -> ImageError {
+        ImageError::TarFormat {
             offset: self.input.position(),
             why: why.into(),
         }
     }
 
     /// Reads from the current entry's data; 0 at its end.
-    pub fn read_data(&mut self, buf: &mut [u8]) -> Result<usize, TarError> {
+    pub fn read_data(&mut self, buf: &mut [u8]) -> Result<usize, ImageError> {
         if self.data_left == 0 || buf.is_empty() {
             return Ok(0);
         }
         let want = usize::try_from(self.data_left)
             .unwrap_or(usize::MAX)
             .min(buf.len());
-        let n = self.input.fill(&mut buf[..want]).map_err(TarError::Io)?;
+        let n = self
+            .input
+            .fill(&mut buf[..want])
+            .map_err(ImageError::TarRead)?;
         if n == 0 {
             return Err(self.bad(format!(
                 "the stream ends {} bytes before the end of an entry",
@@ -233,7 +219,7 @@ impl<I: TarInput> TarReader<I> {
         Ok(n)
     }
 
-    pub(super) fn read_meta(&mut self, size: u64) -> Result<Vec<u8>, TarError> {
+    pub(super) fn read_meta(&mut self, size: u64) -> Result<Vec<u8>, ImageError> {
         if size > MAX_META {
             return Err(self.bad(format!("extension header of {size} bytes is too large")));
         }
@@ -242,7 +228,7 @@ impl<I: TarInput> TarReader<I> {
             reason = "size is at most MAX_META (1 MiB), checked above"
         )]
         let mut data = vec![0; size as usize];
-        let n = self.input.fill(&mut data).map_err(TarError::Io)?;
+        let n = self.input.fill(&mut data).map_err(ImageError::TarRead)?;
         if n < data.len() {
             return Err(self.bad("the stream ends inside an extension header"));
         }
@@ -251,10 +237,10 @@ impl<I: TarInput> TarReader<I> {
         Ok(data)
     }
 
-    pub(super) fn skip_padding(&mut self, size: u64) -> Result<(), TarError> {
+    pub(super) fn skip_padding(&mut self, size: u64) -> Result<(), ImageError> {
         let pad = (BLOCK - size % BLOCK) % BLOCK;
         // A stream may end right after the last entry's data, without padding or end blocks.
-        if self.input.skip(pad).map_err(TarError::Io)? < pad {
+        if self.input.skip(pad).map_err(ImageError::TarRead)? < pad {
             self.ended = true;
         }
         Ok(())
@@ -263,10 +249,10 @@ impl<I: TarInput> TarReader<I> {
     /// The next entry, or `None` at the end of the archive (end blocks or the stream's end).
     // Long by design: GNU long names and PAX records accumulate across headers until the entry
     // they describe; the loop keeps that state in one place.
-    pub fn next_entry(&mut self) -> Result<Option<TarEntry>, TarError> {
+    pub fn next_entry(&mut self) -> Result<Option<TarEntry>, ImageError> {
         if self.data_left > 0 {
             let left = self.data_left;
-            if self.input.skip(left).map_err(TarError::Io)? < left {
+            if self.input.skip(left).map_err(ImageError::TarRead)? < left {
                 return Err(self.bad("the stream ends inside an entry's data"));
             }
             self.data_left = 0;
@@ -274,7 +260,7 @@ impl<I: TarInput> TarReader<I> {
         if self.pad_left > 0 {
             let pad = self.pad_left;
             self.pad_left = 0;
-            if self.input.skip(pad).map_err(TarError::Io)? < pad {
+            if self.input.skip(pad).map_err(ImageError::TarRead)? < pad {
                 self.ended = true;
             }
         }
@@ -285,7 +271,7 @@ impl<I: TarInput> TarReader<I> {
             }
             let header_offset = self.input.position();
             let mut block = [0u8; BLOCK_LEN];
-            let n = self.input.fill(&mut block).map_err(TarError::Io)?;
+            let n = self.input.fill(&mut block).map_err(ImageError::TarRead)?;
             if n == 0 {
                 // No end-of-archive blocks: accepted (umoci insert writes such layers).
                 self.ended = true;
@@ -299,16 +285,13 @@ impl<I: TarInput> TarReader<I> {
                 return Ok(None);
             }
             let header = Header::from_byte_slice(&block);
-            check_checksum(&block).map_err(|why| TarError::Format {
-                offset: header_offset,
-                why,
-            })?;
+            check_checksum(&block, header_offset)?;
             // Empty numeric fields (all NUL or spaces) mean 0, as Go's and GNU's readers take them.
             let field = |r: io::Result<u64>, raw: &[u8], what: &str| {
                 if raw.iter().all(|b| *b == 0 || *b == b' ') {
                     return Ok(0);
                 }
-                r.map_err(|e| TarError::Format {
+                r.map_err(|e| ImageError::TarFormat {
                     offset: header_offset,
                     why: format!("bad {what} field: {e}"),
                 })
@@ -330,10 +313,7 @@ impl<I: TarInput> TarReader<I> {
                 }
                 EntryType::XHeader => {
                     let data = self.read_meta(size)?;
-                    parse_pax(&data, &mut ext).map_err(|why| TarError::Format {
-                        offset: header_offset,
-                        why,
-                    })?;
+                    parse_pax(&data, &mut ext, header_offset)?;
                     continue;
                 }
                 EntryType::XGlobalHeader => {
@@ -342,7 +322,7 @@ impl<I: TarInput> TarReader<I> {
                     continue;
                 }
                 EntryType::GNUSparse => {
-                    return Err(TarError::Format {
+                    return Err(ImageError::TarFormat {
                         offset: header_offset,
                         why: format!(
                             "'{}' is a GNU sparse file, which berth does not support",
@@ -353,7 +333,7 @@ impl<I: TarInput> TarReader<I> {
                 _ => {}
             }
             if ext.sparse {
-                return Err(TarError::Format {
+                return Err(ImageError::TarFormat {
                     offset: header_offset,
                     why: "PAX sparse files are not supported".into(),
                 });
@@ -406,7 +386,7 @@ impl<I: TarInput> TarReader<I> {
                     Some(m) => m,
                     None => (
                         i64::try_from(field(header.mtime(), &old.mtime, "mtime")?).map_err(
-                            |_| TarError::Format {
+                            |_| ImageError::TarFormat {
                                 offset: header_offset,
                                 why: "bad mtime field: out of range".into(),
                             },
@@ -433,7 +413,8 @@ pub(super) fn trim_nul(data: &mut Vec<u8>) {
     }
 }
 
-pub(super) fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
+/// Checks the header at `offset` in the stream.
+pub(super) fn check_checksum(block: &[u8; BLOCK_LEN], offset: u64) -> Result<(), ImageError> {
     let field = &block[148..156];
     let text: Vec<u8> = field
         .iter()
@@ -444,7 +425,10 @@ pub(super) fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
     let stored = std::str::from_utf8(&text)
         .ok()
         .and_then(|t| u32::from_str_radix(t, 8).ok())
-        .ok_or_else(|| "header checksum field is not a number (not a tar stream?)".to_string())?;
+        .ok_or_else(|| ImageError::TarFormat {
+            offset,
+            why: "header checksum field is not a number (not a tar stream?)".to_string(),
+        })?;
     let unsigned: u32 = block
         .iter()
         .enumerate()
@@ -470,36 +454,49 @@ pub(super) fn check_checksum(block: &[u8; BLOCK_LEN]) -> Result<(), String> {
     if stored == unsigned || i64::from(stored) == i64::from(signed) {
         Ok(())
     } else {
-        Err("header checksum mismatch (not a tar stream, or a corrupt one)".into())
+        Err(ImageError::TarFormat {
+            offset,
+            why: "header checksum mismatch (not a tar stream, or a corrupt one)".into(),
+        })
     }
 }
 
-pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions) -> Result<(), String> {
+/// Parses the PAX records of the extension header at `offset` in the stream.
+pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions, offset: u64) -> Result<(), ImageError> {
+    let bad = |why: &str| ImageError::TarFormat {
+        offset,
+        why: why.to_string(),
+    };
     let mut rest = data;
     while !rest.is_empty() {
         let space = rest
             .iter()
             .position(|b| *b == b' ')
-            .ok_or("PAX record without a length")?;
+            .ok_or_else(|| bad("PAX record without a length"))?;
         let len: usize = std::str::from_utf8(&rest[..space])
             .ok()
             .and_then(|s| s.parse().ok())
-            .ok_or("PAX record with a bad length")?;
+            .ok_or_else(|| bad("PAX record with a bad length"))?;
         if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
-            return Err("PAX record with a bad length".into());
+            return Err(bad("PAX record with a bad length"));
         }
         let record = &rest[space + 1..len - 1];
         rest = &rest[len..];
         let eq = record
             .iter()
             .position(|b| *b == b'=')
-            .ok_or("PAX record without '='")?;
+            .ok_or_else(|| bad("PAX record without '='"))?;
         let (key, value) = (&record[..eq], &record[eq + 1..]);
-        let number = |v: &[u8]| -> Result<u64, String> {
+        let number = |v: &[u8]| {
             std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.parse().ok())
-                .ok_or_else(|| format!("PAX {} is not a number", String::from_utf8_lossy(key)))
+                .ok_or_else(|| {
+                    bad(&format!(
+                        "PAX {} is not a number",
+                        String::from_utf8_lossy(key)
+                    ))
+                })
         };
         match key {
             b"path" => ext.path = Some(value.to_vec()),
@@ -507,7 +504,7 @@ pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions) -> Result<(), String>
             b"size" => ext.size = Some(number(value)?),
             b"uid" => ext.uid = Some(number(value)?),
             b"gid" => ext.gid = Some(number(value)?),
-            b"mtime" => ext.mtime = Some(parse_pax_time(value)?),
+            b"mtime" => ext.mtime = Some(parse_pax_time(value, offset)?),
             _ if key.starts_with(b"SCHILY.xattr.") => ext
                 .xattrs
                 .push((key[b"SCHILY.xattr.".len()..].to_vec(), value.to_vec())),
@@ -518,9 +515,11 @@ pub(super) fn parse_pax(data: &[u8], ext: &mut Extensions) -> Result<(), String>
     Ok(())
 }
 
-pub(super) fn parse_pax_time(v: &[u8]) -> Result<(i64, u32), String> {
-    let text = std::str::from_utf8(v).map_err(|_| "PAX mtime is not text".to_string())?;
-    let bad = || format!("PAX mtime '{text}' is not a time");
+/// A PAX `mtime` of the extension header at `offset` in the stream.
+pub(super) fn parse_pax_time(v: &[u8], offset: u64) -> Result<(i64, u32), ImageError> {
+    let format = |why: String| ImageError::TarFormat { offset, why };
+    let text = std::str::from_utf8(v).map_err(|_| format("PAX mtime is not text".to_string()))?;
+    let bad = || format(format!("PAX mtime '{text}' is not a time"));
     let (secs, frac) = text.split_once('.').unwrap_or((text, ""));
     let secs: i64 = secs.parse().map_err(|_| bad())?;
     if !frac.bytes().all(|b| b.is_ascii_digit()) {

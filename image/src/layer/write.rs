@@ -1,18 +1,40 @@
 //! Writing a layer's entries beneath its directory: parents opened in the layer's root, the last
 //! component never followed, whiteouts, hardlinks within the layer, owners, modes, times, xattrs.
 
-use super::*;
+use std::ffi::{CStr, CString};
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 
-/// Splits an entry name into safe components: no leading `/`, no `.`, never `..`.
-pub(super) fn components(raw: &[u8]) -> Result<Vec<&[u8]>, String> {
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat, openat2};
+use nix::sys::stat::{
+    Mode, SFlag, UtimensatFlags, fchmod, fstatat, futimens, makedev, mkdirat, mknodat, utimensat,
+};
+use nix::sys::time::TimeSpec;
+use nix::unistd::{Gid, Uid, UnlinkatFlags, fchown, fchownat, linkat, symlinkat, unlinkat};
+use sha2::{Digest as _, Sha256};
+
+use super::reader::{Kind, TarEntry, TarInput, TarReader};
+use super::{Bound, Extracted, RESERVE_CHECK_BYTES, RESERVE_CHECK_ENTRIES};
+use crate::ImageError;
+
+/// Splits an entry name into safe components: no leading `/`, no `.`, never `..`; `refuse`
+/// makes the error from why a name is refused.
+pub(super) fn components(
+    raw: &[u8],
+    refuse: impl FnOnce(&str) -> ImageError,
+) -> Result<Vec<&[u8]>, ImageError> {
     if raw.contains(&0) {
-        return Err("the name contains a NUL byte".into());
+        return Err(refuse("the name contains a NUL byte"));
     }
     let mut out = Vec::new();
     for c in raw.split(|b| *b == b'/') {
         match c {
             b"" | b"." => {}
-            b".." => return Err("the name has a '..' component".into()),
+            b".." => return Err(refuse("the name has a '..' component")),
             _ => out.push(c),
         }
     }
@@ -29,8 +51,8 @@ pub(super) fn cstr(bytes: &[u8]) -> CString {
 }
 
 /// A tar entry's uid or gid as the kernel's 32-bit id; a larger one is refused.
-pub(super) fn id32(id: u64, what: &str, rel: &[u8]) -> Result<u32, LayerError> {
-    u32::try_from(id).map_err(|_| LayerError::Refused {
+pub(super) fn id32(id: u64, what: &str, rel: &[u8]) -> Result<u32, ImageError> {
+    u32::try_from(id).map_err(|_| ImageError::Refused {
         path: String::from_utf8_lossy(rel).into_owned(),
         why: format!("{what} {id} is out of range (ids are 32-bit)"),
     })
@@ -122,7 +144,7 @@ pub(super) struct Extractor {
 impl Extractor {
     /// Fails when the file system's free space is below the reserve (checked every few MiB
     /// written and every few entries, so a bomb stops near the reserve, not at ENOSPC).
-    pub(super) fn check_reserve(&mut self, written: u64) -> Result<(), LayerError> {
+    pub(super) fn check_reserve(&mut self, written: u64) -> Result<(), ImageError> {
         if self.reserve == 0 {
             return Ok(());
         }
@@ -140,20 +162,20 @@ impl Extractor {
             .map_err(|e| Self::write_err(b".", "statvfs", io_err(e)))?;
         let free = st.blocks_available() as u64 * st.fragment_size() as u64;
         if free < self.reserve {
-            return Err(LayerError::Bound(Bound::Reserve(free)));
+            return Err(ImageError::Bound(Bound::Reserve(free)));
         }
         Ok(())
     }
 
-    pub(super) fn refuse(entry: &TarEntry, why: impl Into<String>) -> LayerError {
-        LayerError::Refused {
+    pub(super) fn refuse(entry: &TarEntry, why: impl Into<String>) -> ImageError {
+        ImageError::Refused {
             path: entry.path_lossy(),
             why: why.into(),
         }
     }
 
-    pub(super) fn write_err(path: &[u8], op: &'static str, e: impl Into<io::Error>) -> LayerError {
-        LayerError::Write {
+    pub(super) fn write_err(path: &[u8], op: &'static str, e: impl Into<io::Error>) -> ImageError {
+        ImageError::LayerWrite {
             path: String::from_utf8_lossy(path).into_owned(),
             op,
             source: e.into(),
@@ -177,7 +199,7 @@ impl Extractor {
 
     /// Opens the directory `comps` (relative to the layer, symlinks resolved inside it),
     /// creating missing directories (0755, root-owned) when `create` is set.
-    pub(super) fn dir(&mut self, comps: &[&[u8]], create: bool) -> Result<OwnedFd, LayerError> {
+    pub(super) fn dir(&mut self, comps: &[&[u8]], create: bool) -> Result<OwnedFd, ImageError> {
         let rel = join(comps);
         if let Some((path, fd)) = &self.cached
             && *path == rel
@@ -232,7 +254,7 @@ impl Extractor {
         name: &[u8],
         rel: &[u8],
         keep_dir: bool,
-    ) -> Result<bool, LayerError> {
+    ) -> Result<bool, ImageError> {
         let c = cstr(name);
         match fstatat(parent.as_fd(), &c[..], AtFlags::AT_SYMLINK_NOFOLLOW) {
             Err(Errno::ENOENT) => Ok(false),
@@ -264,7 +286,7 @@ impl Extractor {
         name: Option<&[u8]>,
         e: &TarEntry,
         rel: &[u8],
-    ) -> Result<(), LayerError> {
+    ) -> Result<(), ImageError> {
         let (uid, gid) = (
             Some(Uid::from_raw(id32(e.uid, "uid", rel)?)),
             Some(Gid::from_raw(id32(e.gid, "gid", rel)?)),
@@ -314,9 +336,9 @@ impl Extractor {
         &mut self,
         e: &TarEntry,
         reader: &mut TarReader<I>,
-    ) -> Result<(), LayerError> {
+    ) -> Result<(), ImageError> {
         self.check_reserve(0)?;
-        let comps = components(&e.path).map_err(|why| Self::refuse(e, why))?;
+        let comps = components(&e.path, |why| Self::refuse(e, why))?;
         let rel = join(&comps);
         // A later entry of the same name replaces a pending copied-up hardlink.
         if e.kind != Kind::Hardlink {
@@ -425,7 +447,7 @@ impl Extractor {
                         .min(self.buf.len());
                     let n = reader
                         .read_data(&mut self.buf[..want])
-                        .map_err(LayerError::from)?;
+                        .map_err(ImageError::in_layer)?;
                     hasher.update(&self.buf[..n]);
                     file.write_all(&self.buf[..n])
                         .map_err(|err| Self::write_err(&rel, "write", err))?;
@@ -477,7 +499,7 @@ impl Extractor {
                 .map_err(|err| Self::write_err(&rel, "set times", io_err(err)))?;
             }
             Kind::Hardlink => {
-                let target = components(&e.link).map_err(|why| {
+                let target = components(&e.link, |why| {
                     Self::refuse(
                         e,
                         format!(
@@ -562,7 +584,7 @@ impl Extractor {
     }
 
     /// Sets directory modes and mtimes, deepest last-written first.
-    pub(super) fn finish_dirs(&mut self) -> Result<(), LayerError> {
+    pub(super) fn finish_dirs(&mut self) -> Result<(), ImageError> {
         self.cached = None;
         let dirs = std::mem::take(&mut self.dirs);
         for (rel, mode, mtime) in dirs.iter().rev() {

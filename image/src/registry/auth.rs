@@ -22,6 +22,8 @@ use nix::fcntl::OFlag;
 
 use berth_spec::UserIds;
 
+use crate::ImageError;
+
 /// Credential files larger than this are refused (a login file is a few hundred bytes).
 pub const FILE_LIMIT: u64 = 1 << 20;
 
@@ -136,12 +138,12 @@ pub struct AuthFile {
 /// base64("USER:PASS")}}}` or `{"identitytoken": TOKEN}` instead. Keys may be URLs
 /// (`https://index.docker.io/v1/`); keys naming a namespace (`quay.io/org`) are skipped.
 /// Unknown fields are ignored, as docker does.
-pub fn parse_auth_file(text: &str, file: &Path) -> Result<AuthFile, String> {
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+pub fn parse_auth_file(text: &str, file: &Path) -> Result<AuthFile, ImageError> {
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| ImageError::Detail(format!("not valid JSON: {e}")))?;
     let top = value
         .as_object()
-        .ok_or_else(|| "not a JSON object".to_string())?;
+        .ok_or_else(|| ImageError::Detail("not a JSON object".to_string()))?;
     let mut out = AuthFile {
         helpers: top.get("credsStore").is_some_and(|v| !v.is_null())
             || top
@@ -153,7 +155,7 @@ pub fn parse_auth_file(text: &str, file: &Path) -> Result<AuthFile, String> {
     let auths = match top.get("auths") {
         None | Some(serde_json::Value::Null) => return Ok(out),
         Some(serde_json::Value::Object(m)) => m,
-        Some(_) => return Err("`auths` is not an object".to_string()),
+        Some(_) => return Err(ImageError::Detail("`auths` is not an object".to_string())),
     };
     for (key, entry) in auths {
         let Some(machine) = auth_key_host(key) else {
@@ -283,7 +285,7 @@ pub fn parse_netrc(text: &str, file: &Path) -> Vec<Login> {
 impl Credentials {
     /// Reads the credential files that exist, each opened as `user` (the user the image is
     /// pulled for; see the module header), a site-wide file of the admin's as root.
-    pub fn load(files: Vec<CredentialFile>, user: &UserIds) -> Result<Self, String> {
+    pub fn load(files: Vec<CredentialFile>, user: &UserIds) -> Result<Self, ImageError> {
         let mut logins = Vec::new();
         let mut netrc_files = Vec::new();
         let mut json_files = false;
@@ -296,20 +298,24 @@ impl Credentials {
                 continue;
             };
             let text = String::from_utf8(bytes).map_err(|_| {
-                format!(
-                    "credentials file {} is not UTF-8 text: fix or remove it",
-                    file.path.display()
-                )
+                config_error({
+                    format!(
+                        "credentials file {} is not UTF-8 text: fix or remove it",
+                        file.path.display()
+                    )
+                })
             })?;
             match file.kind {
                 FileKind::Netrc => logins.extend(parse_netrc(&text, &file.path)),
                 FileKind::AuthJson => {
                     let parsed = parse_auth_file(&text, &file.path).map_err(|e| {
-                        format!(
-                            "registry login file {}: {e}: fix it, or set registry.auth_files = \
+                        config_error({
+                            format!(
+                                "registry login file {}: {e}: fix it, or set registry.auth_files = \
                              false in berth.toml",
-                            file.path.display()
-                        )
+                                file.path.display()
+                            )
+                        })
                     })?;
                     if parsed.helpers {
                         tracing::warn!(
@@ -450,16 +456,21 @@ pub fn credential_files(
     files
 }
 
+/// A credentials file berth cannot use: the registry configuration is wrong.
+fn config_error(detail: String) -> ImageError {
+    ImageError::RegistryConfig { detail }
+}
+
 /// The bytes of one credentials file, `None` when it does not exist. Opened as `user` (see the
 /// module header); a site-wide file that root owns, in directories only root can change, as root.
-fn read_login_file(file: &CredentialFile, user: &UserIds) -> Result<Option<Vec<u8>>, String> {
+fn read_login_file(file: &CredentialFile, user: &UserIds) -> Result<Option<Vec<u8>>, ImageError> {
     let path = &file.path;
     let failed = |e: std::io::Error| {
-        format!(
+        config_error(format!(
             "credentials file {} (read as uid {}): {e}: make it a file you can read, or remove it",
             path.display(),
             user.uid
-        )
+        ))
     };
     let absent =
         |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR));
@@ -786,14 +797,19 @@ mod tests {
         assert!(c.files_text().contains("podman login"));
         let big = dir.path().join("big");
         std::fs::write(&big, vec![b' '; usize::try_from(FILE_LIMIT).unwrap() + 1]).unwrap();
-        let err = Credentials::load(vec![CredentialFile::netrc(big)], &me).unwrap_err();
+        let err = Credentials::load(vec![CredentialFile::netrc(big)], &me)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("larger than"), "{err}");
-        let err =
-            Credentials::load(vec![CredentialFile::netrc(dir.path().into())], &me).unwrap_err();
+        let err = Credentials::load(vec![CredentialFile::netrc(dir.path().into())], &me)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("not a regular file"), "{err}");
         let broken = dir.path().join("broken.json");
         std::fs::write(&broken, "{").unwrap();
-        let err = Credentials::load(vec![CredentialFile::json(broken)], &me).unwrap_err();
+        let err = Credentials::load(vec![CredentialFile::json(broken)], &me)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("not valid JSON") && !err.contains('\n'),
             "{err}"
@@ -822,7 +838,9 @@ mod tests {
         let c = Credentials::load(vec![file(&site, true)], &nobody).unwrap();
         assert_eq!(c.logins.len(), 1);
         // The same file named by a user (not the admin's site file) is opened as the user.
-        let err = Credentials::load(vec![file(&site, false)], &nobody).unwrap_err();
+        let err = Credentials::load(vec![file(&site, false)], &nobody)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("Permission denied"), "{err}");
         // In a directory others may write, the admin's path is no longer trusted as root's.
         let open = dir.path().join("open");
@@ -832,7 +850,9 @@ mod tests {
         let moved = open.join("site");
         std::fs::copy(&site, &moved).unwrap();
         std::fs::set_permissions(&moved, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let err = Credentials::load(vec![file(&moved, true)], &nobody).unwrap_err();
+        let err = Credentials::load(vec![file(&moved, true)], &nobody)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("Permission denied"), "{err}");
         // A symlink as the site file is not followed as root.
         let link = dir.path().join("link");

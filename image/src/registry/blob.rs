@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use sha2::{Digest as _, Sha256};
 use ureq::http::StatusCode;
 
-use super::RegistryError;
+use super::ImageError;
 use super::http::{self, Method, Target, Transport};
 
 pub struct BlobStream<'a> {
@@ -33,7 +33,7 @@ pub struct BlobStream<'a> {
     abort: &'a AtomicBool,
     on_bytes: &'a (dyn Fn(u64) + Sync),
     /// Why the stream failed: the reader above only sees an io::Error, the caller reports this.
-    pub failure: Option<RegistryError>,
+    pub failure: Option<ImageError>,
     /// Where the delivered bytes are also written, to keep the blob for peers once verified.
     pub tee: Option<crate::peers::Keeper>,
 }
@@ -73,10 +73,10 @@ impl<'a> BlobStream<'a> {
     }
 
     /// Why a read of this stream failed with `e`: the failure it recorded, else `e` itself.
-    pub fn failure_of(&mut self, e: &io::Error) -> RegistryError {
+    pub fn failure_of(&mut self, e: &io::Error) -> ImageError {
         self.failure
             .take()
-            .unwrap_or_else(|| RegistryError::Unreachable {
+            .unwrap_or_else(|| ImageError::Unreachable {
                 registry: self.target.registry.clone(),
                 image: self.target.image.clone(),
                 attempts: 1,
@@ -85,7 +85,7 @@ impl<'a> BlobStream<'a> {
     }
 
     /// Opens the blob at the current offset.
-    fn open(&mut self) -> Result<ureq::BodyReader<'static>, RegistryError> {
+    fn open(&mut self) -> Result<ureq::BodyReader<'static>, ImageError> {
         let resp = self.transport.send(
             self.target,
             Method::Get,
@@ -105,7 +105,7 @@ impl<'a> BlobStream<'a> {
                 .to_string();
             let expected = format!("bytes {}-", self.offset);
             if !range.starts_with(&expected) {
-                return Err(RegistryError::Protocol {
+                return Err(ImageError::Protocol {
                     image: self.target.image.clone(),
                     registry: self.target.registry.clone(),
                     detail: format!(
@@ -117,14 +117,14 @@ impl<'a> BlobStream<'a> {
         } else if status == StatusCode::OK {
             skip = self.offset;
         } else if status == StatusCode::NOT_FOUND {
-            return Err(RegistryError::BlobMissing {
+            return Err(ImageError::BlobMissing {
                 image: self.target.image.clone(),
                 registry: self.target.registry.clone(),
                 digest: self.digest.to_string(),
             });
         } else {
             let (status, code, message) = http::error_body(resp);
-            return Err(RegistryError::Protocol {
+            return Err(ImageError::Protocol {
                 image: self.target.image.clone(),
                 registry: self.target.registry.clone(),
                 detail: format!(
@@ -144,8 +144,8 @@ impl<'a> BlobStream<'a> {
         Ok(body)
     }
 
-    fn dropped(&self, detail: &str) -> RegistryError {
-        RegistryError::Unreachable {
+    fn dropped(&self, detail: &str) -> ImageError {
+        ImageError::Unreachable {
             registry: self.target.registry.clone(),
             image: self.target.image.clone(),
             attempts: self.failures.max(1),
@@ -156,7 +156,7 @@ impl<'a> BlobStream<'a> {
         }
     }
 
-    fn fail(&mut self, e: RegistryError) -> io::Error {
+    fn fail(&mut self, e: ImageError) -> io::Error {
         let text = e.to_string();
         self.failure = Some(e);
         io::Error::other(text)
@@ -167,7 +167,7 @@ impl Read for BlobStream<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             if self.abort.load(Ordering::Relaxed) {
-                return Err(self.fail(RegistryError::Aborted));
+                return Err(self.fail(ImageError::Aborted));
             }
             let remaining = self.size - self.offset;
             if remaining == 0 || buf.is_empty() {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use ureq::http::{Response, StatusCode};
 use ureq::tls::{Certificate, PemItem, RootCerts, TlsConfig};
 
-use super::RegistryError;
+use super::ImageError;
 use super::auth::{self, Challenge, Credentials, Login};
 use crate::config::RegistryConfig;
 
@@ -80,7 +80,7 @@ pub enum Method {
 }
 
 impl Transport {
-    pub fn new(config: &RegistryConfig, credentials: Credentials) -> Result<Self, RegistryError> {
+    pub fn new(config: &RegistryConfig, credentials: Credentials) -> Result<Self, ImageError> {
         let roots = load_roots(&config.ca_files)?;
         let tls = TlsConfig::builder().root_certs(roots).build();
         let agent_config = ureq::Agent::config_builder()
@@ -149,13 +149,13 @@ impl Transport {
         accept: Option<&str>,
         range_from: Option<u64>,
         abort: Option<&AtomicBool>,
-    ) -> Result<Resp, RegistryError> {
+    ) -> Result<Resp, ImageError> {
         let key = format!("{}/{}", t.registry, t.repository);
         let mut answered_challenge = false;
         let mut attempt = 0u32;
         loop {
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
-                return Err(RegistryError::Aborted);
+                return Err(ImageError::Aborted);
             }
             let authorization = self.peer_auth(&t.registry).or_else(|| {
                 self.auth_cache
@@ -214,7 +214,7 @@ impl Transport {
             attempt += 1;
             if attempt >= self.retries {
                 if let Some((status, said)) = answered {
-                    return Err(RegistryError::ServerError {
+                    return Err(ImageError::ServerError {
                         registry: t.registry.clone(),
                         image: t.image.clone(),
                         attempts: attempt,
@@ -226,7 +226,7 @@ impl Transport {
                         },
                     });
                 }
-                return Err(RegistryError::Unreachable {
+                return Err(ImageError::Unreachable {
                     registry: t.registry.clone(),
                     image: t.image.clone(),
                     attempts: attempt,
@@ -241,13 +241,13 @@ impl Transport {
     /// Reads a small response body (manifest, config, token, error). A connection dropped
     /// midway is `Unreachable` (callers retry it); a body past [`DOCUMENT_LIMIT`] is the
     /// registry's fault, said so, not retried.
-    pub fn read_document(&self, t: &Target, resp: Resp) -> Result<Vec<u8>, RegistryError> {
+    pub fn read_document(&self, t: &Target, resp: Resp) -> Result<Vec<u8>, ImageError> {
         resp.into_body()
             .into_with_config()
             .limit(DOCUMENT_LIMIT)
             .read_to_vec()
             .map_err(|e| match e {
-                ureq::Error::BodyExceedsLimit(_) => RegistryError::Protocol {
+                ureq::Error::BodyExceedsLimit(_) => ImageError::Protocol {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     detail: format!(
@@ -255,7 +255,7 @@ impl Transport {
                         DOCUMENT_LIMIT >> 20
                     ),
                 },
-                e => RegistryError::Unreachable {
+                e => ImageError::Unreachable {
                     registry: t.registry.clone(),
                     image: t.image.clone(),
                     attempts: 1,
@@ -265,7 +265,7 @@ impl Transport {
     }
 
     /// Works out the `Authorization` header a 401 asks for.
-    fn answer_challenge(&self, t: &Target, resp: &Resp) -> Result<String, RegistryError> {
+    fn answer_challenge(&self, t: &Target, resp: &Resp) -> Result<String, ImageError> {
         let challenges: Vec<Challenge> = resp
             .headers()
             .get_all("www-authenticate")
@@ -292,7 +292,7 @@ impl Transport {
                     None => Err(self.credentials_required(t)),
                 }
             }
-            None => Err(RegistryError::Protocol {
+            None => Err(ImageError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: "answered 401 without a usable WWW-Authenticate challenge".to_string(),
@@ -302,14 +302,14 @@ impl Transport {
 
     /// The login to use for `hosts` (first match wins); `USER@` without a matching entry is an
     /// error rather than an anonymous pull, since the user asked for that account.
-    fn login_for(&self, t: &Target, hosts: &[&str]) -> Result<Option<&Login>, RegistryError> {
+    fn login_for(&self, t: &Target, hosts: &[&str]) -> Result<Option<&Login>, ImageError> {
         let found = hosts
             .iter()
             .find_map(|h| self.credentials.find(h, t.user.as_deref()));
         if found.is_none()
             && let Some(user) = &t.user
         {
-            return Err(RegistryError::NoSuchLogin {
+            return Err(ImageError::NoSuchLogin {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 user: user.clone(),
@@ -325,7 +325,7 @@ impl Transport {
         realm: &str,
         service: Option<&str>,
         scope: Option<&str>,
-    ) -> Result<String, RegistryError> {
+    ) -> Result<String, ImageError> {
         let scope = scope
             .map(str::to_string)
             .unwrap_or_else(|| format!("repository:{}:pull", t.repository));
@@ -339,7 +339,7 @@ impl Transport {
         let plain_ok = |h: &str| self.insecure.iter().any(|i| i == h);
         if !(realm.starts_with("https://") || plain_ok(realm_host) || plain_ok(&t.registry)) {
             // A login must not travel in clear text to a token server the admin did not list.
-            return Err(RegistryError::Protocol {
+            return Err(ImageError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: format!(
@@ -349,7 +349,7 @@ impl Transport {
             });
         }
         let login = self.login_for(t, &[realm_host, &t.registry])?;
-        let protocol = |detail: String| RegistryError::Protocol {
+        let protocol = |detail: String| ImageError::Protocol {
             image: t.image.clone(),
             registry: t.registry.clone(),
             detail,
@@ -385,7 +385,7 @@ impl Transport {
             };
             attempt += 1;
             if let (true, Some(status)) = (attempt >= self.retries, answered) {
-                return Err(RegistryError::ServerError {
+                return Err(ImageError::ServerError {
                     registry: format!("its token server {realm_host}"),
                     image: t.image.clone(),
                     attempts: attempt,
@@ -394,7 +394,7 @@ impl Transport {
                 });
             }
             if attempt >= self.retries {
-                return Err(RegistryError::Unreachable {
+                return Err(ImageError::Unreachable {
                     registry: realm_host.to_string(),
                     image: t.image.clone(),
                     attempts: attempt,
@@ -433,7 +433,7 @@ impl Transport {
     }
 
     /// A second 401 after the challenge was answered.
-    fn rejected(&self, t: &Target) -> RegistryError {
+    fn rejected(&self, t: &Target) -> ImageError {
         let login = match self.login_for(t, &[&t.registry]) {
             Ok(l) => l,
             Err(e) => return e,
@@ -446,8 +446,8 @@ impl Transport {
         }
     }
 
-    fn login_rejected(&self, t: &Target, l: &Login) -> RegistryError {
-        RegistryError::LoginRejected {
+    fn login_rejected(&self, t: &Target, l: &Login) -> ImageError {
+        ImageError::LoginRejected {
             image: t.image.clone(),
             registry: t.registry.clone(),
             login: l.login.clone(),
@@ -455,8 +455,8 @@ impl Transport {
         }
     }
 
-    fn credentials_required(&self, t: &Target) -> RegistryError {
-        RegistryError::CredentialsRequired {
+    fn credentials_required(&self, t: &Target) -> ImageError {
+        ImageError::CredentialsRequired {
             image: t.image.clone(),
             registry: t.registry.clone(),
             host: t.registry.clone(),
@@ -464,7 +464,7 @@ impl Transport {
         }
     }
 
-    fn transport_error(&self, t: &Target, e: ureq::Error) -> RegistryError {
+    fn transport_error(&self, t: &Target, e: ureq::Error) -> ImageError {
         match &e {
             _ if tls_failure(&e).is_some() => {
                 let detail = describe(&e);
@@ -474,7 +474,7 @@ impl Transport {
                         rustls::InvalidMessage::InvalidContentType
                     ))
                 ) || detail.contains("corrupt message");
-                RegistryError::Tls {
+                ImageError::Tls {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     hint: if plain {
@@ -492,7 +492,7 @@ impl Transport {
                 }
             }
             ureq::Error::Protocol(_) if self.repo_url(t).starts_with("http:") => {
-                RegistryError::Protocol {
+                ImageError::Protocol {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     detail: format!(
@@ -501,7 +501,7 @@ impl Transport {
                     ),
                 }
             }
-            _ => RegistryError::Unreachable {
+            _ => ImageError::Unreachable {
                 registry: t.registry.clone(),
                 image: t.image.clone(),
                 attempts: 1,
@@ -586,7 +586,7 @@ pub fn describe(e: &ureq::Error) -> String {
     }
 }
 
-fn load_roots(extra: &[PathBuf]) -> Result<RootCerts, RegistryError> {
+fn load_roots(extra: &[PathBuf]) -> Result<RootCerts, ImageError> {
     let mut certs: Vec<Certificate<'static>> = Vec::new();
     for bundle in SYSTEM_BUNDLES {
         if let Ok(pem) = std::fs::read(bundle) {
@@ -598,12 +598,12 @@ fn load_roots(extra: &[PathBuf]) -> Result<RootCerts, RegistryError> {
     }
     let system = certs.len();
     for file in extra {
-        let pem = std::fs::read(file).map_err(|e| RegistryError::Config {
+        let pem = std::fs::read(file).map_err(|e| ImageError::RegistryConfig {
             detail: format!("registry.ca_files: {}: {e}", file.display()),
         })?;
         let found = pem_certs(&pem);
         if found.is_empty() {
-            return Err(RegistryError::Config {
+            return Err(ImageError::RegistryConfig {
                 detail: format!(
                     "registry.ca_files: {} holds no PEM certificate",
                     file.display()

@@ -2,7 +2,16 @@
 //! once, each downloaded, inflated and extracted on three threads (`pipeline`), checked by
 //! digest before it is published.
 
-use super::*;
+use std::collections::HashMap;
+use std::io::{BufRead, Read};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::http::Target;
+use super::manifest::Descriptor;
+use super::{Client, ProgressMode, blob, pipeline, progress};
+use crate::{ImageError, LayerSink};
 
 impl Client {
     /// Streams every layer the sink lacks into it, `parallel` at once; returns the layer
@@ -15,7 +24,7 @@ impl Client {
         diff_ids: &[String],
         mode: ProgressMode,
         sink: &dyn LayerSink,
-    ) -> Result<Vec<PathBuf>, RegistryError> {
+    ) -> Result<Vec<PathBuf>, ImageError> {
         let total: u64 = layers.iter().map(|l| l.size).sum();
         let progress = progress::Progress::new(mode, &t.image, layers.len(), total);
         // The same layer twice in one image (empty layers are common) is fetched once.
@@ -37,7 +46,7 @@ impl Client {
         }
         let next = AtomicUsize::new(0);
         let abort = AtomicBool::new(false);
-        let results: Mutex<Vec<(usize, Result<PathBuf, RegistryError>)>> = Mutex::new(Vec::new());
+        let results: Mutex<Vec<(usize, Result<PathBuf, ImageError>)>> = Mutex::new(Vec::new());
         let workers = self.parallel.min(unique.len());
         std::thread::scope(|scope| {
             for _ in 0..workers {
@@ -69,7 +78,7 @@ impl Client {
         for (i, r) in results {
             match r {
                 Ok(path) => done[i] = Some(path),
-                Err(RegistryError::Aborted) => {}
+                Err(ImageError::Aborted) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -83,7 +92,7 @@ impl Client {
             .map(|d| {
                 done[first_of[d.as_str()]]
                     .clone()
-                    .ok_or(RegistryError::Aborted)
+                    .ok_or(ImageError::Aborted)
             })
             .collect()
     }
@@ -98,7 +107,7 @@ impl Client {
         sink: &dyn LayerSink,
         abort: &AtomicBool,
         lp: &progress::LayerProgress,
-    ) -> Result<PathBuf, RegistryError> {
+    ) -> Result<PathBuf, ImageError> {
         let on_bytes = |n: u64| lp.inc(n);
         let mut stream = blob::BlobStream::new(
             &self.transport,
@@ -148,10 +157,10 @@ impl Client {
         // Another layer failed and this one's extraction stopped for it: that failure is the
         // pull's error, not this.
         if staged.is_err() && abort.load(Ordering::Relaxed) {
-            return Err(RegistryError::Aborted);
+            return Err(ImageError::Aborted);
         }
         if actual != layer.digest || size != layer.size {
-            return Err(RegistryError::DigestMismatch {
+            return Err(ImageError::DigestMismatch {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 what: "layer",
@@ -163,10 +172,10 @@ impl Client {
         if let Some(tee) = tee {
             tee.commit();
         }
-        let layer_error = |source| RegistryError::Layer {
+        let layer_error = |source| ImageError::PullLayer {
             image: t.image.clone(),
             digest: layer.digest.clone(),
-            source,
+            source: Box::new(source),
         };
         let published = match staged {
             Ok(staged) => staged.publish().map_err(layer_error)?,
@@ -198,7 +207,7 @@ pub(super) fn download_blob(
     mut stream: blob::BlobStream<'_>,
     to: pipeline::PipeWriter,
 ) -> (
-    Option<RegistryError>,
+    Option<ImageError>,
     (String, u64),
     Option<crate::peers::Keeper>,
 ) {

@@ -4,6 +4,8 @@
 
 use serde::Deserialize;
 
+use crate::ImageError;
+
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
@@ -80,9 +82,9 @@ pub enum Manifest {
 
 /// Parses a manifest body; `content_type` is the response's Content-Type (umoci and some
 /// registries omit `mediaType` in the body).
-pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<Manifest, String> {
-    let raw: RawManifest =
-        serde_json::from_slice(body).map_err(|e| format!("manifest is not valid JSON: {e}"))?;
+pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<Manifest, ImageError> {
+    let raw: RawManifest = serde_json::from_slice(body)
+        .map_err(|e| ImageError::Detail(format!("manifest is not valid JSON: {e}")))?;
     let media_type = raw
         .media_type
         .as_deref()
@@ -93,11 +95,11 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<Manifest, String
             .as_deref()
             .is_some_and(|t| t.starts_with(DOCKER_SCHEMA1))
     {
-        return Err(
+        return Err(ImageError::Detail(
             "Docker schema 1 manifests are not supported (re-push the image with a \
                     current client)"
                 .to_string(),
-        );
+        ));
     }
     let is_index = matches!(media_type.as_deref(), Some(OCI_INDEX | DOCKER_LIST))
         || (raw.manifests.is_some() && raw.layers.is_none());
@@ -106,10 +108,10 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<Manifest, String
     }
     match (raw.config, raw.layers) {
         (Some(config), Some(layers)) => Ok(Manifest::Image { config, layers }),
-        _ => Err(format!(
+        _ => Err(ImageError::Detail(format!(
             "manifest of type {} has no config or layers",
             media_type.as_deref().unwrap_or("(none)")
-        )),
+        ))),
     }
 }
 
@@ -130,7 +132,7 @@ impl Wanted {
     }
 
     /// `--arch` values: `amd64`, `x86_64`, `arm64`, `aarch64`, `arm64/v8`, `linux/arm/v7`, …
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, ImageError> {
         let text = text.strip_prefix("linux/").unwrap_or(text);
         let (arch, variant) = match text.split_once('/') {
             Some((a, v)) => (a, Some(v.to_string())),
@@ -150,9 +152,9 @@ impl Wanted {
                 .as_deref()
                 .is_some_and(|v| v.is_empty() || v.contains('/'))
         {
-            return Err(format!(
+            return Err(ImageError::Detail(format!(
                 "'{text}' is not an architecture (expected e.g. amd64, arm64, arm64/v8)"
-            ));
+            )));
         }
         Ok(Self {
             architecture: architecture.to_string(),
@@ -330,8 +332,23 @@ mod tests {
             "manifests":[{"digest":"sha256:cc","size":5,"platform":{"architecture":"amd64","os":"linux"}}]}"#;
         assert!(matches!(parse(list, None).unwrap(), Manifest::Index(v) if v.len() == 1));
         let schema1 = br#"{"schemaVersion":1,"fsLayers":[]}"#;
-        assert!(parse(schema1, None).unwrap_err().contains("schema 1"));
-        assert!(parse(b"{", None).unwrap_err().contains("not valid JSON"));
-        assert!(parse(b"{}", None).unwrap_err().contains("no config"));
+        assert!(
+            parse(schema1, None)
+                .unwrap_err()
+                .to_string()
+                .contains("schema 1")
+        );
+        assert!(
+            parse(b"{", None)
+                .unwrap_err()
+                .to_string()
+                .contains("not valid JSON")
+        );
+        assert!(
+            parse(b"{}", None)
+                .unwrap_err()
+                .to_string()
+                .contains("no config")
+        );
     }
 }

@@ -15,7 +15,6 @@
 
 pub mod auth;
 mod blob;
-mod error;
 mod http;
 mod layers;
 pub mod manifest;
@@ -23,11 +22,8 @@ mod peer;
 mod pipeline;
 mod progress;
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, Read};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use oci_spec::image::ImageConfiguration;
 use ureq::http::StatusCode;
@@ -39,8 +35,6 @@ pub use self::progress::ProgressMode;
 use super::{ImageError, LayerSink, RegistryRef};
 use crate::config::{MirrorConfig, RegistryConfig};
 use berth_spec::UserIds;
-
-pub use self::error::RegistryError;
 
 /// What to pull besides the reference.
 #[derive(Clone, Debug, Default)]
@@ -116,7 +110,7 @@ impl Client {
     /// A client for the user running berth, with this process's environment
     /// (`$ENROOT_CONFIG_PATH`, `$REGISTRY_AUTH_FILE`, …). `user_home` is the home of that user:
     /// `~` in `registry.credentials` and the default login files resolve there.
-    pub fn new(config: &RegistryConfig, user_home: Option<&Path>) -> Result<Self, RegistryError> {
+    pub fn new(config: &RegistryConfig, user_home: Option<&Path>) -> Result<Self, ImageError> {
         let user = current_user(user_home)?;
         Self::for_user(config, &user, &UserEnv::of_this_process())
     }
@@ -127,7 +121,7 @@ impl Client {
         config: &RegistryConfig,
         user_home: Option<&Path>,
         enroot_config_path: Option<&Path>,
-    ) -> Result<Self, RegistryError> {
+    ) -> Result<Self, ImageError> {
         let user = current_user(user_home)?;
         let env = UserEnv {
             enroot_config_path: enroot_config_path.map(Path::to_path_buf),
@@ -143,7 +137,7 @@ impl Client {
         config: &RegistryConfig,
         uid: u32,
         home: Option<&Path>,
-    ) -> Result<Self, RegistryError> {
+    ) -> Result<Self, ImageError> {
         if uid == nix::unistd::getuid().as_raw() {
             return Self::new(config, home);
         }
@@ -169,7 +163,7 @@ impl Client {
         config: &RegistryConfig,
         user: &UserIds,
         env: &UserEnv,
-    ) -> Result<Self, RegistryError> {
+    ) -> Result<Self, ImageError> {
         let files = auth::credential_files(
             &config.credentials,
             config.enroot_credentials,
@@ -178,10 +172,8 @@ impl Client {
             user.uid,
             user.home.as_deref(),
         );
-        let credentials =
-            Credentials::load(files, user).map_err(|detail| RegistryError::Config { detail })?;
-        let mirrors =
-            parse_mirrors(&config.mirrors).map_err(|detail| RegistryError::Config { detail })?;
+        let credentials = Credentials::load(files, user)?;
+        let mirrors = parse_mirrors(&config.mirrors)?;
         Ok(Self {
             transport: Transport::new(config, credentials)?,
             parallel: config.parallel_downloads.max(1),
@@ -220,9 +212,9 @@ impl Client {
     }
 
     /// The error to report when `t`, the last source, failed with `e`.
-    fn last_error(t: &Target, e: RegistryError) -> RegistryError {
+    fn last_error(t: &Target, e: ImageError) -> ImageError {
         match &t.mirror_of {
-            Some(origin) => RegistryError::Mirror {
+            Some(origin) => ImageError::Mirror {
                 mirror: t.registry.clone(),
                 origin: origin.clone(),
                 source: Box::new(e),
@@ -232,10 +224,10 @@ impl Client {
     }
 
     /// Whether a failure ends the pull rather than sending it to the next source.
-    fn is_final(e: &RegistryError) -> bool {
+    fn is_final(e: &ImageError) -> bool {
         matches!(
             e,
-            RegistryError::Config { .. } | RegistryError::Aborted | RegistryError::Layer { .. }
+            ImageError::RegistryConfig { .. } | ImageError::Aborted | ImageError::PullLayer { .. }
         )
     }
 
@@ -243,7 +235,7 @@ impl Client {
     /// deciding whether a cached private image may be handed to this user.
     /// With mirrors, any source that lets the user read the image decides (the user could pull
     /// it from there).
-    pub fn check_access(&self, r: &RegistryRef) -> Result<bool, RegistryError> {
+    pub fn check_access(&self, r: &RegistryRef) -> Result<bool, ImageError> {
         let sources = self.sources(r);
         let mut outcome = None;
         for t in sources {
@@ -260,7 +252,7 @@ impl Client {
         outcome.unwrap_or(Ok(false))
     }
 
-    fn check_access_at(&self, t: Target, r: &RegistryRef) -> Result<bool, RegistryError> {
+    fn check_access_at(&self, t: Target, r: &RegistryRef) -> Result<bool, ImageError> {
         let url = manifest_url(&self.transport, &t, r);
         let result =
             self.transport
@@ -275,15 +267,15 @@ impl Client {
             {
                 Ok(false)
             }
-            Ok(resp) => Err(RegistryError::Protocol {
+            Ok(resp) => Err(ImageError::Protocol {
                 image: t.image,
                 registry: t.registry,
                 detail: format!("manifest HEAD answered {}", resp.status()),
             }),
             Err(
-                RegistryError::CredentialsRequired { .. }
-                | RegistryError::LoginRejected { .. }
-                | RegistryError::NoSuchLogin { .. },
+                ImageError::CredentialsRequired { .. }
+                | ImageError::LoginRejected { .. }
+                | ImageError::NoSuchLogin { .. },
             ) => Ok(false),
             Err(e) => Err(e),
         }
@@ -292,11 +284,7 @@ impl Client {
     /// Fetches and checks the manifest (choosing the platform from an index) and the config of
     /// `r`, without downloading layers: the manifest digest says whether the store has the image.
     /// With mirrors, the first source that has it (see the module header).
-    pub fn resolve(
-        &self,
-        r: &RegistryRef,
-        options: &PullOptions,
-    ) -> Result<Resolved, RegistryError> {
+    pub fn resolve(&self, r: &RegistryRef, options: &PullOptions) -> Result<Resolved, ImageError> {
         let sources = self.sources(r);
         let peers = self.peer_targets(r);
         let mut i = 0;
@@ -324,23 +312,20 @@ impl Client {
         r: &RegistryRef,
         options: &PullOptions,
         peers: &[Target],
-    ) -> Result<Resolved, RegistryError> {
+    ) -> Result<Resolved, ImageError> {
         let want = match &options.arch {
-            Some(a) => Wanted::parse(a).map_err(|detail| RegistryError::Image {
-                image: t.image.clone(),
-                detail,
-            })?,
+            Some(a) => Wanted::parse(a).map_err(|e| self.image_error(&t, e.to_string()))?,
             None => Wanted::host(),
         };
         let url = manifest_url(&self.transport, &t, r);
         let (body, digest, content_type) = self.fetch_manifest(&t, &url, r.digest.as_deref())?;
         let parsed = manifest::parse(&body, content_type.as_deref())
-            .map_err(|detail| self.image_error(&t, detail))?;
+            .map_err(|e| self.image_error(&t, e.to_string()))?;
         let (manifest_digest, index_digest, config_desc, layers) = match parsed {
             Manifest::Image { config, layers } => (digest, None, config, layers),
             Manifest::Index(entries) => {
                 let chosen =
-                    manifest::select(&entries, &want).ok_or_else(|| RegistryError::NoPlatform {
+                    manifest::select(&entries, &want).ok_or_else(|| ImageError::NoPlatform {
                         image: t.image.clone(),
                         want: want.to_string(),
                         have: manifest::platforms(&entries),
@@ -350,7 +335,7 @@ impl Client {
                 let (body, child, content_type) =
                     self.fetch_manifest(&t, &url, Some(&chosen.digest))?;
                 match manifest::parse(&body, content_type.as_deref())
-                    .map_err(|detail| self.image_error(&t, detail))?
+                    .map_err(|e| self.image_error(&t, e.to_string()))?
                 {
                     Manifest::Image { config, layers } => (child, Some(digest), config, layers),
                     Manifest::Index(_) => {
@@ -386,7 +371,7 @@ impl Client {
             )
         })?;
         check_architecture(&config, &want, options.arch.is_some())
-            .map_err(|detail| self.image_error(&t, detail))?;
+            .map_err(|e| self.image_error(&t, e.to_string()))?;
         let diff_ids = config.rootfs().diff_ids().clone();
         if diff_ids.len() != layers.len() {
             return Err(self.image_error(
@@ -420,7 +405,7 @@ impl Client {
         resolved: Resolved,
         options: &PullOptions,
         sink: &dyn LayerSink,
-    ) -> Result<Pulled, RegistryError> {
+    ) -> Result<Pulled, ImageError> {
         let r = resolved;
         // Peers first: each blob is verified whoever serves it.
         let mut sources = r.peers.clone();
@@ -459,13 +444,13 @@ impl Client {
         r: &RegistryRef,
         options: &PullOptions,
         sink: &dyn LayerSink,
-    ) -> Result<Pulled, RegistryError> {
+    ) -> Result<Pulled, ImageError> {
         let resolved = self.resolve(r, options)?;
         self.fetch(resolved, options, sink)
     }
 
-    fn image_error(&self, t: &Target, detail: String) -> RegistryError {
-        RegistryError::Image {
+    fn image_error(&self, t: &Target, detail: String) -> ImageError {
+        ImageError::Pull {
             image: t.image.clone(),
             detail,
         }
@@ -478,13 +463,13 @@ impl Client {
         t: &Target,
         url: &str,
         pinned: Option<&str>,
-    ) -> Result<(Vec<u8>, String, Option<String>), RegistryError> {
+    ) -> Result<(Vec<u8>, String, Option<String>), ImageError> {
         let (body, content_type) = self.get_document(t, url, Some(manifest::ACCEPT), "manifest")?;
         let digest = blob::sha256_of(&body);
         if let Some(p) = pinned
             && p != digest
         {
-            return Err(RegistryError::DigestMismatch {
+            return Err(ImageError::DigestMismatch {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 what: "manifest",
@@ -505,14 +490,14 @@ impl Client {
         url: &str,
         accept: Option<&str>,
         what: &str,
-    ) -> Result<(Vec<u8>, Option<String>), RegistryError> {
+    ) -> Result<(Vec<u8>, Option<String>), ImageError> {
         let mut attempt = 0u32;
         loop {
             let resp = self
                 .transport
                 .send(t, Method::Get, url, accept, None, None)?;
             if what == "config" && resp.status() == StatusCode::NOT_FOUND {
-                return Err(RegistryError::BlobMissing {
+                return Err(ImageError::BlobMissing {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     digest: url.rsplit('/').next().unwrap_or_default().to_string(),
@@ -528,10 +513,10 @@ impl Client {
                 .map(str::to_string);
             match self.transport.read_document(t, resp) {
                 Ok(body) => return Ok((body, content_type)),
-                Err(RegistryError::Unreachable { detail, .. }) => {
+                Err(ImageError::Unreachable { detail, .. }) => {
                     attempt += 1;
                     if attempt >= self.transport.retries {
-                        return Err(RegistryError::Unreachable {
+                        return Err(ImageError::Unreachable {
                             image: t.image.clone(),
                             registry: t.registry.clone(),
                             attempts: attempt,
@@ -546,12 +531,12 @@ impl Client {
         }
     }
 
-    fn fetch_config(&self, t: &Target, d: &Descriptor) -> Result<Vec<u8>, RegistryError> {
+    fn fetch_config(&self, t: &Target, d: &Descriptor) -> Result<Vec<u8>, ImageError> {
         let url = format!("{}blobs/{}", self.transport.repo_url(t), d.digest);
         let (body, _) = self.get_document(t, &url, None, "config")?;
         let actual = blob::sha256_of(&body);
         if actual != d.digest {
-            return Err(RegistryError::DigestMismatch {
+            return Err(ImageError::DigestMismatch {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 what: "config",
@@ -563,21 +548,21 @@ impl Client {
         Ok(body)
     }
 
-    fn not_ok(&self, t: &Target, resp: http::Resp, what: &str) -> RegistryError {
+    fn not_ok(&self, t: &Target, resp: http::Resp, what: &str) -> ImageError {
         let (status, mut code, message) = http::error_body(resp);
         if status == StatusCode::NOT_FOUND && code != "NAME_UNKNOWN" && !self.repository_exists(t) {
             // Registry 2.8 says MANIFEST_UNKNOWN for a missing repository too.
             code = "NAME_UNKNOWN".to_string();
         }
         match (status, code.as_str()) {
-            (StatusCode::NOT_FOUND, "NAME_UNKNOWN") => RegistryError::NotFound {
+            (StatusCode::NOT_FOUND, "NAME_UNKNOWN") => ImageError::NotFound {
                 image: t.image.clone(),
                 detail: format!(
                     "{} has no repository '{}': check the image name",
                     t.registry, t.repository
                 ),
             },
-            (StatusCode::NOT_FOUND, _) => RegistryError::NotFound {
+            (StatusCode::NOT_FOUND, _) => ImageError::NotFound {
                 image: t.image.clone(),
                 detail: format!(
                     "{} has no {} for {}: check the tag or digest",
@@ -588,7 +573,7 @@ impl Client {
                         .map_or(t.image.as_str(), |(_, n)| n)
                 ),
             },
-            (StatusCode::FORBIDDEN, _) => RegistryError::Protocol {
+            (StatusCode::FORBIDDEN, _) => ImageError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: format!(
@@ -596,7 +581,7 @@ impl Client {
                      read this repository"
                 ),
             },
-            _ => RegistryError::Protocol {
+            _ => ImageError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: format!("fetching the {what} answered {status} {code} {message}"),
@@ -621,7 +606,7 @@ pub fn check_architecture(
     config: &ImageConfiguration,
     want: &manifest::Wanted,
     asked: bool,
-) -> Result<(), String> {
+) -> Result<(), ImageError> {
     let have = config.architecture().to_string();
     let normal = manifest::Wanted::parse(&have)
         .map(|w| w.architecture)
@@ -630,7 +615,7 @@ pub fn check_architecture(
         return Ok(());
     }
     let have = berth_sys::text::elide(&have);
-    Err(if asked {
+    Err(ImageError::Detail(if asked {
         format!(
             "the image is built for {have}, not for {} as --arch asks",
             want.architecture
@@ -641,7 +626,7 @@ pub fn check_architecture(
              anyway",
             want.architecture
         )
-    })
+    }))
 }
 
 fn target(r: &RegistryRef) -> Target {
@@ -655,8 +640,8 @@ fn target(r: &RegistryRef) -> Target {
 }
 
 /// The user running berth, with `home` as its home.
-fn current_user(home: Option<&Path>) -> Result<UserIds, RegistryError> {
-    let mut user = berth_spec::user::current().map_err(|e| RegistryError::Config {
+fn current_user(home: Option<&Path>) -> Result<UserIds, ImageError> {
+    let mut user = berth_spec::user::current().map_err(|e| ImageError::RegistryConfig {
         detail: format!("who is pulling: {e}"),
     })?;
     user.home = home.map(Path::to_path_buf);
@@ -664,7 +649,7 @@ fn current_user(home: Option<&Path>) -> Result<UserIds, RegistryError> {
 }
 
 /// One warning line: a source failed and the next is tried.
-fn warn_source_failed(failed: &Target, next: &Target, e: &RegistryError) {
+fn warn_source_failed(failed: &Target, next: &Target, e: &ImageError) {
     let what = match &failed.mirror_of {
         Some(origin) => format!("registry mirror {} of {origin}", failed.registry),
         None => failed.registry.clone(),
@@ -690,14 +675,14 @@ fn mirror_key(registry: &str) -> String {
 /// Checks and splits `registry.mirrors`: each mirror is `HOST[:PORT][/PREFIX]`.
 fn parse_mirrors(
     config: &BTreeMap<String, MirrorConfig>,
-) -> Result<BTreeMap<String, Mirrors>, String> {
+) -> Result<BTreeMap<String, Mirrors>, ImageError> {
     let mut out = BTreeMap::new();
     for (registry, m) in config {
-        let bad = |what: &str, detail: &str| {
-            format!(
+        let bad = |what: &str, detail: &str| ImageError::RegistryConfig {
+            detail: format!(
                 "registry.mirrors.\"{}\": {what} {detail}",
                 berth_sys::text::elide(registry)
-            )
+            ),
         };
         if registry.is_empty() || registry.contains(['/', ' ']) {
             return Err(bad(
@@ -756,10 +741,10 @@ fn manifest_url(transport: &Transport, t: &Target, r: &RegistryRef) -> String {
 }
 
 /// Digests from a registry go into URLs and paths: only `sha256:<64 hex>` is accepted.
-fn check_digest(t: &Target, digest: &str) -> Result<(), RegistryError> {
-    super::reference::check_digest(digest).map_err(|detail| RegistryError::Image {
+fn check_digest(t: &Target, digest: &str) -> Result<(), ImageError> {
+    super::reference::check_digest(digest).map_err(|e| ImageError::Pull {
         image: t.image.clone(),
-        detail,
+        detail: e.to_string(),
     })
 }
 
@@ -873,7 +858,7 @@ mod tests {
                 user: None,
                 mirror_of: Some("o.example".into()),
             },
-            RegistryError::Unreachable {
+            ImageError::Unreachable {
                 image: "o.example/a/b:1".into(),
                 registry: "127.0.0.1:1".into(),
                 attempts: 2,
@@ -891,11 +876,10 @@ mod tests {
 
     #[test]
     fn errors_convert_to_one_line() {
-        let e: ImageError = RegistryError::NotFound {
+        let e: ImageError = ImageError::NotFound {
             image: "127.0.0.1:5000/a/b:nope".into(),
             detail: "127.0.0.1:5000 has no manifest for b:nope: check the tag or digest".into(),
-        }
-        .into();
+        };
         let text = e.to_string();
         assert!(!text.contains('\n'));
         assert!(text.contains("a/b:nope"), "{text}");

@@ -3,7 +3,7 @@
 
 use super::http::Target;
 use super::manifest::Descriptor;
-use super::{Client, RegistryError, RegistryRef, target, warn_source_failed};
+use super::{Client, ImageError, RegistryRef, target, warn_source_failed};
 
 impl Client {
     /// The peers to ask for `r`'s blobs, as sources like mirrors (plain HTTP, the cluster key,
@@ -35,7 +35,7 @@ impl Client {
         peers: &[Target],
         t: &Target,
         d: &Descriptor,
-    ) -> Result<Vec<u8>, RegistryError> {
+    ) -> Result<Vec<u8>, ImageError> {
         for (i, p) in peers.iter().enumerate() {
             match self.fetch_config(p, d) {
                 Ok(body) => {

@@ -29,7 +29,7 @@ use nix::unistd::{Gid, Uid, fchown};
 use sha2::{Digest as _, Sha256};
 
 use super::record::{self, LayerRecord};
-use super::{Store, StoreError, fs};
+use super::{ImageError, Store, fs};
 
 fn beneath(dir: &OwnedFd, rel: &[u8], flags: OFlag, mode: u32) -> io::Result<OwnedFd> {
     berth_sys::privfs::open_beneath(dir, Path::new(OsStr::from_bytes(rel)), flags, mode, true)
@@ -177,7 +177,7 @@ fn set_meta(fd: &OwnedFd, m: &std::fs::Metadata) -> io::Result<()> {
 impl Store {
     /// Inserts, above each layer of `dirs` (bottom first) that has hardlinks to lower layers'
     /// files, the layer of their copies (made once per chain, see the module header).
-    pub(super) fn copy_up(&self, dirs: Vec<PathBuf>) -> Result<Vec<PathBuf>, StoreError> {
+    pub(super) fn copy_up(&self, dirs: Vec<PathBuf>) -> Result<Vec<PathBuf>, ImageError> {
         let mut out: Vec<PathBuf> = Vec::with_capacity(dirs.len());
         for dir in dirs {
             let rec = record::read(&dir.with_extension("files"))
@@ -209,7 +209,7 @@ impl Store {
         stack: &[PathBuf],
         rec: &LayerRecord,
         dest: &Path,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ImageError> {
         let name = layer.display().to_string();
         let io = |op: &str, e: io::Error| self.io(format!("{op} for layer {name}"), e);
         // Topmost first; [0] is the layer itself (parents' metadata), [1..] its lowers.
@@ -233,7 +233,7 @@ impl Store {
                     String::from_utf8_lossy(target)
                 );
                 let Some((at, meta)) = find(&layers[1..], target) else {
-                    return Err(StoreError::HardlinkMissing(shown));
+                    return Err(ImageError::HardlinkMissing(shown));
                 };
                 let from = &layers[1 + at].1;
                 // Parent directories as the image shows them at this layer (not 0755 root:
@@ -340,7 +340,7 @@ impl Store {
                         format!("{:x}", hasher.finalize()),
                     );
                 } else {
-                    return Err(StoreError::HardlinkMissing(format!(
+                    return Err(ImageError::HardlinkMissing(format!(
                         "{shown} (a {} there, not a file)",
                         if meta.is_dir() {
                             "directory"

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use super::fs::{self, LockMode};
-use super::{RefRecord, Store, StoreError, digest_hex};
+use super::{RefRecord, Store, digest_hex};
 use crate::{Digest, Image, ImageError, Rootfs};
 
 /// One stored image as `berth images ls` / `inspect` show it.
@@ -69,10 +69,8 @@ pub struct GcReport {
 }
 
 /// Parses `90s`, `30m`, `12h`, `7d`, `2w` (a bare number is seconds).
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let bad = || {
-        format!("invalid duration '{text}': use a number with s, m, h, d or w, e.g. 30m, 12h, 7d")
-    };
+pub fn parse_duration(text: &str) -> Result<Duration, ImageError> {
+    let bad = || ImageError::Duration(text.to_string());
     let t = text.trim();
     let (digits, unit) = match t.find(|c: char| !c.is_ascii_digit()) {
         Some(i) => (&t[..i], &t[i..]),
@@ -258,7 +256,7 @@ impl Store {
     }
 
     fn last_used(&self, digest: &str) -> SystemTime {
-        let from = |p: Result<PathBuf, StoreError>| {
+        let from = |p: Result<PathBuf, ImageError>| {
             p.ok()
                 .and_then(|p| std::fs::metadata(p).ok())
                 .and_then(|m| m.modified().ok())
@@ -319,7 +317,7 @@ impl Store {
                 0 => {}
                 _ => {
                     let shown: Vec<String> = matches.iter().map(|d| d[..19].to_string()).collect();
-                    return Err(StoreError::Ambiguous(text.into(), shown.join(", ")).into());
+                    return Err(ImageError::AmbiguousDigest(text.into(), shown.join(", ")));
                 }
             }
         }
@@ -335,7 +333,7 @@ impl Store {
                 return Ok(Selector::Digest(d.clone()));
             }
         }
-        Err(StoreError::NotFound(text.to_string()).into())
+        Err(ImageError::NotStored(text.to_string()))
     }
 
     /// The entry of a selected image.
@@ -346,7 +344,7 @@ impl Store {
         self.list()
             .into_iter()
             .find(|e| &e.image.digest == digest)
-            .ok_or_else(|| StoreError::NotFound(digest.clone()).into())
+            .ok_or_else(|| ImageError::NotStored(digest.clone()))
     }
 
     /// Removes a reference (the image too when no other reference keeps it), or an image by
@@ -378,7 +376,7 @@ impl Store {
                 references.push(r.reference.clone());
             }
             if references.is_empty() {
-                return Err(StoreError::NotFound(digest).into());
+                return Err(ImageError::NotStored(digest));
             }
             return Ok(Removed::Image {
                 digest,
@@ -387,7 +385,7 @@ impl Store {
             });
         }
         let Some(_unused) = self.claim_unused(&digest)? else {
-            return Err(StoreError::InUse(digest).into());
+            return Err(ImageError::InUse(digest));
         };
         let references = self.remove_image(&digest, &refs)?;
         let (layers, _) = self.prune_layers();
@@ -399,7 +397,7 @@ impl Store {
     }
 
     /// Takes the image's in-use lock exclusively if nobody uses it.
-    fn claim_unused(&self, digest: &str) -> Result<Option<File>, StoreError> {
+    fn claim_unused(&self, digest: &str) -> Result<Option<File>, ImageError> {
         let path = self.use_path(digest)?;
         fs::try_exclusive(&path).map_err(|e| self.io("checking whether an image is in use", e))
     }
@@ -410,7 +408,7 @@ impl Store {
         &self,
         digest: &str,
         refs: &[(PathBuf, RefRecord)],
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<Vec<String>, ImageError> {
         let mut references = Vec::new();
         for (path, r) in refs.iter().filter(|(_, r)| r.digest == digest) {
             std::fs::remove_file(path).map_err(|e| self.io("removing a reference", e))?;

@@ -2,26 +2,35 @@
 //! against the disk's room), then published by rename; what the store tells a reader of a
 //! layer directory it may use.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::fs::{self, LockMode, Workspace};
+use super::{Store, digest_hex, human_size, record};
+use crate::layer;
+use crate::{ImageError, LayerSink, StagedLayer};
 
 impl Store {
     /// Extracts one layer stream into the workspace (or, if another import published it
     /// meanwhile, only reads and verifies the stream). Holds the layer's lock until the result
     /// is published or dropped.
-    pub fn stage(&self, diff_id: &str, tar: &mut dyn Read) -> Result<Staged, StoreError> {
+    pub fn stage(&self, diff_id: &str, tar: &mut dyn Read) -> Result<Staged, ImageError> {
         let hex = digest_hex(diff_id)?.to_string();
         let lock = self.lock(&format!("layer-{hex}"), LockMode::Exclusive)?;
         let dest = self.layer_dir(diff_id)?;
-        let mismatch = |actual: String| StoreError::DiffIdMismatch {
+        let mismatch = |actual: String| ImageError::DiffIdMismatch {
             layer: diff_id.to_string(),
             actual,
         };
         // A layer marked damaged by `verify`, or extracted by an older berth (no record), is
         // extracted again and replaces the one in place.
         if self.layer_usable(&dest) {
-            let (actual, _) = layer::hash_only(tar).map_err(|source| StoreError::Layer {
+            let (actual, _) = layer::hash_only(tar).map_err(|source| ImageError::Layer {
                 layer: diff_id.to_string(),
-                source,
+                source: Box::new(source),
             })?;
             if actual != diff_id {
                 return Err(mismatch(actual));
@@ -61,18 +70,18 @@ impl Store {
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&staging);
-                return Err(if let LayerError::Bound(b) = e {
+                return Err(if let ImageError::Bound(b) = e {
                     self.bound_error(diff_id, b)
                 } else if e.is_no_space() {
-                    StoreError::FullDuringExtract {
+                    ImageError::FullDuringExtract {
                         root: self.root.clone(),
                         layer: diff_id.to_string(),
                         free: self.free_text(),
                     }
                 } else {
-                    StoreError::Layer {
+                    ImageError::Layer {
                         layer: diff_id.to_string(),
-                        source: e,
+                        source: Box::new(e),
                     }
                 });
             }
@@ -118,17 +127,17 @@ impl Store {
             && !dir.with_extension("damaged").exists()
     }
 
-    fn bound_error(&self, layer: &str, b: layer::Bound) -> StoreError {
+    fn bound_error(&self, layer: &str, b: layer::Bound) -> ImageError {
         match b {
-            layer::Bound::Layer => StoreError::LayerTooLarge {
+            layer::Bound::Layer => ImageError::LayerTooLarge {
                 layer: layer.to_string(),
                 max: human_size(self.limits.max_layer_bytes),
             },
-            layer::Bound::Image => StoreError::ImageTooLarge {
+            layer::Bound::Image => ImageError::ImageTooLarge {
                 layer: layer.to_string(),
                 max: human_size(self.limits.max_image_bytes),
             },
-            layer::Bound::Reserve(free) => StoreError::Reserve {
+            layer::Bound::Reserve(free) => ImageError::Reserve {
                 root: self.root.clone(),
                 what: format!("extracting layer {layer}"),
                 reserve: human_size(self.limits.reserve_bytes),
@@ -139,7 +148,7 @@ impl Store {
 
     /// `store.max_image_bytes` on the whole image, layers already in the store included (the
     /// extraction itself stopped at the bound counting only the layers it extracted).
-    pub(super) fn check_image_bytes(&self, dirs: &[PathBuf]) -> Result<(), StoreError> {
+    pub(super) fn check_image_bytes(&self, dirs: &[PathBuf]) -> Result<(), ImageError> {
         let mut total: u64 = 0;
         for d in dedup_layers(dirs.to_vec()) {
             if let Ok(Some(r)) = record::read(&d.with_extension("files")) {
@@ -147,7 +156,7 @@ impl Store {
             }
         }
         if total > self.limits.max_image_bytes {
-            return Err(StoreError::ImageTooLarge {
+            return Err(ImageError::ImageTooLarge {
                 layer: dirs
                     .last()
                     .map(|d| d.display().to_string())
@@ -169,17 +178,17 @@ pub(crate) fn publish_dir(
     dest: &Path,
     size: u64,
     rec: &record::LayerRecord,
-) -> Result<(), StoreError> {
+) -> Result<(), ImageError> {
     {
         let io = |op: &str, e: std::io::Error| {
             if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
-                StoreError::FullDuringExtract {
+                ImageError::FullDuringExtract {
                     root: root.to_path_buf(),
                     layer: dest.display().to_string(),
                     free: fs::free_bytes(root).map(human_size).unwrap_or_default(),
                 }
             } else {
-                StoreError::Io {
+                ImageError::StoreIo {
                     root: root.to_path_buf(),
                     op: format!("{op} {}", dest.display()),
                     source: e,
@@ -284,16 +293,19 @@ impl Staged {
 
     /// Makes the layer visible: its size and record first, then the flushed directory by
     /// rename (see [`Store::publish_dir`]).
-    pub fn publish_layer(mut self) -> Result<PathBuf, StoreError> {
+    pub fn publish_layer(mut self) -> Result<PathBuf, ImageError> {
         let Some(staging) = self.staging.take() else {
             return Ok(self.dest.clone());
         };
         let result = (|| {
-            let ws = self._workspace.as_ref().ok_or_else(|| StoreError::Io {
-                root: self.root.clone(),
-                op: format!("publishing {}", self.dest.display()),
-                source: std::io::Error::other("no workspace"),
-            })?;
+            let ws = self
+                ._workspace
+                .as_ref()
+                .ok_or_else(|| ImageError::StoreIo {
+                    root: self.root.clone(),
+                    op: format!("publishing {}", self.dest.display()),
+                    source: std::io::Error::other("no workspace"),
+                })?;
             let rec = self.record.take().unwrap_or_default();
             publish_dir(&self.root, ws, &staging, &self.dest, self.size, &rec)
         })();
@@ -307,7 +319,7 @@ impl Staged {
 
 impl StagedLayer for Staged {
     fn publish(self: Box<Self>) -> Result<PathBuf, ImageError> {
-        Ok(self.publish_layer()?)
+        self.publish_layer()
     }
 }
 

@@ -38,9 +38,7 @@ pub use layers::Staged;
 pub(crate) use layers::{dedup_layers, publish_dir};
 pub use verify::{LayerCheck, VerifyReport};
 
-use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::Read;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -51,8 +49,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
 use self::fs::{LockMode, Workspace};
-use super::layer::{self, LayerError};
-use super::{Digest, Image, ImageError, LayerSink, Reference, Rootfs, StagedLayer};
+use super::{Digest, Image, ImageError, Reference, Rootfs};
 use crate::config::StoreConfig;
 
 /// Compressed layers are assumed to grow this much when extracted (gzip and zstd layers of
@@ -65,90 +62,9 @@ pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
 /// A progress sink that drops everything.
 pub fn quiet(_: &str) {}
 
-/// Store failures; each is one line naming the store, image or layer and what to do.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("image store {root}: {op}: {source}")]
-    Io {
-        root: PathBuf,
-        op: String,
-        source: std::io::Error,
-    },
-    #[error(
-        "not enough space in the image store {root} for {what}: it needs about {needed} and {free} are free; remove images (berth images gc --max-size SIZE) or give the store more space"
-    )]
-    NoSpace {
-        root: PathBuf,
-        what: String,
-        needed: String,
-        free: String,
-    },
-    #[error(
-        "the image store {root} ran out of space while extracting layer {layer} ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE) or give the store more space"
-    )]
-    FullDuringExtract {
-        root: PathBuf,
-        layer: String,
-        free: String,
-    },
-    #[error("layer {layer}: {source}")]
-    Layer { layer: String, source: LayerError },
-    #[error(
-        "layer {layer}: its content has digest {actual}, not the expected diff_id: the image is corrupt; nothing was kept"
-    )]
-    DiffIdMismatch { layer: String, actual: String },
-    #[error("no image '{0}' in the store (berth images ls lists them)")]
-    NotFound(String),
-    #[error("image {0} is in use by a running container: stop it first")]
-    InUse(String),
-    #[error("'{0}' matches several images ({1}): give more of the digest")]
-    Ambiguous(String, String),
-    #[error("image record {path}: {why}: remove it with berth images rm {digest}")]
-    Corrupt {
-        path: PathBuf,
-        digest: String,
-        why: String,
-    },
-    #[error("invalid digest '{0}': expected sha256:<64 hex digits>")]
-    BadDigest(String),
-    #[error(
-        "image {what}: it has {count} layers, more than store.max_layers ({max}) allows (overlayfs stacks about 500): nothing was fetched; flatten the image, or raise store.max_layers in berth.toml"
-    )]
-    TooManyLayers {
-        what: String,
-        count: usize,
-        max: usize,
-    },
-    #[error(
-        "layer {layer}: it expands to more than store.max_layer_bytes ({max}); nothing partial was kept: raise store.max_layer_bytes in berth.toml if the image is trusted"
-    )]
-    LayerTooLarge { layer: String, max: String },
-    #[error(
-        "layer {layer}: the image's layers expand to more than store.max_image_bytes ({max}); nothing partial was kept: raise store.max_image_bytes in berth.toml if the image is trusted"
-    )]
-    ImageTooLarge { layer: String, max: String },
-    #[error(
-        "the image store {root}: {what} would leave less than store.reserve_bytes ({reserve}) free on its file system ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE), give the store more space, or lower store.reserve_bytes"
-    )]
-    Reserve {
-        root: PathBuf,
-        what: String,
-        reserve: String,
-        free: String,
-    },
-    #[error("{0}: the target is in neither this layer nor a lower one; the image is broken")]
-    HardlinkMissing(String),
-}
-
-impl From<StoreError> for ImageError {
-    fn from(e: StoreError) -> Self {
-        ImageError::Store(e.to_string())
-    }
-}
-
 /// The hex part of a `sha256:<64 hex>` digest; anything else is refused (digests become file
 /// names, so this is what keeps them inside the store).
-pub fn digest_hex(digest: &str) -> Result<&str, StoreError> {
+pub fn digest_hex(digest: &str) -> Result<&str, ImageError> {
     digest
         .strip_prefix("sha256:")
         .filter(|h| {
@@ -156,7 +72,7 @@ pub fn digest_hex(digest: &str) -> Result<&str, StoreError> {
                 && h.bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         })
-        .ok_or_else(|| StoreError::BadDigest(digest.to_string()))
+        .ok_or_else(|| ImageError::BadDigest(digest.to_string()))
 }
 
 /// `12.3 MiB`
@@ -324,7 +240,7 @@ impl Store {
         &self.limits
     }
 
-    pub fn open_at(root: &Path, parallel_layers: usize) -> Result<Self, StoreError> {
+    pub fn open_at(root: &Path, parallel_layers: usize) -> Result<Self, ImageError> {
         let store = Self {
             root: root.to_path_buf(),
             parallel_layers: parallel_layers.max(1),
@@ -384,8 +300,8 @@ impl Store {
         self.root.join("files")
     }
 
-    fn io(&self, op: impl Into<String>, source: std::io::Error) -> StoreError {
-        StoreError::Io {
+    fn io(&self, op: impl Into<String>, source: std::io::Error) -> ImageError {
+        ImageError::StoreIo {
             root: self.root.clone(),
             op: op.into(),
             source,
@@ -397,11 +313,11 @@ impl Store {
     }
 
     /// The directory of layer `diff_id` (whether or not it exists).
-    pub fn layer_dir(&self, diff_id: &str) -> Result<PathBuf, StoreError> {
+    pub fn layer_dir(&self, diff_id: &str) -> Result<PathBuf, ImageError> {
         Ok(self.dir("layers").join(digest_hex(diff_id)?))
     }
 
-    fn image_path(&self, digest: &str) -> Result<PathBuf, StoreError> {
+    fn image_path(&self, digest: &str) -> Result<PathBuf, ImageError> {
         Ok(self
             .dir("images")
             .join(format!("{}.json", digest_hex(digest)?)))
@@ -412,11 +328,11 @@ impl Store {
             .join(format!("{:x}.json", Sha256::digest(key.as_bytes())))
     }
 
-    fn use_path(&self, digest: &str) -> Result<PathBuf, StoreError> {
+    fn use_path(&self, digest: &str) -> Result<PathBuf, ImageError> {
         Ok(self.dir("use").join(digest_hex(digest)?))
     }
 
-    pub(crate) fn workspace(&self) -> Result<Arc<Workspace>, StoreError> {
+    pub(crate) fn workspace(&self) -> Result<Arc<Workspace>, ImageError> {
         let mut slot = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(ws) = slot.as_ref() {
             return Ok(ws.clone());
@@ -429,7 +345,7 @@ impl Store {
         Ok(ws)
     }
 
-    fn lock(&self, name: &str, mode: LockMode) -> Result<File, StoreError> {
+    fn lock(&self, name: &str, mode: LockMode) -> Result<File, ImageError> {
         fs::lock(&self.dir("locks").join(name), mode, true)
             .map_err(|e| self.io(format!("locking locks/{name}"), e))?
             .ok_or_else(|| {
@@ -442,9 +358,9 @@ impl Store {
 
     /// Fails with one line (naming `store.max_layers`) when an image of `count` layers could
     /// never run; call it on the manifest, before fetching anything.
-    pub fn check_layers(&self, what: &str, count: usize) -> Result<(), StoreError> {
+    pub fn check_layers(&self, what: &str, count: usize) -> Result<(), ImageError> {
         if count > self.limits.max_layers {
-            return Err(StoreError::TooManyLayers {
+            return Err(ImageError::TooManyLayers {
                 what: what.to_string(),
                 count,
                 max: self.limits.max_layers,
@@ -455,10 +371,10 @@ impl Store {
 
     /// Fails with one line when fewer than `needed` bytes (plus `store.reserve_bytes`) are free
     /// in the store.
-    pub fn check_space(&self, what: &str, needed: u64) -> Result<(), StoreError> {
+    pub fn check_space(&self, what: &str, needed: u64) -> Result<(), ImageError> {
         let free = fs::free_bytes(&self.root).map_err(|e| self.io("statvfs", e))?;
         if needed <= free && needed.saturating_add(self.limits.reserve_bytes) > free {
-            return Err(StoreError::Reserve {
+            return Err(ImageError::Reserve {
                 root: self.root.clone(),
                 what: format!("importing {what} (about {})", human_size(needed)),
                 reserve: human_size(self.limits.reserve_bytes),
@@ -466,7 +382,7 @@ impl Store {
             });
         }
         if needed > free {
-            return Err(StoreError::NoSpace {
+            return Err(ImageError::NoSpace {
                 root: self.root.clone(),
                 what: what.to_string(),
                 needed: human_size(needed),
@@ -577,7 +493,7 @@ impl Store {
     pub fn use_image(&self, digest: &str) -> Result<InUse, ImageError> {
         let path = self.use_path(digest)?;
         if self.image(digest).is_none() {
-            return Err(StoreError::NotFound(digest.to_string()).into());
+            return Err(ImageError::NotStored(digest.to_string()));
         }
         let file = fs::lock(&path, LockMode::Shared, true)
             .map_err(|e| {
@@ -586,10 +502,10 @@ impl Store {
                     e,
                 )
             })?
-            .ok_or_else(|| StoreError::NotFound(digest.to_string()))?;
+            .ok_or_else(|| ImageError::NotStored(digest.to_string()))?;
         // gc may have removed the image while we waited for the lock.
         if self.image(digest).is_none() {
-            return Err(StoreError::NotFound(digest.to_string()).into());
+            return Err(ImageError::NotStored(digest.to_string()));
         }
         let _ = file.set_modified(SystemTime::now());
         Ok(InUse {
@@ -613,7 +529,7 @@ impl Store {
     // -----------------------------------------------------------------------------------------
     // Writing
 
-    fn write_image(&self, ws: &Workspace, image: &Image) -> Result<(), StoreError> {
+    fn write_image(&self, ws: &Workspace, image: &Image) -> Result<(), ImageError> {
         let path = self.image_path(&image.digest)?;
         let bytes = serde_json::to_vec_pretty(image)
             .map_err(|e| self.io("encoding an image record", e.into()))?;
@@ -627,7 +543,7 @@ impl Store {
         reference: &Reference,
         digest: &str,
         stamp: Option<&FileStamp>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ImageError> {
         let key = reference_key(reference);
         let rec = RefRecord {
             reference: key.clone(),
@@ -641,9 +557,9 @@ impl Store {
             .map_err(|e| self.write_error("writing a reference", e))
     }
 
-    fn write_error(&self, op: &str, e: std::io::Error) -> StoreError {
+    fn write_error(&self, op: &str, e: std::io::Error) -> ImageError {
         if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
-            StoreError::NoSpace {
+            ImageError::NoSpace {
                 root: self.root.clone(),
                 what: op.to_string(),
                 needed: "a little".into(),

@@ -22,6 +22,8 @@ use std::path::Path;
 
 use sha2::{Digest as _, Sha256};
 
+use crate::ImageError;
+
 const MAGIC: &str = "berth-layer-record";
 
 /// One path of a layer directory as extraction left it.
@@ -102,19 +104,24 @@ impl LayerRecord {
     }
 
     /// Parses a record; `Err` says what is wrong with it.
-    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
-        let text = std::str::from_utf8(bytes).map_err(|_| "not text".to_string())?;
+    pub fn decode(bytes: &[u8]) -> Result<Self, ImageError> {
+        let text =
+            std::str::from_utf8(bytes).map_err(|_| ImageError::Detail("not text".to_string()))?;
         let mut lines = text.lines();
         let head: Vec<&str> = lines.next().unwrap_or("").split(' ').collect();
         if head.len() != 3 || head[0] != MAGIC || head[1] != "1" {
-            return Err("not a berth layer record (version 1)".into());
+            return Err(ImageError::Detail(
+                "not a berth layer record (version 1)".into(),
+            ));
         }
         let mut rec = LayerRecord {
-            tar_bytes: head[2].parse().map_err(|_| "bad header".to_string())?,
+            tar_bytes: head[2]
+                .parse()
+                .map_err(|_| ImageError::Detail("bad header".to_string()))?,
             ..Default::default()
         };
         for (n, line) in lines.enumerate() {
-            let bad = || format!("line {} is malformed", n + 2);
+            let bad = || ImageError::Detail(format!("line {} is malformed", n + 2));
             let f: Vec<&str> = line.split(' ').collect();
             match f.as_slice() {
                 ["E", kind, mode, uid, gid, size, digest, path] => {

@@ -4,6 +4,7 @@ use std::time::{Duration, SystemTime};
 
 use super::gc::{Candidate, plan};
 use super::*;
+use crate::LayerSink;
 use crate::RegistryRef;
 use crate::archive::test_images::{Comp, add_to_layout, layer, sha};
 

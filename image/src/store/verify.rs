@@ -7,10 +7,10 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use super::Store;
 use super::fs::LockMode;
 use super::gc::Entry;
 use super::record;
-use super::{Store, StoreError};
 use crate::{ImageError, Rootfs};
 
 /// What checking one layer found.
@@ -68,7 +68,7 @@ impl Store {
         Ok(report)
     }
 
-    fn verify_layer(&self, dir: &std::path::Path) -> Result<LayerCheck, StoreError> {
+    fn verify_layer(&self, dir: &std::path::Path) -> Result<LayerCheck, ImageError> {
         let name = dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -98,7 +98,7 @@ impl Store {
         Ok(LayerCheck::Differs(lines))
     }
 
-    fn mark_damaged(&self, dir: &std::path::Path) -> Result<(), StoreError> {
+    fn mark_damaged(&self, dir: &std::path::Path) -> Result<(), ImageError> {
         std::fs::File::create(dir.with_extension("damaged"))
             .map(drop)
             .map_err(|e| self.io(format!("marking {} damaged", dir.display()), e))

@@ -1,0 +1,603 @@
+//! The crate's one error type. Every failure of an image operation is one line naming the image,
+//! file or store and saying what to do; the variants are grouped by what failed, and
+//! [`ImageError::kind`] says which group, so the binary can map kinds to exit statuses.
+
+use std::io;
+use std::path::PathBuf;
+
+use nix::errno::Errno;
+
+use crate::layer::Bound;
+use crate::loopdev::ATTACH_ATTEMPTS;
+use crate::sif::Fault;
+
+/// What failed, for callers that decide on the group and not the variant (exit statuses, whose
+/// fault a failure is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// The image reference the user wrote does not parse.
+    Reference,
+    /// Talking to a registry failed (network, auth, missing tag, digest mismatch, ...).
+    Registry,
+    /// The store could not import, find, mount or remove an image (space, locks, corrupt
+    /// entries), or a layer could not be extracted into it.
+    Store,
+    /// A file is not a valid image of its kind (tar, archive, layout, squashfs, SIF).
+    Format,
+    /// Reading or writing a named file failed.
+    Io,
+    /// `berth export` could not write the image file.
+    Export,
+    /// A configuration value or an argument (a duration, a compression level) is invalid.
+    Config,
+}
+
+/// Image errors: one line each, naming the image or file and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    // ---- Any part: a reference, a free-form message of a group, a file.
+    #[error("invalid image reference '{0}': {1}")]
+    Reference(String, String),
+    /// What is wrong with part of a reference, before [`ImageError::in_reference`] names the
+    /// whole reference.
+    #[error("{0}")]
+    ReferenceSyntax(String),
+    /// A registry failure told in words.
+    #[error("{0}")]
+    Registry(String),
+    /// A store failure told in words.
+    #[error("{0}")]
+    Store(String),
+    /// A file that is not a valid image of its kind, told in words.
+    #[error("{0}")]
+    Format(String),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    /// What is wrong with a document or value, before the caller names which one (a manifest,
+    /// a login file, a layer record, an image's platform).
+    #[error("{0}")]
+    Detail(String),
+
+    // ---- The registry client (`registry`).
+    #[error(
+        "pulling {image}: {registry} requires a login: add 'machine {host} login USER password \
+         PASS' to {files}"
+    )]
+    CredentialsRequired {
+        image: String,
+        registry: String,
+        host: String,
+        files: String,
+    },
+    #[error(
+        "pulling {image}: {registry} rejected the login '{login}' from {}: check the \
+         credentials in that file", file.display()
+    )]
+    LoginRejected {
+        image: String,
+        registry: String,
+        login: String,
+        file: PathBuf,
+    },
+    #[error(
+        "pulling {image}: no login '{user}' for {registry} in {files}: add one or drop '{user}@'"
+    )]
+    NoSuchLogin {
+        image: String,
+        registry: String,
+        user: String,
+        files: String,
+    },
+    #[error("image {image} not found: {detail}")]
+    NotFound { image: String, detail: String },
+    #[error("pulling {image}: {registry} has no blob {digest} that the manifest lists")]
+    BlobMissing {
+        image: String,
+        registry: String,
+        digest: String,
+    },
+    #[error("pulling {image}: TLS connection to {registry} failed: {detail}; {hint}")]
+    Tls {
+        image: String,
+        registry: String,
+        detail: String,
+        hint: String,
+    },
+    #[error(
+        "pulling {image}: {registry} unreachable after {attempts} attempt(s): {detail}; check \
+         the registry and network, then retry"
+    )]
+    Unreachable {
+        image: String,
+        registry: String,
+        attempts: u32,
+        detail: String,
+    },
+    /// The registry answered, with a server error (5xx) or 429, every time it was asked.
+    #[error(
+        "pulling {image}: {registry} answered {status}{said} to each of {attempts} attempt(s): \
+         the registry failed, not the network; retry later or ask its administrators"
+    )]
+    ServerError {
+        image: String,
+        registry: String,
+        attempts: u32,
+        status: String,
+        said: String,
+    },
+    #[error(
+        "pulling {image}: {what} {expected} from {registry} has sha256 {actual} ({size} bytes): \
+         the registry served corrupt data; nothing was stored"
+    )]
+    DigestMismatch {
+        image: String,
+        registry: String,
+        what: &'static str,
+        expected: String,
+        actual: String,
+        size: u64,
+    },
+    #[error("pulling {image}: unexpected answer from {registry}: {detail}")]
+    Protocol {
+        image: String,
+        registry: String,
+        detail: String,
+    },
+    #[error("pulling {image}: {detail}")]
+    Pull { image: String, detail: String },
+    #[error("image {image} has no {want} variant (it has {have}): choose one with --arch")]
+    NoPlatform {
+        image: String,
+        want: String,
+        have: String,
+    },
+    #[error("pulling {image}: storing layer {digest}: {source}")]
+    PullLayer {
+        image: String,
+        digest: String,
+        source: Box<ImageError>,
+    },
+    #[error("registry configuration: {detail}")]
+    RegistryConfig { detail: String },
+    /// The last source was a mirror and the registry itself is not to be tried.
+    #[error(
+        "{source} (registry mirror {mirror} of {origin}; registry.mirrors.\"{origin}\" has \
+         fallback = false, so {origin} itself was not tried)"
+    )]
+    Mirror {
+        mirror: String,
+        origin: String,
+        source: Box<ImageError>,
+    },
+    /// Another layer of the same pull failed first.
+    #[error("pull aborted")]
+    Aborted,
+
+    // ---- Reading tar streams (`layer::reader`), before a layer or archive gives them context.
+    #[error("{0}")]
+    TarRead(io::Error),
+    #[error("at byte {offset}: {why}")]
+    TarFormat { offset: u64, why: String },
+
+    // ---- Extracting one layer (`layer`); the store adds which layer and image.
+    /// Reading the stream failed (decompression, network, file).
+    #[error("reading the layer stream: {0}")]
+    LayerRead(#[source] io::Error),
+    /// The stream is not a tar archive berth can read.
+    #[error("not a valid tar stream at byte {offset}: {why}")]
+    LayerFormat { offset: u64, why: String },
+    /// An entry was refused because it would reach outside the layer or is malformed.
+    #[error("refused tar entry '{path}': {why}")]
+    Refused { path: String, why: String },
+    /// A bound of the store was reached; the store names the key.
+    #[error("{0}")]
+    Bound(Bound),
+    /// Writing the entry into the layer directory failed.
+    #[error("writing '{path}' ({op}): {source}")]
+    LayerWrite {
+        path: String,
+        op: &'static str,
+        source: io::Error,
+    },
+
+    // ---- The image store (`store`).
+    #[error("image store {root}: {op}: {source}")]
+    StoreIo {
+        root: PathBuf,
+        op: String,
+        source: io::Error,
+    },
+    #[error(
+        "not enough space in the image store {root} for {what}: it needs about {needed} and {free} are free; remove images (berth images gc --max-size SIZE) or give the store more space"
+    )]
+    NoSpace {
+        root: PathBuf,
+        what: String,
+        needed: String,
+        free: String,
+    },
+    #[error(
+        "the image store {root} ran out of space while extracting layer {layer} ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE) or give the store more space"
+    )]
+    FullDuringExtract {
+        root: PathBuf,
+        layer: String,
+        free: String,
+    },
+    #[error("layer {layer}: {source}")]
+    Layer {
+        layer: String,
+        source: Box<ImageError>,
+    },
+    #[error(
+        "layer {layer}: its content has digest {actual}, not the expected diff_id: the image is corrupt; nothing was kept"
+    )]
+    DiffIdMismatch { layer: String, actual: String },
+    #[error("no image '{0}' in the store (berth images ls lists them)")]
+    NotStored(String),
+    #[error("image {0} is in use by a running container: stop it first")]
+    InUse(String),
+    #[error("'{0}' matches several images ({1}): give more of the digest")]
+    AmbiguousDigest(String, String),
+    #[error("image record {path}: {why}: remove it with berth images rm {digest}")]
+    CorruptRecord {
+        path: PathBuf,
+        digest: String,
+        why: String,
+    },
+    #[error("invalid digest '{0}': expected sha256:<64 hex digits>")]
+    BadDigest(String),
+    #[error(
+        "image {what}: it has {count} layers, more than store.max_layers ({max}) allows (overlayfs stacks about 500): nothing was fetched; flatten the image, or raise store.max_layers in berth.toml"
+    )]
+    TooManyLayers {
+        what: String,
+        count: usize,
+        max: usize,
+    },
+    #[error(
+        "layer {layer}: it expands to more than store.max_layer_bytes ({max}); nothing partial was kept: raise store.max_layer_bytes in berth.toml if the image is trusted"
+    )]
+    LayerTooLarge { layer: String, max: String },
+    #[error(
+        "layer {layer}: the image's layers expand to more than store.max_image_bytes ({max}); nothing partial was kept: raise store.max_image_bytes in berth.toml if the image is trusted"
+    )]
+    ImageTooLarge { layer: String, max: String },
+    #[error(
+        "the image store {root}: {what} would leave less than store.reserve_bytes ({reserve}) free on its file system ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE), give the store more space, or lower store.reserve_bytes"
+    )]
+    Reserve {
+        root: PathBuf,
+        what: String,
+        reserve: String,
+        free: String,
+    },
+    #[error("{0}: the target is in neither this layer nor a lower one; the image is broken")]
+    HardlinkMissing(String),
+
+    // ---- Archives, OCI layouts and local engines (`archive`), each naming the archive.
+    #[error("{what}: {path}: {source}")]
+    ArchiveIo {
+        what: String,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("{what}: {why}")]
+    Invalid { what: String, why: String },
+    #[error(
+        "{what}: blob {digest} is corrupt: its content has digest {actual}; nothing was kept: re-create or re-download the archive"
+    )]
+    BlobMismatch {
+        what: String,
+        digest: String,
+        actual: String,
+    },
+    #[error("{what}: no image named '{name}' in it (it has: {names})")]
+    NoSuchName {
+        what: String,
+        name: String,
+        names: String,
+    },
+    #[error("{what} holds several images ({names}): add one of the names, e.g. {what}:{example}")]
+    AmbiguousName {
+        what: String,
+        names: String,
+        example: String,
+    },
+    #[error("{what}: {tool} is not installed: install it or import an archive file instead")]
+    NoTool { what: String, tool: String },
+    #[error("{what}: {command} failed: {message}")]
+    Tool {
+        what: String,
+        command: String,
+        message: String,
+    },
+
+    // ---- Squashfs files (`squashfs`).
+    #[error(
+        "{path}: not a squashfs image (no 'hsqs' magic at byte {offset}); use an Enroot .sqsh, a squashfs file or an Apptainer .sif"
+    )]
+    NotSquashfs { path: PathBuf, offset: u64 },
+    #[error(
+        "{path}: squashfs version {major}.{minor} at byte {offset} cannot be mounted by Linux (it mounts 4.0); rebuild it with a current mksquashfs"
+    )]
+    SquashfsVersion {
+        path: PathBuf,
+        offset: u64,
+        major: u16,
+        minor: u16,
+    },
+    #[error("{path}: the squashfs at byte {offset} is damaged: {why}; fetch or rebuild the image")]
+    SquashfsCorrupt {
+        path: PathBuf,
+        offset: u64,
+        why: String,
+    },
+    #[error(
+        "{path}: the squashfs is compressed with {compression}, which Linux cannot mount; rebuild it with -comp zstd (or gzip, xz, lzo, lz4)"
+    )]
+    Compression { path: PathBuf, compression: String },
+    #[error("{path}: not a regular file; give the path of a .sqsh or .sif file")]
+    NotAFile { path: PathBuf },
+    /// Reading a squashfs file failed; an import reports it as [`ImageError::Io`] (see
+    /// [`ImageError::plain_io`]).
+    #[error("reading {path}: {source}")]
+    SquashfsIo { path: PathBuf, source: io::Error },
+
+    // ---- Apptainer SIF files (`sif`).
+    #[error("SIF file {path}: {fault}")]
+    Sif { path: PathBuf, fault: Fault },
+    /// Reading a SIF file failed; an import reports it as [`ImageError::Io`].
+    #[error("reading SIF file {path}: {source}")]
+    SifIo { path: PathBuf, source: io::Error },
+
+    // ---- Loop devices (`loopdev`).
+    #[error("opening /dev/loop-control: {0} (berth needs root and the loop driver: modprobe loop)")]
+    LoopControl(io::Error),
+    #[error("no free loop device: {0}")]
+    NoFreeLoop(Errno),
+    #[error("opening {path}: {source}")]
+    LoopDevice { path: PathBuf, source: io::Error },
+    #[error("opening {path}: {source}")]
+    LoopBacking { path: PathBuf, source: io::Error },
+    #[error("configuring {device} for {file}: {errno}")]
+    LoopConfigure {
+        device: PathBuf,
+        file: PathBuf,
+        errno: Errno,
+    },
+    #[error("every free loop device was taken by other processes {ATTACH_ATTEMPTS} times in a row")]
+    LoopContended,
+
+    // ---- Mounting stored squashfs images (`mount`).
+    #[error("image digest {0:?} is not sha256:<64 hex digits>")]
+    MountDigest(String),
+    #[error("{0}: this image is stored as layer directories, not as a squashfs")]
+    StoredAsLayers(String),
+    #[error("{what} {path}: {source}")]
+    MountIo {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error(
+        "{path} is already a {fstype} mount, not this image's squashfs; unmount it or set another [squashfs] mount_dir"
+    )]
+    Occupied { path: PathBuf, fstype: String },
+    #[error("attaching {file} to a loop device: {source}")]
+    Loop {
+        file: PathBuf,
+        source: Box<ImageError>,
+    },
+    #[error("mounting the squashfs of {file} (byte {offset}) on {target}: {errno}{hint}")]
+    Mount {
+        file: PathBuf,
+        offset: u64,
+        target: PathBuf,
+        errno: Errno,
+        hint: &'static str,
+    },
+    #[error("unmounting {target}: {errno}")]
+    Unmount { target: PathBuf, errno: Errno },
+
+    // ---- Exporting an image to a file (`export`).
+    #[error(
+        "writing {out}: no space left on device ({dir} has {free} free of {total}); free some space or export elsewhere with -o"
+    )]
+    ExportNoSpace {
+        out: PathBuf,
+        dir: PathBuf,
+        free: String,
+        total: String,
+    },
+    #[error("{what}: {source}")]
+    ExportIo { what: String, source: io::Error },
+    #[error(
+        "mksquashfs not found (looked for {0}); install squashfs-tools (apt-get install squashfs-tools)"
+    )]
+    NoMksquashfs(String),
+    #[error("mksquashfs failed writing {out}: {message}")]
+    Mksquashfs { out: PathBuf, message: String },
+    /// What to export is not an image berth can export (the user's input).
+    #[error("{0}")]
+    ExportInvalid(String),
+
+    // ---- Values of the configuration and arguments.
+    #[error("invalid duration '{0}': use a number with s, m, h, d or w, e.g. 30m, 12h, 7d")]
+    Duration(String),
+    #[error("[squashfs] compression_level = {level}: {compressor} takes {min}-{max}")]
+    CompressionLevel {
+        level: u32,
+        compressor: &'static str,
+        min: u32,
+        max: u32,
+    },
+}
+
+impl ImageError {
+    /// Which group of failures this is.
+    pub fn kind(&self) -> Kind {
+        use ImageError as E;
+        match self {
+            E::Reference(..) | E::ReferenceSyntax(_) => Kind::Reference,
+            E::Registry(_)
+            | E::CredentialsRequired { .. }
+            | E::LoginRejected { .. }
+            | E::NoSuchLogin { .. }
+            | E::NotFound { .. }
+            | E::BlobMissing { .. }
+            | E::Tls { .. }
+            | E::Unreachable { .. }
+            | E::ServerError { .. }
+            | E::DigestMismatch { .. }
+            | E::Protocol { .. }
+            | E::Pull { .. }
+            | E::NoPlatform { .. }
+            | E::PullLayer { .. }
+            | E::RegistryConfig { .. }
+            | E::Mirror { .. }
+            | E::Aborted => Kind::Registry,
+            E::Format(_)
+            | E::Detail(_)
+            | E::TarFormat { .. }
+            | E::ArchiveIo { .. }
+            | E::Invalid { .. }
+            | E::BlobMismatch { .. }
+            | E::NoSuchName { .. }
+            | E::AmbiguousName { .. }
+            | E::NoTool { .. }
+            | E::Tool { .. }
+            | E::NotSquashfs { .. }
+            | E::SquashfsVersion { .. }
+            | E::SquashfsCorrupt { .. }
+            | E::Compression { .. }
+            | E::NotAFile { .. }
+            | E::Sif { .. } => Kind::Format,
+            E::Io { .. } | E::TarRead(_) | E::SquashfsIo { .. } | E::SifIo { .. } => Kind::Io,
+            E::ExportNoSpace { .. }
+            | E::ExportIo { .. }
+            | E::NoMksquashfs(_)
+            | E::Mksquashfs { .. }
+            | E::ExportInvalid(_) => Kind::Export,
+            E::Duration(_) | E::CompressionLevel { .. } => Kind::Config,
+            E::Store(_)
+            | E::LayerRead(_)
+            | E::LayerFormat { .. }
+            | E::Refused { .. }
+            | E::Bound(_)
+            | E::LayerWrite { .. }
+            | E::StoreIo { .. }
+            | E::NoSpace { .. }
+            | E::FullDuringExtract { .. }
+            | E::Layer { .. }
+            | E::DiffIdMismatch { .. }
+            | E::NotStored(_)
+            | E::InUse(_)
+            | E::AmbiguousDigest(..)
+            | E::CorruptRecord { .. }
+            | E::BadDigest(_)
+            | E::TooManyLayers { .. }
+            | E::LayerTooLarge { .. }
+            | E::ImageTooLarge { .. }
+            | E::Reserve { .. }
+            | E::HardlinkMissing(_)
+            | E::LoopControl(_)
+            | E::NoFreeLoop(_)
+            | E::LoopDevice { .. }
+            | E::LoopBacking { .. }
+            | E::LoopConfigure { .. }
+            | E::LoopContended
+            | E::MountDigest(_)
+            | E::StoredAsLayers(_)
+            | E::MountIo { .. }
+            | E::Occupied { .. }
+            | E::Loop { .. }
+            | E::Mount { .. }
+            | E::Unmount { .. } => Kind::Store,
+        }
+    }
+
+    /// A squashfs or SIF read failure as an import reports it: the file and the error, without
+    /// the file kind (the import's message names the image already). Others pass unchanged.
+    pub fn plain_io(self) -> Self {
+        match self {
+            ImageError::SquashfsIo { path, source } | ImageError::SifIo { path, source } => {
+                ImageError::Io { path, source }
+            }
+            other => other,
+        }
+    }
+
+    /// A failure of part of the reference `text` as the whole reference's. Others pass
+    /// unchanged.
+    pub fn in_reference(self, text: &str) -> Self {
+        match self {
+            ImageError::ReferenceSyntax(why) => ImageError::Reference(text.to_string(), why),
+            other => other,
+        }
+    }
+
+    /// A tar reader's failure as the layer extraction reports it. Others pass unchanged.
+    pub fn in_layer(self) -> Self {
+        match self {
+            ImageError::TarRead(e) => ImageError::LayerRead(e),
+            ImageError::TarFormat { offset, why } => ImageError::LayerFormat { offset, why },
+            other => other,
+        }
+    }
+
+    /// The file system ran out of space (or quota) while writing a layer.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, ImageError::LayerWrite { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_import_reports_a_read_failure_without_the_file_kind() {
+        let e = ImageError::SquashfsIo {
+            path: "/x.sqsh".into(),
+            source: io::Error::from_raw_os_error(libc::ENOENT),
+        };
+        assert!(e.to_string().starts_with("reading /x.sqsh: "), "{e}");
+        let plain = e.plain_io();
+        assert!(plain.to_string().starts_with("/x.sqsh: "), "{plain}");
+        assert_eq!(plain.kind(), Kind::Io);
+    }
+
+    #[test]
+    fn parts_take_the_context_of_what_they_are_part_of() {
+        let e = ImageError::ReferenceSyntax("empty tag after ':'".into()).in_reference("ubuntu:");
+        assert_eq!(
+            e.to_string(),
+            "invalid image reference 'ubuntu:': empty tag after ':'"
+        );
+        assert_eq!(e.kind(), Kind::Reference);
+        let e = ImageError::TarFormat {
+            offset: 512,
+            why: "bad".into(),
+        }
+        .in_layer();
+        assert_eq!(e.to_string(), "not a valid tar stream at byte 512: bad");
+    }
+
+    #[test]
+    fn files_that_are_not_images_are_format_failures() {
+        let not_sqsh = ImageError::NotSquashfs {
+            path: "/x".into(),
+            offset: 0,
+        };
+        assert_eq!(not_sqsh.kind(), Kind::Format);
+        let sif = ImageError::Sif {
+            path: "/x.sif".into(),
+            fault: Fault::BadMagic,
+        };
+        assert_eq!(sif.kind(), Kind::Format);
+        assert_eq!(ImageError::NotStored("x".into()).kind(), Kind::Store);
+        assert_eq!(ImageError::Aborted.kind(), Kind::Registry);
+    }
+}
