@@ -14,6 +14,7 @@ pub mod config;
 pub mod export;
 pub mod import;
 pub mod layer;
+pub mod lazy;
 pub mod loopdev;
 pub mod mount;
 pub mod peers;
@@ -131,6 +132,9 @@ pub enum ImageError {
     /// A file is not a valid image of its kind (tar, archive, layout, squashfs, SIF).
     #[error("{0}")]
     Format(String),
+    /// A lazily loaded image (`lazy`): its manifest, index, chunks or mounts.
+    #[error("{0}")]
+    Lazy(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

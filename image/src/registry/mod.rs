@@ -18,6 +18,7 @@ mod blob;
 mod error;
 mod http;
 mod layers;
+pub mod lazy;
 pub mod manifest;
 mod peer;
 mod pipeline;
