@@ -262,7 +262,8 @@ fn handle(req: &[u8], backing: &dyn Backing) -> Option<Vec<u8>> {
             let at = r.0.len();
             r.0.resize(at + len, 0);
             if let Err(e) = backing.read_at(offset, &mut r.0[at..]) {
-                tracing::error!("{e}");
+                // Said once when the image is unmounted (LazyMount's drop): a read is retried.
+                tracing::debug!("{e}");
                 return Some(Reply::error(unique, libc::EIO));
             }
             r.done()

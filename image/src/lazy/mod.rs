@@ -233,7 +233,8 @@ struct Chunks {
     index: Index,
     data: File,
     map: File,
-    /// Per chunk: 0 missing, 1 verified by this process, 2 in the cache file, not yet verified.
+    /// Per chunk: 0 missing, 1 verified by this process, 2 in the cache file, not yet verified,
+    /// 3 refused (the registry's bytes did not match): not asked for again.
     state: Vec<AtomicU8>,
     /// Held while chunks are fetched or verified: one fetch of a chunk, never two at once.
     fetch: Mutex<()>,
@@ -296,6 +297,10 @@ impl Chunks {
         for i in first..=last {
             match self.state(i) {
                 1 => {}
+                3 => {
+                    let said = self.failure.lock().expect("failure").clone();
+                    return Err(lazy_err(said.unwrap_or_default()));
+                }
                 2 => {
                     let (s, e) = self.range(i);
                     let mut buf = vec![0u8; usize::try_from(e - s).unwrap_or(0)];
@@ -346,6 +351,7 @@ impl Chunks {
                 )
                 .unwrap_or_default();
             if !self.matches(i, slice) {
+                self.set_state(i, 3);
                 return Err(self.fail(format!(
                     "lazy image {}: chunk {i} (bytes {s}-{}) of blob {} from the registry does not \
                      match its index: the registry's copy is corrupt or was changed; publish the \
