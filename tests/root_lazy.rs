@@ -260,6 +260,15 @@ fn lazy_refuses_what_is_not_a_lazy_image() {
         "{e}"
     );
 
+    // A container that outlives berth's process cannot have the FUSE server that process runs.
+    let out = f.berth(&["create", "--image", &image]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("serves berth run only") && e.lines().count() == 1,
+        "{e}"
+    );
+
     let file = f.dir.path().join("berth.toml");
     let out = f.berth(&[
         "lazy",

@@ -83,8 +83,11 @@ pub fn resolve(
             Err(_) => {}
         }
     }
-    if let Some(rest) = text.strip_prefix("lazy:") {
-        return lazy(rest, config, user);
+    if text.starts_with("lazy:") {
+        return Err(SlurmError::input(format!(
+            "image {}: a lazy image serves berth run only (its FUSE server lives in that process;              this container would outlive it): use berth run --image lazy:…, or the image              without lazy:",
+            berth_sys::text::elide(text)
+        )));
     }
     let reference = reference::parse(text).map_err(SlurmError::Image)?;
     let opened = if store::is_local_path(&reference) {
@@ -122,9 +125,10 @@ pub fn resolve(
     })
 }
 
-/// `lazy:REF`: the lazy form `berth lazy publish` made of an image, mounted for this process
-/// with `user`'s credentials (image::lazy); its chunks come as the container reads them.
-fn lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resolved, SlurmError> {
+/// `lazy:REF` (`text` is REF): the lazy form `berth lazy publish` made of an image, mounted for
+/// this process with `user`'s credentials (image::lazy); its chunks come as the container reads
+/// them. For `berth run` alone: the mounts last as long as this process.
+pub fn resolve_lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resolved, SlurmError> {
     let r = match reference::parse(text).map_err(SlurmError::Image)? {
         berth_image::Reference::Registry(r) => r,
         _ => {

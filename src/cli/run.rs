@@ -251,6 +251,7 @@ fn image(
     args: &ContainerArgs,
     config: &Config,
     caller: &spec::UserIds,
+    hold: bool,
 ) -> Result<crate::slurm::container::Resolved, Failure> {
     Ok(match (&args.rootfs, &args.image) {
         (Some(_), _) if args.entrypoint => {
@@ -290,7 +291,16 @@ fn image(
                 }
                 None => caller.clone(),
             };
-            crate::slurm::container::resolve(text, config, &reader, args.arch.clone())?
+            match text.strip_prefix("lazy:") {
+                Some(_) if hold => {
+                    return Err(Failure::input(
+                        "a lazy image (lazy:REF) serves berth run only: its FUSE server lives in \
+                         that process, and a held container outlives it",
+                    ));
+                }
+                Some(rest) => crate::slurm::container::resolve_lazy(rest, config, &reader)?,
+                None => crate::slurm::container::resolve(text, config, &reader, args.arch.clone())?,
+            }
         }
         (None, None) => return Err(Failure::input("give --rootfs DIR or --image REF")),
     })
@@ -345,7 +355,7 @@ pub fn request(
         )));
     }
     let caller = spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
-    let image = image(args, config, &caller)?;
+    let image = image(args, config, &caller, hold)?;
     let user = match (&args.user, &image.defaults.user) {
         (Some(text), _) => {
             spec::user::resolve(text).map_err(|e| Failure::input(format!("--user: {e}")))?
