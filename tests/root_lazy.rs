@@ -28,9 +28,14 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
+        Self::with(&Mode::Plain, "")
+    }
+
+    /// A registry in `mode`; `registry_extra` goes into the config's `[registry]`.
+    fn with(mode: &Mode, registry_extra: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let registry = Registry::start(
-            &Mode::Plain,
+            mode,
             &dir.path().join("storage"),
             &dir.path().join("registry"),
         );
@@ -40,7 +45,7 @@ impl Fixture {
             &config,
             format!(
                 "[cgroup]\nroot = \"{}\"\n[runtime]\nstate_dir = \"{}\"\n[store]\nroot = \"{}\"\n\
-                 [squashfs]\nmount_dir = \"{}\"\n[registry]\ninsecure = [\"{}\", \"{}\"]\n",
+                 [squashfs]\nmount_dir = \"{}\"\n[registry]\ninsecure = [\"{}\", \"{}\"]\n{registry_extra}",
                 cgroup_root(),
                 state_dir().display(),
                 dir.path().join("store").display(),
@@ -110,8 +115,16 @@ impl Fixture {
 
     /// `berth run --image lazy:…` through the proxy.
     fn run(&self, tag: &str, script: &str) -> Output {
+        self.run_as(&[], tag, script)
+    }
+
+    /// [`Fixture::run`] with more flags (`--user`).
+    fn run_as(&self, flags: &[&str], tag: &str, script: &str) -> Output {
         let image = format!("lazy:docker://{}/t/lazy:{tag}", self.proxy.host());
-        self.berth(&["run", "--image", &image, "--", "/bin/sh", "-c", script])
+        let mut args = vec!["run", "--image", &image];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["--", "/bin/sh", "-c", script]);
+        self.berth(&args)
     }
 
     /// The bytes asked for by `Range` GETs of `digest` that the proxy has seen.
@@ -278,4 +291,59 @@ fn lazy_refuses_what_is_not_a_lazy_image() {
     ]);
     assert!(!out.status.success());
     assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_lazy_image_needs_the_users_own_access() {
+    // Root's login (a file in /root, `~` being the requesting user's home); the job's user has
+    // none.
+    let name = format!(".berth-lazy-credentials-{}", std::process::id());
+    let creds = PathBuf::from("/root").join(&name);
+    struct Remove(PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _remove = Remove(creds.clone());
+    let f = Fixture::with(
+        &Mode::Basic {
+            user: "alice".into(),
+            password: "pw".into(),
+        },
+        &format!("credentials = \"~/{name}\"\nenroot_credentials = false\n"),
+    );
+    std::fs::write(
+        &creds,
+        format!(
+            "machine {} login alice password pw\nmachine {} login alice password pw\n",
+            f.registry.host(),
+            f.proxy.host()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&creds, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let reference = format!("docker://{}/t/lazy:1", f.registry.host());
+    let out = Command::new(berth_bin())
+        .arg("--config")
+        .arg(&f.config)
+        .args(["lazy", "publish", f.sqsh.to_str().unwrap(), &reference])
+        .env("HOME", "/root")
+        .output()
+        .unwrap();
+    ok(out);
+    // Root reads it, so the node's cache holds its first chunks.
+    let root = f.run("1", "cat /hello.txt");
+    assert_eq!(stdout(&root), "lazy hello\n", "{}", stderr(&root));
+    // The job's user cannot pull it: the cached chunks are not theirs to read.
+    let (uid, gid, _) = test_user();
+    let user = format!("{uid}:{gid}");
+    let out = f.run_as(&["--user", &user], "1", "cat /hello.txt");
+    assert!(!out.status.success());
+    assert!(!stdout(&out).contains("lazy hello"));
+    let e = stderr(&out);
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(e.contains("requires a login"), "{e}");
+    f.unmounted();
 }
