@@ -240,10 +240,11 @@ fn lazy_image_refuses_a_tampered_chunk() {
     assert!(!out.status.success());
     assert!(!stdout(&out).contains("ran"));
     let last = stderr(&out);
+    assert_eq!(last.lines().count(), 1, "{last}");
     assert!(
-        last.lines().any(|l| l.starts_with("berth: lazy image")
-            && l.contains("chunk 0 ")
-            && l.contains("does not match its index")),
+        last.starts_with("berth: lazy image")
+            && last.contains("chunk 0 ")
+            && last.contains("does not match its index"),
         "{last}"
     );
     f.unmounted();

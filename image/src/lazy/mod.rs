@@ -241,6 +241,8 @@ struct Chunks {
     fetched: AtomicU64,
     /// The first failure, said again when the mount or the run fails.
     failure: Mutex<Option<String>>,
+    /// Whether `failure` was returned as the mount's error (then the drop does not say it).
+    reported: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Chunks {
@@ -509,7 +511,10 @@ impl LazyMount {
         })?;
         fuse::serve(dev, self.chunks.clone(), FUSE_THREADS);
         let said = |e: String| match self.chunks.failure.lock().expect("failure").clone() {
-            Some(f) => lazy_err(f),
+            Some(f) => {
+                self.chunks.reported.store(true, Ordering::Relaxed);
+                lazy_err(f)
+            }
             None => lazy_err(e),
         };
         let file_path = fuse_dir.join(fuse::FILE_NAME);
@@ -579,7 +584,9 @@ impl Drop for LazyMount {
             self.fetched(),
             self.chunks.index.size
         );
-        if let Some(f) = self.failure() {
+        if let Some(f) = self.failure()
+            && !self.chunks.reported.load(Ordering::Relaxed)
+        {
             tracing::error!("{f}");
         }
     }
@@ -654,6 +661,7 @@ fn open_cache(
         fetch: Mutex::new(()),
         fetched: AtomicU64::new(0),
         failure: Mutex::new(None),
+        reported: std::sync::atomic::AtomicBool::new(false),
     })
 }
 
