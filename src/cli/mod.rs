@@ -679,7 +679,12 @@ mod tests {
             &["stage", "status", "/tmp"][..],
             &["export", "--rootfs", "/r", "-o", "/tmp/x.sqsh"][..],
             &["export", "/home/u/x.sqsh", "-o", "/tmp/y.sif"][..],
-            &["lazy", "publish", "/home/u/x.sqsh", "docker://r.example/a:1"][..],
+            &[
+                "lazy",
+                "publish",
+                "/home/u/x.sqsh",
+                "docker://r.example/a:1",
+            ][..],
         ] {
             assert_eq!(refused(args), None, "{args:?}");
         }

@@ -234,11 +234,18 @@ struct Chunks {
     data: File,
     map: File,
     /// Per chunk: 0 missing, 1 verified by this process, 2 in the cache file, not yet verified,
-    /// 3 refused (the registry's bytes did not match): not asked for again.
+    /// 3 refused (the registry's bytes did not match): not asked for again, 4 claimed by a
+    /// thread that is verifying or fetching it.
     state: Vec<AtomicU8>,
-    /// Held while chunks are fetched or verified: one fetch of a chunk, never two at once.
+    /// Held while chunks are claimed or released (state 4): one fetch of a chunk at a time,
+    /// fetches of different chunks in parallel.
     fetch: Mutex<()>,
+    /// Signalled when claimed chunks are done (or released).
+    fetched_one: std::sync::Condvar,
     fetched: AtomicU64,
+    /// Reads of the FUSE file served, and their bytes (for -v).
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
     /// The first failure, said again when the mount or the run fails.
     failure: Mutex<Option<String>>,
     /// Whether `failure` was returned as the mount's error (then the drop does not say it).
@@ -289,36 +296,69 @@ impl Chunks {
     }
 
     /// Makes chunks `first..=last` present and verified: cached ones are checked once, missing
-    /// ones fetched (consecutive ones by one request), verified and written to the cache.
+    /// ones fetched (consecutive ones by one request), verified and written to the cache. A
+    /// chunk is claimed (state 4) by one thread at a time; others wait for it, and take it up
+    /// themselves if that thread failed for a reason other than a mismatch.
     fn ensure(&self, first: u64, last: u64) -> Result<(), ImageError> {
-        if (first..=last).all(|i| self.state(i) == 1) {
-            return Ok(());
-        }
-        let _held = self.fetch.lock().expect("fetch");
-        let mut missing = Vec::new();
-        for i in first..=last {
-            match self.state(i) {
-                1 => {}
-                3 => {
-                    let said = self.failure.lock().expect("failure").clone();
-                    return Err(lazy_err(said.unwrap_or_default()));
-                }
-                2 => {
-                    let (s, e) = self.range(i);
-                    let mut buf = vec![0u8; usize::try_from(e - s).unwrap_or(0)];
-                    let ok = self.data.read_exact_at(&mut buf, s).is_ok() && self.matches(i, &buf);
-                    if ok {
-                        self.set_state(i, 1);
-                    } else {
-                        tracing::warn!(
-                            "lazy image {}: cached chunk {i} does not match its index; fetching it again",
-                            self.image
-                        );
-                        missing.push(i);
+        loop {
+            if (first..=last).all(|i| self.state(i) == 1) {
+                return Ok(());
+            }
+            let mut claims = self.fetch.lock().expect("fetch");
+            let mut mine = Vec::new();
+            let mut theirs = false;
+            for i in first..=last {
+                match self.state(i) {
+                    1 => {}
+                    3 => {
+                        let said = self.failure.lock().expect("failure").clone();
+                        return Err(lazy_err(said.unwrap_or_default()));
+                    }
+                    4 => theirs = true,
+                    s => {
+                        self.set_state(i, 4);
+                        mine.push((i, s));
                     }
                 }
-                _ => missing.push(i),
             }
+            if mine.is_empty() {
+                if theirs {
+                    claims = self.fetched_one.wait(claims).expect("fetch");
+                }
+                drop(claims);
+                continue;
+            }
+            drop(claims);
+            let done = self.complete(&mine);
+            // Whatever this thread claimed and did not finish is free again (or refused).
+            let _claims = self.fetch.lock().expect("fetch");
+            for (i, _) in &mine {
+                if self.state(*i) == 4 {
+                    self.set_state(*i, 0);
+                }
+            }
+            self.fetched_one.notify_all();
+            done?;
+        }
+    }
+
+    /// Verifies the claimed cached chunks and fetches the claimed missing ones.
+    fn complete(&self, mine: &[(u64, u8)]) -> Result<(), ImageError> {
+        let mut missing = Vec::new();
+        for &(i, was) in mine {
+            if was == 2 {
+                let (s, e) = self.range(i);
+                let mut buf = vec![0u8; usize::try_from(e - s).unwrap_or(0)];
+                if self.data.read_exact_at(&mut buf, s).is_ok() && self.matches(i, &buf) {
+                    self.set_state(i, 1);
+                    continue;
+                }
+                tracing::warn!(
+                    "lazy image {}: cached chunk {i} does not match its index; fetching it again",
+                    self.image
+                );
+            }
+            missing.push(i);
         }
         let mut k = 0;
         while k < missing.len() {
@@ -329,8 +369,7 @@ impl Chunks {
             {
                 n += 1;
             }
-            let (a, b) = (missing[k], missing[k + n - 1]);
-            self.fetch_run(a, b)?;
+            self.fetch_run(missing[k], missing[k + n - 1])?;
             k += n;
         }
         Ok(())
@@ -386,6 +425,9 @@ impl fuse::Backing for Chunks {
         if buf.is_empty() {
             return Ok(());
         }
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.read_bytes
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
         let cs = self.index.chunk_size;
         let last = offset + buf.len() as u64 - 1;
         self.ensure(offset / cs, last / cs)?;
@@ -579,10 +621,12 @@ impl Drop for LazyMount {
             let _ = std::fs::remove_dir(d);
         }
         tracing::info!(
-            "lazy image {}: fetched {} of {} bytes",
+            "lazy image {}: fetched {} of {} bytes; served {} reads, {} bytes",
             self.chunks.image,
             self.fetched(),
-            self.chunks.index.size
+            self.chunks.index.size,
+            self.chunks.reads.load(Ordering::Relaxed),
+            self.chunks.read_bytes.load(Ordering::Relaxed)
         );
         if let Some(f) = self.failure()
             && !self.chunks.reported.load(Ordering::Relaxed)
@@ -659,7 +703,10 @@ fn open_cache(
         map,
         state,
         fetch: Mutex::new(()),
+        fetched_one: std::sync::Condvar::new(),
         fetched: AtomicU64::new(0),
+        reads: AtomicU64::new(0),
+        read_bytes: AtomicU64::new(0),
         failure: Mutex::new(None),
         reported: std::sync::atomic::AtomicBool::new(false),
     })
