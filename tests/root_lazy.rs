@@ -348,3 +348,38 @@ fn a_lazy_image_needs_the_users_own_access() {
     assert!(e.contains("requires a login"), "{e}");
     f.unmounted();
 }
+
+#[test]
+#[ignore = "root tier"]
+fn berth_gc_unmounts_the_lazy_image_of_a_killed_run() {
+    let f = Fixture::new();
+    f.publish("1");
+    let image = format!("lazy:docker://{}/t/lazy:1", f.proxy.host());
+    let mut child = Command::new(berth_bin())
+        .arg("--config")
+        .arg(&f.config)
+        .args(["run", "--image", &image, "--", "/bin/sleep", "20"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let here = f.dir.path().to_str().unwrap().to_string();
+    let mut mounted = false;
+    for _ in 0..400 {
+        if host_mounts_with(&here).len() >= 2 {
+            mounted = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(mounted, "the lazy run never mounted its image");
+    // SIGKILL: no drop runs, the FUSE server dies with the process, its mounts stay.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!host_mounts_with(&here).is_empty());
+    let gc = f.berth(&["gc"]);
+    assert!(gc.status.success(), "{}", stderr(&gc));
+    f.unmounted();
+    let lazy_dir = f.dir.path().join("images/lazy");
+    assert_eq!(std::fs::read_dir(&lazy_dir).unwrap().count(), 0);
+}

@@ -636,6 +636,37 @@ impl Drop for LazyMount {
     }
 }
 
+/// Unmounts the lazy images of `berth run` processes that are gone (killed before their drop
+/// ran): `<mount_root>/lazy/<pid>-<n>/{root,fuse}`, by `berth gc` with the other orphans. A pid
+/// that is alive again (reused) keeps its directory until it is gone.
+pub fn detach_orphans(mount_root: &Path) {
+    let parent = mount_root.join("lazy");
+    let Ok(entries) = std::fs::read_dir(&parent) else {
+        return;
+    };
+    for name in entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+    {
+        let alive = name
+            .split_once('-')
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+            .is_none_or(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if alive {
+            continue;
+        }
+        let dir = parent.join(&name);
+        for sub in ["root", "fuse"] {
+            let _ = nix::mount::umount2(&dir.join(sub), MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(dir.join(sub));
+        }
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => tracing::info!("unmounted the lazy image of gone process {name}"),
+            Err(e) => tracing::warn!("removing {}: {e}", dir.display()),
+        }
+    }
+}
+
 /// Opens (making them when missing) the chunk cache of `index.blob` under `store_root/lazy`:
 /// root's directory, files opened beneath it without following symlinks.
 fn open_cache(
