@@ -422,6 +422,10 @@ pub enum ImageError {
     #[error("{0}")]
     ExportInvalid(String),
 
+    /// A lazily loaded image (`lazy:`): its manifest, index, chunks or mounts, told in words.
+    #[error("{0}")]
+    Lazy(String),
+
     // ---- Values of the configuration and arguments.
     #[error("invalid duration '{0}': use a number with s, m, h, d or w, e.g. 30m, 12h, 7d")]
     Duration(String),
@@ -456,6 +460,7 @@ impl ImageError {
             | E::PullLayer { .. }
             | E::RegistryConfig { .. }
             | E::Mirror { .. }
+            | E::Lazy(_)
             | E::Aborted => Kind::Registry,
             E::Format(_)
             | E::Detail(_)

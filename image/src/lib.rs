@@ -15,6 +15,7 @@ mod error;
 pub mod export;
 pub mod import;
 pub mod layer;
+pub mod lazy;
 pub mod loopdev;
 pub mod mount;
 pub mod peers;

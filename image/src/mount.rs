@@ -566,6 +566,7 @@ pub fn unmount_unused(
         }
     };
     detach_orphan_directories(&root);
+    crate::lazy::detach_orphans(&root);
     let names = image_dirs(&root)?;
     let mut unmounted = Vec::new();
     for (dir, hex, lock_name) in names {

@@ -37,6 +37,8 @@ pub enum Held {
     Image(InUse),
     /// A directory image, attached where root alone reaches it.
     Directory(berth_image::mount::DirectoryMount),
+    /// A lazily loaded image (`lazy:REF`): its FUSE and squashfs mounts, this process's own.
+    Lazy(Box<berth_image::lazy::LazyMount>),
 }
 
 /// Resolves an image for `user`. A directory is used as the root filesystem itself (berth's
@@ -81,6 +83,14 @@ pub fn resolve(
             Err(_) => {}
         }
     }
+    if text.starts_with("lazy:") {
+        return Err(SlurmError::input(format!(
+            "image {}: a lazy image serves berth run only (its FUSE server lives in that process; \
+             this container would outlive it): use berth run --image lazy:…, or the image \
+             without lazy:",
+            berth_sys::text::elide(text)
+        )));
+    }
     let reference = reference::parse(text).map_err(SlurmError::Image)?;
     let opened = if store::is_local_path(&reference) {
         Some(Opened::open(&reference, Some(user)).map_err(|e| match e {
@@ -114,6 +124,29 @@ pub fn resolve(
         defaults: ImageDefaults::from_config(&image.config),
         digest: Some(image.digest),
         in_use: Some(Held::Image(in_use)),
+    })
+}
+
+/// `lazy:REF` (`text` is REF): the lazy form `berth lazy publish` made of an image, mounted for
+/// this process with `user`'s credentials (image::lazy); its chunks come as the container reads
+/// them. For `berth run` alone: the mounts last as long as this process.
+pub fn resolve_lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resolved, SlurmError> {
+    let r = match reference::parse(text).map_err(SlurmError::Image)? {
+        berth_image::Reference::Registry(r) => r,
+        _ => {
+            return Err(SlurmError::input(format!(
+                "image lazy:{text}: lazy: names a registry image (lazy:docker://REGISTRY/REPO:TAG)"
+            )));
+        }
+    };
+    let mount =
+        berth_image::lazy::LazyMount::open(&r, &config.image(), user.uid, user.home.as_deref())
+            .map_err(SlurmError::Image)?;
+    Ok(Resolved {
+        lowers: vec![mount.root.clone()],
+        defaults: ImageDefaults::from_config(&mount.config),
+        digest: Some(mount.digest.clone()),
+        in_use: Some(Held::Lazy(Box::new(mount))),
     })
 }
 

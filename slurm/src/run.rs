@@ -61,7 +61,7 @@ pub fn prepare(
     hold: bool,
 ) -> Result<Prepared, SlurmError> {
     let caller = spec::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
-    let image = image(&flags, config, &caller)?;
+    let image = image(&flags, config, &caller, hold)?;
     let user = match (&flags.user, &image.defaults.user) {
         (Some(text), _) => {
             spec::user::resolve(text).map_err(|e| SlurmError::input(format!("--user: {e}")))?
@@ -218,7 +218,12 @@ impl Prepared {
 
 /// The image's layers and defaults: a `--rootfs` directory as it is, or `--image` resolved (and
 /// imported) for the user the container runs as.
-fn image(flags: &Flags, config: &Config, caller: &spec::UserIds) -> Result<Resolved, SlurmError> {
+fn image(
+    flags: &Flags,
+    config: &Config,
+    caller: &spec::UserIds,
+    hold: bool,
+) -> Result<Resolved, SlurmError> {
     Ok(match (&flags.rootfs, &flags.image) {
         (Some(_), _) if flags.entrypoint => {
             return Err(SlurmError::input(
@@ -257,7 +262,16 @@ fn image(flags: &Flags, config: &Config, caller: &spec::UserIds) -> Result<Resol
                 }
                 None => caller.clone(),
             };
-            resolve(text, config, &reader, flags.arch.clone())?
+            match text.strip_prefix("lazy:") {
+                Some(_) if hold => {
+                    return Err(SlurmError::input(
+                        "a lazy image (lazy:REF) serves berth run only: its FUSE server lives in \
+                         that process, and a held container outlives it",
+                    ));
+                }
+                Some(rest) => crate::container::resolve_lazy(rest, config, &reader)?,
+                None => resolve(text, config, &reader, flags.arch.clone())?,
+            }
         }
         (None, None) => return Err(SlurmError::input("give --rootfs DIR or --image REF")),
     })

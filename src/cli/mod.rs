@@ -32,6 +32,7 @@ pub mod gc;
 pub mod health;
 pub mod images;
 pub mod import;
+pub mod lazy;
 pub mod prewarm;
 pub mod prolog;
 pub mod run;
@@ -93,6 +94,7 @@ pub enum Command {
     Import(import::ImportArgs),
     Images(images::ImagesArgs),
     Export(export::ExportArgs),
+    Lazy(lazy::LazyArgs),
     Topo(topo::TopoArgs),
     Health(health::HealthArgs),
     Cdi(cdi::CdiArgs),
@@ -168,6 +170,7 @@ impl Cli {
             Command::Import(args) => import::execute(args, &config),
             Command::Images(args) => images::execute(args, &config),
             Command::Export(args) => export::execute(args, &config),
+            Command::Lazy(args) => lazy::execute(args, &config),
             Command::Topo(args) => topo::execute(args, &config),
             Command::Health(args) => health::execute(args, &config),
             Command::Cdi(args) => cdi::execute(args, &config),
@@ -676,6 +679,12 @@ mod tests {
             &["stage", "status", "/tmp"][..],
             &["export", "--rootfs", "/r", "-o", "/tmp/x.sqsh"][..],
             &["export", "/home/u/x.sqsh", "-o", "/tmp/y.sif"][..],
+            &[
+                "lazy",
+                "publish",
+                "/home/u/x.sqsh",
+                "docker://r.example/a:1",
+            ][..],
         ] {
             assert_eq!(refused(args), None, "{args:?}");
         }

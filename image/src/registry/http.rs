@@ -116,6 +116,11 @@ impl Transport {
         self.peers.lock().expect("peers").get(host).cloned()
     }
 
+    /// The HTTP agent, for the uploads of `berth lazy publish` (super::lazy).
+    pub(super) fn agent(&self) -> &ureq::Agent {
+        &self.agent
+    }
+
     pub fn used_login(&self) -> bool {
         self.used_login.load(Ordering::Relaxed)
     }
@@ -150,6 +155,20 @@ impl Transport {
         range_from: Option<u64>,
         abort: Option<&AtomicBool>,
     ) -> Result<Resp, ImageError> {
+        let range = range_from.filter(|f| *f > 0).map(|f| format!("bytes={f}-"));
+        self.send_range(t, method, url, accept, range.as_deref(), abort)
+    }
+
+    /// [`Transport::send`] with any `Range` header value (`bytes=A-B` for a lazy image's chunks).
+    pub fn send_range(
+        &self,
+        t: &Target,
+        method: Method,
+        url: &str,
+        accept: Option<&str>,
+        range: Option<&str>,
+        abort: Option<&AtomicBool>,
+    ) -> Result<Resp, ImageError> {
         let key = format!("{}/{}", t.registry, t.repository);
         let mut answered_challenge = false;
         let mut attempt = 0u32;
@@ -174,8 +193,8 @@ impl Transport {
             if let Some(a) = &authorization {
                 req = req.header("Authorization", a);
             }
-            if let Some(from) = range_from.filter(|f| *f > 0) {
-                req = req.header("Range", format!("bytes={from}-"));
+            if let Some(r) = range {
+                req = req.header("Range", r);
             }
             // With `answered`, the error status the registry gave: a registry that answers is
             // not "unreachable", and its own words say more than the status.
@@ -265,7 +284,7 @@ impl Transport {
     }
 
     /// Works out the `Authorization` header a 401 asks for.
-    fn answer_challenge(&self, t: &Target, resp: &Resp) -> Result<String, ImageError> {
+    pub(super) fn answer_challenge(&self, t: &Target, resp: &Resp) -> Result<String, ImageError> {
         let challenges: Vec<Challenge> = resp
             .headers()
             .get_all("www-authenticate")
@@ -464,7 +483,7 @@ impl Transport {
         }
     }
 
-    fn transport_error(&self, t: &Target, e: ureq::Error) -> ImageError {
+    pub(super) fn transport_error(&self, t: &Target, e: ureq::Error) -> ImageError {
         match &e {
             _ if tls_failure(&e).is_some() => {
                 let detail = describe(&e);

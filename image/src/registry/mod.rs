@@ -17,6 +17,7 @@ pub mod auth;
 mod blob;
 mod http;
 mod layers;
+pub mod lazy;
 pub mod manifest;
 mod peer;
 mod pipeline;

@@ -1,0 +1,767 @@
+//! Lazily loaded images: a container of a big image starts before the image is on the node.
+//!
+//! The lazy form of an image is its squashfs (what `berth export` writes) cut into fixed chunks,
+//! each with its sha256 in an index, published to a registry as an OCI artifact
+//! ([`ARTIFACT_TYPE`]): a manifest whose layers are the squashfs blob and the index blob
+//! ([`publish`]). On a node, [`LazyMount::open`] fetches that manifest with the user's
+//! credentials (a user reaches only images they may pull), then serves the squashfs through a
+//! FUSE file system of berth's own ([`fuse`]) whose reads fetch the missing chunks with `Range`
+//! GETs, verify each against the index before a byte is returned, and keep them in a sparse
+//! cache file under the store root (`lazy/<blob hex>.data`, a byte per chunk in `.map`), so a
+//! later run reads locally. The squashfs is loop-mounted from that file read-only (nosuid,
+//! nodev), as a `.sqsh` image is, and becomes the container's overlay lower.
+//!
+//! Lifetime: the FUSE server is threads of the `berth run` process that mounted it; the mounts
+//! are that run's own (`<squashfs.mount_dir>/lazy/<pid>-<n>/`) and go when it ends. The chunk
+//! cache stays.
+
+pub mod fuse;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use nix::fcntl::OFlag;
+use nix::mount::{MntFlags, MsFlags};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use crate::config::Settings;
+use crate::registry::Client;
+use crate::registry::lazy::LazySource;
+use crate::{ImageError, RegistryRef};
+
+/// The `artifactType` of a lazy image's manifest.
+pub const ARTIFACT_TYPE: &str = "application/vnd.berth.lazy.v1";
+/// Media type of the squashfs blob.
+pub const SQUASHFS_TYPE: &str = "application/vnd.berth.squashfs.v1";
+/// Media type of the chunk index blob.
+pub const INDEX_TYPE: &str = "application/vnd.berth.lazy.index.v1+json";
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
+/// The chunk size `berth lazy publish` uses unless told otherwise.
+pub const DEFAULT_CHUNK: u64 = 1 << 20;
+/// An index larger than this is refused (16 MiB: 250,000 chunks, 250 GB at 1 MiB).
+const INDEX_LIMIT: u64 = 16 << 20;
+/// Consecutive missing chunks fetched by one `Range` GET at most.
+const MAX_RUN: u64 = 16;
+/// FUSE threads per lazy image: the loop device asks for several reads at once.
+const FUSE_THREADS: usize = 4;
+
+/// The chunk index: the sha256 of every `chunk_size` bytes of the squashfs blob.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Index {
+    /// The squashfs blob's digest.
+    pub blob: String,
+    pub size: u64,
+    pub chunk_size: u64,
+    /// Hex sha256 of each chunk, in order (the last may be short).
+    pub chunks: Vec<String>,
+}
+
+impl Index {
+    /// Builds the index of `file` (read once).
+    pub fn of(file: &mut dyn Read, chunk_size: u64) -> std::io::Result<Index> {
+        let cs = usize::try_from(chunk_size)
+            .map_err(|_| std::io::Error::other("chunk size too large"))?;
+        let mut whole = Sha256::new();
+        let mut chunks = Vec::new();
+        let mut buf = vec![0u8; cs];
+        let mut size = 0u64;
+        loop {
+            let mut got = 0;
+            while got < cs {
+                let n = file.read(&mut buf[got..])?;
+                if n == 0 {
+                    break;
+                }
+                got += n;
+            }
+            if got == 0 {
+                break;
+            }
+            whole.update(&buf[..got]);
+            chunks.push(hex(&Sha256::digest(&buf[..got])));
+            size += got as u64;
+            if got < cs {
+                break;
+            }
+        }
+        Ok(Index {
+            blob: format!("sha256:{}", hex(&whole.finalize())),
+            size,
+            chunk_size,
+            chunks,
+        })
+    }
+
+    /// Whether the index is whole: as many chunks as the size needs, each a sha256.
+    fn check(&self) -> Result<(), String> {
+        if self.chunk_size < 4096 || self.chunk_size > (64 << 20) {
+            return Err(format!(
+                "chunk size {} out of 4 KiB..64 MiB",
+                self.chunk_size
+            ));
+        }
+        if self.chunks.len() as u64 != self.size.div_ceil(self.chunk_size) {
+            return Err(format!(
+                "{} chunks for {} bytes of {}-byte chunks",
+                self.chunks.len(),
+                self.size,
+                self.chunk_size
+            ));
+        }
+        if let Some(bad) = self
+            .chunks
+            .iter()
+            .find(|c| c.len() != 64 || !c.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(format!("'{}' is not a sha256", berth_sys::text::elide(bad)));
+        }
+        Ok(())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    crate::squashfs::hex(bytes)
+}
+
+fn lazy_err(msg: impl Into<String>) -> ImageError {
+    ImageError::Lazy(msg.into())
+}
+
+#[derive(Serialize, Deserialize)]
+struct Descriptor {
+    #[serde(rename = "mediaType")]
+    media_type: String,
+    digest: String,
+    size: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ArtifactManifest {
+    #[serde(rename = "schemaVersion")]
+    schema_version: u32,
+    #[serde(rename = "mediaType", default)]
+    media_type: Option<String>,
+    #[serde(rename = "artifactType", default)]
+    artifact_type: Option<String>,
+    config: Descriptor,
+    layers: Vec<Descriptor>,
+}
+
+/// What [`publish`] pushed.
+#[derive(Clone, Debug)]
+pub struct Published {
+    pub manifest_digest: String,
+    pub index: Index,
+    /// Whether the squashfs blob was uploaded (false: the registry had it).
+    pub uploaded: bool,
+}
+
+/// Publishes the squashfs `file` as the lazy image `r` (chunks of `chunk_size` bytes), with
+/// the credentials of the user running berth.
+pub fn publish(
+    file: &Path,
+    r: &RegistryRef,
+    chunk_size: u64,
+    client: &Client,
+) -> Result<Published, ImageError> {
+    let io = |source| ImageError::Io {
+        path: file.to_path_buf(),
+        source,
+    };
+    crate::squashfs::probe_squashfs_magic(file, 0)?;
+    let mut f = File::open(file).map_err(io)?;
+    let index = Index::of(&mut f, chunk_size).map_err(io)?;
+    let index_json = serde_json::to_vec(&index)
+        .map_err(|e| lazy_err(format!("encoding the index of {}: {e}", file.display())))?;
+    let index_digest = format!("sha256:{}", hex(&Sha256::digest(&index_json)));
+    let mut f = File::open(file).map_err(io)?;
+    let uploaded = client.lazy_push_blob(r, &index.blob, index.size, &mut f)?;
+    client.lazy_push_blob(
+        r,
+        &index_digest,
+        index_json.len() as u64,
+        &mut index_json.as_slice(),
+    )?;
+    let empty = b"{}";
+    let empty_digest = format!("sha256:{}", hex(&Sha256::digest(empty)));
+    client.lazy_push_blob(r, &empty_digest, 2, &mut empty.as_slice())?;
+    let manifest = ArtifactManifest {
+        schema_version: 2,
+        media_type: Some(OCI_MANIFEST.into()),
+        artifact_type: Some(ARTIFACT_TYPE.into()),
+        config: Descriptor {
+            media_type: EMPTY_TYPE.into(),
+            digest: empty_digest,
+            size: 2,
+        },
+        layers: vec![
+            Descriptor {
+                media_type: SQUASHFS_TYPE.into(),
+                digest: index.blob.clone(),
+                size: index.size,
+            },
+            Descriptor {
+                media_type: INDEX_TYPE.into(),
+                digest: index_digest,
+                size: index_json.len() as u64,
+            },
+        ],
+    };
+    let body = serde_json::to_vec(&manifest)
+        .map_err(|e| lazy_err(format!("encoding the manifest: {e}")))?;
+    let tag = r.tag.as_deref().unwrap_or(crate::reference::DEFAULT_TAG);
+    let manifest_digest = client.lazy_push_manifest(r, tag, OCI_MANIFEST, &body)?;
+    Ok(Published {
+        manifest_digest,
+        index,
+        uploaded,
+    })
+}
+
+/// The squashfs blob of a lazy image, served chunk by chunk (the FUSE file's bytes).
+struct Chunks {
+    image: String,
+    client: Client,
+    source: LazySource,
+    index: Index,
+    data: File,
+    map: File,
+    /// Per chunk: 0 missing, 1 verified by this process, 2 in the cache file, not yet verified,
+    /// 3 refused (the registry's bytes did not match): not asked for again, 4 claimed by a
+    /// thread that is verifying or fetching it.
+    state: Vec<AtomicU8>,
+    /// Held while chunks are claimed or released (state 4): one fetch of a chunk at a time,
+    /// fetches of different chunks in parallel.
+    fetch: Mutex<()>,
+    /// Signalled when claimed chunks are done (or released).
+    fetched_one: std::sync::Condvar,
+    fetched: AtomicU64,
+    /// Reads of the FUSE file served, and their bytes (for -v).
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+    /// The first failure, said again when the mount or the run fails.
+    failure: Mutex<Option<String>>,
+    /// Whether `failure` was returned as the mount's error (then the drop does not say it).
+    reported: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Chunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chunks")
+            .field("image", &self.image)
+            .field("blob", &self.index.blob)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Chunks {
+    fn range(&self, i: u64) -> (u64, u64) {
+        let start = i * self.index.chunk_size;
+        (start, (start + self.index.chunk_size).min(self.index.size))
+    }
+
+    fn fail(&self, msg: String) -> ImageError {
+        let mut f = self.failure.lock().expect("failure");
+        if f.is_none() {
+            *f = Some(msg.clone());
+        }
+        lazy_err(msg)
+    }
+
+    fn state(&self, i: u64) -> u8 {
+        usize::try_from(i)
+            .ok()
+            .and_then(|i| self.state.get(i))
+            .map_or(0, |s| s.load(Ordering::Acquire))
+    }
+
+    fn set_state(&self, i: u64, v: u8) {
+        if let Some(s) = usize::try_from(i).ok().and_then(|i| self.state.get(i)) {
+            s.store(v, Ordering::Release);
+        }
+    }
+
+    fn matches(&self, i: u64, bytes: &[u8]) -> bool {
+        usize::try_from(i)
+            .ok()
+            .and_then(|i| self.index.chunks.get(i))
+            .is_some_and(|want| *want == hex(&Sha256::digest(bytes)))
+    }
+
+    /// Makes chunks `first..=last` present and verified: cached ones are checked once, missing
+    /// ones fetched (consecutive ones by one request), verified and written to the cache. A
+    /// chunk is claimed (state 4) by one thread at a time; others wait for it, and take it up
+    /// themselves if that thread failed for a reason other than a mismatch.
+    fn ensure(&self, first: u64, last: u64) -> Result<(), ImageError> {
+        loop {
+            if (first..=last).all(|i| self.state(i) == 1) {
+                return Ok(());
+            }
+            let mut claims = self.fetch.lock().expect("fetch");
+            let mut mine = Vec::new();
+            let mut theirs = false;
+            for i in first..=last {
+                match self.state(i) {
+                    1 => {}
+                    3 => {
+                        let said = self.failure.lock().expect("failure").clone();
+                        return Err(lazy_err(said.unwrap_or_default()));
+                    }
+                    4 => theirs = true,
+                    s => {
+                        self.set_state(i, 4);
+                        mine.push((i, s));
+                    }
+                }
+            }
+            if mine.is_empty() {
+                if theirs {
+                    claims = self.fetched_one.wait(claims).expect("fetch");
+                }
+                drop(claims);
+                continue;
+            }
+            drop(claims);
+            let done = self.complete(&mine);
+            // Whatever this thread claimed and did not finish is free again (or refused).
+            let _claims = self.fetch.lock().expect("fetch");
+            for (i, _) in &mine {
+                if self.state(*i) == 4 {
+                    self.set_state(*i, 0);
+                }
+            }
+            self.fetched_one.notify_all();
+            done?;
+        }
+    }
+
+    /// Verifies the claimed cached chunks and fetches the claimed missing ones.
+    fn complete(&self, mine: &[(u64, u8)]) -> Result<(), ImageError> {
+        let mut missing = Vec::new();
+        for &(i, was) in mine {
+            if was == 2 {
+                let (s, e) = self.range(i);
+                let mut buf = vec![0u8; usize::try_from(e - s).unwrap_or(0)];
+                if self.data.read_exact_at(&mut buf, s).is_ok() && self.matches(i, &buf) {
+                    self.set_state(i, 1);
+                    continue;
+                }
+                tracing::warn!(
+                    "lazy image {}: cached chunk {i} does not match its index; fetching it again",
+                    self.image
+                );
+            }
+            missing.push(i);
+        }
+        let mut k = 0;
+        while k < missing.len() {
+            let mut n = 1;
+            while k + n < missing.len()
+                && missing[k + n] == missing[k] + n as u64
+                && (n as u64) < MAX_RUN
+            {
+                n += 1;
+            }
+            self.fetch_run(missing[k], missing[k + n - 1])?;
+            k += n;
+        }
+        Ok(())
+    }
+
+    fn fetch_run(&self, a: u64, b: u64) -> Result<(), ImageError> {
+        let (start, _) = self.range(a);
+        let (_, end) = self.range(b);
+        let bytes = self
+            .client
+            .lazy_range(&self.source, &self.index.blob, start, end - start)
+            .map_err(|e| self.fail(e.to_string()))?;
+        self.fetched.fetch_add(end - start, Ordering::Relaxed);
+        for i in a..=b {
+            let (s, e) = self.range(i);
+            let slice = bytes
+                .get(
+                    usize::try_from(s - start).unwrap_or(0)
+                        ..usize::try_from(e - start).unwrap_or(0),
+                )
+                .unwrap_or_default();
+            if !self.matches(i, slice) {
+                self.set_state(i, 3);
+                return Err(self.fail(format!(
+                    "lazy image {}: chunk {i} (bytes {s}-{}) of blob {} from the registry does not \
+                     match its index: the registry's copy is corrupt or was changed; publish the \
+                     image again (berth lazy publish)",
+                    self.image,
+                    e - 1,
+                    self.index.blob
+                )));
+            }
+            let cache_io = |e: std::io::Error| {
+                self.fail(format!(
+                    "lazy image {}: writing the chunk cache: {e}",
+                    self.image
+                ))
+            };
+            self.data.write_all_at(slice, s).map_err(cache_io)?;
+            self.map.write_all_at(&[1], i).map_err(cache_io)?;
+            self.set_state(i, 1);
+        }
+        Ok(())
+    }
+}
+
+impl fuse::Backing for Chunks {
+    fn size(&self) -> u64 {
+        self.index.size
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ImageError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.read_bytes
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        let cs = self.index.chunk_size;
+        let last = offset + buf.len() as u64 - 1;
+        self.ensure(offset / cs, last / cs)?;
+        self.data.read_exact_at(buf, offset).map_err(|e| {
+            self.fail(format!(
+                "lazy image {}: reading the chunk cache: {e}",
+                self.image
+            ))
+        })
+    }
+}
+
+/// A lazy image mounted for one run: dropping it unmounts the squashfs and the FUSE file
+/// system (the chunk cache stays).
+#[derive(Debug)]
+pub struct LazyMount {
+    /// The squashfs's mount point: the container's overlay lower.
+    pub root: PathBuf,
+    /// The squashfs blob's digest.
+    pub digest: String,
+    pub config: oci_spec::image::ImageConfiguration,
+    dir: PathBuf,
+    chunks: Arc<Chunks>,
+}
+
+/// The per-run directory names: unique in this process.
+static MOUNTS: AtomicU64 = AtomicU64::new(0);
+
+impl LazyMount {
+    /// Mounts the lazy image `r` for the user `uid` (whose home is `home`): see the module doc.
+    pub fn open(
+        r: &RegistryRef,
+        config: &Settings<'_>,
+        uid: u32,
+        home: Option<&Path>,
+    ) -> Result<LazyMount, ImageError> {
+        let image = r.image_name();
+        let client = Client::for_uid(config.registry, uid, home)?;
+        let (source, raw) = client.lazy_manifest(r, OCI_MANIFEST)?;
+        let manifest: ArtifactManifest = serde_json::from_slice(&raw.body).map_err(|e| {
+            lazy_err(format!(
+                "lazy image {image}: its manifest is not an OCI manifest ({e})"
+            ))
+        })?;
+        if manifest.artifact_type.as_deref() != Some(ARTIFACT_TYPE) {
+            return Err(lazy_err(format!(
+                "lazy image {image}: not a lazy image (artifactType {}, want {ARTIFACT_TYPE}): \
+                 publish one with berth lazy publish, or drop lazy: to pull it whole",
+                manifest.artifact_type.as_deref().unwrap_or("none")
+            )));
+        }
+        let layer = |t: &str| {
+            manifest
+                .layers
+                .iter()
+                .find(|l| l.media_type == t)
+                .ok_or_else(|| {
+                    lazy_err(format!("lazy image {image}: its manifest has no {t} layer"))
+                })
+        };
+        let (sqsh, idx) = (layer(SQUASHFS_TYPE)?, layer(INDEX_TYPE)?);
+        if idx.size > INDEX_LIMIT {
+            return Err(lazy_err(format!(
+                "lazy image {image}: its index is {} bytes, more than the {} MiB allowed",
+                idx.size,
+                INDEX_LIMIT >> 20
+            )));
+        }
+        let index_json = client.lazy_range(&source, &idx.digest, 0, idx.size)?;
+        if format!("sha256:{}", hex(&Sha256::digest(&index_json))) != idx.digest {
+            return Err(lazy_err(format!(
+                "lazy image {image}: its index blob does not match its digest {}",
+                idx.digest
+            )));
+        }
+        let index: Index = serde_json::from_slice(&index_json)
+            .map_err(|e| lazy_err(format!("lazy image {image}: its index is not valid: {e}")))?;
+        index
+            .check()
+            .map_err(|e| lazy_err(format!("lazy image {image}: its index is not valid: {e}")))?;
+        if index.blob != sqsh.digest || index.size != sqsh.size {
+            return Err(lazy_err(format!(
+                "lazy image {image}: its index describes {} ({} bytes), the manifest {} ({} bytes)",
+                index.blob, index.size, sqsh.digest, sqsh.size
+            )));
+        }
+        let chunks = Arc::new(open_cache(
+            &image,
+            client,
+            source,
+            index,
+            config.store.root.as_path(),
+        )?);
+        let digest = chunks.index.blob.clone();
+
+        let parent = config.squashfs.mount_dir.join("lazy");
+        let n = MOUNTS.fetch_add(1, Ordering::Relaxed);
+        let dir = parent.join(format!("{}-{n}", std::process::id()));
+        berth_sys::privfs::root_dir(&parent, 0o700).map_err(|e| lazy_err(e.to_string()))?;
+        let mount = LazyMount {
+            root: dir.join("root"),
+            digest,
+            config: Default::default(),
+            dir,
+            chunks,
+        };
+        mount.mount(&image, config)
+    }
+
+    fn mount(mut self, image: &str, config: &Settings<'_>) -> Result<LazyMount, ImageError> {
+        let fuse_dir = self.dir.join("fuse");
+        for d in [&self.dir, &fuse_dir, &self.root] {
+            std::fs::create_dir(d).map_err(|source| ImageError::Io {
+                path: d.clone(),
+                source,
+            })?;
+        }
+        let dev = fuse::mount(&fuse_dir).map_err(|e| {
+            lazy_err(format!(
+                "lazy image {image}: mounting its FUSE file system on {}: {e} (berth needs root and /dev/fuse)",
+                fuse_dir.display()
+            ))
+        })?;
+        fuse::serve(dev, self.chunks.clone(), FUSE_THREADS);
+        let said = |e: String| match self.chunks.failure.lock().expect("failure").clone() {
+            Some(f) => {
+                self.chunks.reported.store(true, Ordering::Relaxed);
+                lazy_err(f)
+            }
+            None => lazy_err(e),
+        };
+        let file_path = fuse_dir.join(fuse::FILE_NAME);
+        let file = File::open(&file_path).map_err(|e| {
+            said(format!(
+                "lazy image {image}: opening {}: {e}",
+                file_path.display()
+            ))
+        })?;
+        let read = berth_sys::privfs::fd_path(&file);
+        crate::squashfs::probe_squashfs_magic(&read, 0).map_err(|e| said(e.to_string()))?;
+        let device = crate::loopdev::LoopDevice::attach_fd(
+            &file,
+            &file_path,
+            0,
+            self.chunks.index.size,
+            crate::loopdev::Method::Configure,
+        )
+        .map_err(|e| said(format!("lazy image {image}: a loop device: {e}")))?;
+        let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        if let Err(errno) = nix::mount::mount(
+            Some(&device.path),
+            &self.root,
+            Some("squashfs"),
+            flags,
+            None::<&str>,
+        ) {
+            device.detach();
+            return Err(said(format!(
+                "lazy image {image}: mounting its squashfs: {errno}"
+            )));
+        }
+        // The mount holds the device now; autoclear detaches it when the mount goes.
+        drop(device);
+        let files =
+            crate::squashfs::SquashfsFiles::open(&read, 0).map_err(|e| said(e.to_string()))?;
+        self.config = crate::squashfs::image_config(crate::synth::enroot(
+            &files,
+            config.squashfs.enroot_entrypoint,
+        ));
+        Ok(self)
+    }
+
+    /// Bytes fetched from the registry by this mount so far.
+    pub fn fetched(&self) -> u64 {
+        self.chunks.fetched.load(Ordering::Relaxed)
+    }
+
+    /// The first fetch or verification failure, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.chunks.failure.lock().expect("failure").clone()
+    }
+}
+
+impl Drop for LazyMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.root, MntFlags::MNT_DETACH);
+        let fuse_dir = self.dir.join("fuse");
+        let _ = nix::mount::umount2(&fuse_dir, MntFlags::MNT_DETACH);
+        for d in [&self.root, &fuse_dir, &self.dir] {
+            let _ = std::fs::remove_dir(d);
+        }
+        tracing::info!(
+            "lazy image {}: fetched {} of {} bytes; served {} reads, {} bytes",
+            self.chunks.image,
+            self.fetched(),
+            self.chunks.index.size,
+            self.chunks.reads.load(Ordering::Relaxed),
+            self.chunks.read_bytes.load(Ordering::Relaxed)
+        );
+        if let Some(f) = self.failure()
+            && !self.chunks.reported.load(Ordering::Relaxed)
+        {
+            tracing::error!("{f}");
+        }
+    }
+}
+
+/// Unmounts the lazy images of `berth run` processes that are gone (killed before their drop
+/// ran): `<mount_root>/lazy/<pid>-<n>/{root,fuse}`, by `berth gc` with the other orphans. A pid
+/// that is alive again (reused) keeps its directory until it is gone.
+pub fn detach_orphans(mount_root: &Path) {
+    let parent = mount_root.join("lazy");
+    let Ok(entries) = std::fs::read_dir(&parent) else {
+        return;
+    };
+    for name in entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+    {
+        let alive = name
+            .split_once('-')
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+            .is_none_or(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if alive {
+            continue;
+        }
+        let dir = parent.join(&name);
+        for sub in ["root", "fuse"] {
+            let _ = nix::mount::umount2(&dir.join(sub), MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(dir.join(sub));
+        }
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => tracing::info!("unmounted the lazy image of gone process {name}"),
+            Err(e) => tracing::warn!("removing {}: {e}", dir.display()),
+        }
+    }
+}
+
+/// Opens (making them when missing) the chunk cache of `index.blob` under `store_root/lazy`:
+/// root's directory, files opened beneath it without following symlinks.
+fn open_cache(
+    image: &str,
+    client: Client,
+    source: LazySource,
+    index: Index,
+    store_root: &Path,
+) -> Result<Chunks, ImageError> {
+    let dir_path = store_root.join("lazy");
+    let dir = berth_sys::privfs::root_dir(&dir_path, 0o700).map_err(|e| lazy_err(e.to_string()))?;
+    let hex_name = index
+        .blob
+        .strip_prefix("sha256:")
+        .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| {
+            lazy_err(format!(
+                "lazy image {image}: blob {} is not a sha256",
+                index.blob
+            ))
+        })?
+        .to_string();
+    let open = |name: String| -> Result<File, ImageError> {
+        let path = dir_path.join(&name);
+        berth_sys::privfs::open_beneath(
+            dir.as_fd(),
+            Path::new(&name),
+            OFlag::O_RDWR | OFlag::O_CREAT,
+            0o600,
+            true,
+        )
+        .map(File::from)
+        .map_err(|source| ImageError::Io { path, source })
+    };
+    let data = open(format!("{hex_name}.data"))?;
+    let map = open(format!("{hex_name}.map"))?;
+    let n = index.chunks.len() as u64;
+    let io = |what: &str, e: std::io::Error| {
+        lazy_err(format!(
+            "lazy image {image}: the chunk cache in {}: {what}: {e}",
+            dir_path.display()
+        ))
+    };
+    let meta = data.metadata().map_err(|e| io("stat", e))?;
+    if meta.len() != index.size {
+        data.set_len(index.size).map_err(|e| io("sizing", e))?;
+    }
+    let mut marks = vec![0u8; usize::try_from(n).unwrap_or(0)];
+    let got = map
+        .read_at(&mut marks, 0)
+        .map_err(|e| io("reading the map", e))?;
+    if (got as u64) < n {
+        map.set_len(n).map_err(|e| io("sizing the map", e))?;
+    }
+    let state = marks
+        .iter()
+        .map(|m| AtomicU8::new(if *m == 1 { 2 } else { 0 }))
+        .collect();
+    Ok(Chunks {
+        image: image.to_string(),
+        client,
+        source,
+        index,
+        data,
+        map,
+        state,
+        fetch: Mutex::new(()),
+        fetched_one: std::sync::Condvar::new(),
+        fetched: AtomicU64::new(0),
+        reads: AtomicU64::new(0),
+        read_bytes: AtomicU64::new(0),
+        failure: Mutex::new(None),
+        reported: std::sync::atomic::AtomicBool::new(false),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_of_bytes() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let idx = Index::of(&mut data.as_slice(), 4096).unwrap();
+        assert_eq!(idx.size, 10_000);
+        assert_eq!(idx.chunks.len(), 3);
+        assert_eq!(idx.chunks[2], hex(&Sha256::digest(&data[8192..])));
+        assert_eq!(idx.blob, format!("sha256:{}", hex(&Sha256::digest(&data))));
+        idx.check().unwrap();
+        let mut short = idx.clone();
+        short.chunks.pop();
+        assert!(
+            short
+                .check()
+                .unwrap_err()
+                .contains("2 chunks for 10000 bytes")
+        );
+    }
+}

@@ -1,0 +1,276 @@
+//! The registry side of lazily loaded images (`crate::lazy`): the lazy form's manifest, its
+//! small blobs, byte ranges of its squashfs blob (`Range: bytes=A-B`), and publishing it (the
+//! distribution spec's monolithic upload: POST, then PUT with the digest; then a manifest PUT).
+//! Every request goes with the user's credentials, as a pull does.
+
+use std::io::Read;
+
+use ureq::http::StatusCode;
+
+use super::http::{Method, Target};
+use super::{Client, check_digest, manifest_url};
+use crate::ImageError;
+use crate::RegistryRef;
+
+/// Where a lazy image's blobs are read from: the source its manifest came from.
+#[derive(Clone, Debug)]
+pub struct LazySource {
+    target: Target,
+}
+
+impl LazySource {
+    /// `REGISTRY/REPOSITORY:TAG`, as messages name the image.
+    pub fn image(&self) -> &str {
+        &self.target.image
+    }
+}
+
+/// A manifest as the registry sent it.
+#[derive(Clone, Debug)]
+pub struct RawManifest {
+    pub body: Vec<u8>,
+    pub content_type: Option<String>,
+}
+
+fn protocol(t: &Target, detail: String) -> ImageError {
+    ImageError::Protocol {
+        image: t.image.clone(),
+        registry: t.registry.clone(),
+        detail,
+    }
+}
+
+impl Client {
+    /// The manifest `r` names, fetched with the user's credentials from the first source (mirrors
+    /// first) that has it: a user who could not pull `r` gets the pull's error here.
+    pub fn lazy_manifest(
+        &self,
+        r: &RegistryRef,
+        accept: &str,
+    ) -> Result<(LazySource, RawManifest), ImageError> {
+        let mut last = None;
+        for t in self.sources(r) {
+            let url = manifest_url(&self.transport, &t, r);
+            let answer = self
+                .transport
+                .send(&t, Method::Get, &url, Some(accept), None, None)
+                .and_then(|resp| match resp.status() {
+                    s if s.is_success() => {
+                        let content_type = resp
+                            .headers()
+                            .get("content-type")
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_string);
+                        let body = self.transport.read_document(&t, resp)?;
+                        Ok(RawManifest { body, content_type })
+                    }
+                    StatusCode::NOT_FOUND => Err(ImageError::NotFound {
+                        image: t.image.clone(),
+                        detail: format!("{} has no such manifest", t.registry),
+                    }),
+                    s => Err(protocol(&t, format!("manifest GET answered {s}"))),
+                });
+            match answer {
+                Ok(m) => return Ok((LazySource { target: t }, m)),
+                Err(e) if Self::is_final(&e) => return Err(e),
+                Err(e) => last = Some(Self::last_error(&t, e)),
+            }
+        }
+        Err(last.unwrap_or_else(|| ImageError::NotFound {
+            image: r.image_name(),
+            detail: "no source to ask".into(),
+        }))
+    }
+
+    /// Bytes `start..start + len` of the blob `digest`: a `Range` GET. A registry that ignores
+    /// `Range` (200) is read up to the range and the rest of its answer dropped.
+    pub fn lazy_range(
+        &self,
+        src: &LazySource,
+        digest: &str,
+        start: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, ImageError> {
+        let t = &src.target;
+        check_digest(t, digest)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let url = format!("{}blobs/{digest}", self.transport.repo_url(t));
+        let range = format!("bytes={start}-{}", start + len - 1);
+        let resp = self
+            .transport
+            .send_range(t, Method::Get, &url, None, Some(&range), None)?;
+        let skip = match resp.status() {
+            StatusCode::PARTIAL_CONTENT => 0,
+            StatusCode::OK => start,
+            StatusCode::NOT_FOUND => {
+                return Err(ImageError::BlobMissing {
+                    image: t.image.clone(),
+                    registry: t.registry.clone(),
+                    digest: digest.to_string(),
+                });
+            }
+            s => {
+                return Err(protocol(
+                    t,
+                    format!("blob range GET ({range}) answered {s}"),
+                ));
+            }
+        };
+        let mut body = resp.into_body().into_reader();
+        let io = |e: std::io::Error| ImageError::Unreachable {
+            registry: t.registry.clone(),
+            image: t.image.clone(),
+            attempts: 1,
+            detail: format!("reading {digest} ({range}): {e}"),
+        };
+        if skip > 0 {
+            std::io::copy(&mut body.by_ref().take(skip), &mut std::io::sink()).map_err(io)?;
+        }
+        let mut out = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        body.take(len).read_to_end(&mut out).map_err(io)?;
+        if out.len() as u64 != len {
+            return Err(protocol(
+                t,
+                format!("blob {digest} ({range}) ended after {} bytes", out.len()),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Uploads `size` bytes of `body` as the blob `digest` of `r`'s repository, unless the
+    /// registry has it already. Returns whether it was sent.
+    pub fn lazy_push_blob(
+        &self,
+        r: &RegistryRef,
+        digest: &str,
+        size: u64,
+        body: &mut dyn Read,
+    ) -> Result<bool, ImageError> {
+        let t = super::target(r);
+        check_digest(&t, digest)?;
+        let repo = self.transport.repo_url(&t);
+        let head = self.transport.send(
+            &t,
+            Method::Head,
+            &format!("{repo}blobs/{digest}"),
+            None,
+            None,
+            None,
+        )?;
+        if head.status().is_success() {
+            return Ok(false);
+        }
+        let (location, auth) = self.start_upload(&t, &format!("{repo}blobs/uploads/"))?;
+        let sep = if location.contains('?') { '&' } else { '?' };
+        let url = format!("{location}{sep}digest={digest}");
+        let mut req = self
+            .transport
+            .agent()
+            .put(&url)
+            .header("Content-Type", "application/octet-stream")
+            .header("Content-Length", size.to_string());
+        if let Some(a) = &auth {
+            req = req.header("Authorization", a);
+        }
+        let resp = req
+            .send(ureq::SendBody::from_reader(body))
+            .map_err(|e| self.transport.transport_error(&t, e))?;
+        if resp.status() != StatusCode::CREATED {
+            let (status, code, message) = super::http::error_body(resp);
+            return Err(protocol(
+                &t,
+                format!("uploading {digest} answered {status} {code} {message}"),
+            ));
+        }
+        Ok(true)
+    }
+
+    /// POSTs an upload session; returns its absolute URL and the `Authorization` it needed.
+    fn start_upload(&self, t: &Target, url: &str) -> Result<(String, Option<String>), ImageError> {
+        let mut auth: Option<String> = None;
+        for _ in 0..2 {
+            let mut req = self.transport.agent().post(url);
+            if let Some(a) = &auth {
+                req = req.header("Authorization", a);
+            }
+            let resp = req
+                .send_empty()
+                .map_err(|e| self.transport.transport_error(t, e))?;
+            match resp.status() {
+                StatusCode::UNAUTHORIZED if auth.is_none() => {
+                    auth = Some(self.transport.answer_challenge(t, &resp)?);
+                }
+                StatusCode::ACCEPTED => {
+                    let location = resp
+                        .headers()
+                        .get("location")
+                        .and_then(|v| v.to_str().ok())
+                        .ok_or_else(|| protocol(t, "an upload without a Location".into()))?;
+                    let location = if location.starts_with('/') {
+                        let base = url.split("/v2/").next().unwrap_or_default();
+                        format!("{base}{location}")
+                    } else {
+                        location.to_string()
+                    };
+                    return Ok((location, auth));
+                }
+                _ => {
+                    let (status, code, message) = super::http::error_body(resp);
+                    return Err(protocol(
+                        t,
+                        format!("starting an upload answered {status} {code} {message}"),
+                    ));
+                }
+            }
+        }
+        Err(protocol(
+            t,
+            "the registry refused the login for an upload (push needs write access)".into(),
+        ))
+    }
+
+    /// PUTs `body` as the manifest `tag` of `r`'s repository; returns the digest it has there.
+    pub fn lazy_push_manifest(
+        &self,
+        r: &RegistryRef,
+        tag: &str,
+        media_type: &str,
+        body: &[u8],
+    ) -> Result<String, ImageError> {
+        let t = super::target(r);
+        let url = format!("{}manifests/{tag}", self.transport.repo_url(&t));
+        let mut auth: Option<String> = None;
+        for _ in 0..2 {
+            let mut req = self
+                .transport
+                .agent()
+                .put(&url)
+                .header("Content-Type", media_type);
+            if let Some(a) = &auth {
+                req = req.header("Authorization", a);
+            }
+            let resp = req
+                .send(body)
+                .map_err(|e| self.transport.transport_error(&t, e))?;
+            match resp.status() {
+                StatusCode::UNAUTHORIZED if auth.is_none() => {
+                    auth = Some(self.transport.answer_challenge(&t, &resp)?);
+                }
+                StatusCode::CREATED => return Ok(super::blob::sha256_of(body)),
+                _ => {
+                    let (status, code, message) = super::http::error_body(resp);
+                    return Err(protocol(
+                        &t,
+                        format!("the manifest PUT answered {status} {code} {message}"),
+                    ));
+                }
+            }
+        }
+        Err(protocol(
+            &t,
+            "the registry refused the login for a manifest PUT (push needs write access)".into(),
+        ))
+    }
+}
