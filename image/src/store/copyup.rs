@@ -203,6 +203,9 @@ impl Store {
         Ok(out)
     }
 
+    /// Builds the copy-up layer of `layer` at `dest`: every hardlink of the layer to a file of a
+    /// lower layer (`rec.external_links`) becomes a copy of that file, in a staging directory of
+    /// the workspace published only when complete.
     fn make_copy_layer(
         &self,
         layer: &Path,
@@ -224,133 +227,17 @@ impl Store {
         std::fs::create_dir(&staging).map_err(|e| io("creating a copy-up layer", e))?;
         let result = (|| {
             let root = open_dir(&staging).map_err(|e| io("opening a copy-up layer", e))?;
-            let mut digests: HashMap<u64, String> = HashMap::new();
-            let mut copied: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+            let mut up = CopyUp {
+                name: &name,
+                layers: &layers,
+                root: &root,
+                digests: HashMap::new(),
+                copied: BTreeMap::new(),
+            };
             for (link, target) in &rec.external_links {
-                let shown = format!(
-                    "layer {name}: hardlink '/{}' to '/{}'",
-                    String::from_utf8_lossy(link),
-                    String::from_utf8_lossy(target)
-                );
-                let Some((at, meta)) = find(&layers[1..], target) else {
-                    return Err(ImageError::HardlinkMissing(shown));
-                };
-                let from = &layers[1 + at].1;
-                // Parent directories as the image shows them at this layer (not 0755 root:
-                // an upper directory's metadata is what the container sees).
-                let comps: Vec<&[u8]> = link.split(|b| *b == b'/').collect();
-                for n in 1..comps.len() {
-                    let prefix = comps[..n].join(&b'/');
-                    if lstat_beneath(&root, &prefix).is_some() {
-                        continue;
-                    }
-                    let parent = beneath(
-                        &root,
-                        &comps[..n - 1].join(&b'/'),
-                        OFlag::O_RDONLY | OFlag::O_DIRECTORY,
-                        0,
-                    )
-                    .map_err(|e| io("opening a directory", e))?;
-                    mkdirat(
-                        &parent,
-                        OsStr::from_bytes(comps[n - 1]),
-                        Mode::from_bits_truncate(0o755),
-                    )
-                    .map_err(|e| io("creating a directory", e.into()))?;
-                    let fd = beneath(&root, &prefix, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
-                        .map_err(|e| io("opening a directory", e))?;
-                    if let Some((i, m)) = find(&layers, &prefix).filter(|(_, m)| m.is_dir()) {
-                        set_meta(&fd, &m).map_err(|e| io("setting a directory's owner", e))?;
-                        if let Ok(src) = beneath(
-                            &layers[i].1,
-                            &prefix,
-                            OFlag::O_RDONLY | OFlag::O_DIRECTORY,
-                            0,
-                        ) {
-                            copy_xattrs(&src, &fd);
-                        }
-                    }
-                }
-                let (lparent, lname) = split(link);
-                let parent_fd = beneath(&root, lparent, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
-                    .map_err(|e| io("opening a directory", e))?;
-                if let Some(first) = copied.get(target) {
-                    // A second link to the same file: the copies share an inode, as the
-                    // links did.
-                    let (fparent, fname) = split(first);
-                    let ffd = beneath(&root, fparent, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
-                        .map_err(|e| io("opening a directory", e))?;
-                    nix::unistd::linkat(
-                        &ffd,
-                        OsStr::from_bytes(fname),
-                        &parent_fd,
-                        OsStr::from_bytes(lname),
-                        nix::fcntl::AtFlags::empty(),
-                    )
-                    .map_err(|e| io("linking a copied file", e.into()))?;
-                    continue;
-                }
-                if meta.file_type().is_symlink() {
-                    let (tparent, tname) = split(target);
-                    let tfd = beneath(from, tparent, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
-                        .map_err(|e| io("opening a directory", e))?;
-                    let text = nix::fcntl::readlinkat(&tfd, OsStr::from_bytes(tname))
-                        .map_err(|e| io("reading a symlink", e.into()))?;
-                    nix::unistd::symlinkat(text.as_os_str(), &parent_fd, OsStr::from_bytes(lname))
-                        .map_err(|e| io("copying a symlink", e.into()))?;
-                    nix::unistd::fchownat(
-                        &parent_fd,
-                        OsStr::from_bytes(lname),
-                        Some(Uid::from_raw(meta.uid())),
-                        Some(Gid::from_raw(meta.gid())),
-                        nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-                    )
-                    .map_err(|e| io("copying a symlink's owner", e.into()))?;
-                } else if meta.is_file() {
-                    let src = beneath(from, target, OFlag::O_RDONLY | OFlag::O_NONBLOCK, 0)
-                        .map_err(|e| io("opening a lower layer's file", e))?;
-                    let dst = beneath(
-                        &root,
-                        link,
-                        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL,
-                        0o600,
-                    )
-                    .map_err(|e| io("creating a copied file", e))?;
-                    let (mut r, mut w) = (
-                        File::from(src.try_clone().map_err(|e| io("dup", e))?),
-                        File::from(dst.try_clone().map_err(|e| io("dup", e))?),
-                    );
-                    let mut hasher = Sha256::new();
-                    let mut buf = vec![0u8; 256 * 1024];
-                    loop {
-                        let n = match r.read(&mut buf) {
-                            Ok(0) => break,
-                            Ok(n) => n,
-                            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                            Err(e) => return Err(io("reading a lower layer's file", e)),
-                        };
-                        hasher.update(&buf[..n]);
-                        w.write_all(&buf[..n])
-                            .map_err(|e| self.write_error("copying a file up", e))?;
-                    }
-                    set_meta(&dst, &meta).map_err(|e| io("setting a copied file's owner", e))?;
-                    copy_xattrs(&src, &dst);
-                    digests.insert(
-                        w.metadata().map_err(|e| io("stat", e))?.ino(),
-                        format!("{:x}", hasher.finalize()),
-                    );
-                } else {
-                    return Err(ImageError::HardlinkMissing(format!(
-                        "{shown} (a {} there, not a file)",
-                        if meta.is_dir() {
-                            "directory"
-                        } else {
-                            "special file"
-                        }
-                    )));
-                }
-                copied.insert(target.clone(), link.clone());
+                self.copy_link(&mut up, link, target)?;
             }
+            let digests = up.digests;
             let files = record::walk(&staging, &|ino| digests.get(&ino).cloned())
                 .map_err(|e| io("recording a copy-up layer", e))?;
             let rec = LayerRecord {
@@ -372,4 +259,164 @@ impl Store {
         }
         result
     }
+
+    /// Copies the lower layers' `target` up as `link`; a second link to a file already copied
+    /// shares its inode, as the links did.
+    fn copy_link(&self, up: &mut CopyUp<'_>, link: &[u8], target: &[u8]) -> Result<(), ImageError> {
+        let io = |op: &str, e: io::Error| self.io(format!("{op} for layer {}", up.name), e);
+        let shown = format!(
+            "layer {}: hardlink '/{}' to '/{}'",
+            up.name,
+            String::from_utf8_lossy(link),
+            String::from_utf8_lossy(target)
+        );
+        let Some((at, meta)) = find(&up.layers[1..], target) else {
+            return Err(ImageError::HardlinkMissing(shown));
+        };
+        let from = &up.layers[1 + at].1;
+        self.make_parents(up, link)?;
+        let (lparent, lname) = split(link);
+        let parent_fd = beneath(up.root, lparent, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
+            .map_err(|e| io("opening a directory", e))?;
+        if let Some(first) = up.copied.get(target) {
+            let (fparent, fname) = split(first);
+            let ffd = beneath(up.root, fparent, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
+                .map_err(|e| io("opening a directory", e))?;
+            return nix::unistd::linkat(
+                &ffd,
+                OsStr::from_bytes(fname),
+                &parent_fd,
+                OsStr::from_bytes(lname),
+                nix::fcntl::AtFlags::empty(),
+            )
+            .map_err(|e| io("linking a copied file", e.into()));
+        }
+        if meta.file_type().is_symlink() {
+            let (tparent, tname) = split(target);
+            let tfd = beneath(from, tparent, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
+                .map_err(|e| io("opening a directory", e))?;
+            let text = nix::fcntl::readlinkat(&tfd, OsStr::from_bytes(tname))
+                .map_err(|e| io("reading a symlink", e.into()))?;
+            nix::unistd::symlinkat(text.as_os_str(), &parent_fd, OsStr::from_bytes(lname))
+                .map_err(|e| io("copying a symlink", e.into()))?;
+            nix::unistd::fchownat(
+                &parent_fd,
+                OsStr::from_bytes(lname),
+                Some(Uid::from_raw(meta.uid())),
+                Some(Gid::from_raw(meta.gid())),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .map_err(|e| io("copying a symlink's owner", e.into()))?;
+        } else if meta.is_file() {
+            let (ino, digest) = self.copy_file(up, from, target, link, &meta)?;
+            up.digests.insert(ino, digest);
+        } else {
+            return Err(ImageError::HardlinkMissing(format!(
+                "{shown} (a {} there, not a file)",
+                if meta.is_dir() {
+                    "directory"
+                } else {
+                    "special file"
+                }
+            )));
+        }
+        up.copied.insert(target.to_vec(), link.to_vec());
+        Ok(())
+    }
+
+    /// Makes the directories above `link` in the copy-up layer, each with the owner, mode and
+    /// extended attributes the image shows for it at this layer (not 0755 root: an upper
+    /// directory's metadata is what the container sees).
+    fn make_parents(&self, up: &CopyUp<'_>, link: &[u8]) -> Result<(), ImageError> {
+        let io = |op: &str, e: io::Error| self.io(format!("{op} for layer {}", up.name), e);
+        let comps: Vec<&[u8]> = link.split(|b| *b == b'/').collect();
+        for n in 1..comps.len() {
+            let prefix = comps[..n].join(&b'/');
+            if lstat_beneath(up.root, &prefix).is_some() {
+                continue;
+            }
+            let parent = beneath(
+                up.root,
+                &comps[..n - 1].join(&b'/'),
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+                0,
+            )
+            .map_err(|e| io("opening a directory", e))?;
+            mkdirat(
+                &parent,
+                OsStr::from_bytes(comps[n - 1]),
+                Mode::from_bits_truncate(0o755),
+            )
+            .map_err(|e| io("creating a directory", e.into()))?;
+            let fd = beneath(up.root, &prefix, OFlag::O_RDONLY | OFlag::O_DIRECTORY, 0)
+                .map_err(|e| io("opening a directory", e))?;
+            if let Some((i, m)) = find(up.layers, &prefix).filter(|(_, m)| m.is_dir()) {
+                set_meta(&fd, &m).map_err(|e| io("setting a directory's owner", e))?;
+                if let Ok(src) = beneath(
+                    &up.layers[i].1,
+                    &prefix,
+                    OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+                    0,
+                ) {
+                    copy_xattrs(&src, &fd);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the regular file `target` of the lower layer `from` to `link`, with its owner,
+    /// mode and extended attributes; returns the copy's inode and sha256 for the layer record.
+    fn copy_file(
+        &self,
+        up: &CopyUp<'_>,
+        from: &OwnedFd,
+        target: &[u8],
+        link: &[u8],
+        meta: &std::fs::Metadata,
+    ) -> Result<(u64, String), ImageError> {
+        let io = |op: &str, e: io::Error| self.io(format!("{op} for layer {}", up.name), e);
+        let src = beneath(from, target, OFlag::O_RDONLY | OFlag::O_NONBLOCK, 0)
+            .map_err(|e| io("opening a lower layer's file", e))?;
+        let dst = beneath(
+            up.root,
+            link,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL,
+            0o600,
+        )
+        .map_err(|e| io("creating a copied file", e))?;
+        let (mut r, mut w) = (
+            File::from(src.try_clone().map_err(|e| io("dup", e))?),
+            File::from(dst.try_clone().map_err(|e| io("dup", e))?),
+        );
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io("reading a lower layer's file", e)),
+            };
+            hasher.update(&buf[..n]);
+            w.write_all(&buf[..n])
+                .map_err(|e| self.write_error("copying a file up", e))?;
+        }
+        set_meta(&dst, meta).map_err(|e| io("setting a copied file's owner", e))?;
+        copy_xattrs(&src, &dst);
+        let ino = w.metadata().map_err(|e| io("stat", e))?.ino();
+        Ok((ino, format!("{:x}", hasher.finalize())))
+    }
+}
+
+/// A copy-up layer being built: the layer's name (for errors), its stack of open layers
+/// (topmost first), the staging directory, and what was copied so far.
+struct CopyUp<'a> {
+    name: &'a str,
+    layers: &'a [(PathBuf, OwnedFd)],
+    root: &'a OwnedFd,
+    /// Inode of each copied file → its sha256, for the layer record.
+    digests: HashMap<u64, String>,
+    /// Lower path → the link it was first copied to.
+    copied: BTreeMap<Vec<u8>, Vec<u8>>,
 }
