@@ -175,7 +175,7 @@ pub fn epilog(config: &Config, say: Say<'_>) -> Result<Verdict, SlurmError> {
                     tracing::info!("job {job}: {}", r.summary());
                 }
             }
-            Err(e) => match retain(config, &job, &user, &e, say) {
+            Err(e) => match retain(config, &job, &user, &e.to_string(), say) {
                 Ok(()) => keep_scratch = true,
                 Err(line) => {
                     // Results are never deleted silently: the scratch stays where it is.

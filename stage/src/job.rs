@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{Options, Report, scratch, stage_as};
+use super::{Options, Report, StageError, scratch, stage_as};
 use berth_spec::user::UserIds;
 
 /// Copy `src` (absolute) into `scratch/dst`.
@@ -30,7 +30,7 @@ fn in_scratch(p: &str) -> bool {
 }
 
 /// Parses `SRC[:DST][,…]`; the error is the part of one line that says what is wrong.
-pub fn parse_in(text: &str) -> Result<Vec<StageIn>, String> {
+pub fn parse_in(text: &str) -> Result<Vec<StageIn>, StageError> {
     text.split(',')
         .map(|entry| {
             let (src, dst) = match entry.split_once(':') {
@@ -38,9 +38,9 @@ pub fn parse_in(text: &str) -> Result<Vec<StageIn>, String> {
                 None => (entry, None),
             };
             if !src.starts_with('/') || dst.is_some_and(|d| !in_scratch(d)) {
-                return Err(format!(
+                return Err(StageError::Refused(format!(
                     "--stage-in entry {entry:?} is not SRC[:DST] with SRC absolute and DST relative to the scratch"
-                ));
+                )));
             }
             Ok(StageIn {
                 src: PathBuf::from(src),
@@ -51,16 +51,16 @@ pub fn parse_in(text: &str) -> Result<Vec<StageIn>, String> {
 }
 
 /// Parses `SRC:DST[,…]`.
-pub fn parse_out(text: &str) -> Result<Vec<StageOut>, String> {
+pub fn parse_out(text: &str) -> Result<Vec<StageOut>, StageError> {
     text.split(',')
         .map(|entry| match entry.split_once(':') {
             Some((src, dst)) if in_scratch(src) && dst.starts_with('/') => Ok(StageOut {
                 src: PathBuf::from(src),
                 dst: PathBuf::from(dst),
             }),
-            _ => Err(format!(
+            _ => Err(StageError::Refused(format!(
                 "--stage-out entry {entry:?} is not SRC:DST with SRC relative to the scratch and DST absolute"
-            )),
+            ))),
         })
         .collect()
 }
@@ -80,10 +80,13 @@ pub fn stage_in(
     requests: &[StageIn],
     opts: &Options,
     cap: Option<u64>,
-) -> Result<Vec<Report>, String> {
+) -> Result<Vec<Report>, StageError> {
     let mut reports = Vec::new();
     for r in requests {
-        let fail = |e: &dyn std::fmt::Display| format!("stage-in of {}: {e}", r.src.display());
+        let fail = |e: StageError| StageError::Request {
+            what: format!("stage-in of {}", r.src.display()),
+            source: Box::new(e),
+        };
         let rel = match &r.dst {
             Some(d) => d.clone(),
             None => match r.src.file_name() {
@@ -94,9 +97,9 @@ pub fn stage_in(
         };
         let mut opts = opts.clone();
         if let Some(cap) = cap {
-            opts.cap = Some(scratch::remaining(scratch_dir, cap).map_err(|e| fail(&e))?);
+            opts.cap = Some(scratch::remaining(scratch_dir, cap).map_err(fail)?);
         }
-        reports.push(stage_as(user, &r.src, scratch_dir, &rel, &opts).map_err(|e| fail(&e))?);
+        reports.push(stage_as(user, &r.src, scratch_dir, &rel, &opts).map_err(fail)?);
     }
     Ok(reports)
 }
@@ -107,17 +110,15 @@ pub fn stage_out(
     scratch_dir: &Path,
     requests: &[StageOut],
     opts: &Options,
-) -> Result<Vec<Report>, String> {
+) -> Result<Vec<Report>, StageError> {
     let mut reports = Vec::new();
     for r in requests {
         let src = scratch_dir.join(&r.src);
-        let report = stage_as(user, &src, &r.dst, Path::new(""), opts).map_err(|e| {
-            format!(
-                "stage-out of {} to {}: {e}",
-                r.src.display(),
-                r.dst.display()
-            )
-        })?;
+        let report =
+            stage_as(user, &src, &r.dst, Path::new(""), opts).map_err(|e| StageError::Request {
+                what: format!("stage-out of {} to {}", r.src.display(), r.dst.display()),
+                source: Box::new(e),
+            })?;
         reports.push(report);
     }
     Ok(reports)
@@ -150,10 +151,16 @@ mod tests {
             }]
         );
         for bad in ["rel", "/a:/abs", "/a:../x", "/a:"] {
-            assert!(parse_in(bad).unwrap_err().contains(bad), "{bad}");
+            assert!(
+                parse_in(bad).unwrap_err().to_string().contains(bad),
+                "{bad}"
+            );
         }
         for bad in ["results", "/abs:/out", "r:rel", "../r:/out"] {
-            assert!(parse_out(bad).unwrap_err().contains(bad), "{bad}");
+            assert!(
+                parse_out(bad).unwrap_err().to_string().contains(bad),
+                "{bad}"
+            );
         }
     }
 
@@ -168,7 +175,9 @@ mod tests {
         let dir = scratch::create(&tmp.path().join("root"), "5", uid, gid, None).unwrap();
         let user = berth_spec::user::by_id(uid, gid);
         let req = parse_in(&format!("{}", src.display())).unwrap();
-        let e = stage_in(&user, &dir, &req, &Options::default(), Some(4096)).unwrap_err();
+        let e = stage_in(&user, &dir, &req, &Options::default(), Some(4096))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with(&format!("stage-in of {}: ", src.display())),
             "{e}"

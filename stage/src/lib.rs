@@ -118,6 +118,12 @@ pub enum StageError {
     /// What the caller may not ask for (another user's stage) or named wrongly: bad input.
     #[error("{0}")]
     Refused(String),
+    /// One request of a job's staging (`--stage-in`/`--stage-out`) failed.
+    #[error("{what}: {source}")]
+    Request {
+        what: String,
+        source: Box<StageError>,
+    },
 }
 
 fn access_hint(e: &std::io::Error) -> &'static str {
