@@ -100,27 +100,30 @@ impl Index {
     }
 
     /// Whether the index is whole: as many chunks as the size needs, each a sha256.
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), ImageError> {
         if self.chunk_size < 4096 || self.chunk_size > (64 << 20) {
-            return Err(format!(
+            return Err(ImageError::Detail(format!(
                 "chunk size {} out of 4 KiB..64 MiB",
                 self.chunk_size
-            ));
+            )));
         }
         if self.chunks.len() as u64 != self.size.div_ceil(self.chunk_size) {
-            return Err(format!(
+            return Err(ImageError::Detail(format!(
                 "{} chunks for {} bytes of {}-byte chunks",
                 self.chunks.len(),
                 self.size,
                 self.chunk_size
-            ));
+            )));
         }
         if let Some(bad) = self
             .chunks
             .iter()
             .find(|c| c.len() != 64 || !c.bytes().all(|b| b.is_ascii_hexdigit()))
         {
-            return Err(format!("'{}' is not a sha256", berth_sys::text::elide(bad)));
+            return Err(ImageError::Detail(format!(
+                "'{}' is not a sha256",
+                berth_sys::text::elide(bad)
+            )));
         }
         Ok(())
     }
@@ -761,6 +764,7 @@ mod tests {
             short
                 .check()
                 .unwrap_err()
+                .to_string()
                 .contains("2 chunks for 10000 bytes")
         );
     }
