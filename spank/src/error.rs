@@ -56,6 +56,18 @@ pub enum SpankError {
     #[error("berth step create reported namespace '{0}', which a task cannot join")]
     Namespace(String),
 
+    // ---- The SPANK API (`ffi`) and the step's container (`plugin`).
+    /// A SPANK call Slurm refused: Slurm's text for its error code.
+    // (ffi and plugin, which make these two, are not built for unit tests.)
+    #[cfg_attr(test, allow(dead_code))]
+    #[error("{0}")]
+    Slurm(String),
+    /// What the plugin tells the user about a step, worded where it happened: `berth: …`, or
+    /// the line `berth step create` printed.
+    #[cfg_attr(test, allow(dead_code))]
+    #[error("{0}")]
+    Step(String),
+
     // ---- Joining the container (`join`).
     #[error(
         "cannot join the container: the task lost CAP_SYS_ADMIN before slurm_spank_task_init \

@@ -8,6 +8,8 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
+use crate::SpankError;
+
 #[allow(dead_code)]
 mod abi {
     include!(concat!(env!("OUT_DIR"), "/slurm_abi.rs"));
@@ -90,28 +92,28 @@ fn cstring(s: &str) -> CString {
 }
 
 /// An error line: srun shows it as `slurmstepd: error: MSG` (or `srun: error: MSG`).
-pub fn log_error(msg: &str) {
-    let m = cstring(msg);
+pub fn log_error(msg: impl std::fmt::Display) {
+    let m = cstring(&msg.to_string());
     // SAFETY: "%s" with one valid C string argument.
     unsafe { slurm_error(c"%s".as_ptr(), m.as_ptr()) }
 }
 
 /// A line the user sees without the `error:` prefix.
-pub fn log_user(msg: &str) {
-    let m = cstring(msg);
+pub fn log_user(msg: impl std::fmt::Display) {
+    let m = cstring(&msg.to_string());
     // SAFETY: "%s" with one valid C string argument.
     unsafe { slurm_spank_log(c"%s".as_ptr(), m.as_ptr()) }
 }
 
 /// A line for the daemon's log.
-pub fn log_info(msg: &str) {
-    let m = cstring(msg);
+pub fn log_info(msg: impl std::fmt::Display) {
+    let m = cstring(&msg.to_string());
     // SAFETY: "%s" with one valid C string argument.
     unsafe { slurm_info(c"%s".as_ptr(), m.as_ptr()) }
 }
 
-pub fn log_debug(msg: &str) {
-    let m = cstring(msg);
+pub fn log_debug(msg: impl std::fmt::Display) {
+    let m = cstring(&msg.to_string());
     // SAFETY: "%s" with one valid C string argument.
     unsafe { slurm_debug(c"%s".as_ptr(), m.as_ptr()) }
 }
@@ -125,7 +127,7 @@ pub fn register_option(
     usage: &'static CStr,
     val: c_int,
     cb: unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int,
-) -> Result<(), String> {
+) -> Result<(), SpankError> {
     let opt = Box::leak(Box::new(spank_option {
         name: name.as_ptr(),
         arginfo: arginfo.map_or(std::ptr::null(), |a| a.as_ptr()),
@@ -139,12 +141,12 @@ pub fn register_option(
     if rc == ESPANK_SUCCESS {
         Ok(())
     } else {
-        Err(strerror(rc))
+        Err(SpankError::Slurm(strerror(rc)))
     }
 }
 
 /// A `uint32_t`-valued item (S_JOB_ID, S_JOB_STEPID, S_JOB_LOCAL_TASK_COUNT, uid and gid).
-pub fn get_u32(sp: spank_t, item: c_int) -> Result<u32, String> {
+pub fn get_u32(sp: spank_t, item: c_int) -> Result<u32, SpankError> {
     let mut v: u32 = 0;
     // SAFETY: every item passed here takes one pointer to a 32-bit integer (uid_t, gid_t and
     // uint32_t are all 32 bits on Linux).
@@ -152,17 +154,17 @@ pub fn get_u32(sp: spank_t, item: c_int) -> Result<u32, String> {
     if rc == ESPANK_SUCCESS {
         Ok(v)
     } else {
-        Err(strerror(rc))
+        Err(SpankError::Slurm(strerror(rc)))
     }
 }
 
 /// The job's environment (S_JOB_ENV), copied.
-pub fn job_env(sp: spank_t) -> Result<Vec<String>, String> {
+pub fn job_env(sp: spank_t) -> Result<Vec<String>, SpankError> {
     let mut envp: *const *const c_char = std::ptr::null();
     // SAFETY: S_JOB_ENV takes a `char ***`; Slurm fills in its own array, which we only read.
     let rc = unsafe { spank_get_item(sp, S_JOB_ENV, &mut envp as *mut *const *const c_char) };
     if rc != ESPANK_SUCCESS {
-        return Err(strerror(rc));
+        return Err(SpankError::Slurm(strerror(rc)));
     }
     let mut out = Vec::new();
     if envp.is_null() {
@@ -182,7 +184,7 @@ pub fn job_env(sp: spank_t) -> Result<Vec<String>, String> {
 }
 
 /// The step's command line (S_JOB_ARGV): for the batch step, the script's path in the spool.
-pub fn job_argv(sp: spank_t) -> Result<Vec<String>, String> {
+pub fn job_argv(sp: spank_t) -> Result<Vec<String>, SpankError> {
     let mut argc: c_int = 0;
     let mut argv: *const *const c_char = std::ptr::null();
     // SAFETY: S_JOB_ARGV takes an `int *` and a `char ***`; Slurm fills in its own array.
@@ -195,7 +197,7 @@ pub fn job_argv(sp: spank_t) -> Result<Vec<String>, String> {
         )
     };
     if rc != ESPANK_SUCCESS {
-        return Err(strerror(rc));
+        return Err(SpankError::Slurm(strerror(rc)));
     }
     let mut out = Vec::new();
     if argv.is_null() {
@@ -239,37 +241,37 @@ pub fn getenv(sp: spank_t, name: &str) -> Option<String> {
     }
 }
 
-pub fn setenv(sp: spank_t, name: &str, value: &str) -> Result<(), String> {
+pub fn setenv(sp: spank_t, name: &str, value: &str) -> Result<(), SpankError> {
     let (n, v) = (cstring(name), cstring(value));
     // SAFETY: valid handle and C strings; Slurm copies them.
     let rc = unsafe { spank_setenv(sp, n.as_ptr(), v.as_ptr(), 1) };
     if rc == ESPANK_SUCCESS {
         Ok(())
     } else {
-        Err(strerror(rc))
+        Err(SpankError::Slurm(strerror(rc)))
     }
 }
 
-pub fn unsetenv(sp: spank_t, name: &str) -> Result<(), String> {
+pub fn unsetenv(sp: spank_t, name: &str) -> Result<(), SpankError> {
     let n = cstring(name);
     // SAFETY: valid handle and C string.
     let rc = unsafe { spank_unsetenv(sp, n.as_ptr()) };
     if rc == ESPANK_SUCCESS {
         Ok(())
     } else {
-        Err(strerror(rc))
+        Err(SpankError::Slurm(strerror(rc)))
     }
 }
 
 /// Passes NAME=VALUE to the Prolog and Epilog, where it arrives as `SPANK_NAME`.
-pub fn job_control_setenv(sp: spank_t, name: &str, value: &str) -> Result<(), String> {
+pub fn job_control_setenv(sp: spank_t, name: &str, value: &str) -> Result<(), SpankError> {
     let (n, v) = (cstring(name), cstring(value));
     // SAFETY: valid handle and C strings; Slurm copies them.
     let rc = unsafe { spank_job_control_setenv(sp, n.as_ptr(), v.as_ptr(), 1) };
     if rc == ESPANK_SUCCESS {
         Ok(())
     } else {
-        Err(strerror(rc))
+        Err(SpankError::Slurm(strerror(rc)))
     }
 }
 

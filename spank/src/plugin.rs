@@ -20,6 +20,7 @@ use std::os::fd::OwnedFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::SpankError;
 use crate::config::PluginConfig;
 use crate::ffi::{self, Context, spank_t};
 use crate::io_text;
@@ -90,12 +91,12 @@ fn state() -> MutexGuard<'static, Option<State>> {
 /// How an entry point fails: with a line for the user, or quietly when the line was shown
 /// already.
 enum Fail {
-    Line(String),
+    Line(SpankError),
     Quiet,
 }
 
-impl From<String> for Fail {
-    fn from(line: String) -> Self {
+impl From<SpankError> for Fail {
+    fn from(line: SpankError) -> Self {
         Fail::Line(line)
     }
 }
@@ -105,7 +106,7 @@ fn guard(what: &str, f: impl FnOnce() -> Result<(), Fail>) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => 0,
         Ok(Err(Fail::Line(line))) => {
-            ffi::log_error(&line);
+            ffi::log_error(line.to_string());
             -1
         }
         Ok(Err(Fail::Quiet)) => -1,
@@ -115,7 +116,7 @@ fn guard(what: &str, f: impl FnOnce() -> Result<(), Fail>) -> c_int {
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_default();
-            ffi::log_error(&format!(
+            ffi::log_error(format!(
                 "berth: internal error in the SPANK plugin's {what}: {msg}: please report it"
             ));
             -1
@@ -123,8 +124,8 @@ fn guard(what: &str, f: impl FnOnce() -> Result<(), Fail>) -> c_int {
     }
 }
 
-fn berth_line(msg: impl std::fmt::Display) -> String {
-    format!("berth: {msg}")
+fn berth_line(msg: impl std::fmt::Display) -> SpankError {
+    SpankError::Step(format!("berth: {msg}"))
 }
 
 /// # Safety
@@ -229,22 +230,20 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
                     .apply_env(|k| std::env::var(k).ok())
                     .map_err(berth_line)?;
                 for line in st.options.ignored() {
-                    ffi::log_user(&berth_line(line));
+                    ffi::log_user(berth_line(line).to_string());
                 }
                 if let Some(image) = &st.options.image
                     && st.config.pyxis_messages
                     && ctx == Context::Local
                     && request::is_registry_image(image)
                 {
-                    ffi::log_user(&format!("pyxis: importing docker image: {image}"));
+                    ffi::log_user(format!("pyxis: importing docker image: {image}"));
                 }
                 if let Some(image) = &st.options.image {
                     // The Prolog (`berth prolog`) imports it before the step starts. Inside an
                     // existing allocation the Prolog has already run and this is refused.
                     if let Err(e) = ffi::job_control_setenv(sp, "BERTH_IMAGE", image) {
-                        ffi::log_debug(&format!(
-                            "berth: BERTH_IMAGE not passed to the Prolog: {e}"
-                        ));
+                        ffi::log_debug(format!("berth: BERTH_IMAGE not passed to the Prolog: {e}"));
                     }
                 }
                 pass_stage_env(sp, &st.options);
@@ -262,7 +261,7 @@ fn pass_stage_env(sp: spank_t, options: &Options) {
         // Refused inside an existing allocation, whose Prolog has run: a batch script's srun
         // inherits the job's staging options, so this is no error.
         if let Err(e) = ffi::job_control_setenv(sp, name, &value) {
-            ffi::log_debug(&format!(
+            ffi::log_debug(format!(
                 "berth: {name} not passed to the Prolog/Epilog: {e}"
             ));
         }
@@ -320,7 +319,7 @@ pub unsafe extern "C" fn slurm_spank_user_init(
             Ok(()) => {}
             Err(line) => {
                 ffi::log_error(&line);
-                st.failure = Some(line);
+                st.failure = Some(line.to_string());
                 return Ok(());
             }
         }
@@ -331,7 +330,7 @@ pub unsafe extern "C" fn slurm_spank_user_init(
             Ok(container) => {
                 if container.attached && !st.options.mounts.is_empty() {
                     // As Pyxis warns: the mounts of a container are those it was made with.
-                    ffi::log_error(&berth_line(
+                    ffi::log_error(berth_line(
                         "warning: ignoring --container-mounts: the step joins an existing \
                          container, whose mounts were set when it was made",
                     ));
@@ -344,7 +343,7 @@ pub unsafe extern "C" fn slurm_spank_user_init(
                 // (SchedMD bug 7573): show the line now, and fail every task with it in
                 // task_init_privileged, which does make srun exit non-zero.
                 ffi::log_error(&line);
-                st.failure = Some(line);
+                st.failure = Some(line.to_string());
                 Ok(())
             }
         }
@@ -354,7 +353,7 @@ pub unsafe extern "C" fn slurm_spank_user_init(
 /// The job's scratch, for every step but the extern one: the reason its stage-in failed (the
 /// step fails with it), else BERTH_SCRATCH for a step without a container (a container gets
 /// its own path from berth).
-fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
+fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), SpankError> {
     let item = |item, what: &str| {
         ffi::get_u32(sp, item)
             .map_err(|e| berth_line(format!("cannot read the step's {what}: {e}")))
@@ -368,7 +367,7 @@ fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
     // Written by `berth prolog` (root-owned, next to the user's scratch): one line.
     let failed = root.join(format!("{job}.stage-in-failed"));
     if let Ok(line) = std::fs::read_to_string(&failed) {
-        return Err(line.trim_end().to_string());
+        return Err(SpankError::Step(line.trim_end().to_string()));
     }
     let dir = root.join(job.to_string());
     if !st.enabled && dir.is_dir() {
@@ -379,7 +378,7 @@ fn job_scratch(sp: spank_t, st: &mut State) -> Result<(), String> {
 }
 
 /// Runs berth; a failure to start it becomes the one line the user sees.
-fn start_berth(inv: &Invocation) -> Result<runner::Outcome, String> {
+fn start_berth(inv: &Invocation) -> Result<runner::Outcome, SpankError> {
     runner::run(inv).map_err(|e| {
         berth_line(format!(
             "cannot run {}: {}: check berth= in plugstack.conf",
@@ -390,14 +389,14 @@ fn start_berth(inv: &Invocation) -> Result<runner::Outcome, String> {
 }
 
 /// Runs berth; a failure to start it or a non-zero exit becomes the one line the user sees.
-fn run_berth(inv: &Invocation, what: &str) -> Result<runner::Outcome, String> {
+fn run_berth(inv: &Invocation, what: &str) -> Result<runner::Outcome, SpankError> {
     let outcome = start_berth(inv)?;
     if !outcome.status.success() {
-        return Err(request::failure_line(
+        return Err(SpankError::Step(request::failure_line(
             &outcome.stderr,
             what,
             &outcome.describe(),
-        ));
+        )));
     }
     Ok(outcome)
 }
@@ -417,7 +416,7 @@ fn berth_invocation(config: &PluginConfig, verb: &[&str], stdin: Vec<u8>) -> Inv
     }
 }
 
-fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
+fn create(sp: spank_t, st: &mut State) -> Result<Container, SpankError> {
     let step = st
         .step
         .clone()
@@ -451,7 +450,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
     if let Some(dir) = &st.config.debug_request_dir {
         let path = dir.join(format!("{}.{}.json", step.job_id, step.step_id));
         if let Err(e) = std::fs::write(&path, &request) {
-            ffi::log_info(&format!(
+            ffi::log_info(format!(
                 "berth: cannot write {}: {}",
                 path.display(),
                 io_text(&e)
@@ -465,11 +464,11 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
         if st.config.pyxis_messages && berth_proto::answer::import_failed(&outcome.stderr) {
             ffi::log_error("pyxis: failed to import docker image");
         }
-        return Err(request::failure_line(
+        return Err(SpankError::Step(request::failure_line(
             &outcome.stderr,
             "step create",
             &outcome.describe(),
-        ));
+        )));
     }
     let created = Created::parse(&outcome.stdout).map_err(berth_line)?;
     st.berth_protocol = created.protocol;
@@ -487,7 +486,7 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, String> {
             })?;
         namespaces.push((ns, fd));
     }
-    ffi::log_debug(&format!("berth: step container {} ready", created.id));
+    ffi::log_debug(format!("berth: step container {} ready", created.id));
     Ok(Container {
         namespaces,
         env: created.env,
@@ -560,7 +559,7 @@ pub unsafe extern "C" fn slurm_spank_task_init(
             return Ok(());
         };
         if let Some(log) = &c.entrypoint_log
-            && ffi::get_u32(sp, ffi::S_TASK_ID) == Ok(0)
+            && ffi::get_u32(sp, ffi::S_TASK_ID).is_ok_and(|t| t == 0)
         {
             // This task's stderr is the user's (srun's); slurmstepd's log lines are not.
             use std::io::Write;
@@ -595,7 +594,7 @@ fn pin_task(sp: spank_t, c: &Container) -> Result<(), Fail> {
     };
     let local = ffi::getenv(sp, "SLURM_LOCALID").and_then(|v| v.trim().parse::<u32>().ok());
     let Some(rank) = local.and_then(|r| bind.rank(r)) else {
-        ffi::log_info(&berth_line(format!(
+        ffi::log_info(berth_line(format!(
             "no placement planned for local task {}: leaving it to Slurm",
             local.map_or("?".to_string(), |r| r.to_string())
         )));
@@ -608,7 +607,7 @@ fn pin_task(sp: spank_t, c: &Container) -> Result<(), Fail> {
             .map_err(|e| berth_line(format!("cannot set {name} for the task: {e}")))?;
     }
     for note in crate::pin::apply(rank, bind.memory_policy).notes {
-        ffi::log_info(&berth_line(format!("local task {}: {note}", rank.rank)));
+        ffi::log_info(berth_line(format!("local task {}: {note}", rank.rank)));
     }
     Ok(())
 }
@@ -661,7 +660,7 @@ pub unsafe extern "C" fn slurm_spank_exit(
 
 /// Runs `berth step destroy` once, if `berth step create` ran (it may have created part of a
 /// container before failing). Named containers are berth's to keep.
-fn destroy(st: &mut State) -> Result<(), String> {
+fn destroy(st: &mut State) -> Result<(), SpankError> {
     if !st.create_ran || st.destroyed {
         return Ok(());
     }
