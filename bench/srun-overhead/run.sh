@@ -13,17 +13,22 @@
 #   `berth import REF` alone plus one warm `srun --container-image=REF true`. Prints the medians
 #   and the ratio a/b. Goal: ≤ 1.1×. Default 3 rounds. The step runs CMD (default `true`;
 #   `/bin/sh -c true` for bench/import's busybox image, which has no `true` on its PATH).
+#   --cpus N: the allocation's CPUs (salloc -c N; default 1). The test cluster confines a step to
+#   its CPUs (ConstrainCores=yes), and the import inside `srun --container-image` runs in the
+#   step; `berth import` alone runs outside Slurm, on every CPU.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 runs=
 image=
 cold=0
+cpus=1
 while [ $# -gt 0 ]; do
   case $1 in
     --runs) runs=${2:?}; shift 2 ;;
     --image) image=${2:?}; shift 2 ;;
     --cold) cold=1; shift ;;
+    --cpus) cpus=${2:?}; shift 2 ;;
     *) echo "srun-overhead: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -91,7 +96,7 @@ bash integration/slurm/start.sh --state "$state" --berth-config "$cfg" \
 cleanup=("bash integration/slurm/stop.sh --state '$state' >/dev/null 2>&1" "${cleanup[@]}")
 export SLURM_CONF=$state/etc/slurm.conf
 # shellcheck disable=SC2016 # expanded by the inner shell
-salloc -Q bash -c '
+salloc -Q -c "$cpus" bash -c '
   set -e
   runs=$1 image=$2 berth=$3 cfg=$4 store=$5 cmd=$6
   ms() { echo $(( (${2/./} - ${1/./}) / 1000 )); }
@@ -109,7 +114,7 @@ salloc -Q bash -c '
   done
   median() { printf "%s\n" "$@" | sort -n | awk "{a[NR]=\$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}"; }
   c=$(median "${cold[@]}") s=$(median "${split[@]}")
-  echo "rounds: $runs, interleaved; store emptied, writeback settled and page cache dropped before each"
+  echo "rounds: $runs, interleaved; store emptied, writeback settled and page cache dropped before each; steps on $SLURM_CPUS_PER_TASK CPU(s)"
   echo "srun --container-image=REF true, cold:  median $c ms  (all: ${cold[*]})"
   echo "berth import REF alone:                 median $(median "${imp[@]}") ms  (all: ${imp[*]})"
   echo "  + one warm srun --container-image:    median $(median "${warm[@]}") ms  (all: ${warm[*]})"
