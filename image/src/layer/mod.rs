@@ -45,6 +45,7 @@ use self::reader::HashingInput;
 pub(crate) use self::reader::{Kind, TarInput, TarReader};
 use self::write::Extractor;
 use crate::ImageError;
+use crate::store::record::ContentHash;
 
 const BLOCK: u64 = 512;
 /// [`BLOCK`] as a buffer length.
@@ -185,14 +186,14 @@ pub fn extract_bounded(
     x.out.tar_bytes = input.pos;
     x.out.diff_id = format!("sha256:{:x}", input.hasher.finalize());
     let digests = std::mem::take(&mut x.digests);
-    x.out.files =
-        crate::store::record::walk(dest, &|ino| digests.get(&ino).cloned()).map_err(|e| {
-            ImageError::LayerWrite {
-                path: dest.display().to_string(),
-                op: "record",
-                source: e,
-            }
-        })?;
+    x.out.files = crate::store::record::walk(dest, ContentHash::default(), &|ino| {
+        digests.get(&ino).cloned()
+    })
+    .map_err(|e| ImageError::LayerWrite {
+        path: dest.display().to_string(),
+        op: "record",
+        source: e,
+    })?;
     x.out.external_links = std::mem::take(&mut x.pending).into_iter().collect();
     Ok(x.out)
 }
@@ -522,12 +523,12 @@ mod tests {
         let x = r.unwrap();
         let f = &x.files[&b"d/f".to_vec()];
         assert_eq!((f.kind, f.size, f.mode), ('f', 5, 0o4755));
-        assert_eq!(f.digest.as_deref(), Some(&sha(b"hello")["sha256:".len()..]));
+        assert_eq!(f.digest, Some(ContentHash::default().digest(b"hello")));
         assert_eq!(x.files[&b"d/g".to_vec()].digest, f.digest);
         assert_eq!(x.files[&b"l".to_vec()].kind, 'l');
         assert_eq!(x.files[&b"d".to_vec()].kind, 'd');
         // What verification computes by reading the files agrees.
-        let read = crate::store::record::walk(&layer, &|_| None).unwrap();
+        let read = crate::store::record::walk(&layer, ContentHash::default(), &|_| None).unwrap();
         assert_eq!(read, x.files);
     }
 

@@ -15,11 +15,11 @@ use nix::sys::stat::{
 };
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, UnlinkatFlags, fchown, fchownat, linkat, symlinkat, unlinkat};
-use sha2::{Digest as _, Sha256};
 
 use super::reader::{Kind, TarEntry, TarInput, TarReader};
 use super::{Bound, Extracted, RESERVE_CHECK_BYTES, RESERVE_CHECK_ENTRIES};
 use crate::ImageError;
+use crate::store::record::ContentHash;
 
 /// Splits an entry name into safe components: no leading `/`, no `.`, never `..`; `refuse`
 /// makes the error from why a name is refused.
@@ -439,7 +439,7 @@ impl Extractor {
                 .map_err(|err| Self::write_err(&rel, "create", io_err(err)))?;
                 let mut file = File::from(fd);
                 let mut left = e.size;
-                let mut hasher = Sha256::new();
+                let mut hasher = ContentHash::default().hasher();
                 let mut flushed = 0;
                 while left > 0 {
                     let want = usize::try_from(left)
@@ -464,7 +464,7 @@ impl Extractor {
                 let ino = nix::sys::stat::fstat(&file)
                     .map_err(|err| Self::write_err(&rel, "stat", io_err(err)))?
                     .st_ino;
-                self.digests.insert(ino, format!("{:x}", hasher.finalize()));
+                self.digests.insert(ino, hasher.finish());
                 self.chown(file.as_fd(), None, e, &rel)?;
                 // After chown, which clears setuid/setgid bits and file capabilities.
                 fchmod(file.as_fd(), Mode::from_bits_truncate(e.mode & 0o7777))

@@ -28,7 +28,7 @@ use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, fchown};
 use sha2::{Digest as _, Sha256};
 
-use super::record::{self, LayerRecord};
+use super::record::{self, ContentHash, LayerRecord};
 use super::{ImageError, Store, fs};
 
 fn beneath(dir: &OwnedFd, rel: &[u8], flags: OFlag, mode: u32) -> io::Result<OwnedFd> {
@@ -238,12 +238,15 @@ impl Store {
                 self.copy_link(&mut up, link, target)?;
             }
             let digests = up.digests;
-            let files = record::walk(&staging, &|ino| digests.get(&ino).cloned())
-                .map_err(|e| io("recording a copy-up layer", e))?;
+            let files = record::walk(&staging, ContentHash::default(), &|ino| {
+                digests.get(&ino).cloned()
+            })
+            .map_err(|e| io("recording a copy-up layer", e))?;
             let rec = LayerRecord {
                 tar_bytes: 0,
                 files,
                 external_links: Vec::new(),
+                hash: ContentHash::default(),
             };
             super::publish_dir(
                 &self.root,
@@ -389,7 +392,7 @@ impl Store {
             File::from(src.try_clone().map_err(|e| io("dup", e))?),
             File::from(dst.try_clone().map_err(|e| io("dup", e))?),
         );
-        let mut hasher = Sha256::new();
+        let mut hasher = ContentHash::default().hasher();
         let mut buf = vec![0u8; 256 * 1024];
         loop {
             let n = match r.read(&mut buf) {
@@ -405,7 +408,7 @@ impl Store {
         set_meta(&dst, meta).map_err(|e| io("setting a copied file's owner", e))?;
         copy_xattrs(&src, &dst);
         let ino = w.metadata().map_err(|e| io("stat", e))?.ino();
-        Ok((ino, format!("{:x}", hasher.finalize())))
+        Ok((ino, hasher.finish()))
     }
 }
 

@@ -103,6 +103,7 @@ impl Store {
             tar_bytes: x.tar_bytes,
             files: x.files,
             external_links: x.external_links,
+            hash: record::ContentHash::default(),
         };
         Ok(Staged {
             root: self.root.clone(),
@@ -210,7 +211,7 @@ pub(crate) fn publish_dir(
         // gets the record, and stays.
         if dest.is_dir()
             && !dest.with_extension("damaged").exists()
-            && record::walk(dest, &|_| None).is_ok_and(|found| found == rec.files)
+            && record::walk(dest, rec.hash, &|_| None).is_ok_and(|found| found == rec.files)
         {
             write_record()?;
             let _ = std::fs::remove_dir_all(staging);

@@ -85,7 +85,7 @@ impl Store {
             }
         };
         let found = if dir.is_dir() {
-            record::walk(dir, &|_| None)
+            record::walk(dir, recorded.hash, &|_| None)
                 .map_err(|e| self.io(format!("reading layer {}", dir.display()), e))?
         } else {
             BTreeMap::new()
