@@ -26,7 +26,7 @@
 use std::cell::RefCell;
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,24 +113,28 @@ pub struct BlobCache {
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl BlobCache {
-    /// The cache of the store at `store_root`, its directories created (mode 0700); `None`
-    /// when they cannot be (caching is best effort: an import never fails for it).
+    /// The cache of the store at `store_root`, its directories made or checked by
+    /// `privfs::root_dir` (root's, mode 0700, nothing above them another user can change: the
+    /// agent serves what is in them to the cluster); `None` when they cannot be (caching is
+    /// best effort: an import never fails for it).
     pub fn open(store_root: &Path, max_bytes: u64) -> Option<Self> {
-        let base = store_root.join("blobs");
-        let c = Self {
-            dir: base.join("sha256"),
-            tmp: base.join("tmp"),
-            max_bytes,
-        };
-        let mut b = std::fs::DirBuilder::new();
-        b.recursive(true).mode(0o700);
+        let c = Self::layout(store_root, max_bytes);
         for d in [&c.dir, &c.tmp] {
-            if let Err(e) = b.create(d) {
+            if let Err(e) = berth_sys::privfs::root_dir(d, 0o700) {
                 tracing::warn!("blob cache {}: {e}; blobs are not kept", d.display());
                 return None;
             }
         }
         Some(c)
+    }
+
+    fn layout(store_root: &Path, max_bytes: u64) -> Self {
+        let base = store_root.join("blobs");
+        Self {
+            dir: base.join("sha256"),
+            tmp: base.join("tmp"),
+            max_bytes,
+        }
     }
 
     /// Where blob `digest` is (or would be) kept; `None` for a malformed digest.
@@ -313,7 +317,11 @@ mod tests {
     #[test]
     fn blobs_are_kept_only_when_verified_and_the_cache_stays_bounded() {
         let d = tempfile::tempdir().unwrap();
-        let c = BlobCache::open(d.path(), 10).unwrap();
+        // Not `open`: a test's temporary directory is not root's (root_dir would refuse it).
+        let c = BlobCache::layout(d.path(), 10);
+        for dir in [&c.dir, &c.tmp] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
         let blob = b"12345678";
         let digest = format!("sha256:{}", hex(&Sha256::digest(blob)));
         c.put(&format!("sha256:{}", "0".repeat(64)), blob);
