@@ -623,7 +623,7 @@ fn follow(
     size: u64,
     tmp: &std::path::Path,
     kept: &std::path::Path,
-    conn: &mut TcpStream,
+    conn: &mut impl Write,
 ) -> std::io::Result<()> {
     let mut pos = from;
     let mut buf = vec![0u8; 256 * 1024];
@@ -723,6 +723,37 @@ mod tests {
             choose(&nodes, "docker://r/a:1", Some("e:1")),
             vec!["b:1".to_string(), "a:1".to_string()]
         );
+    }
+
+    #[test]
+    fn a_blob_still_downloading_is_sent_as_it_grows_and_cut_short_when_given_up() {
+        let d = tempfile::tempdir().unwrap();
+        let (tmp, kept) = (d.path().join("tmp"), d.path().join("kept"));
+        std::fs::write(&tmp, b"0123").unwrap();
+        let writer = {
+            let (tmp, kept) = (tmp.clone(), kept.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                let mut f = std::fs::OpenOptions::new().append(true).open(&tmp).unwrap();
+                f.write_all(b"4567").unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                f.write_all(b"89").unwrap();
+                std::fs::rename(&tmp, &kept).unwrap();
+            })
+        };
+        let mut out = Vec::new();
+        let file = std::fs::File::open(&tmp).unwrap();
+        follow(file, 2, 10, &tmp, &kept, &mut out).unwrap();
+        writer.join().unwrap();
+        assert_eq!(out, b"23456789", "from byte 2, all that came, to the size");
+        // The writer gave up (its workspace removed, nothing kept): the stream ends short.
+        std::fs::write(&tmp, b"abc").unwrap();
+        let file = std::fs::File::open(&tmp).unwrap();
+        std::fs::remove_file(&tmp).unwrap();
+        let mut out = Vec::new();
+        let e = follow(file, 0, 10, &tmp, &d.path().join("none"), &mut out).unwrap_err();
+        assert!(e.to_string().contains("given up"), "{e}");
+        assert_eq!(out, b"abc");
     }
 
     #[test]
