@@ -119,7 +119,9 @@ impl BlobCache {
     /// best effort: an import never fails for it).
     pub fn open(store_root: &Path, max_bytes: u64) -> Option<Self> {
         let c = Self::layout(store_root, max_bytes);
-        for d in [&c.dir, &c.tmp] {
+        let base = store_root.join("blobs");
+        // `blobs` first: root_dir makes missing directories above its target 0755.
+        for d in [&base, &c.dir, &c.tmp] {
             if let Err(e) = berth_sys::privfs::root_dir(d, 0o700) {
                 tracing::warn!("blob cache {}: {e}; blobs are not kept", d.display());
                 return None;
