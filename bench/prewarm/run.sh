@@ -126,7 +126,10 @@ wipe() { for i in $(seq 1 "$nodes"); do rm -rf "$out/n$i"; done; }
 holds() { "$BERTH" --config "$1" images ls 2>/dev/null | grep -q "bench/big:1"; }
 
 # --- one node, cold ---------------------------------------------------------------------------
+# The 1-minute load average as each arm starts: other work on this host skews its arm.
+load() { cut -d' ' -f1 /proc/loadavg; }
 settle
+l_one=$(load)
 m=$(mark)
 cfg=$(config 1)
 s=$(now)
@@ -142,6 +145,7 @@ avail=$(($(df --output=avail -B1 "$out" | tail -1)))
 
 # --- N independent imports from the registry --------------------------------------------------
 settle
+l_indep=$(load)
 m=$(mark)
 s=$(now)
 ipids=()
@@ -160,6 +164,7 @@ wipe
 
 # --- the floor: N imports at once from a local OCI layout (no network) ------------------------
 settle
+l_floor=$(load)
 s=$(now)
 ipids=()
 for i in $(seq 1 "$nodes"); do
@@ -193,6 +198,7 @@ for _ in $(seq 1 300); do
 done
 [ "$n" -eq "$nodes" ] || die "only $n of $nodes agents reached the controller: see $out/agent-*.log (--keep)"
 settle
+l_warm=$(load)
 m=$(mark)
 s=$(now)
 "$BERTH" --config "${cfgs[0]}" cluster prewarm "$ref" --fanout "$fanout" >"$out/prewarm.out" 2>&1 ||
@@ -208,11 +214,11 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.0f MiB", b / 1048576 }'; }
 times() { awk -v b="$1" -v c="$compressed" 'BEGIN { printf "%.2fx", b / c }'; }
 echo
 echo "image: 4 gzip layers, $(mib "$compressed") compressed, $(mib "$unpacked") unpacked; $nodes nodes on one host, $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"
-printf '%-44s %9s %16s %10s %10s\n' "arm" "wall s" "registry bytes" "x image" "blob GETs"
-printf '%-44s %9s %16s %10s %10s\n' "one node, cold berth import" "$(secs "$t_one")" "$(mib "$b_one")" "$(times "$b_one")" "-"
-printf '%-44s %9s %16s %10s %10s\n' "$nodes independent berth imports (at once)" "$(secs "$t_indep")" "$(mib "$b_indep")" "$(times "$b_indep")" "$g_indep"
-printf '%-44s %9s %16s %10s %10s\n' "floor: $nodes imports at once, local OCI layout" "$(secs "$t_floor")" "0 MiB" "-" "-"
-printf '%-44s %9s %16s %10s %10s\n' "berth cluster prewarm --fanout $fanout" "$(secs "$t_warm")" "$(mib "$b_warm")" "$(times "$b_warm")" "$g_warm"
+printf '%-44s %9s %16s %10s %10s %8s\n' "arm" "wall s" "registry bytes" "x image" "blob GETs" "load"
+printf '%-44s %9s %16s %10s %10s %8s\n' "one node, cold berth import" "$(secs "$t_one")" "$(mib "$b_one")" "$(times "$b_one")" "-" "$l_one"
+printf '%-44s %9s %16s %10s %10s %8s\n' "$nodes independent berth imports (at once)" "$(secs "$t_indep")" "$(mib "$b_indep")" "$(times "$b_indep")" "$g_indep" "$l_indep"
+printf '%-44s %9s %16s %10s %10s %8s\n' "floor: $nodes imports at once, local OCI layout" "$(secs "$t_floor")" "0 MiB" "-" "-" "$l_floor"
+printf '%-44s %9s %16s %10s %10s %8s\n' "berth cluster prewarm --fanout $fanout" "$(secs "$t_warm")" "$(mib "$b_warm")" "$(times "$b_warm")" "$g_warm" "$l_warm"
 echo "pre-warm: $held of $nodes stores hold the image; its plan:"
 sed 's/^/  /' "$out/prewarm.out"
 awk -v w="$b_warm" -v c="$compressed" -v i="$b_indep" -v n="$nodes" 'BEGIN {
