@@ -544,10 +544,16 @@ impl Server {
     }
 
     fn warm(&self, req: WarmRequest) -> WarmReply {
+        /// Counts the warm out however it ends (a panic in an import included).
+        struct Counted<'a>(&'a AtomicUsize);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
         self.warms.fetch_add(1, Ordering::AcqRel);
-        let reply = self.warm_one(req);
-        self.warms.fetch_sub(1, Ordering::AcqRel);
-        reply
+        let _counted = Counted(&self.warms);
+        self.warm_one(req)
     }
 
     fn warm_one(&self, req: WarmRequest) -> WarmReply {
