@@ -807,6 +807,14 @@ fn running_saved_job(slurm: &Slurm) -> (String, String) {
         || slurm.job_state(&job) == "RUNNING",
         || slurm.job_state(&job),
     );
+    // slurmctld saves job state a little after a change; a kill -9 before that loses the start.
+    // The start may have been saved before it was seen here, with no change after it to save
+    // again: a change made now (a comment) makes a save that surely holds the running job.
+    slurm_out(
+        &slurm.conf,
+        "scontrol",
+        &["update", &format!("jobid={job}"), "comment=saved"],
+    );
     let seen = std::time::SystemTime::now();
     let state = slurm.state.join("ctld/job_state");
     wait_for(
@@ -815,7 +823,7 @@ fn running_saved_job(slurm: &Slurm) -> (String, String) {
         || {
             std::fs::metadata(&state)
                 .and_then(|m| m.modified())
-                .is_ok_and(|m| m > seen + Duration::from_millis(500))
+                .is_ok_and(|m| m > seen)
         },
         || format!("{}", state.display()),
     );

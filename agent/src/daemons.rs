@@ -23,9 +23,15 @@ fn report(daemon: &str, state: DaemonState, message: impl Into<String>) -> Daemo
     }
 }
 
-/// Both checks, slurmd first.
-pub fn check(cfg: &AgentConfig) -> Vec<DaemonReport> {
-    vec![slurmd(&cfg.slurmd_pid_file), munge(cfg)]
+/// Both checks, slurmd first. The munge round trip runs two processes, so it runs only when
+/// `munge_now` (the agent asks once per heartbeat interval); otherwise `last` (the munge report
+/// of the round that ran it) is reported again.
+pub fn check(cfg: &AgentConfig, munge_now: bool, last: Option<&DaemonReport>) -> Vec<DaemonReport> {
+    let munge = match last {
+        Some(l) if !munge_now => l.clone(),
+        _ => munge(cfg),
+    };
+    vec![slurmd(&cfg.slurmd_pid_file), munge]
 }
 
 /// `/proc/PID/stat`'s state letter and the command name of `pid`.
@@ -183,5 +189,16 @@ mod tests {
             ..AgentConfig::default()
         };
         assert_eq!(munge(&cfg).state, DaemonState::NotConfigured);
+        // Between munge rounds the last report stands; without one it is checked.
+        let last = report("munge", DaemonState::Down, "earlier");
+        assert_eq!(check(&cfg, false, Some(&last))[1].message, "earlier");
+        assert_eq!(
+            check(&cfg, false, None)[1].state,
+            DaemonState::NotConfigured
+        );
+        assert_eq!(
+            check(&cfg, true, Some(&last))[1].state,
+            DaemonState::NotConfigured
+        );
     }
 }

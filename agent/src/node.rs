@@ -518,15 +518,22 @@ pub fn run(
     let mut sent_statuses: Option<Vec<(String, String)>> = None;
     let mut next_beat = Instant::now();
     let mut round = 0u64;
+    // When munge was last checked: once per heartbeat interval is enough (slurmd's check, a
+    // pid file and /proc, runs every round).
+    let mut munge_at: Option<Instant> = None;
     loop {
         let started = Instant::now();
         checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
         let (c, after) = (config.clone(), xid_after);
         let gather =
             inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY) || crate::peer::inventory_due();
+        let munge_now = munge_at.is_none_or(|t| {
+            t.elapsed() >= Duration::from_millis(config.agent.interval_ms.max(100))
+        });
+        let last_munge = last_daemons.iter().find(|d| d.daemon == "munge").cloned();
         let results = match checker.run(move || Round {
             checks: checks(&c, after),
-            daemons: crate::daemons::check(&c.agent),
+            daemons: crate::daemons::check(&c.agent, munge_now, last_munge.as_ref()),
             inventory: if gather {
                 inventory(&c)
             } else {
@@ -545,6 +552,9 @@ pub fn run(
                 }
                 last_checks = r.checks.clone();
                 last_daemons = r.daemons;
+                if munge_now {
+                    munge_at = Some(Instant::now());
+                }
                 r.checks
             }
             None => {
@@ -552,6 +562,7 @@ pub fn run(
                 for d in &mut last_daemons {
                     d.state = DaemonState::Unknown;
                 }
+                munge_at = None;
                 timed_out(&last_checks, checker.timeout)
             }
         };

@@ -9,7 +9,11 @@
 //!   `Range: bytes=N-`. `<name>` is ignored; the digest must be exactly `sha256:` and 64 lower
 //!   case hex digits, and only then names a file (`blobs/sha256/<hex>`, opened without following
 //!   links). The cache holds only blobs whose digest was checked before they were published, so
-//!   nothing but verified image blobs can be read, and only by digest. At most
+//!   nothing but verified image blobs can be read, and only by digest. While this node warms
+//!   an image, a blob it is still downloading is served as it grows (`blobs/tmp/`, named by
+//!   digest and size; the reader checks the digest, as for every source), and a blob it has not
+//!   started yet is waited for (up to [`BLOB_WAIT`]): a pre-warm's children fetch through their
+//!   parent at its pace instead of after it. At most
 //!   `peers.max_uploads` transfers at once; more wait for a slot, up to 20 s, then get 503 (the
 //!   client retries with backoff, then moves to its next source).
 //! - `POST /v1/warm` ([`berth_api::WarmRequest`]): imports the reference into the store as
@@ -211,6 +215,15 @@ struct Uploads {
     max: usize,
 }
 
+/// How long a request for a blob this node does not hold waits for it while a warm runs here
+/// (the warm may not have reached it yet). With [`UPLOAD_WAIT`] under the client's read timeout.
+const BLOB_WAIT: Duration = Duration::from_secs(30);
+/// A blob served as it downloads whose file has not grown for this long is given up: the
+/// connection closes early and the reader resumes from its next source.
+const STALL: Duration = Duration::from_secs(30);
+/// How often a waiting request looks again.
+const POLL: Duration = Duration::from_millis(50);
+
 /// How long a transfer waits for a slot before 503: well under the client's read timeout
 /// (registry.read_timeout_s, 60 s by default), which runs while it waits for the headers.
 const UPLOAD_WAIT: Duration = Duration::from_secs(20);
@@ -260,6 +273,28 @@ struct Server {
     connections: AtomicUsize,
     /// One warm at a time: they share the node's disk and network.
     warming: Mutex<()>,
+    /// Warms running or waiting here: requests for blobs not held yet wait while there are.
+    warms: AtomicUsize,
+}
+
+/// A blob found for a request: kept (verified), or still downloading (to `tmp`).
+enum Found {
+    Kept(std::fs::File),
+    Growing {
+        file: std::fs::File,
+        size: u64,
+        tmp: std::path::PathBuf,
+        kept: std::path::PathBuf,
+    },
+}
+
+/// Opens `path` for reading without following a link.
+fn open_nofollow(path: &std::path::Path) -> Option<std::fs::File> {
+    std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .ok()
 }
 
 /// Starts the blob server and warm endpoint on `peers.listen` (nothing when it is "").
@@ -287,6 +322,7 @@ pub fn serve(config: &Config, node: &str) -> Result<(), AgentError> {
         uploads: Uploads::new(config.peers.max_uploads),
         connections: AtomicUsize::new(0),
         warming: Mutex::new(()),
+        warms: AtomicUsize::new(0),
     });
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
@@ -423,20 +459,41 @@ impl Server {
         }
     }
 
+    /// The blob `digest`: kept, else downloading here, else (while a warm runs here) waited
+    /// for up to [`BLOB_WAIT`].
+    fn find(&self, digest: &str) -> Option<Found> {
+        let cache = self.cache.as_ref()?;
+        let kept = cache.path(digest)?;
+        let deadline = Instant::now() + BLOB_WAIT;
+        loop {
+            if let Some(file) = open_nofollow(&kept) {
+                return Some(Found::Kept(file));
+            }
+            if let Some((tmp, size)) = cache.in_progress(digest)
+                && let Some(file) = open_nofollow(&tmp)
+            {
+                return Some(Found::Growing {
+                    file,
+                    size,
+                    tmp,
+                    kept,
+                });
+            }
+            if self.warms.load(Ordering::Acquire) == 0 || Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
     fn blob(&self, conn: &mut TcpStream, h: &Head, digest: &str) -> std::io::Result<()> {
-        let not_found =
-            |conn: &mut TcpStream| respond(conn, "404 Not Found", "", b"no such blob\n");
-        let Some(path) = self.cache.as_ref().and_then(|c| c.path(digest)) else {
-            return not_found(conn);
+        let Some(found) = self.find(digest) else {
+            return respond(conn, "404 Not Found", "", b"no such blob\n");
         };
-        let Ok(mut file) = std::fs::File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-        else {
-            return not_found(conn);
+        let size = match &found {
+            Found::Kept(file) => file.metadata()?.len(),
+            Found::Growing { size, .. } => *size,
         };
-        let size = file.metadata()?.len();
         if h.method == "HEAD" {
             return write!(
                 conn,
@@ -471,12 +528,35 @@ impl Server {
              Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
             size - from
         )?;
-        file.seek(std::io::SeekFrom::Start(from))?;
-        std::io::copy(&mut file.take(size - from), conn)?;
-        Ok(())
+        match found {
+            Found::Kept(mut file) => {
+                file.seek(std::io::SeekFrom::Start(from))?;
+                std::io::copy(&mut file.take(size - from), conn)?;
+                Ok(())
+            }
+            Found::Growing {
+                file,
+                size,
+                tmp,
+                kept,
+            } => follow(file, from, size, &tmp, &kept, conn),
+        }
     }
 
     fn warm(&self, req: WarmRequest) -> WarmReply {
+        /// Counts the warm out however it ends (a panic in an import included).
+        struct Counted<'a>(&'a AtomicUsize);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        self.warms.fetch_add(1, Ordering::AcqRel);
+        let _counted = Counted(&self.warms);
+        self.warm_one(req)
+    }
+
+    fn warm_one(&self, req: WarmRequest) -> WarmReply {
         let _one = self.warming.lock().unwrap_or_else(|p| p.into_inner());
         let started = Instant::now();
         let result = (|| -> Result<String, AgentError> {
@@ -536,6 +616,59 @@ impl Server {
     }
 }
 
+/// Sends bytes `from..size` of a blob still being written to `tmp` as they arrive. Ends early
+/// (an error: the connection closes short of Content-Length, and the reader resumes from its
+/// next source) when the writer gave up: `tmp` gone without the blob kept at `kept`, or no
+/// growth for [`STALL`]. A renamed (kept) file is read to its end through the same descriptor.
+fn follow(
+    mut file: std::fs::File,
+    from: u64,
+    size: u64,
+    tmp: &std::path::Path,
+    kept: &std::path::Path,
+    conn: &mut impl Write,
+) -> std::io::Result<()> {
+    let mut pos = from;
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut grew = Instant::now();
+    file.seek(std::io::SeekFrom::Start(pos))?;
+    while pos < size {
+        let want = usize::try_from(size - pos)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        let n = file.read(&mut buf[..want])?;
+        if n > 0 {
+            conn.write_all(&buf[..n])?;
+            pos += n as u64;
+            grew = Instant::now();
+            continue;
+        }
+        let writing = tmp.exists();
+        if !writing && !kept.exists() {
+            return Err(std::io::Error::other(
+                "the download being served was given up",
+            ));
+        }
+        if writing && grew.elapsed() >= STALL {
+            return Err(std::io::Error::other("the download being served stalled"));
+        }
+        if !writing {
+            // Kept (renamed) after the read above found nothing: the bytes are all in the file.
+            let n = file.read(&mut buf[..want])?;
+            if n == 0 {
+                return Err(std::io::Error::other(
+                    "the kept blob is shorter than its size",
+                ));
+            }
+            conn.write_all(&buf[..n])?;
+            pos += n as u64;
+            continue;
+        }
+        std::thread::sleep(POLL);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -593,6 +726,37 @@ mod tests {
             choose(&nodes, "docker://r/a:1", Some("e:1")),
             vec!["b:1".to_string(), "a:1".to_string()]
         );
+    }
+
+    #[test]
+    fn a_blob_still_downloading_is_sent_as_it_grows_and_cut_short_when_given_up() {
+        let d = tempfile::tempdir().unwrap();
+        let (tmp, kept) = (d.path().join("tmp"), d.path().join("kept"));
+        std::fs::write(&tmp, b"0123").unwrap();
+        let writer = {
+            let (tmp, kept) = (tmp.clone(), kept.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                let mut f = std::fs::OpenOptions::new().append(true).open(&tmp).unwrap();
+                f.write_all(b"4567").unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                f.write_all(b"89").unwrap();
+                std::fs::rename(&tmp, &kept).unwrap();
+            })
+        };
+        let mut out = Vec::new();
+        let file = std::fs::File::open(&tmp).unwrap();
+        follow(file, 2, 10, &tmp, &kept, &mut out).unwrap();
+        writer.join().unwrap();
+        assert_eq!(out, b"23456789", "from byte 2, all that came, to the size");
+        // The writer gave up (its workspace removed, nothing kept): the stream ends short.
+        std::fs::write(&tmp, b"abc").unwrap();
+        let file = std::fs::File::open(&tmp).unwrap();
+        std::fs::remove_file(&tmp).unwrap();
+        let mut out = Vec::new();
+        let e = follow(file, 0, 10, &tmp, &d.path().join("none"), &mut out).unwrap_err();
+        assert!(e.to_string().contains("given up"), "{e}");
+        assert_eq!(out, b"abc");
     }
 
     #[test]

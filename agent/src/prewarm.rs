@@ -1,11 +1,14 @@
 //! `berth cluster prewarm REF`: gets a registry image onto many nodes before jobs need it,
 //! with the registry serving each blob once.
 //!
-//! The plan is a tree grown as nodes finish: the first node pulls from the registry (unless the
-//! catalog already names nodes holding the image); every node that holds it then serves at
-//! most `--fanout` others at once, each of those fetching from it first, then from up to two
-//! other holders, then from the registry (the registry client verifies every blob, so a
-//! bad or dead peer costs a retry, never a wrong image). Each node's agent does its own import
+//! The plan is a tree, started whole at once: the first node pulls from the registry (unless
+//! the catalog already names nodes holding the image); every node, as soon as it has started,
+//! serves at most `--fanout` others, each of those fetching from it first, then from up to two
+//! nodes started before it, then from the registry (the registry client verifies every blob,
+//! so a bad or dead peer costs a retry, never a wrong image). A node serves each blob as it
+//! downloads it (`crate::peer`), so the tree's levels run at the same time instead of one
+//! after the other: the wall time is about one import at the pace the nodes' shared disk and
+//! CPUs allow, not the tree's depth times one import. Each node's agent does its own import
 //! (`POST /v1/warm` on `peers.listen`); this command only schedules and reports.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -49,7 +52,8 @@ pub struct Assignment {
 #[derive(Debug)]
 pub struct Plan {
     fanout: usize,
-    /// Nodes holding the image, with how many they serve now, in the order they got it.
+    /// Nodes holding the image or getting it (they serve it as it comes), with how many they
+    /// serve now, in the order they started.
     holders: Vec<(String, usize)>,
     pending: VecDeque<String>,
     running: usize,
@@ -80,29 +84,31 @@ impl Plan {
             return None;
         }
         if self.holders.is_empty() {
-            // Only one pull from the registry at a time: the others wait to fetch from it.
+            // One pull from the registry: the others fetch through it (or a node that does).
             if self.running > 0 || self.registry_failed {
                 return None;
             }
             let node = self.pending.pop_front()?;
             self.running += 1;
+            self.holders.push((node.clone(), 0));
             return Some(Assignment {
                 node,
                 parent: None,
                 peers: Vec::new(),
             });
         }
-        let (i, _) = self
+        // The first started with a free slot: a breadth-first tree, as shallow as the fan-out
+        // allows (every hop adds its lag, and a failure hurts fewer nodes below it).
+        let i = self
             .holders
             .iter()
-            .enumerate()
-            .filter(|(_, (_, serving))| *serving < self.fanout)
-            .min_by_key(|(i, (_, serving))| (*serving, *i))?;
+            .position(|(_, serving)| *serving < self.fanout)?;
         let node = self.pending.pop_front()?;
         self.holders[i].1 += 1;
         self.running += 1;
         let parent = self.holders[i].0.clone();
         let mut peers = vec![parent.clone()];
+        // Only nodes started before it: no node ever waits for a blob on one that waits on it.
         peers.extend(
             self.holders
                 .iter()
@@ -110,6 +116,7 @@ impl Plan {
                 .map(|(h, _)| h.clone())
                 .take(FALLBACKS),
         );
+        self.holders.push((node.clone(), 0));
         Some(Assignment {
             node,
             parent: Some(parent),
@@ -125,10 +132,12 @@ impl Plan {
         {
             h.1 = h.1.saturating_sub(1);
         }
-        if ok {
-            self.holders.push((a.node.clone(), 0));
-        } else if a.parent.is_none() {
-            self.registry_failed = true;
+        if !ok {
+            // Its children, if any, go on with their other sources; no new ones are given it.
+            self.holders.retain(|(h, _)| *h != a.node);
+            if a.parent.is_none() {
+                self.registry_failed = true;
+            }
         }
     }
 
@@ -333,31 +342,24 @@ mod tests {
     }
 
     #[test]
-    fn one_registry_pull_then_each_holder_serves_at_most_k() {
+    fn one_registry_pull_and_the_whole_tree_starts_at_once_k_children_each() {
         let mut p = Plan::new(names(8), Vec::new(), 2);
-        let root = p.start_next().unwrap();
-        assert_eq!(root.parent, None);
-        assert!(
-            p.start_next().is_none(),
-            "the others wait for the first pull"
-        );
-        p.done(&root, true);
-        let wave: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
-        assert_eq!(wave.len(), 2, "n1 serves 2 at once");
-        assert!(wave.iter().all(|a| a.parent.as_deref() == Some("n1")));
-        for a in &wave {
-            p.done(a, true);
-        }
+        let all: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
+        assert_eq!(all.len(), 8, "every node starts at once");
+        assert_eq!(all[0].parent, None, "one registry pull");
+        assert!(all[1..].iter().all(|a| a.parent.is_some()));
         let mut count: HashMap<String, usize> = HashMap::new();
-        let wave: Vec<Assignment> = std::iter::from_fn(|| p.start_next()).collect();
-        for a in &wave {
+        for (i, a) in all.iter().enumerate().skip(1) {
             *count.entry(a.parent.clone().unwrap()).or_default() += 1;
             assert_eq!(a.peers[0], *a.parent.as_ref().unwrap());
             assert!(a.peers.len() <= 1 + FALLBACKS);
+            // Every source started before the node: no cycle of waits.
+            let earlier: Vec<&String> = all[..i].iter().map(|b| &b.node).collect();
+            assert!(a.peers.iter().all(|s| earlier.contains(&s)), "{a:?}");
         }
-        assert_eq!(wave.len(), 5, "3 holders, 2 each, 5 left");
-        assert!(count.values().all(|c| *c <= 2));
-        for a in &wave {
+        assert!(count.values().all(|c| *c <= 2), "{count:?}");
+        assert_eq!(count["n1"], 2);
+        for a in &all {
             p.done(a, true);
         }
         assert!(p.finished());
@@ -367,10 +369,16 @@ mod tests {
     fn a_failed_child_frees_its_parents_slot_and_a_failed_registry_pull_stops() {
         let mut p = Plan::new(names(3), vec!["n1".into()], 1);
         let a = p.start_next().unwrap();
-        assert_eq!(a.node, "n2");
-        assert!(p.start_next().is_none());
-        p.done(&a, false);
+        assert_eq!((a.node.as_str(), a.parent.as_deref()), ("n2", Some("n1")));
         let b = p.start_next().unwrap();
+        assert_eq!((b.node.as_str(), b.parent.as_deref()), ("n3", Some("n2")));
+        assert_eq!(b.peers, vec!["n2".to_string(), "n1".to_string()]);
+        // n2 failed: it is no parent for anyone after, and n1's slot is free again.
+        p.done(&a, false);
+        let mut r = Plan::new(names(4), vec!["n1".into()], 1);
+        let a = r.start_next().unwrap();
+        r.done(&a, false);
+        let b = r.start_next().unwrap();
         assert_eq!((b.node.as_str(), b.parent.as_deref()), ("n3", Some("n1")));
         let mut q = Plan::new(names(3), Vec::new(), 4);
         let root = q.start_next().unwrap();

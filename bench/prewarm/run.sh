@@ -2,13 +2,16 @@
 # Image pre-warm: N nodes (berth agents on this host, each with its own store and peers port,
 # one berth-controller) warming bench/import's ~1.2 GiB 4-layer gzip image with
 # `berth cluster prewarm`, against N independent `berth import`s from the same registry, in the
-# same run; and one node's cold import as the yardstick. The registry's access log gives the
-# bytes it served to each arm. See bench/README.md ("prewarm").
+# same run; one node's cold import as the yardstick; and the floor this host allows: N imports
+# at once from a local OCI layout (no network, no registry: the N "nodes" share this host's
+# CPUs and disk, so N hashes, inflates and extractions at once take what they take). The
+# registry's access log gives the bytes it served to each arm. See bench/README.md ("prewarm").
 #
 # Usage: sudo bench/prewarm/run.sh [--nodes N] [--fanout K] [--work DIR] [--keep]
 #
 #   --nodes N     nodes (default 8)
-#   --fanout K    berth cluster prewarm --fanout (default 4, the command's default)
+#   --fanout K    berth cluster prewarm --fanout (default 2: a node serves its children every
+#                 layer at once, so K x 4 layers = 8 transfers, peers.max_uploads' default)
 #   --work DIR    image, registry storage and stores (default /var/tmp/berth-bench-prewarm); the
 #                 image and the registry storage are reused, the stores removed after each arm
 #   BERTH=PATH BERTH_CONTROLLER=PATH   binaries (default: cargo build --release of both)
@@ -18,7 +21,7 @@
 set -euo pipefail
 
 nodes=8
-fanout=4
+fanout=2
 work=/var/tmp/berth-bench-prewarm
 keep=0
 while [ $# -gt 0 ]; do
@@ -123,7 +126,10 @@ wipe() { for i in $(seq 1 "$nodes"); do rm -rf "$out/n$i"; done; }
 holds() { "$BERTH" --config "$1" images ls 2>/dev/null | grep -q "bench/big:1"; }
 
 # --- one node, cold ---------------------------------------------------------------------------
+# The 1-minute load average as each arm starts: other work on this host skews its arm.
+load() { cut -d' ' -f1 /proc/loadavg; }
 settle
+l_one=$(load)
 m=$(mark)
 cfg=$(config 1)
 s=$(now)
@@ -139,6 +145,7 @@ avail=$(($(df --output=avail -B1 "$out" | tail -1)))
 
 # --- N independent imports from the registry --------------------------------------------------
 settle
+l_indep=$(load)
 m=$(mark)
 s=$(now)
 ipids=()
@@ -153,6 +160,22 @@ t_indep=$(($(now) - s))
 [ "$failed" -eq 0 ] || die "$failed independent imports failed: $(tail -1 "$out"/indep-*.err | tail -1)"
 b_indep=$(blob_bytes "$m")
 g_indep=$(blob_gets "$m")
+wipe
+
+# --- the floor: N imports at once from a local OCI layout (no network) ------------------------
+settle
+l_floor=$(load)
+s=$(now)
+ipids=()
+for i in $(seq 1 "$nodes"); do
+  cfg=$(config "$i")
+  "$BERTH" --config "$cfg" import "oci:$work/layout:1" >/dev/null 2>"$out/floor-$i.err" &
+  ipids+=($!)
+done
+failed=0
+for p in "${ipids[@]}"; do wait "$p" || failed=$((failed + 1)); done
+t_floor=$(($(now) - s))
+[ "$failed" -eq 0 ] || die "$failed local imports failed: $(tail -1 "$out"/floor-*.err | tail -1)"
 wipe
 
 # --- the pre-warm ----------------------------------------------------------------------------
@@ -175,6 +198,7 @@ for _ in $(seq 1 300); do
 done
 [ "$n" -eq "$nodes" ] || die "only $n of $nodes agents reached the controller: see $out/agent-*.log (--keep)"
 settle
+l_warm=$(load)
 m=$(mark)
 s=$(now)
 "$BERTH" --config "${cfgs[0]}" cluster prewarm "$ref" --fanout "$fanout" >"$out/prewarm.out" 2>&1 ||
@@ -190,15 +214,18 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.0f MiB", b / 1048576 }'; }
 times() { awk -v b="$1" -v c="$compressed" 'BEGIN { printf "%.2fx", b / c }'; }
 echo
 echo "image: 4 gzip layers, $(mib "$compressed") compressed, $(mib "$unpacked") unpacked; $nodes nodes on one host, $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"
-printf '%-44s %9s %16s %10s %10s\n' "arm" "wall s" "registry bytes" "x image" "blob GETs"
-printf '%-44s %9s %16s %10s %10s\n' "one node, cold berth import" "$(secs "$t_one")" "$(mib "$b_one")" "$(times "$b_one")" "-"
-printf '%-44s %9s %16s %10s %10s\n' "$nodes independent berth imports (at once)" "$(secs "$t_indep")" "$(mib "$b_indep")" "$(times "$b_indep")" "$g_indep"
-printf '%-44s %9s %16s %10s %10s\n' "berth cluster prewarm --fanout $fanout" "$(secs "$t_warm")" "$(mib "$b_warm")" "$(times "$b_warm")" "$g_warm"
+printf '%-44s %9s %16s %10s %10s %8s\n' "arm" "wall s" "registry bytes" "x image" "blob GETs" "load"
+printf '%-44s %9s %16s %10s %10s %8s\n' "one node, cold berth import" "$(secs "$t_one")" "$(mib "$b_one")" "$(times "$b_one")" "-" "$l_one"
+printf '%-44s %9s %16s %10s %10s %8s\n' "$nodes independent berth imports (at once)" "$(secs "$t_indep")" "$(mib "$b_indep")" "$(times "$b_indep")" "$g_indep" "$l_indep"
+printf '%-44s %9s %16s %10s %10s %8s\n' "floor: $nodes imports at once, local OCI layout" "$(secs "$t_floor")" "0 MiB" "-" "-" "$l_floor"
+printf '%-44s %9s %16s %10s %10s %8s\n' "berth cluster prewarm --fanout $fanout" "$(secs "$t_warm")" "$(mib "$b_warm")" "$(times "$b_warm")" "$g_warm" "$l_warm"
 echo "pre-warm: $held of $nodes stores hold the image; its plan:"
 sed 's/^/  /' "$out/prewarm.out"
 awk -v w="$b_warm" -v c="$compressed" -v i="$b_indep" -v n="$nodes" 'BEGIN {
   printf "registry bytes: pre-warm %.2fx the image (goal 1x: %s), independent %.2fx (%dx expected)\n",
     w / c, (w <= c * 1.01 ? "met" : "NOT met"), i / c, n }'
-awk -v w="$t_warm" -v o="$t_one" -v i="$t_indep" 'BEGIN {
+awk -v w="$t_warm" -v o="$t_one" -v i="$t_indep" -v f="$t_floor" -v n="$nodes" 'BEGIN {
   printf "wall until all hold it: pre-warm %.2fx one cold import (goal <= 2x: %s), independent %.2fx; pre-warm vs independent %.2fx\n",
-    w / o, (w <= 2 * o ? "met" : "NOT met"), i / o, i / w }'
+    w / o, (w <= 2 * o ? "met" : "NOT met"), i / o, i / w
+  printf "against the floor (%d local imports at once, %.2fx one cold import on this host): pre-warm %.2fx, independent %.2fx\n",
+    n, f / o, w / f, i / f }'

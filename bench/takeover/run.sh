@@ -59,8 +59,17 @@ failover() {
   fi
   job=$(sbatch --parsable -o /dev/null --wrap 'sleep 900')
   for _ in $(seq 300); do [ "$(squeue -h -j "$job" -o %T)" = RUNNING ] && break; sleep 0.1; done
-  # slurmctld saves job state a little after the change: a kill -9 before it loses the start.
-  sleep 6
+  # slurmctld saves job state a little after a change (later under load): a kill -9 before it
+  # loses the start. The start may be saved before it is seen here, with nothing after it to
+  # save again: a change now (a comment) makes a save that holds the running job; wait for it,
+  # as tests/root_controller_watch.rs does (a fixed sleep was too short on a loaded host).
+  local seen
+  scontrol update "jobid=$job" comment=saved
+  seen=$(date +%s.%N)
+  for _ in $(seq 300); do
+    [ "$(echo "$(stat -c %.9Y "$STATE/ctld/job_state" 2>/dev/null || echo 0) > $seen" | bc)" = 1 ] && break
+    sleep 0.1
+  done
   start=$(scontrol show job "$job" | grep -o 'StartTime=[^ ]*')
   t0=$(now)
   kill -9 "$(cat "$HA_PIDFILE1")"

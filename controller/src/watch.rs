@@ -41,6 +41,59 @@ struct Inner {
     /// Jobs squeue lists as not ended, and when it was asked; `None`: not asked or no answer.
     live: Option<HashSet<String>>,
     live_at: Option<Instant>,
+    /// slurm.conf as last read, with the path, mtime and length it was read at: read again only
+    /// when one of them changes (a round runs every second).
+    conf: Option<ConfRead>,
+}
+
+/// One read of slurm.conf.
+#[derive(Clone, Debug)]
+struct ConfRead {
+    path: PathBuf,
+    modified: SystemTime,
+    len: u64,
+    text: std::sync::Arc<String>,
+}
+
+/// The most slurm.conf bytes the watch reads (a cluster's node and partition lines included).
+const CONF_MAX: u64 = 4 << 20;
+
+/// slurm.conf's text: the one read before when its path, mtime and length are the same, else
+/// read again (at most [`CONF_MAX`] bytes). The flag says whether it was read now.
+fn read_conf(cached: Option<&ConfRead>, path: &Path) -> Result<(ConfRead, bool), String> {
+    use std::io::Read as _;
+    let what = |e: &dyn std::fmt::Display| {
+        format!(
+            "cannot read slurm.conf {}: {e} (controller.slurm_conf)",
+            path.display()
+        )
+    };
+    let meta = std::fs::metadata(path).map_err(|e| what(&e))?;
+    let modified = meta.modified().map_err(|e| what(&e))?;
+    if let Some(c) = cached
+        && c.path == path
+        && c.modified == modified
+        && c.len == meta.len()
+    {
+        return Ok((c.clone(), false));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(CONF_MAX + 1).read_to_string(&mut text))
+        .map_err(|e| what(&e))?;
+    if text.len() as u64 > CONF_MAX {
+        return Err(what(&format_args!(
+            "larger than {} MiB; point controller.slurm_conf at the cluster's slurm.conf",
+            CONF_MAX >> 20
+        )));
+    }
+    let read = ConfRead {
+        path: path.to_path_buf(),
+        modified,
+        len: text.len() as u64,
+        text: std::sync::Arc::new(text),
+    };
+    Ok((read, true))
 }
 
 /// What the watch needs of slurm.conf.
@@ -269,6 +322,7 @@ impl Watch {
                 first_seen: HashMap::new(),
                 live: None,
                 live_at: None,
+                conf: None,
             }),
         }
     }
@@ -286,6 +340,7 @@ impl Watch {
         i.first_seen.clear();
         i.live = None;
         i.live_at = None;
+        i.conf = None;
     }
 }
 
@@ -313,14 +368,12 @@ pub async fn run(app: std::sync::Arc<App>) {
 async fn round(app: &App) {
     let s = &app.s;
     let path = conf_path(s);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) => {
-            let why = format!(
-                "cannot read slurm.conf {}: {e} (controller.slurm_conf)",
-                path.display()
-            );
+    let cached = app.watch.lock().conf.clone();
+    let (read, fresh) = match read_conf(cached.as_ref(), &path) {
+        Ok(r) => r,
+        Err(why) => {
             let mut i = app.watch.lock();
+            i.conf = None;
             i.daemons = ["slurmctld", "slurmctld-backup", "slurmdbd"]
                 .iter()
                 .map(|d| report(d, DaemonState::Unknown, why.clone()))
@@ -329,6 +382,8 @@ async fn round(app: &App) {
             return;
         }
     };
+    let text = read.text.clone();
+    app.watch.lock().conf = Some(read);
     let conf = parse_conf(&text);
     let mut daemons = Vec::new();
     let name = |i: usize| {
@@ -341,9 +396,9 @@ async fn round(app: &App) {
         let mut confs = Vec::new();
         for i in 0..2 {
             let p = s.data_dir.join(format!("ping-{}.conf", i + 1));
-            let body = conf_for(&text, i, dir);
-            if std::fs::read_to_string(&p).ok().as_deref() != Some(body.as_str())
-                && let Err(e) = std::fs::write(&p, &body)
+            // Written when slurm.conf was read (changed, or this leader's first round).
+            if (fresh || !p.exists())
+                && let Err(e) = std::fs::write(&p, conf_for(&text, i, dir))
             {
                 tracing::warn!("writing {}: {e}", p.display());
             }
@@ -665,6 +720,27 @@ mod tests {
         assert_eq!(c.slurmdbd.as_deref(), Some("db1:7031"));
         let c = parse_conf("SlurmctldHost=h\nAccountingStorageType=accounting_storage/slurmdbd\n");
         assert_eq!(c.slurmdbd.as_deref(), Some("h:6819"));
+    }
+
+    #[test]
+    fn slurm_conf_is_read_again_only_when_it_changed_and_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("slurm.conf");
+        std::fs::write(&p, "SlurmctldHost=a\n").unwrap();
+        let (first, fresh) = read_conf(None, &p).unwrap();
+        assert!(fresh);
+        let (again, fresh) = read_conf(Some(&first), &p).unwrap();
+        assert!(!fresh, "unchanged: not read again");
+        assert_eq!(*again.text, "SlurmctldHost=a\n");
+        std::fs::write(&p, "SlurmctldHost=a\nSlurmctldHost=b\n").unwrap();
+        let (changed, fresh) = read_conf(Some(&first), &p).unwrap();
+        assert!(fresh, "a new length is read");
+        assert!(changed.text.contains("=b"));
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(CONF_MAX + 1).unwrap();
+        let e = read_conf(Some(&changed), &p).unwrap_err();
+        assert!(e.contains("larger than 4 MiB"), "{e}");
+        read_conf(None, &d.path().join("none")).unwrap_err();
     }
 
     #[test]

@@ -10,9 +10,14 @@
 //! used; a peer that dies mid-transfer is the same as a mirror that does.
 //!
 //! The cache: `<store root>/blobs/sha256/<hex>`, each blob written beside the download (tee of
-//! the verified stream) into `blobs/tmp/` and renamed into place only after the blob's digest
-//! matched, so only verified blobs are ever served. Bounded by `peers.cache_bytes`: the oldest
-//! (by last write or serve) go first. Root-only directories, like the rest of the store.
+//! the stream) into `blobs/tmp/<pid>.<seq>.<hex>.<size>` and renamed into place only after the
+//! blob's digest matched. Bounded by `peers.cache_bytes`: the oldest (by last write or serve)
+//! go first. Root-only directories, like the rest of the store. A blob still downloading can be
+//! served as it grows ([`BlobCache::in_progress`]): a pre-warm's child then fetches through its
+//! parent at the parent's pace instead of waiting for the whole blob. Those bytes are not yet
+//! verified by the server, and need not be: the receiving client checks every blob's digest
+//! whoever serves it, and a blob the server's own check refuses is never committed (its
+//! readers see the stream end early, and resume from another source).
 //!
 //! Which peers to ask: [`configure`] installs a lookup (the cluster controller's catalog, see
 //! `berth_agent::peer`) used by every registry import of the process, and [`with_peers`] names
@@ -21,7 +26,7 @@
 use std::cell::RefCell;
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -108,24 +113,30 @@ pub struct BlobCache {
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl BlobCache {
-    /// The cache of the store at `store_root`, its directories created (mode 0700); `None`
-    /// when they cannot be (caching is best effort: an import never fails for it).
+    /// The cache of the store at `store_root`, its directories made or checked by
+    /// `privfs::root_dir` (root's, mode 0700, nothing above them another user can change: the
+    /// agent serves what is in them to the cluster); `None` when they cannot be (caching is
+    /// best effort: an import never fails for it).
     pub fn open(store_root: &Path, max_bytes: u64) -> Option<Self> {
+        let c = Self::layout(store_root, max_bytes);
         let base = store_root.join("blobs");
-        let c = Self {
-            dir: base.join("sha256"),
-            tmp: base.join("tmp"),
-            max_bytes,
-        };
-        let mut b = std::fs::DirBuilder::new();
-        b.recursive(true).mode(0o700);
-        for d in [&c.dir, &c.tmp] {
-            if let Err(e) = b.create(d) {
+        // `blobs` first: root_dir makes missing directories above its target 0755.
+        for d in [&base, &c.dir, &c.tmp] {
+            if let Err(e) = berth_sys::privfs::root_dir(d, 0o700) {
                 tracing::warn!("blob cache {}: {e}; blobs are not kept", d.display());
                 return None;
             }
         }
         Some(c)
+    }
+
+    fn layout(store_root: &Path, max_bytes: u64) -> Self {
+        let base = store_root.join("blobs");
+        Self {
+            dir: base.join("sha256"),
+            tmp: base.join("tmp"),
+            max_bytes,
+        }
     }
 
     /// Where blob `digest` is (or would be) kept; `None` for a malformed digest.
@@ -145,8 +156,10 @@ impl BlobCache {
         if size > self.max_bytes || dest.exists() {
             return None;
         }
+        let hex = digest_hex(digest)?;
+        // The digest and size in the name let the peer server find and stream it (in_progress).
         let tmp = self.tmp.join(format!(
-            "{}.{}",
+            "{}.{}.{hex}.{size}",
             std::process::id(),
             TMP_SEQ.fetch_add(1, Ordering::Relaxed)
         ));
@@ -161,6 +174,20 @@ impl BlobCache {
             tmp,
             dest,
             cache: self.clone(),
+        })
+    }
+
+    /// The workspace of blob `digest` while a live process downloads it: its path and the
+    /// blob's size (from the name [`BlobCache::begin`] gave it).
+    pub fn in_progress(&self, digest: &str) -> Option<(PathBuf, u64)> {
+        let hex = digest_hex(digest)?;
+        std::fs::read_dir(&self.tmp).ok()?.flatten().find_map(|e| {
+            let name = e.file_name();
+            let mut f = name.to_str()?.split('.');
+            let (pid, _seq, h, size) = (f.next()?, f.next()?, f.next()?, f.next()?);
+            let size = size.parse().ok()?;
+            (h == hex && f.next().is_none() && Path::new("/proc").join(pid).exists())
+                .then(|| (e.path(), size))
         })
     }
 
@@ -292,7 +319,11 @@ mod tests {
     #[test]
     fn blobs_are_kept_only_when_verified_and_the_cache_stays_bounded() {
         let d = tempfile::tempdir().unwrap();
-        let c = BlobCache::open(d.path(), 10).unwrap();
+        // Not `open`: a test's temporary directory is not root's (root_dir would refuse it).
+        let c = BlobCache::layout(d.path(), 10);
+        for dir in [&c.dir, &c.tmp] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
         let blob = b"12345678";
         let digest = format!("sha256:{}", hex(&Sha256::digest(blob)));
         c.put(&format!("sha256:{}", "0".repeat(64)), blob);
@@ -308,6 +339,19 @@ mod tests {
                 .count(),
             0
         );
+        // While it downloads the workspace is found by digest, with the blob's size.
+        let k = c.begin(&digest, 8).unwrap();
+        let (tmp, size) = c.in_progress(&digest).unwrap();
+        assert_eq!(
+            (tmp.parent().unwrap(), size),
+            (d.path().join("blobs/tmp").as_path(), 8)
+        );
+        assert!(
+            c.in_progress(&format!("sha256:{}", "0".repeat(64)))
+                .is_none()
+        );
+        drop(k);
+        assert!(c.in_progress(&digest).is_none());
         c.put(&digest, blob);
         assert!(c.has(&digest));
         assert!(c.begin(&digest, 8).is_none(), "kept once");

@@ -17,7 +17,8 @@
 #                       node" of its own: a network namespace (its own address, reached from this
 #                       host through a veth pair) and a UTS namespace (its own host name, which is
 #                       how slurmctld knows whether it is the primary or the backup). DIR/etc/ha.env
-#                       names them (HA_HEAD1/2, HA_NETNS1/2, HA_ADDR1/2, HA_HOST_ADDR, HA_PIDFILE1/2)
+#                       names them (HA_HEAD1/2, HA_NETNS1/2, HA_ADDR1/2, HA_HOST_ADDR, HA_PIDFILE1/2);
+#                       SchedulerParameters=bf_interval=2 (why: the comment above the slurmctld start)
 #   --ctld-timeout S    SlurmctldTimeout, the backup's own takeover delay [default: Slurm's, 120]
 #
 # <target> is $CARGO_TARGET_DIR, else the repository's target/. Then, for clients:
@@ -26,7 +27,7 @@
 # is stopped first. Logs: DIR/log/. Needs: slurmctld slurmd slurm-client munge (setup.sh).
 set -euo pipefail
 
-usage() { sed -n '5,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '5,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "slurm/start.sh: $*" >&2; exit 1; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -223,6 +224,7 @@ KillWait=5
 MinJobAge=5
 MessageTimeout=30
 $([ -n "$ctld_timeout" ] && echo "SlurmctldTimeout=$ctld_timeout")
+$([ "$ha" -eq 1 ] && echo "SchedulerParameters=bf_interval=2")
 PlugStackConfig=$state/etc/plugstack.conf
 EOF
   if [ "$prolog" -eq 1 ]; then
@@ -249,6 +251,10 @@ EOF
 
 export SLURM_CONF=$state/etc/slurm.conf
 if [ "$ha" -eq 1 ]; then
+  # bf_interval=2 (above): slurmctld 22.05's backup often takes over with its main scheduler
+  # thread gone (it exits when it sees the shutdown flag the takeover sets while reloading
+  # state, and nothing starts it again), so batch jobs start only on backfill passes; README
+  # "Slurm's daemons, fast takeover, leftovers" recommends the same to admins.
   # Each slurmctld in its head node's namespaces: its host name (UTS), its address (network),
   # and its own pid file (a mount namespace binds ctld-headN over run/ctld: both read one
   # slurm.conf). The primary first; the backup then finds it in control.
