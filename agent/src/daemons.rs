@@ -12,6 +12,8 @@ use berth_api::{DaemonReport, DaemonState};
 
 use berth_slurm::config::AgentConfig;
 
+use crate::AgentError;
+
 /// How long each munge command may take.
 const MUNGE_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -93,14 +95,17 @@ fn slurmd(pid_file: &Path) -> DaemonReport {
 }
 
 /// Runs `cmd` with `input` on stdin, at most [`MUNGE_TIMEOUT`]; its stdout, or why not.
-fn run(mut cmd: Command, input: &[u8]) -> Result<Vec<u8>, String> {
+fn run(mut cmd: Command, input: &[u8]) -> Result<Vec<u8>, AgentError> {
     let name = cmd.get_program().to_string_lossy().into_owned();
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("running {name}: {e}"))?;
+        .map_err(|source| AgentError::Spawn {
+            program: name.clone(),
+            source,
+        })?;
     if let Some(mut stdin) = child.stdin.take() {
         let _ = stdin.write_all(input);
     }
@@ -112,22 +117,22 @@ fn run(mut cmd: Command, input: &[u8]) -> Result<Vec<u8>, String> {
             _ => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!(
+                return Err(AgentError::host(format!(
                     "{name} did not finish within {} s",
                     MUNGE_TIMEOUT.as_secs()
-                ));
+                )));
             }
         }
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("{name}: {e}"))?;
+        .map_err(|e| AgentError::host(format!("{name}: {e}")))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!(
+        return Err(AgentError::host(format!(
             "{name}: {}",
             err.lines().next().unwrap_or("failed").trim()
-        ));
+        )));
     }
     Ok(out.stdout)
 }
@@ -152,14 +157,14 @@ fn munge(cfg: &AgentConfig) -> DaemonReport {
     let cred = match run(encode, b"") {
         Ok(c) => c,
         // munge not installed: this check cannot say.
-        Err(e) if e.starts_with("running munge") => {
-            return report("munge", DaemonState::Unknown, e);
+        Err(e @ AgentError::Spawn { .. }) => {
+            return report("munge", DaemonState::Unknown, e.to_string());
         }
-        Err(e) => return report("munge", DaemonState::Down, e),
+        Err(e) => return report("munge", DaemonState::Down, e.to_string()),
     };
     match run(with_socket("unmunge"), &cred) {
         Ok(_) => report("munge", DaemonState::Up, "munge -n | unmunge: ok"),
-        Err(e) => report("munge", DaemonState::Down, e),
+        Err(e) => report("munge", DaemonState::Down, e.to_string()),
     }
 }
 

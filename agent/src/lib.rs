@@ -21,6 +21,12 @@ pub enum AgentError {
     Host(String),
     #[error(transparent)]
     Image(#[from] berth_image::ImageError),
+    /// A program a check runs could not be started (not installed, not executable).
+    #[error("running {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
 }
 
 impl AgentError {

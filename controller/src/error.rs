@@ -31,4 +31,7 @@ pub enum ControllerError {
     /// A tool's failure as the watch words it (the tool, its arguments and what it said).
     #[error("{0}")]
     Tool(String),
+    /// slurm.conf could not be read, said with its path and the setting that names it.
+    #[error("{0}")]
+    Conf(String),
 }

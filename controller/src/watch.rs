@@ -60,13 +60,13 @@ const CONF_MAX: u64 = 4 << 20;
 
 /// slurm.conf's text: the one read before when its path, mtime and length are the same, else
 /// read again (at most [`CONF_MAX`] bytes). The flag says whether it was read now.
-fn read_conf(cached: Option<&ConfRead>, path: &Path) -> Result<(ConfRead, bool), String> {
+fn read_conf(cached: Option<&ConfRead>, path: &Path) -> Result<(ConfRead, bool), ControllerError> {
     use std::io::Read as _;
     let what = |e: &dyn std::fmt::Display| {
-        format!(
+        ControllerError::Conf(format!(
             "cannot read slurm.conf {}: {e} (controller.slurm_conf)",
             path.display()
-        )
+        ))
     };
     let meta = std::fs::metadata(path).map_err(|e| what(&e))?;
     let modified = meta.modified().map_err(|e| what(&e))?;
@@ -376,7 +376,7 @@ async fn round(app: &App) {
             i.conf = None;
             i.daemons = ["slurmctld", "slurmctld-backup", "slurmdbd"]
                 .iter()
-                .map(|d| report(d, DaemonState::Unknown, why.clone()))
+                .map(|d| report(d, DaemonState::Unknown, why.to_string()))
                 .collect();
             i.armed = false;
             return;
@@ -739,7 +739,7 @@ mod tests {
         let f = std::fs::File::create(&p).unwrap();
         f.set_len(CONF_MAX + 1).unwrap();
         let e = read_conf(Some(&changed), &p).unwrap_err();
-        assert!(e.contains("larger than 4 MiB"), "{e}");
+        assert!(e.to_string().contains("larger than 4 MiB"), "{e}");
         read_conf(None, &d.path().join("none")).unwrap_err();
     }
 

@@ -110,6 +110,7 @@ impl From<AgentError> for Failure {
         match e {
             AgentError::Input(m) => Failure::input(m),
             AgentError::Host(m) => Failure::system(m),
+            e @ AgentError::Spawn { .. } => Failure::system(e.to_string()),
             AgentError::Image(e) => e.into(),
         }
     }
