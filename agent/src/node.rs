@@ -497,98 +497,36 @@ pub fn run(
         crate::peer::serve(&config, &node)?;
     }
     let boot = boot_id();
-    let mut checker = Checker::new(Duration::from_millis(config.agent.check_timeout_ms.max(1)));
-    // Where the kernel log stands now, read within the timeout like the checks.
-    let mut xid_after = {
-        let c = config.clone();
-        checker
-            .run(move || Round {
-                checks: Vec::new(),
-                daemons: Vec::new(),
-                inventory: Inventory::default(),
-                kmsg_seq: kmsg_seq(&c),
-            })
-            .and_then(|r| r.kmsg_seq)
-    };
-    let mut last_checks: Vec<CheckResult> = Vec::new();
-    let mut last_daemons: Vec<DaemonReport> = Vec::new();
-    let mut inv = Inventory::default();
-    let mut inv_at: Option<Instant> = None;
-    // The statuses the controller last took, and when the next regular heartbeat is due.
-    let mut sent_statuses: Option<Vec<(String, String)>> = None;
-    let mut next_beat = Instant::now();
-    let mut round = 0u64;
-    // When munge was last checked: once per heartbeat interval is enough (slurmd's check, a
-    // pid file and /proc, runs every round).
-    let mut munge_at: Option<Instant> = None;
+    let mut st = Rounds::new(&config);
     loop {
         let started = Instant::now();
-        checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
-        let (c, after) = (config.clone(), xid_after);
-        let gather =
-            inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY) || crate::peer::inventory_due();
-        let munge_now = munge_at.is_none_or(|t| {
-            t.elapsed() >= Duration::from_millis(config.agent.interval_ms.max(100))
-        });
-        let last_munge = last_daemons.iter().find(|d| d.daemon == "munge").cloned();
-        let results = match checker.run(move || Round {
-            checks: checks(&c, after),
-            daemons: crate::daemons::check(&c.agent, munge_now, last_munge.as_ref()),
-            inventory: if gather {
-                inventory(&c)
-            } else {
-                Inventory::default()
-            },
-            // XIDs count once: the next round judges only those logged after this one's.
-            kmsg_seq: kmsg_seq(&c),
-        }) {
-            Some(r) => {
-                if r.kmsg_seq.is_some() {
-                    xid_after = r.kmsg_seq;
-                }
-                if gather {
-                    inv = r.inventory;
-                    inv_at = Some(Instant::now());
-                }
-                last_checks = r.checks.clone();
-                last_daemons = r.daemons;
-                if munge_now {
-                    munge_at = Some(Instant::now());
-                }
-                r.checks
-            }
-            None => {
-                // The daemons were not looked at this round either: they cannot say.
-                for d in &mut last_daemons {
-                    d.state = DaemonState::Unknown;
-                }
-                munge_at = None;
-                timed_out(&last_checks, checker.timeout)
-            }
-        };
+        let results = st.check(&config);
         *metrics.checks.lock().unwrap_or_else(|p| p.into_inner()) = results.clone();
-        *metrics.daemons.lock().unwrap_or_else(|p| p.into_inner()) = last_daemons.clone();
-        *metrics.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = inv.leftovers.len();
-        let now_statuses = statuses(&results, &last_daemons);
-        let changed = sent_statuses.as_ref().is_some_and(|s| *s != now_statuses);
-        if once || changed || Instant::now() >= next_beat {
+        *metrics.daemons.lock().unwrap_or_else(|p| p.into_inner()) = st.last_daemons.clone();
+        *metrics.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = st.inv.leftovers.len();
+        let now_statuses = statuses(&results, &st.last_daemons);
+        let changed = st
+            .sent_statuses
+            .as_ref()
+            .is_some_and(|s| *s != now_statuses);
+        if once || changed || Instant::now() >= st.next_beat {
             let hb = Heartbeat {
                 node: node.clone(),
                 boot_id: boot.clone(),
                 version: env!("CARGO_PKG_VERSION").to_string(),
-                checks: results.clone(),
-                versions: inv.versions.clone(),
-                images: inv.images.clone(),
-                leftovers: inv.leftovers.clone(),
+                checks: results,
+                versions: st.inv.versions.clone(),
+                images: st.inv.images.clone(),
+                leftovers: st.inv.leftovers.clone(),
                 cause: changed.then(|| "change".to_string()),
-                daemons: last_daemons.clone(),
+                daemons: st.last_daemons.clone(),
                 peer: crate::peer::advertise(&config),
-                refs: inv.refs.clone(),
+                refs: st.inv.refs.clone(),
             };
             let sent = send(&mut client, &hb, &metrics);
             match &sent {
                 Ok(()) => {
-                    sent_statuses = Some(now_statuses);
+                    st.sent_statuses = Some(now_statuses);
                     if changed {
                         metrics.changes.fetch_add(1, Ordering::Relaxed);
                     }
@@ -601,13 +539,7 @@ pub fn run(
                     Err(e) => Err(AgentError::host(format!("berth agent: heartbeat: {e}"))),
                 };
             }
-            round += 1;
-            let interval = config.agent.interval_ms.max(100) as f64;
-            let spread = interval * f64::from(config.agent.jitter_percent.min(100)) / 100.0;
-            next_beat = Instant::now()
-                + Duration::from_secs_f64(
-                    (interval - spread / 2.0 + spread * jitter_fraction(round)).max(0.0) / 1000.0,
-                );
+            st.schedule_beat(&config);
         }
         let every = Duration::from_millis(
             config
@@ -617,12 +549,122 @@ pub fn run(
         );
         let wait = every
             .saturating_sub(started.elapsed())
-            .min(next_beat.saturating_duration_since(Instant::now()));
+            .min(st.next_beat.saturating_duration_since(Instant::now()));
         std::thread::sleep(wait);
         match Config::load(config_path, config_path.exists()) {
             Ok(c) => config = c,
             Err(e) => tracing::warn!("keeping the previous configuration: {e}"),
         }
+    }
+}
+
+/// What the agent's loop keeps from round to round.
+struct Rounds {
+    checker: Checker,
+    /// Where the kernel log stood after the last round: XIDs count once.
+    xid_after: Option<u64>,
+    last_checks: Vec<CheckResult>,
+    last_daemons: Vec<DaemonReport>,
+    inv: Inventory,
+    inv_at: Option<Instant>,
+    /// When munge was last checked: once per heartbeat interval is enough (slurmd's check, a
+    /// pid file and /proc, runs every round).
+    munge_at: Option<Instant>,
+    /// The statuses the controller last took, and when the next regular heartbeat is due.
+    sent_statuses: Option<Vec<(String, String)>>,
+    next_beat: Instant,
+    beats: u64,
+}
+
+impl Rounds {
+    fn new(config: &Config) -> Self {
+        let mut checker = Checker::new(Duration::from_millis(config.agent.check_timeout_ms.max(1)));
+        // Where the kernel log stands now, read within the timeout like the checks.
+        let c = config.clone();
+        let xid_after = checker
+            .run(move || Round {
+                checks: Vec::new(),
+                daemons: Vec::new(),
+                inventory: Inventory::default(),
+                kmsg_seq: kmsg_seq(&c),
+            })
+            .and_then(|r| r.kmsg_seq);
+        Self {
+            checker,
+            xid_after,
+            last_checks: Vec::new(),
+            last_daemons: Vec::new(),
+            inv: Inventory::default(),
+            inv_at: None,
+            munge_at: None,
+            sent_statuses: None,
+            next_beat: Instant::now(),
+            beats: 0,
+        }
+    }
+
+    /// One round of checks, daemons and (when due) the inventory, within the check timeout;
+    /// the checks' results (the last ones marked timed out when the round did not finish).
+    fn check(&mut self, config: &Config) -> Vec<CheckResult> {
+        self.checker.timeout = Duration::from_millis(config.agent.check_timeout_ms.max(1));
+        let (c, after) = (config.clone(), self.xid_after);
+        let gather = self.inv_at.is_none_or(|t| t.elapsed() >= INVENTORY_EVERY)
+            || crate::peer::inventory_due();
+        let munge_now = self.munge_at.is_none_or(|t| {
+            t.elapsed() >= Duration::from_millis(config.agent.interval_ms.max(100))
+        });
+        let last_munge = self
+            .last_daemons
+            .iter()
+            .find(|d| d.daemon == "munge")
+            .cloned();
+        match self.checker.run(move || Round {
+            checks: checks(&c, after),
+            daemons: crate::daemons::check(&c.agent, munge_now, last_munge.as_ref()),
+            inventory: if gather {
+                inventory(&c)
+            } else {
+                Inventory::default()
+            },
+            // XIDs count once: the next round judges only those logged after this one's.
+            kmsg_seq: kmsg_seq(&c),
+        }) {
+            Some(r) => {
+                if r.kmsg_seq.is_some() {
+                    self.xid_after = r.kmsg_seq;
+                }
+                if gather {
+                    self.inv = r.inventory;
+                    self.inv_at = Some(Instant::now());
+                }
+                self.last_checks = r.checks.clone();
+                self.last_daemons = r.daemons;
+                if munge_now {
+                    self.munge_at = Some(Instant::now());
+                }
+                r.checks
+            }
+            None => {
+                // The daemons were not looked at this round either: they cannot say.
+                for d in &mut self.last_daemons {
+                    d.state = DaemonState::Unknown;
+                }
+                self.munge_at = None;
+                timed_out(&self.last_checks, self.checker.timeout)
+            }
+        }
+    }
+
+    /// The next regular heartbeat: one interval on, spread by the jitter so that a cluster's
+    /// agents do not beat together.
+    fn schedule_beat(&mut self, config: &Config) {
+        self.beats += 1;
+        let interval = config.agent.interval_ms.max(100) as f64;
+        let spread = interval * f64::from(config.agent.jitter_percent.min(100)) / 100.0;
+        self.next_beat = Instant::now()
+            + Duration::from_secs_f64(
+                (interval - spread / 2.0 + spread * jitter_fraction(self.beats)).max(0.0) / 1000.0,
+            );
     }
 }
 
