@@ -213,42 +213,12 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
         )));
     }
     let key = berth_image::store::reference_key(&reference);
-    let mut client = Client::new(config)?;
-    let (addr, status, bytes) = client.request("/v1/catalog", None, true)?;
-    if status != 200 {
-        return Err(AgentError::host(format!(
-            "controller {addr}: HTTP {status}: {}",
-            String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
-        )));
-    }
-    let catalog: Vec<CatalogNode> = serde_json::from_slice(&bytes)
-        .map_err(|e| AgentError::host(format!("the controller's catalog does not parse: {e}")))?;
-    let addrs: BTreeMap<String, String> = catalog
-        .iter()
-        .filter_map(|n| n.peer.clone().map(|p| (n.node.clone(), p)))
-        .collect();
-    let targets: Vec<String> = if req.nodes.is_empty() {
-        addrs.keys().cloned().collect()
-    } else {
-        req.nodes.clone()
-    };
-    if targets.is_empty() {
-        return Err(AgentError::input(
-            "no node to warm: no agent reports a peers.listen address (set [peers] listen on \
-             the nodes) and --nodes names none",
-        ));
-    }
-    if let Some(bad) = targets.iter().find(|t| !addrs.contains_key(*t)) {
-        return Err(AgentError::input(format!(
-            "node {bad}: the controller knows no peers address for it: is its agent running \
-             with [peers] listen set? (berth cluster nodes lists the nodes)"
-        )));
-    }
-    let holders: Vec<String> = catalog
-        .iter()
-        .filter(|n| n.peer.is_some() && n.refs.contains_key(&key))
-        .map(|n| n.node.clone())
-        .collect();
+    let Survey {
+        catalog,
+        addrs,
+        targets,
+        holders,
+    } = survey(config, req, &key)?;
     let bearer = berth_api::bearer(&crate::client::read_key(&config.agent.key_file)?);
     let timeout = req.timeout;
     let started = Instant::now();
@@ -286,30 +256,9 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
             break;
         }
         let Ok((a, r)) = rx.recv() else { break };
-        let (ok, outcome) = match r {
-            Ok(reply) => (
-                reply.digest.is_some(),
-                Outcome {
-                    node: a.node.clone(),
-                    from: a.parent.clone().unwrap_or_else(|| "registry".into()),
-                    digest: reply.digest,
-                    error: reply.error,
-                    seconds: reply.seconds,
-                },
-            ),
-            Err(e) => (
-                false,
-                Outcome {
-                    node: a.node.clone(),
-                    from: a.parent.clone().unwrap_or_else(|| "registry".into()),
-                    digest: None,
-                    error: Some(e.to_string()),
-                    seconds: 0.0,
-                },
-            ),
-        };
+        let outcome = outcome_of(&a, r);
         done(&outcome);
-        plan.done(&a, ok);
+        plan.done(&a, outcome.digest.is_some());
         outcomes.insert(a.node.clone(), outcome);
     }
     for n in plan.not_started() {
@@ -331,6 +280,81 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
         key,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// What the controller's catalog says of a warm: each node's peers address, the nodes to warm
+/// (all that have one, or those the request names), and those that hold the image already.
+struct Survey {
+    catalog: Vec<CatalogNode>,
+    addrs: BTreeMap<String, String>,
+    targets: Vec<String>,
+    holders: Vec<String>,
+}
+
+fn survey(config: &Config, req: &Request, key: &str) -> Result<Survey, AgentError> {
+    let mut client = Client::new(config)?;
+    let (addr, status, bytes) = client.request("/v1/catalog", None, true)?;
+    if status != 200 {
+        return Err(AgentError::host(format!(
+            "controller {addr}: HTTP {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
+        )));
+    }
+    let catalog: Vec<CatalogNode> = serde_json::from_slice(&bytes)
+        .map_err(|e| AgentError::host(format!("the controller's catalog does not parse: {e}")))?;
+    let addrs: BTreeMap<String, String> = catalog
+        .iter()
+        .filter_map(|n| n.peer.clone().map(|p| (n.node.clone(), p)))
+        .collect();
+    let targets: Vec<String> = if req.nodes.is_empty() {
+        addrs.keys().cloned().collect()
+    } else {
+        req.nodes.clone()
+    };
+    if targets.is_empty() {
+        return Err(AgentError::input(
+            "no node to warm: no agent reports a peers.listen address (set [peers] listen on \
+             the nodes) and --nodes names none",
+        ));
+    }
+    if let Some(bad) = targets.iter().find(|t| !addrs.contains_key(*t)) {
+        return Err(AgentError::input(format!(
+            "node {bad}: the controller knows no peers address for it: is its agent running \
+             with [peers] listen set? (berth cluster nodes lists the nodes)"
+        )));
+    }
+    let holders: Vec<String> = catalog
+        .iter()
+        .filter(|n| n.peer.is_some() && n.refs.contains_key(key))
+        .map(|n| n.node.clone())
+        .collect();
+    Ok(Survey {
+        catalog,
+        addrs,
+        targets,
+        holders,
+    })
+}
+
+/// A node's outcome from its agent's answer: the image's digest when it holds it now.
+fn outcome_of(a: &Assignment, r: Result<WarmReply, AgentError>) -> Outcome {
+    let from = a.parent.clone().unwrap_or_else(|| "registry".into());
+    match r {
+        Ok(reply) => Outcome {
+            node: a.node.clone(),
+            from,
+            digest: reply.digest,
+            error: reply.error,
+            seconds: reply.seconds,
+        },
+        Err(e) => Outcome {
+            node: a.node.clone(),
+            from,
+            digest: None,
+            error: Some(e.to_string()),
+            seconds: 0.0,
+        },
+    }
 }
 
 #[cfg(test)]
