@@ -44,6 +44,11 @@ const FUSE_ASYNC_READ: u32 = 1 << 0;
 const FUSE_MAX_PAGES: u32 = 1 << 22;
 /// FOPEN_KEEP_CACHE: the file never changes, its page cache may outlive an open.
 const FOPEN_KEEP_CACHE: u32 = 1 << 1;
+/// FOPEN_NOFLUSH: a close sends no FLUSH. The server's threads live in the process that opens
+/// the file (for the loop device and the image's config): a process killed with such a file
+/// open closes it in its exit after its threads are gone, and a FLUSH then would wait for an
+/// answer forever (an unkillable process holding the mounts). RELEASE is sent without waiting.
+const FOPEN_NOFLUSH: u32 = 1 << 5;
 
 /// What serves the file's bytes.
 pub trait Backing: Send + Sync {
@@ -245,7 +250,7 @@ fn handle(req: &[u8], backing: &dyn Backing) -> Option<Vec<u8>> {
             }
             Reply::new(unique)
                 .u64(0)
-                .u32(FOPEN_KEEP_CACHE)
+                .u32(FOPEN_KEEP_CACHE | FOPEN_NOFLUSH)
                 .u32(0)
                 .done()
         }
@@ -276,7 +281,10 @@ fn handle(req: &[u8], backing: &dyn Backing) -> Option<Vec<u8>> {
             .u32(4096) // frsize
             .zeros(28)
             .done(),
-        FUSE_RELEASE | FUSE_RELEASEDIR | FUSE_FLUSH | FUSE_DESTROY => Reply::new(unique).done(),
+        // FLUSH: ENOSYS tells the kernel to send none again on this connection (FOPEN_NOFLUSH
+        // above already keeps the file's closes from sending it).
+        FUSE_FLUSH => Reply::error(unique, libc::ENOSYS),
+        FUSE_RELEASE | FUSE_RELEASEDIR | FUSE_DESTROY => Reply::new(unique).done(),
         FUSE_FORGET | FUSE_BATCH_FORGET | FUSE_INTERRUPT => return None,
         _ => Reply::error(unique, libc::ENOSYS),
     })
