@@ -448,25 +448,30 @@ impl Drop for DirectoryMount {
     }
 }
 
+/// The entries `<pid>-<n>` of `dir` whose process is gone: what a berth process mounted for
+/// itself and could not take down (it was killed). A name of another form is left alone.
+pub(crate) fn orphans(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| {
+            name.split_once('-')
+                .and_then(|(pid, _)| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+        })
+        .collect()
+}
+
 /// Detaches the directory images of berth processes that are gone (`dirs/<pid>-<n>`).
 fn detach_orphan_directories(root: &Path) {
     let dirs = root.join("dirs");
-    let Ok(entries) = std::fs::read_dir(&dirs) else {
-        return;
-    };
-    for name in entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-    {
-        let alive = name
-            .split_once('-')
-            .and_then(|(pid, _)| pid.parse::<u32>().ok())
-            .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
-        if !alive {
-            let path = dirs.join(&name);
-            let _ = nix::mount::umount2(&path, MntFlags::MNT_DETACH);
-            let _ = std::fs::remove_dir(&path);
-        }
+    for name in orphans(&dirs) {
+        let path = dirs.join(&name);
+        let _ = nix::mount::umount2(&path, MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&path);
     }
 }
 
@@ -616,6 +621,19 @@ pub fn unmount_unused(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn orphans_are_entries_of_processes_that_are_gone() {
+        let d = tempfile::tempdir().unwrap();
+        // pid 1 lives; a pid above the kernel's largest (pid_max ≤ 4194304) never does.
+        for name in ["1-0", "4194305-0", "4194305-1", "notapid", "12x-0"] {
+            std::fs::create_dir(d.path().join(name)).unwrap();
+        }
+        let mut found = orphans(d.path());
+        found.sort();
+        assert_eq!(found, ["4194305-0", "4194305-1"]);
+        assert!(orphans(&d.path().join("missing")).is_empty());
+    }
 
     #[test]
     fn digests_become_safe_names() {

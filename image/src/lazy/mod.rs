@@ -643,20 +643,7 @@ impl Drop for LazyMount {
 /// that is alive again (reused) keeps its directory until it is gone.
 pub fn detach_orphans(mount_root: &Path) {
     let parent = mount_root.join("lazy");
-    let Ok(entries) = std::fs::read_dir(&parent) else {
-        return;
-    };
-    for name in entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-    {
-        let alive = name
-            .split_once('-')
-            .and_then(|(pid, _)| pid.parse::<u32>().ok())
-            .is_none_or(|pid| Path::new(&format!("/proc/{pid}")).exists());
-        if alive {
-            continue;
-        }
+    for name in crate::mount::orphans(&parent) {
         let dir = parent.join(&name);
         for sub in ["root", "fuse"] {
             let _ = nix::mount::umount2(&dir.join(sub), MntFlags::MNT_DETACH);
