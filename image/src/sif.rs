@@ -35,33 +35,56 @@ pub const PARTITION_ALIGNMENT: u64 = 4096;
 /// berth read.
 const MAX_DESCRIPTORS: i64 = 4096;
 
-/// What is wrong with a SIF file, without the file's name.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// What is wrong with a SIF file, without the file's name: the reason inside
+/// [`ImageError::Sif`](crate::ImageError::Sif), which names the file (the crate's one error
+/// type; this only words the reason).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fault {
-    #[error("not a SIF file (no SIF_MAGIC at byte 32)")]
     BadMagic,
-    #[error("truncated: {0}; the copy is incomplete, fetch it again")]
     Truncated(String),
-    #[error("corrupt: {0}; rebuild or fetch the image again")]
     Corrupt(String),
-    #[error(
-        "SIF version {0:?} is not supported (berth reads version 01, written by Apptainer and SingularityCE)"
-    )]
     Version(String),
-    #[error(
-        "no root file system: no primary system partition ({0}); build it with `apptainer build` from a container image"
-    )]
     NoPrimary(String),
-    #[error("{0} primary system partitions; a runnable SIF has exactly one")]
     ManyPrimaries(usize),
-    #[error(
-        "the root file system is an encrypted squashfs, which berth cannot decrypt; build the image without --encrypt"
-    )]
     Encrypted,
-    #[error(
-        "the root file system is {0}, not squashfs; berth runs squashfs root file systems only: rebuild it with `apptainer build`"
-    )]
     NotSquashfs(String),
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BadMagic => write!(f, "not a SIF file (no SIF_MAGIC at byte 32)"),
+            Self::Truncated(what) => {
+                write!(
+                    f,
+                    "truncated: {what}; the copy is incomplete, fetch it again"
+                )
+            }
+            Self::Corrupt(what) => write!(f, "corrupt: {what}; rebuild or fetch the image again"),
+            Self::Version(v) => write!(
+                f,
+                "SIF version {v:?} is not supported (berth reads version 01, written by Apptainer and SingularityCE)"
+            ),
+            Self::NoPrimary(what) => write!(
+                f,
+                "no root file system: no primary system partition ({what}); build it with `apptainer build` from a container image"
+            ),
+            Self::ManyPrimaries(n) => {
+                write!(
+                    f,
+                    "{n} primary system partitions; a runnable SIF has exactly one"
+                )
+            }
+            Self::Encrypted => write!(
+                f,
+                "the root file system is an encrypted squashfs, which berth cannot decrypt; build the image without --encrypt"
+            ),
+            Self::NotSquashfs(what) => write!(
+                f,
+                "the root file system is {what}, not squashfs; berth runs squashfs root file systems only: rebuild it with `apptainer build`"
+            ),
+        }
+    }
 }
 
 /// A data object's type (the descriptor's `type` field).

@@ -85,20 +85,12 @@ impl Default for PluginConfig {
     }
 }
 
-/// A plugstack.conf argument berth cannot use; the message names it and says what is expected.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("plugstack.conf argument '{arg}': {hint}")]
-pub struct ConfigError {
-    pub arg: String,
-    pub hint: &'static str,
-}
-
 impl PluginConfig {
-    pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Self, ConfigError> {
+    pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Self, SpankError> {
         let mut config = Self::default();
         for arg in args {
             let arg = arg.as_ref();
-            let err = |hint| ConfigError {
+            let err = |hint| SpankError::PlugstackArg {
                 arg: arg.to_string(),
                 hint,
             };

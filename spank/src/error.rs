@@ -36,7 +36,11 @@ pub enum SpankError {
     )]
     BatchScript(String),
 
-    // ---- berth's configuration file, as far as the plugin reads it (`config`).
+    // ---- The plugin's arguments in plugstack.conf and berth's configuration file, as far as
+    // the plugin reads it (`config`).
+    /// A plugstack.conf argument berth cannot use: it names it and says what is expected.
+    #[error("plugstack.conf argument '{arg}': {hint}")]
+    PlugstackArg { arg: String, hint: &'static str },
     #[error("cannot read {}: {}: check config= in plugstack.conf", path.display(), crate::io_text(.source))]
     ConfigRead { path: PathBuf, source: io::Error },
     #[error("{}: {source}", path.display())]
