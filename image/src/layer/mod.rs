@@ -265,6 +265,20 @@ mod tests {
             self.push(&h, data)
         }
 
+        fn file_owned(&mut self, name: &str, data: &[u8], mode: u32, owner: u64) -> &mut Self {
+            let mut h = Self::header(
+                EntryType::Regular,
+                name.as_bytes(),
+                b"",
+                data.len() as u64,
+                mode,
+            );
+            h.set_uid(owner);
+            h.set_gid(owner);
+            h.set_cksum();
+            self.push(&h, data)
+        }
+
         fn dir(&mut self, name: &str) -> &mut Self {
             let h = Self::header(EntryType::Directory, name.as_bytes(), b"", 0, 0o755);
             self.push(&h, b"")
@@ -659,6 +673,57 @@ mod tests {
         r.unwrap();
         assert_eq!(std::fs::read(layer.join("d")).unwrap(), b"now a file");
         assert!(layer.join("e").is_dir() && layer.join("e/x").is_file());
+    }
+
+    #[test]
+    fn modes_and_owners_the_create_does_not_give_are_set_after() {
+        let bytes = Tar::new()
+            .file_mode("open", b"1", 0o666)
+            .file_mode("none", b"2", 0o000)
+            .file_owned("setgid", b"3", 0o2755, 1000)
+            .file_owned("user", b"4", 0o644, 1000)
+            .file("plain", b"5")
+            .end();
+        let (_t, layer, r) = run(&bytes);
+        r.unwrap();
+        let meta = |n: &str| std::fs::metadata(layer.join(n)).unwrap();
+        assert_eq!(
+            meta("open").permissions().mode() & 0o7777,
+            0o666,
+            "past the umask"
+        );
+        assert_eq!(meta("none").permissions().mode() & 0o7777, 0o000);
+        assert_eq!(
+            meta("setgid").permissions().mode() & 0o7777,
+            0o2755,
+            "after the chown"
+        );
+        assert_eq!(meta("plain").permissions().mode() & 0o7777, 0o644);
+        if nix::unistd::Uid::effective().is_root() {
+            for n in ["setgid", "user"] {
+                assert_eq!((meta(n).uid(), meta(n).gid()), (1000, 1000), "{n}");
+            }
+            assert_eq!((meta("plain").uid(), meta("plain").gid()), (0, 0));
+        }
+    }
+
+    #[test]
+    fn a_file_replacing_a_file_or_a_symlink_never_writes_through_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let outside = tmp.path().join("outside");
+        std::fs::write(&outside, b"host").unwrap();
+        let bytes = Tar::new()
+            .file("f", b"first")
+            .file("f", b"second")
+            .symlink("l", outside.to_str().unwrap())
+            .file("l", b"replaced")
+            .end();
+        let (_t, layer, r) = run(&bytes);
+        r.unwrap();
+        assert_eq!(std::fs::read(layer.join("f")).unwrap(), b"second");
+        assert_eq!(std::fs::read(layer.join("l")).unwrap(), b"replaced");
+        assert!(!layer.join("l").is_symlink());
+        assert_eq!(std::fs::read(&outside).unwrap(), b"host");
     }
 
     #[test]

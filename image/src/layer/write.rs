@@ -7,6 +7,7 @@ use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat, openat2};
@@ -128,8 +129,10 @@ pub(super) struct Extractor {
     pub(super) dirs: Vec<(Vec<u8>, u32, (i64, u32))>,
     pub(super) out: Extracted,
     pub(super) buf: Vec<u8>,
-    /// The last parent directory opened, by relative path.
-    pub(super) cached: Option<(Vec<u8>, OwnedFd)>,
+    /// The last parent directory opened, by relative path. Shared rather than dup'ed: most
+    /// entries of a layer land in the directory of the one before, and a dup and its close were
+    /// two of a small file's syscalls.
+    pub(super) cached: Option<(Vec<u8>, Arc<OwnedFd>)>,
     /// Free bytes the file system keeps, and the bytes and entries written since it was last
     /// checked.
     pub(super) reserve: u64,
@@ -199,12 +202,16 @@ impl Extractor {
 
     /// Opens the directory `comps` (relative to the layer, symlinks resolved inside it),
     /// creating missing directories (0755, root-owned) when `create` is set.
-    pub(super) fn dir(&mut self, comps: &[&[u8]], create: bool) -> Result<OwnedFd, ImageError> {
+    pub(super) fn dir(
+        &mut self,
+        comps: &[&[u8]],
+        create: bool,
+    ) -> Result<Arc<OwnedFd>, ImageError> {
         let rel = join(comps);
         if let Some((path, fd)) = &self.cached
             && *path == rel
         {
-            return fd.try_clone().map_err(|e| Self::write_err(&rel, "dup", e));
+            return Ok(Arc::clone(fd));
         }
         let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
         let fd = match self.open_in_root(&rel, flags) {
@@ -239,10 +246,8 @@ impl Extractor {
             }
             Err(e) => return Err(Self::write_err(&rel, "open directory", io_err(e))),
         };
-        let copy = fd
-            .try_clone()
-            .map_err(|e| Self::write_err(&rel, "dup", e))?;
-        self.cached = Some((rel, copy));
+        let fd = Arc::new(fd);
+        self.cached = Some((rel, Arc::clone(&fd)));
         Ok(fd)
     }
 
@@ -425,18 +430,7 @@ impl Extractor {
             }
             Kind::File => {
                 let parent = self.dir(parent_comps, true)?;
-                self.clear(&parent, name, &rel, false)?;
-                let fd = openat(
-                    parent.as_fd(),
-                    &cstr(name)[..],
-                    OFlag::O_WRONLY
-                        | OFlag::O_CREAT
-                        | OFlag::O_EXCL
-                        | OFlag::O_NOFOLLOW
-                        | OFlag::O_CLOEXEC,
-                    Mode::from_bits_truncate(0o600),
-                )
-                .map_err(|err| Self::write_err(&rel, "create", io_err(err)))?;
+                let fd = self.create_file(&parent, name, &rel, e.mode)?;
                 let mut file = File::from(fd);
                 let mut left = e.size;
                 let mut hasher = ContentHash::default().hasher();
@@ -461,14 +455,21 @@ impl Extractor {
                 if e.size - flushed >= WRITEBACK_MIN {
                     start_writeback(&file, flushed, e.size - flushed);
                 }
-                let ino = nix::sys::stat::fstat(&file)
-                    .map_err(|err| Self::write_err(&rel, "stat", io_err(err)))?
-                    .st_ino;
-                self.digests.insert(ino, hasher.finish());
-                self.chown(file.as_fd(), None, e, &rel)?;
+                let st = nix::sys::stat::fstat(&file)
+                    .map_err(|err| Self::write_err(&rel, "stat", io_err(err)))?;
+                self.digests.insert(st.st_ino, hasher.finish());
+                // Most files of an image are root's, with a mode the create already gave them:
+                // then the chown and chmod are left out (two of a small file's syscalls).
+                let owner = (id32(e.uid, "uid", &rel)?, id32(e.gid, "gid", &rel)?);
+                let chowned = owner != (st.st_uid, st.st_gid);
+                if chowned {
+                    self.chown(file.as_fd(), None, e, &rel)?;
+                }
                 // After chown, which clears setuid/setgid bits and file capabilities.
-                fchmod(file.as_fd(), Mode::from_bits_truncate(e.mode & 0o7777))
-                    .map_err(|err| Self::write_err(&rel, "chmod", io_err(err)))?;
+                if chowned || st.st_mode & 0o7777 != e.mode & 0o7777 {
+                    fchmod(file.as_fd(), Mode::from_bits_truncate(e.mode & 0o7777))
+                        .map_err(|err| Self::write_err(&rel, "chmod", io_err(err)))?;
+                }
                 self.xattrs(e, &rel, |n, v| set_xattr_fd(file.as_fd(), n, v));
                 let t = timespec(e.mtime);
                 futimens(file.as_fd(), &t, &t)
@@ -581,6 +582,40 @@ impl Extractor {
             )),
         }
         Ok(())
+    }
+
+    /// Creates the regular file `parent/name` (never following a symlink there), replacing
+    /// whatever an earlier entry of the layer left at that name. Created with the entry's
+    /// permission bits (the staging directory is root's alone; setuid, setgid and sticky bits
+    /// come with the chmod after the chown); most names are new, so the create is tried first
+    /// and the name cleared only when it exists.
+    fn create_file(
+        &mut self,
+        parent: &OwnedFd,
+        name: &[u8],
+        rel: &[u8],
+        mode: u32,
+    ) -> Result<OwnedFd, ImageError> {
+        let create = || {
+            openat(
+                parent.as_fd(),
+                &cstr(name)[..],
+                OFlag::O_WRONLY
+                    | OFlag::O_CREAT
+                    | OFlag::O_EXCL
+                    | OFlag::O_NOFOLLOW
+                    | OFlag::O_CLOEXEC,
+                Mode::from_bits_truncate(mode & 0o777),
+            )
+        };
+        match create() {
+            Err(Errno::EEXIST) => {
+                self.clear(parent, name, rel, false)?;
+                create()
+            }
+            r => r,
+        }
+        .map_err(|err| Self::write_err(rel, "create", io_err(err)))
     }
 
     /// Sets directory modes and mtimes, deepest last-written first.
