@@ -13,16 +13,17 @@
 #   `berth import REF` alone plus one warm `srun --container-image=REF true`. Prints the medians
 #   and the ratio a/b. Goal: ≤ 1.1×. Default 3 rounds. The step runs CMD (default `true`;
 #   `/bin/sh -c true` for bench/import's busybox image, which has no `true` on its PATH).
-#   --cpus N: the allocation's CPUs (salloc -c N; default 1). The test cluster confines a step to
-#   its CPUs (ConstrainCores=yes), and the import inside `srun --container-image` runs in the
-#   step; `berth import` alone runs outside Slurm, on every CPU.
+#   --cpus N: the allocation's CPUs (salloc -c N; default: every CPU of this host, which is what
+#   `berth import` alone gets). The test cluster confines a step to its CPUs (ConstrainCores=yes)
+#   and the import inside `srun --container-image` runs in the step, charged to the job: with
+#   fewer CPUs than `berth import` alone has, the ratio measures the allocation, not berth.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 runs=
 image=
 cold=0
-cpus=1
+cpus=$(nproc)
 while [ $# -gt 0 ]; do
   case $1 in
     --runs) runs=${2:?}; shift 2 ;;
