@@ -9,12 +9,30 @@ use super::SpecError;
 
 pub use berth_sys::UserIds;
 
-/// The invoking user (real uid/gid of this process) with its groups.
+/// The invoking user (real uid/gid of this process) with the supplementary groups this process
+/// holds: what the kernel grants the caller now, not what the group database lists (a group added
+/// since the user logged in is not theirs yet). It also spares every `berth run` the group
+/// database's walk of all its NSS modules (glibc loads `libnss_systemd` and libcap for it).
 pub fn current() -> Result<UserIds, SpecError> {
     let uid = Uid::current();
     let user = User::from_uid(uid).ok().flatten();
     let gid = Gid::current();
-    Ok(with_groups(uid.as_raw(), gid.as_raw(), user))
+    let mut ids = with_groups(uid.as_raw(), gid.as_raw(), None);
+    // getgroups fails only on a list longer than NGROUPS_MAX; then fewer groups, never more.
+    let mut groups: Vec<u32> = nix::unistd::getgroups()
+        .unwrap_or_default()
+        .into_iter()
+        .map(Gid::as_raw)
+        .collect();
+    if !groups.contains(&ids.gid) {
+        groups.insert(0, ids.gid);
+    }
+    ids.groups = groups;
+    if let Some(user) = user {
+        ids.name = Some(user.name);
+        ids.home = Some(user.dir);
+    }
+    Ok(ids)
 }
 
 /// The identity of a Slurm job: its uid and gid, with the user's groups when the user exists.
@@ -122,6 +140,26 @@ mod tests {
         assert!(by_name.groups.contains(&0));
         assert_eq!(resolve("0").unwrap().uid, 0);
         assert_eq!(resolve("0:5").unwrap().gid, 5);
+    }
+
+    #[test]
+    fn the_invoking_user_has_the_groups_this_process_holds() {
+        let me = current().unwrap();
+        assert_eq!(
+            (me.uid, me.gid),
+            (Uid::current().as_raw(), Gid::current().as_raw())
+        );
+        let mut held: Vec<u32> = nix::unistd::getgroups()
+            .unwrap()
+            .into_iter()
+            .map(Gid::as_raw)
+            .collect();
+        held.push(me.gid);
+        held.sort_unstable();
+        held.dedup();
+        let mut got = me.groups.clone();
+        got.sort_unstable();
+        assert_eq!(got, held);
     }
 
     #[test]
