@@ -4,7 +4,7 @@
 # 4-layer gzip image in a local docker-registry. See bench/import/README.md.
 #
 # Usage: sudo bench/import/run.sh [--arms skopeo,pipeline,berth,before] [--rounds N] [--work DIR]
-#                                  [--keep]
+#                                  [--keep] [--out-fs auto|here|journal]
 #
 #   --arms LIST   arms to run (default: skopeo,pipeline,berth; berth also runs a warm re-import;
 #                 before: the same cold import with BERTH_BEFORE, for an A/B in one run)
@@ -13,6 +13,9 @@
 #   --work DIR    where the image, registry storage and outputs go (default
 #                 /var/tmp/berth-bench-import); the generated image and the registry storage
 #                 are reused by later runs, outputs are removed at exit unless --keep
+#   --out-fs F    where the arms write: here (the work dir's file system), journal (a journaled
+#                 ext4 on a loop device with direct I/O, made in the work dir), auto (default:
+#                 journal when the work dir is on an ext4 without a journal, else here)
 #   BERTH=PATH    berth binary (default: cargo build --release, honouring CARGO_TARGET_DIR)
 #   BERTH_BEFORE=PATH   the berth binary of the before arm
 #   ENROOT_SQUASH_OPTIONS   mksquashfs options of the pipeline arm (default Enroot's:
@@ -26,13 +29,17 @@ arms=skopeo,pipeline,berth
 work=/var/tmp/berth-bench-import
 keep=0
 rounds=1
+out_fs=auto
 while [ $# -gt 0 ]; do
   case $1 in
     --arms) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; arms=$2; shift 2 ;;
     --rounds) [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: $1 needs a count" >&2; exit 2; }; rounds=$2; shift 2 ;;
     --work) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; work=$2; shift 2 ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '6,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --out-fs)
+      case ${2:-} in auto | here | journal) out_fs=$2 ;; *) echo "run.sh: $1 takes auto, here or journal" >&2; exit 2 ;; esac
+      shift 2 ;;
+    -h | --help) sed -n '6,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -62,14 +69,43 @@ registry_sh=$repo/integration/registry/registry.sh
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
 out=$work/out
-rm -rf "$out"
-mkdir -p "$out"
-
+loopdev=
 cleanup() {
   bash "$registry_sh" stop "$work/registry" || true
+  if [ -n "$loopdev" ]; then
+    umount "$out" || true
+    losetup -d "$loopdev" || true
+    rm -f "$work/out.img"
+  fi
   [ "$keep" -eq 1 ] || rm -rf "$out"
 }
 trap cleanup EXIT
+if mountpoint -q "$out"; then umount "$out"; fi
+rm -rf "$out"
+mkdir -p "$out"
+
+# --- where the arms write -------------------------------------------------------------------
+# ext4 without a journal (this development VM's disk) skips, for every inode it allocates, the
+# inodes deleted in the last 60 seconds (find_inode_bit -> recently_deleted, which reads their
+# inode table blocks): an arm creating 20,000 files right after the previous round deleted its
+# 20,000 spent a fifth of its CPU there (perf record), a cost that a node's store, on a journaled
+# ext4 or XFS, never pays and that skopeo's few blobs do not show. On such a disk the arms write to
+# a journaled ext4 on a loop device with direct I/O (no second page cache), the same for all arms.
+if [ "$out_fs" = auto ]; then
+  out_fs=here
+  dev=$(findmnt -no SOURCE -T "$out" | sed 's|^/dev/||')
+  if [ "$(findmnt -no FSTYPE -T "$out")" = ext4 ] && ! ls /proc/fs/jbd2/"$dev"-* >/dev/null 2>&1; then
+    out_fs=journal
+  fi
+fi
+if [ "$out_fs" = journal ]; then
+  for t in mkfs.ext4 losetup; do command -v "$t" >/dev/null || die "$t not found (e2fsprogs, mount)"; done
+  truncate -s 8G "$work/out.img"
+  mkfs.ext4 -q -F "$work/out.img" || die "mkfs.ext4 of $work/out.img failed"
+  loopdev=$(losetup --direct-io=on -f --show "$work/out.img") || die "losetup of $work/out.img failed"
+  mount "$loopdev" "$out" || die "mounting $loopdev on $out failed"
+  say "outputs on a journaled ext4 ($loopdev, direct I/O): the work dir's ext4 has no journal"
+fi
 
 now() { date +%s%N; }
 secs() { awk -v ns="$1" 'BEGIN { printf "%.3f", ns / 1e9 }'; }
@@ -219,7 +255,7 @@ done
 stats() { printf '%s\n' $1 | sort -g | awk '{ a[NR] = $1 } END { m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%s %s %s", m, a[1], a[NR] }'; }
 med() { stats "$1" | cut -d' ' -f1; }
 echo
-echo "image: 4 gzip layers, $((compressed / 1048576)) MiB compressed$([ "$uncompressed" -gt 0 ] && echo ", $((uncompressed / 1048576)) MiB unpacked"); $(nproc) CPUs; $rounds round(s), medians (min-max)"
+echo "image: 4 gzip layers, $((compressed / 1048576)) MiB compressed$([ "$uncompressed" -gt 0 ] && echo ", $((uncompressed / 1048576)) MiB unpacked"); $(nproc) CPUs; $rounds round(s), medians (min-max); outputs on $([ -n "$loopdev" ] && echo "a journaled ext4 (loop, direct I/O)" || findmnt -no FSTYPE -T "$out")"
 for k in skopeo pipeline berth berth_warm before; do
   [ -n "${t[$k]:-}" ] || continue
   case $k in
