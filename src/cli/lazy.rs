@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 
 use super::Failure;
 use crate::config::Config;
-use crate::image::{Reference, lazy, reference, registry::Client};
+use crate::image::lazy;
 
 /// Publish an image's lazily loaded form to a registry
 ///
@@ -54,19 +54,14 @@ fn publish(args: &PublishArgs, config: &Config) -> Result<i32, Failure> {
             args.chunk_kib
         )));
     }
-    let r = match reference::parse(&args.reference)? {
-        Reference::Registry(r) if r.digest.is_none() => r,
-        _ => {
-            return Err(Failure::input(format!(
-                "lazy publish: '{}' is not a registry reference with a tag: give \
-                 docker://REGISTRY/REPO:TAG",
-                super::elide(&args.reference)
-            )));
-        }
-    };
     let home = std::env::var_os("HOME").map(PathBuf::from);
-    let client = Client::new(config.image().registry, home.as_deref())?;
-    let p = lazy::publish(&args.file, &r, args.chunk_kib << 10, &client)?;
+    let (r, p) = lazy::publish_to(
+        &args.file,
+        &args.reference,
+        args.chunk_kib << 10,
+        config.image().registry,
+        home.as_deref(),
+    )?;
     println!(
         "published {} ({} bytes, {} chunks of {} KiB{}) as {}@{}",
         p.index.blob,

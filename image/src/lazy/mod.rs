@@ -166,6 +166,31 @@ pub struct Published {
     pub uploaded: bool,
 }
 
+/// `berth lazy publish`: publishes the squashfs `file` as the lazy image `reference` (a registry
+/// image by tag, `docker://REGISTRY/REPO:TAG`) with the credentials of the user running berth,
+/// whose home is `home`. Returns the reference parsed and what was pushed.
+pub fn publish_to(
+    file: &Path,
+    reference: &str,
+    chunk_size: u64,
+    registry: &crate::config::RegistryConfig,
+    home: Option<&Path>,
+) -> Result<(RegistryRef, Published), ImageError> {
+    let r = match crate::reference::parse(reference)? {
+        crate::Reference::Registry(r) if r.digest.is_none() => r,
+        _ => {
+            return Err(ImageError::Reference(
+                reference.to_string(),
+                "a lazy image is published to a registry by tag: give docker://REGISTRY/REPO:TAG"
+                    .into(),
+            ));
+        }
+    };
+    let client = Client::new(registry, home)?;
+    let published = publish(file, &r, chunk_size, &client)?;
+    Ok((r, published))
+}
+
 /// Publishes the squashfs `file` as the lazy image `r` (chunks of `chunk_size` bytes), with
 /// the credentials of the user running berth.
 pub fn publish(
@@ -754,5 +779,28 @@ mod tests {
                 .to_string()
                 .contains("2 chunks for 10000 bytes")
         );
+    }
+
+    #[test]
+    fn publishing_needs_a_registry_reference_by_tag() {
+        let registry = crate::config::RegistryConfig::default();
+        for reference in [
+            "docker://127.0.0.1:1/repo@sha256:0000000000000000000000000000000000000000000000000000000000000000",
+            "/tmp/image.sqsh",
+        ] {
+            let err = publish_to(
+                Path::new("/nonexistent.sqsh"),
+                reference,
+                1 << 20,
+                &registry,
+                None,
+            )
+            .unwrap_err();
+            assert!(
+                matches!(err, ImageError::Reference(..)),
+                "{reference}: {err}"
+            );
+            assert!(err.to_string().contains("REGISTRY/REPO:TAG"), "{err}");
+        }
     }
 }
