@@ -200,6 +200,73 @@ fn lazy_image_runs_fetching_only_what_it_reads() {
 
 #[test]
 #[ignore = "root tier"]
+fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
+    let f = Fixture::new();
+    let digest = f.publish("1");
+    let hex = digest.strip_prefix("sha256:").unwrap();
+    let cache = f.dir.path().join("store/lazy");
+    let map = cache.join(format!("{hex}.map"));
+    let gc = || {
+        let o = f.berth(&["images", "gc", "--unused-for", "0s"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stderr(&o)
+    };
+
+    // A run that is still going holds its cache. Ended from the host's side (the container's
+    // /tmp is its own), also when an assertion fails, so that it never outlives the test.
+    struct Running(std::process::Child);
+    impl Running {
+        fn end(&mut self) {
+            let _ = Command::new("pkill")
+                .args(["-f", "while \\[ ! -e /tmp/lazy-gc-stop \\]"])
+                .status();
+            let _ = self.0.wait();
+        }
+    }
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.end();
+        }
+    }
+    let image = format!("lazy:docker://{}/t/lazy:1", f.proxy.host());
+    let mut running = Running(
+        Command::new(berth_bin())
+            .arg("--config")
+            .arg(&f.config)
+            .args(["run", "--image", &image, "--", "/bin/sh", "-c"])
+            .arg("cat /hello.txt; while [ ! -e /tmp/lazy-gc-stop ]; do sleep 0.1; done")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(running.0.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "lazy hello\n");
+    let said = gc();
+    assert!(
+        map.exists(),
+        "gc removed the cache of a running container: {said}"
+    );
+    assert!(!said.contains("lazy image chunk caches"), "{said}");
+    running.end();
+    let said = gc();
+    assert!(said.contains("1 lazy image chunk caches"), "{said}");
+    assert!(!map.exists() && !cache.join(format!("{hex}.data")).exists());
+
+    // The next run fetches what it reads again, into a new cache.
+    let again = f.run("1", "cat /hello.txt");
+    assert_eq!(stdout(&again), "lazy hello\n", "{}", stderr(&again));
+    assert!(map.exists());
+    f.unmounted();
+}
+
+#[test]
+#[ignore = "root tier"]
 fn lazy_image_refuses_a_tampered_chunk() {
     let f = Fixture::new();
     let digest = f.publish("1");

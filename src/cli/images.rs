@@ -60,7 +60,8 @@ pub enum ImagesCommand {
         /// Remove least recently used images until the store holds at most SIZE (e.g. 50G)
         #[arg(long, value_name = "SIZE", value_parser = super::values::size)]
         max_size: Option<String>,
-        /// Remove images not used for DURATION (e.g. 30m, 12h, 7d)
+        /// Remove images, and lazy images' chunk caches, not used for DURATION (e.g. 30m, 12h,
+        /// 7d)
         #[arg(long, value_name = "DURATION", value_parser = super::values::duration)]
         unused_for: Option<String>,
     },
@@ -407,8 +408,17 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             for digest in &report.kept_in_use {
                 eprintln!("berth: kept {digest}: in use by a running container");
             }
+            let lazy = if report.lazy_caches_removed > 0 {
+                format!(
+                    ", {} lazy image chunk caches ({})",
+                    report.lazy_caches_removed,
+                    store::human_size(report.lazy_bytes_freed)
+                )
+            } else {
+                String::new()
+            };
             eprintln!(
-                "berth: gc removed {} images, {} layers and {} leftover workspaces, freed {}; the store holds {}",
+                "berth: gc removed {} images, {} layers and {} leftover workspaces{lazy}, freed {}; the store holds {}",
                 report.removed.len(),
                 report.layers_removed,
                 report.workspaces_removed,

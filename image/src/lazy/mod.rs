@@ -724,6 +724,11 @@ fn open_cache(
             dir_path.display()
         ))
     };
+    // Held while the image is mounted (the lock goes with the fd): `berth images gc` removes
+    // only caches nobody holds. The map's mtime is the cache's last use, which gc ages.
+    map.lock_shared().map_err(|e| io("locking the map", e))?;
+    map.set_modified(std::time::SystemTime::now())
+        .map_err(|e| io("marking its use", e))?;
     let meta = data.metadata().map_err(|e| io("stat", e))?;
     if meta.len() != index.size {
         data.set_len(index.size).map_err(|e| io("sizing", e))?;

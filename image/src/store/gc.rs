@@ -62,6 +62,10 @@ pub struct GcReport {
     pub layers_removed: usize,
     pub bytes_freed: u64,
     pub workspaces_removed: usize,
+    /// Lazy images' chunk caches removed (`--unused-for`), and their bytes on disk (counted in
+    /// `bytes_freed` too).
+    pub lazy_caches_removed: usize,
+    pub lazy_bytes_freed: u64,
     /// Images gc would have removed but that are in use.
     pub kept_in_use: Vec<Digest>,
     /// Store size after gc (layers and files referenced by images).
@@ -530,6 +534,68 @@ impl Store {
         (removed, freed)
     }
 
+    /// Removes the chunk caches of lazy images (`lazy/<blob>.data` and `.map`) last used longer
+    /// than `age` ago and mounted by no one (a mount holds a shared lock on the map; gc takes
+    /// the exclusive one without waiting, and holds it while it removes). Returns the caches
+    /// removed and their bytes on disk. A mount that opens the cache as it goes makes a new one.
+    fn prune_lazy_caches(&self, age: Duration) -> (usize, u64) {
+        use std::os::unix::fs::MetadataExt;
+        let dir_path = self.dir("lazy");
+        let Ok(dir) = std::fs::read_dir(&dir_path) else {
+            return (0, 0);
+        };
+        // root's directory (as the mounts make it; a berth run by another user has a store of
+        // its own), its files opened beneath it.
+        let dir_fd = if nix::unistd::geteuid().is_root() {
+            berth_sys::privfs::root_dir(&dir_path, 0o700).ok()
+        } else {
+            File::open(&dir_path).ok().map(std::os::fd::OwnedFd::from)
+        };
+        let Some(dir_fd) = dir_fd else {
+            return (0, 0);
+        };
+        let open = |name: &str| {
+            berth_sys::privfs::open_beneath(
+                &dir_fd,
+                std::path::Path::new(name),
+                nix::fcntl::OFlag::O_RDONLY,
+                0,
+                true,
+            )
+            .map(std::fs::File::from)
+        };
+        let now = SystemTime::now();
+        let (mut removed, mut freed) = (0, 0);
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(hex) = name.strip_suffix(".map") else {
+                continue;
+            };
+            let Ok(map) = open(&name) else { continue };
+            if map.try_lock().is_err() {
+                continue;
+            }
+            let used = map.metadata().and_then(|m| m.modified()).unwrap_or(now);
+            if now.duration_since(used).unwrap_or_default() < age {
+                continue;
+            }
+            let data = format!("{hex}.data");
+            let bytes = open(&data)
+                .and_then(|f| f.metadata())
+                .map(|m| m.blocks() * 512)
+                .unwrap_or(0)
+                + map.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+            let gone = |n: &str| {
+                nix::unistd::unlinkat(&dir_fd, n, nix::unistd::UnlinkatFlags::NoRemoveDir).is_ok()
+            };
+            if gone(&data) | gone(&name) {
+                removed += 1;
+                freed += bytes;
+            }
+        }
+        (removed, freed)
+    }
+
     /// Removes dead workspaces, unreferenced layers, and the images `policy` selects (least
     /// recently used first), never one in use.
     pub fn gc(&self, policy: &GcPolicy) -> Result<GcReport, ImageError> {
@@ -605,6 +671,12 @@ impl Store {
         let (layers, freed) = self.prune_layers();
         report.layers_removed = layers;
         report.bytes_freed = freed;
+        if let Some(age) = policy.unused_for {
+            let (caches, bytes) = self.prune_lazy_caches(age);
+            report.lazy_caches_removed = caches;
+            report.lazy_bytes_freed = bytes;
+            report.bytes_freed += bytes;
+        }
         let remaining = self.images();
         let names: BTreeSet<String> = remaining.iter().flat_map(layer_names).collect();
         report.size_after = names.iter().map(|n| self.layer_size(n)).sum::<u64>()

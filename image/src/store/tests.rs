@@ -712,3 +712,57 @@ fn a_layer_from_an_older_berth_gets_its_record_in_place_when_its_content_matches
     assert_eq!(std::fs::metadata(&dirs[0]).unwrap().ino(), ino);
     assert!(!s.verify(s.list()).unwrap().damaged());
 }
+
+#[test]
+fn gc_removes_lazy_chunk_caches_unused_long_enough_and_never_a_mounted_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tempfile::tempdir().unwrap();
+    let s = store(t.path());
+    let lazy = s.root().join("lazy");
+    std::fs::create_dir(&lazy).unwrap();
+    std::fs::set_permissions(&lazy, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let two_hours_ago = SystemTime::now() - Duration::from_secs(7200);
+    let make = |hex: &str, used: SystemTime| {
+        std::fs::write(lazy.join(format!("{hex}.data")), vec![7u8; 8192]).unwrap();
+        let map = lazy.join(format!("{hex}.map"));
+        std::fs::write(&map, [1u8, 1]).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&map)
+            .unwrap()
+            .set_modified(used)
+            .unwrap();
+    };
+    let (old, mounted, recent) = ("a".repeat(64), "b".repeat(64), "c".repeat(64));
+    make(&old, two_hours_ago);
+    make(&mounted, two_hours_ago);
+    make(&recent, SystemTime::now());
+    // What a lazy mount holds while it runs.
+    let held = std::fs::File::open(lazy.join(format!("{mounted}.map"))).unwrap();
+    held.lock_shared().unwrap();
+
+    let left = || entries(&lazy);
+    let all = left();
+    let r = s.gc(&GcPolicy::default()).unwrap();
+    assert_eq!(r.lazy_caches_removed, 0, "no --unused-for: caches stay");
+    assert_eq!(left(), all);
+
+    let hour = GcPolicy {
+        unused_for: Some(Duration::from_secs(3600)),
+        ..Default::default()
+    };
+    let r = s.gc(&hour).unwrap();
+    assert_eq!(r.lazy_caches_removed, 1);
+    assert!(r.lazy_bytes_freed >= 8192, "{}", r.lazy_bytes_freed);
+    assert!(r.bytes_freed >= r.lazy_bytes_freed);
+    let expected: Vec<String> = [&mounted, &recent]
+        .iter()
+        .flat_map(|h| [format!("{h}.data"), format!("{h}.map")])
+        .collect();
+    assert_eq!(left(), expected);
+
+    drop(held);
+    let r = s.gc(&hour).unwrap();
+    assert_eq!(r.lazy_caches_removed, 1, "unmounted now, and old");
+    assert_eq!(left(), [format!("{recent}.data"), format!("{recent}.map")]);
+}
