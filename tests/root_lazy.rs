@@ -463,3 +463,38 @@ fn berth_gc_unmounts_the_lazy_image_of_a_killed_run() {
     let lazy_dir = f.dir.path().join("images/lazy");
     assert_eq!(std::fs::read_dir(&lazy_dir).unwrap().count(), 0);
 }
+
+#[test]
+#[ignore = "root tier"]
+fn sigterm_to_a_lazy_run_ends_its_container_and_leaves_no_mount() {
+    let f = Fixture::new();
+    f.publish("1");
+    let image = format!("lazy:docker://{}/t/lazy:1", f.proxy.host());
+    let mut child = Command::new(berth_bin())
+        .arg("--config")
+        .arg(&f.config)
+        .args(["run", "--image", &image, "--", "/bin/sh", "-c"])
+        .arg("cat /hello.txt; exec sleep 600")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "lazy hello\n");
+    // What scancel or a terminal's ^C sends. The FUSE server's threads must not take it: its
+    // default action killed berth outright, and the mounts stayed.
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(143), "{status:?}");
+    f.unmounted();
+}

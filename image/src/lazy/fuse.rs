@@ -94,6 +94,11 @@ pub fn serve(
 }
 
 fn worker(mut dev: File, backing: &dyn Backing) {
+    // No signal for this thread: `berth run` takes SIGTERM, SIGINT and the rest on its main
+    // thread (blocked there, read from a signalfd) to pass them to the container and clean up.
+    // A thread that left them unblocked took a process-directed SIGTERM itself, whose default
+    // action killed berth at once and left the mounts, the cgroup and the state behind.
+    let _ = nix::sys::signal::SigSet::all().thread_block();
     let mut buf = vec![0u8; REQUEST_BUF];
     loop {
         let n = match dev.read(&mut buf) {
