@@ -13,7 +13,8 @@
 //!
 //! Lifetime: the FUSE server is threads of the `berth run` process that mounted it; the mounts
 //! are that run's own (`<squashfs.mount_dir>/lazy/<pid>-<n>/`) and go when it ends. The chunk
-//! cache stays.
+//! cache stays, shared-locked while a run uses it; `berth images gc --unused-for` removes the
+//! caches no run holds (`store::gc`).
 
 pub mod fuse;
 
