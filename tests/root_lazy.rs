@@ -267,6 +267,47 @@ fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
 
 #[test]
 #[ignore = "root tier"]
+fn a_lazy_image_never_fills_the_store_past_its_reserve() {
+    let f = Fixture::new();
+    let digest = f.publish("1");
+    // A reserve larger than any disk: no chunk may be cached, so the squashfs cannot even be
+    // mounted (its superblock is a chunk).
+    let config = std::fs::read_to_string(&f.config).unwrap();
+    std::fs::write(
+        &f.config,
+        config.replacen(
+            "[store]\n",
+            "[store]\nreserve_bytes = 1125899906842624\n",
+            1,
+        ),
+    )
+    .unwrap();
+    let o = f.run("1", "cat /hello.txt");
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("below store.reserve_bytes (1024.0 TiB)") && err.lines().count() <= 2,
+        "{err}"
+    );
+    let hex = digest.strip_prefix("sha256:").unwrap();
+    let data = f.dir.path().join(format!("store/lazy/{hex}.data"));
+    let map = f.dir.path().join(format!("store/lazy/{hex}.map"));
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&data).unwrap()),
+        0,
+        "bytes were cached past the reserve"
+    );
+    assert!(std::fs::read(&map).unwrap().iter().all(|m| *m == 0));
+    f.unmounted();
+
+    // With the reserve back, the same image runs.
+    std::fs::write(&f.config, &config).unwrap();
+    let o = f.run("1", "cat /hello.txt");
+    assert_eq!(stdout(&o), "lazy hello\n", "{}", stderr(&o));
+}
+
+#[test]
+#[ignore = "root tier"]
 fn lazy_image_refuses_a_tampered_chunk() {
     let f = Fixture::new();
     let digest = f.publish("1");

@@ -262,6 +262,9 @@ struct Chunks {
     index: Index,
     data: File,
     map: File,
+    /// Free bytes the cache's file system keeps (`store.reserve_bytes`): a chunk that would
+    /// take it below is not cached, and its read fails.
+    reserve: u64,
     /// Per chunk: 0 missing, 1 verified by this process, 2 in the cache file, not yet verified,
     /// 3 refused (the registry's bytes did not match): not asked for again, 4 claimed by a
     /// thread that is verifying or fetching it.
@@ -322,6 +325,34 @@ impl Chunks {
             .ok()
             .and_then(|i| self.index.chunks.get(i))
             .is_some_and(|want| *want == hex(&Sha256::digest(bytes)))
+    }
+
+    /// Fails, in one line, when writing `bytes` more into the cache would leave less than the
+    /// store's reserve free: the image's size is what its publisher (or a registry that lies)
+    /// says, and a container reading all of it must not fill the node's disk for every user.
+    fn check_room(&self, bytes: u64) -> Result<(), ImageError> {
+        if self.reserve == 0 {
+            return Ok(());
+        }
+        let st = nix::sys::statvfs::fstatvfs(&self.data).map_err(|e| {
+            self.fail(format!(
+                "lazy image {}: the chunk cache's file system: {e}",
+                self.image
+            ))
+        })?;
+        let free = u64::from(st.blocks_available()).saturating_mul(st.fragment_size());
+        if free >= self.reserve.saturating_add(bytes) {
+            return Ok(());
+        }
+        Err(self.fail(format!(
+            "lazy image {}: the node's image store has {} free, and caching {} more would go \
+             below store.reserve_bytes ({}): the read fails; free space (berth images gc \
+             --unused-for DURATION removes unused chunk caches) or import the image whole",
+            self.image,
+            crate::store::human_size(free),
+            crate::store::human_size(bytes),
+            crate::store::human_size(self.reserve)
+        )))
     }
 
     /// Makes chunks `first..=last` present and verified: cached ones are checked once, missing
@@ -437,6 +468,7 @@ impl Chunks {
                     self.image
                 ))
             };
+            self.check_room(e - s)?;
             self.data.write_all_at(slice, s).map_err(cache_io)?;
             self.map.write_all_at(&[1], i).map_err(cache_io)?;
             self.set_state(i, 1);
@@ -549,6 +581,7 @@ impl LazyMount {
             source,
             index,
             config.store.root.as_path(),
+            config.store.reserve_bytes,
         )?);
         let digest = chunks.index.blob.clone();
 
@@ -690,6 +723,7 @@ fn open_cache(
     source: LazySource,
     index: Index,
     store_root: &Path,
+    reserve: u64,
 ) -> Result<Chunks, ImageError> {
     let dir_path = store_root.join("lazy");
     let dir = berth_sys::privfs::root_dir(&dir_path, 0o700).map_err(|e| lazy_err(e.to_string()))?;
@@ -752,6 +786,7 @@ fn open_cache(
         index,
         data,
         map,
+        reserve,
         state,
         fetch: Mutex::new(()),
         fetched_one: std::sync::Condvar::new(),
