@@ -340,7 +340,7 @@ impl Chunks {
                 self.image
             ))
         })?;
-        let free = u64::from(st.blocks_available()).saturating_mul(st.fragment_size());
+        let free = st.blocks_available().saturating_mul(st.fragment_size());
         if free >= self.reserve.saturating_add(bytes) {
             return Ok(());
         }
