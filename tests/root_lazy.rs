@@ -127,6 +127,28 @@ impl Fixture {
         self.berth(&args)
     }
 
+    /// Starts `berth run --image lazy:…` of `script`, which prints `lazy hello` first, and
+    /// returns once it has: the image is mounted and the container running.
+    fn start_run(&self, tag: &str, script: &str) -> std::process::Child {
+        let image = format!("lazy:docker://{}/t/lazy:{tag}", self.proxy.host());
+        let mut child = Command::new(berth_bin())
+            .arg("--config")
+            .arg(&self.config)
+            .args(["run", "--image", &image, "--", "/bin/sh", "-c", script])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "lazy hello\n");
+        child
+    }
+
     /// The bytes asked for by `Range` GETs of `digest` that the proxy has seen.
     fn ranged_bytes(&self, digest: &str) -> u64 {
         let mut total = 0;
@@ -228,25 +250,10 @@ fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
             self.end();
         }
     }
-    let image = format!("lazy:docker://{}/t/lazy:1", f.proxy.host());
-    let mut running = Running(
-        Command::new(berth_bin())
-            .arg("--config")
-            .arg(&f.config)
-            .args(["run", "--image", &image, "--", "/bin/sh", "-c"])
-            .arg("cat /hello.txt; while [ ! -e /tmp/lazy-gc-stop ]; do sleep 0.1; done")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(running.0.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line, "lazy hello\n");
+    let mut running = Running(f.start_run(
+        "1",
+        "cat /hello.txt; while [ ! -e /tmp/lazy-gc-stop ]; do sleep 0.1; done",
+    ));
     let said = gc();
     assert!(
         map.exists(),
@@ -510,22 +517,7 @@ fn berth_gc_unmounts_the_lazy_image_of_a_killed_run() {
 fn sigterm_to_a_lazy_run_ends_its_container_and_leaves_no_mount() {
     let f = Fixture::new();
     f.publish("1");
-    let image = format!("lazy:docker://{}/t/lazy:1", f.proxy.host());
-    let mut child = Command::new(berth_bin())
-        .arg("--config")
-        .arg(&f.config)
-        .args(["run", "--image", &image, "--", "/bin/sh", "-c"])
-        .arg("cat /hello.txt; exec sleep 600")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line, "lazy hello\n");
+    let mut child = f.start_run("1", "cat /hello.txt; exec sleep 600");
     // What scancel or a terminal's ^C sends. The FUSE server's threads must not take it: its
     // default action killed berth outright, and the mounts stayed.
     assert!(
