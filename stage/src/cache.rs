@@ -15,9 +15,12 @@
 //!    to be the very inode the user's walk opened), syncs it and renames it into place: an entry
 //!    is complete or absent, never half-written;
 //! 3. hardlinks the entry's files into the destination. Directories and symlinks there are the
-//!    user's; the files stay root's and read-only, so a job can read, delete or replace its copy
-//!    but never write into the shared one. Across filesystems the files are reflinked or copied
-//!    (and then the user's, with the source's mode);
+//!    user's; the files stay root's, with the source's group and permission bits made read-only
+//!    (never wider: a 0640 file is 0440 there, a 0600 one 0400), so a job can read, delete or
+//!    replace its copy but never write into the shared one, and the link lets read it whom the
+//!    source let read it. A file the user could read only as its owner (root owns the entry's)
+//!    is copied instead, as across filesystems: reflinked or copied, the user's, with the
+//!    source's mode;
 //! 4. evicts least-recently-used entries beyond `stage.cache_max_bytes`, never one that a stage
 //!    holds locked.
 //!
@@ -87,6 +90,9 @@ struct Item {
     kind: Kind,
     size: u64,
     mode: u32,
+    /// The owning group, which the entry's file keeps (0 in a manifest from before it was kept).
+    #[serde(default)]
+    gid: u32,
     mtime: (i64, i64),
     dev: u64,
     ino: u64,
@@ -103,7 +109,15 @@ struct Manifest {
     /// them is not served to a stage that asks for them, nor the other way round.
     #[serde(default)]
     xattrs: bool,
+    /// How the entry's files were made ([`ENTRY_FORMAT`]): an entry of another format is
+    /// neither served nor linked from, so that no file an older berth made 0444 outlives it.
+    #[serde(default)]
+    format: u32,
 }
+
+/// The format of the entries this berth makes: 1 keeps the source's group and permission bits
+/// (read-only); entries without a format made every file readable by all.
+const ENTRY_FORMAT: u32 = 1;
 
 impl Manifest {
     fn bytes(&self) -> u64 {
@@ -119,7 +133,7 @@ impl Manifest {
 /// and mode at the source), so that the new entry can hardlink it instead of copying.
 fn reusable(old: Option<&Manifest>, new: &Manifest) -> Vec<bool> {
     let old: HashMap<&Path, &Item> = old
-        .filter(|m| m.xattrs == new.xattrs)
+        .filter(|m| m.xattrs == new.xattrs && m.format == new.format)
         .map(|m| m.files().map(|i| (i.rel.as_path(), i)).collect())
         .unwrap_or_default();
     new.items
@@ -127,8 +141,8 @@ fn reusable(old: Option<&Manifest>, new: &Manifest) -> Vec<bool> {
         .map(|i| {
             i.kind == Kind::File
                 && old.get(i.rel.as_path()).is_some_and(|o| {
-                    (o.size, o.mtime, o.mode, o.dev, o.ino)
-                        == (i.size, i.mtime, i.mode, i.dev, i.ino)
+                    (o.size, o.mtime, o.mode, o.gid, o.dev, o.ino)
+                        == (i.size, i.mtime, i.mode, i.gid, i.dev, i.ino)
                 })
         })
         .collect()
@@ -160,11 +174,54 @@ fn victims(entries: &[EntryInfo], max: u64) -> Vec<&EntryInfo> {
     out
 }
 
-/// Mode of a cached file: readable by all (the cache directory is root's alone, so only links
-/// handed to users who passed the read check reach it), executable as the source was, never
-/// writable.
-fn read_only(mode: u32) -> u32 {
-    (mode & 0o555) | 0o444
+/// Mode of a cached file (root's, in the source's group): the source's permission bits without
+/// the write bits (no job may write into a shared entry) and without setuid, setgid and sticky,
+/// never wider than the source's. A link to it lets read it whom the source let read it (its
+/// group, others), and no one else: the source's owner reads it through a copy of their own.
+/// With an access ACL the group bits are the ACL's mask, not the group's: they are dropped.
+fn cache_mode(mode: u32, acl: bool) -> u32 {
+    let mode = mode & 0o555;
+    if acl { mode & !0o070 } else { mode }
+}
+
+/// Whether `user` may read a file of `mode` owned by `owner` and `group`, as the kernel decides
+/// it from the permission bits: the owner's bits for its owner, the group's for a member, the
+/// others' for the rest (root reads anything).
+fn may_read(user: &UserIds, (owner, group, mode): (u32, u32, u32)) -> bool {
+    let bit = if user.uid == 0 {
+        return true;
+    } else if user.uid == owner {
+        0o400
+    } else if user.gid == group || user.groups.contains(&group) {
+        0o040
+    } else {
+        0o004
+    };
+    mode & bit != 0
+}
+
+/// Whether the source file `fd` has an access ACL (beyond its permission bits).
+fn has_access_acl(fd: &OwnedFd) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // nix has no xattr calls.
+    // SAFETY: `fd` is open; the name is a valid C string; a null buffer of length 0 asks only
+    // for the value's size.
+    let n = unsafe {
+        libc::fgetxattr(
+            fd.as_raw_fd(),
+            c"system.posix_acl_access".as_ptr(),
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if n >= 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENODATA | libc::EOPNOTSUPP) => Ok(false),
+        _ => Err(e),
+    }
 }
 
 fn key(canon: &Path) -> String {
@@ -202,6 +259,7 @@ fn survey(source: &Path, workers: usize) -> Result<Manifest, StageError> {
             kind: e.kind,
             size: e.size,
             mode: e.mode,
+            gid: e.gid,
             mtime: e.mtime,
             dev: e.dev,
             ino: e.ino,
@@ -212,6 +270,7 @@ fn survey(source: &Path, workers: usize) -> Result<Manifest, StageError> {
         source: source.to_path_buf(),
         items,
         xattrs: false,
+        format: ENTRY_FORMAT,
     })
 }
 
@@ -571,7 +630,9 @@ fn fill_file(
     if xattrs {
         fsops::copy_xattrs(&sfd, &dfd).map_err(cache_err(super::XATTRS_OP, &dest))?;
     }
-    fsops::fchmod(&dfd, read_only(i.mode)).map_err(cache_err("chmod", &dest))?;
+    let acl = has_access_acl(&sfd).map_err(src_err)?;
+    fsops::fchown(&dfd, 0, i.gid).map_err(cache_err("chown", &dest))?;
+    fsops::fchmod(&dfd, cache_mode(i.mode, acl)).map_err(cache_err("chmod", &dest))?;
     fsops::set_mtime_fd(&dfd, i.mtime).map_err(cache_err("set the mtime of", &dest))
 }
 
@@ -684,6 +745,7 @@ mod tests {
             kind: Kind::File,
             size,
             mode: 0o644,
+            gid: 100,
             mtime: (mtime, 0),
             dev: 1,
             ino,
@@ -701,6 +763,7 @@ mod tests {
             source: "/data/set".into(),
             items: all,
             xattrs: false,
+            format: ENTRY_FORMAT,
         }
     }
 
@@ -730,6 +793,16 @@ mod tests {
         chmod.items[1].mode = 0o600;
         assert_ne!(old, chmod);
         assert!(!reusable(Some(&old), &chmod)[1]);
+        // So does a group change (the entry's file keeps the group).
+        let mut chgrp = old.clone();
+        chgrp.items[1].gid = 0;
+        assert_ne!(old, chgrp);
+        assert!(!reusable(Some(&old), &chgrp)[1]);
+        // An entry of an older format (files made 0444) is never linked from.
+        let mut older = old.clone();
+        older.format = 0;
+        assert_ne!(old, older);
+        assert_eq!(reusable(Some(&older), &old), [false; 4]);
         assert_eq!(new.bytes(), 61);
     }
 
@@ -762,11 +835,54 @@ mod tests {
     }
 
     #[test]
-    fn cached_files_are_never_writable() {
-        assert_eq!(read_only(0o640), 0o444);
-        assert_eq!(read_only(0o755), 0o555);
-        assert_eq!(read_only(0o700), 0o544);
-        assert_eq!(read_only(0o1777), 0o555);
+    fn cached_files_are_never_writable_nor_wider_than_their_source() {
+        assert_eq!(cache_mode(0o644, false), 0o444);
+        assert_eq!(cache_mode(0o640, false), 0o440);
+        assert_eq!(cache_mode(0o600, false), 0o400);
+        assert_eq!(cache_mode(0o700, false), 0o500);
+        assert_eq!(cache_mode(0o755, false), 0o555);
+        assert_eq!(cache_mode(0o1777, false), 0o555);
+        assert_eq!(cache_mode(0o7777, false), 0o555);
+        assert_eq!(cache_mode(0o000, false), 0o000);
+        // With an ACL the group bits are its mask: dropped.
+        assert_eq!(cache_mode(0o640, true), 0o400);
+        assert_eq!(cache_mode(0o755, true), 0o505);
+        for mode in 0..=0o7777 {
+            for acl in [false, true] {
+                let m = cache_mode(mode, acl);
+                assert_eq!(m & !mode, 0, "{mode:o} widened to {m:o}");
+                assert_eq!(m & 0o7222, 0, "{mode:o} gave {m:o}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_link_to_a_cached_file_is_readable_as_the_source_was() {
+        let user = |uid, gid, groups: &[u32]| UserIds {
+            uid,
+            gid,
+            groups: groups.to_vec(),
+            ..UserIds::default()
+        };
+        let owner = user(1000, 1000, &[1000]);
+        let member = user(1001, 1001, &[1001, 500]);
+        let other = user(1002, 1002, &[1002]);
+        // The entry's files are root's, in the source's group (500).
+        let cached = |mode| (0, 500, cache_mode(mode, false));
+        // 0600: only a copy of the owner's own; a link serves no one.
+        for u in [&owner, &member, &other] {
+            assert!(!may_read(u, cached(0o600)), "{}", u.uid);
+        }
+        // 0640: the group reads the link; others do not.
+        assert!(may_read(&member, cached(0o640)));
+        assert!(!may_read(&other, cached(0o640)));
+        // 0604: the kernel takes the group's bits for a member, and they say no.
+        assert!(!may_read(&member, cached(0o604)));
+        assert!(may_read(&other, cached(0o604)));
+        assert!(may_read(&other, cached(0o644)));
+        // The primary group counts as membership.
+        assert!(may_read(&user(1003, 500, &[]), cached(0o640)));
+        assert!(may_read(&user(0, 0, &[]), cached(0o000)));
     }
 
     #[test]

@@ -278,6 +278,8 @@ struct Entry {
     kind: Kind,
     size: u64,
     mode: u32,
+    /// The owning group: the dataset cache keeps it on its copy, with the mode.
+    gid: u32,
     mtime: (i64, i64),
     /// Identify the inode the walk saw, so that a later open can be checked against it.
     dev: u64,
@@ -298,6 +300,7 @@ impl Entry {
             size: st.st_size.cast_unsigned(),
             // setuid/setgid bits are dropped: a staged copy never gains privilege.
             mode: st.st_mode & 0o1777,
+            gid: st.st_gid,
             mtime: (st.st_mtime, st.st_mtime_nsec),
             dev: st.st_dev,
             ino: st.st_ino,

@@ -1,12 +1,13 @@
 //! Serving a cache entry: its files put into the job's destination (hardlinks, or the user's
-//! own clones or copies across filesystems), its directories and symlinks made the user's.
+//! own clones or copies across filesystems and of files a link would not let the user read),
+//! its directories and symlinks made the user's.
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::SystemTime;
 
-use super::{Item, Manifest, cache_err, open_dir};
+use super::{Item, Manifest, cache_err, cache_mode, may_read, open_dir};
 use crate::progress::with_progress;
 use crate::{
     Dest, How, Kind, MARKER, Marker, Options, Report, StageError, XATTRS_OP, fsops, hash_fd,
@@ -15,7 +16,7 @@ use crate::{
 use berth_spec::user::UserIds;
 
 /// Puts the entry's files into `base/rel` for `user`: hardlinks, or clones or copies when the
-/// cache is on another filesystem. Directories, symlinks and copies are given to the user.
+/// cache is on another filesystem or the cached file's mode would not let `user` read a link. Directories, symlinks and copies are given to the user.
 pub(super) fn link_into(
     data_path: &Path,
     m: &Manifest,
@@ -70,7 +71,14 @@ fn link_into_dest(
         .map_err(dest_err("remove", Path::new(MARKER)))?;
     let data = open_dir(data_path).map_err(cache_err("open", data_path))?;
     let groups = sibling_groups(m.items.iter().map(|i| i.rel.as_path()));
-    let needed = space(m, &groups, (&data, data_path), (root, dest_path), uid, opts)?;
+    let needed = space(
+        m,
+        &groups,
+        (&data, data_path),
+        (root, dest_path),
+        user,
+        opts,
+    )?;
 
     let mut report = Report {
         source: m.source.clone(),
@@ -80,6 +88,7 @@ fn link_into_dest(
     report.dirs = make_dirs(m, root, dest_path, (uid, gid), made)?;
     let how = Putting {
         owner: (uid, gid),
+        user,
         other_fs: AtomicBool::new(false),
         way: fsops::CopyWay::default(),
         xattrs: m.xattrs,
@@ -131,20 +140,25 @@ fn link_into_dest(
 
 /// Space, before anything is put there: what is not in place yet counts against the job's cap
 /// (as the scratch's usage counts every file, links too), and must fit the destination's
-/// filesystem when the cache is on another one (links take no room there). With neither, the
-/// destination is not inspected twice. Returns the bytes needed (0 when not counted).
+/// filesystem when the cache is on another one or some files are copied (links take no room
+/// there). With neither, the destination is not inspected twice. Returns the bytes needed (0
+/// when not counted).
 fn space(
     m: &Manifest,
     groups: &[(usize, usize)],
     (data, data_path): (&OwnedFd, &Path),
     (root, dest_path): (&OwnedFd, &Path),
-    uid: u32,
+    user: &UserIds,
     opts: &Options,
 ) -> Result<u64, StageError> {
+    let uid = user.uid;
     let dest_err = |op, rel: &Path| at(dest_path, op, rel);
     let dest_st = fsops::fstat(root).map_err(dest_err("inspect", Path::new("")))?;
     let cache_st = fsops::fstat(data).map_err(cache_err("inspect", data_path))?;
-    let free = if dest_st.st_dev != cache_st.st_dev {
+    let copies = m
+        .files()
+        .any(|i| !may_read(user, (0, i.gid, cache_mode(i.mode, false))));
+    let free = if dest_st.st_dev != cache_st.st_dev || copies {
         fsops::available_bytes(root).map_err(dest_err("inspect", Path::new("")))?
     } else {
         u64::MAX
@@ -377,9 +391,11 @@ enum Put {
 }
 
 /// How [`link_file`] puts files into one destination.
-struct Putting {
+struct Putting<'a> {
     /// The job's user and group: the owner of copies.
     owner: (u32, u32),
+    /// The job's user with its groups: who must be able to read a link.
+    user: &'a UserIds,
     /// Set once a hardlink fails with EXDEV: the cache is on another filesystem.
     other_fs: AtomicBool,
     way: fsops::CopyWay,
@@ -389,7 +405,9 @@ struct Putting {
 
 /// Puts the cached file `name` (in `cdir`) into `ddir`: already there (the same inode, or an
 /// earlier copy of the same size and mtime), a hardlink, or a clone or copy of the user's own
-/// once `other_fs` says hardlinks cannot cross. Errors carry the operation that failed.
+/// once `other_fs` says hardlinks cannot cross or when the cached file's mode would not let the
+/// user read a link (a source file only its owner could read: the entry's is root's). Errors
+/// carry the operation that failed.
 fn link_file(
     i: &Item,
     name: &std::ffi::CStr,
@@ -410,7 +428,11 @@ fn link_file(
         Some(_) => fsops::unlink_at(ddir, name).map_err(|e| ("remove", e))?,
         None => {}
     }
-    if !other_fs.load(Ordering::Relaxed) {
+    let readable = may_read(
+        how.user,
+        (cached.st_uid, cached.st_gid, cached.st_mode & 0o7777),
+    );
+    if readable && !other_fs.load(Ordering::Relaxed) {
         match fsops::link_at(cdir, ddir, name) {
             Ok(()) => return Ok(Put::Linked),
             Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
