@@ -178,6 +178,18 @@ impl Fixture {
     }
 }
 
+/// The one chunk cache file of the store ending in `ext` (`data` or `map`): caches are named by
+/// their index's digest.
+fn cache_file(f: &Fixture, ext: &str) -> PathBuf {
+    let found: Vec<PathBuf> = std::fs::read_dir(f.dir.path().join("store/lazy"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == ext))
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    found[0].clone()
+}
+
 fn blob_size(f: &Fixture, digest: &str) -> u64 {
     std::fs::metadata(harness::blob_data_path(&f.registry.storage, digest))
         .unwrap()
@@ -224,10 +236,7 @@ fn lazy_image_runs_fetching_only_what_it_reads() {
 #[ignore = "root tier"]
 fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
     let f = Fixture::new();
-    let digest = f.publish("1");
-    let hex = digest.strip_prefix("sha256:").unwrap();
-    let cache = f.dir.path().join("store/lazy");
-    let map = cache.join(format!("{hex}.map"));
+    f.publish("1");
     let gc = || {
         let o = f.berth(&["images", "gc", "--unused-for", "0s"]);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -254,6 +263,7 @@ fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
         "1",
         "cat /hello.txt; while [ ! -e /tmp/lazy-gc-stop ]; do sleep 0.1; done",
     ));
+    let (map, data) = (cache_file(&f, "map"), cache_file(&f, "data"));
     let said = gc();
     assert!(
         map.exists(),
@@ -263,7 +273,7 @@ fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
     running.end();
     let said = gc();
     assert!(said.contains("1 lazy image chunk caches"), "{said}");
-    assert!(!map.exists() && !cache.join(format!("{hex}.data")).exists());
+    assert!(!map.exists() && !data.exists());
 
     // The next run fetches what it reads again, into a new cache.
     let again = f.run("1", "cat /hello.txt");
@@ -276,7 +286,7 @@ fn images_gc_removes_a_chunk_cache_only_when_no_run_holds_it() {
 #[ignore = "root tier"]
 fn a_lazy_image_never_fills_the_store_past_its_reserve() {
     let f = Fixture::new();
-    let digest = f.publish("1");
+    f.publish("1");
     // A reserve larger than any disk: no chunk may be cached, so the squashfs cannot even be
     // mounted (its superblock is a chunk).
     let config = std::fs::read_to_string(&f.config).unwrap();
@@ -296,9 +306,7 @@ fn a_lazy_image_never_fills_the_store_past_its_reserve() {
         err.contains("below store.reserve_bytes (1024.0 TiB)") && err.lines().count() <= 2,
         "{err}"
     );
-    let hex = digest.strip_prefix("sha256:").unwrap();
-    let data = f.dir.path().join(format!("store/lazy/{hex}.data"));
-    let map = f.dir.path().join(format!("store/lazy/{hex}.map"));
+    let (data, map) = (cache_file(&f, "data"), cache_file(&f, "map"));
     assert_eq!(
         std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&data).unwrap()),
         0,

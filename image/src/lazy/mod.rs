@@ -7,9 +7,19 @@
 //! credentials (a user reaches only images they may pull), then serves the squashfs through a
 //! FUSE file system of berth's own ([`fuse`]) whose reads fetch the missing chunks with `Range`
 //! GETs, verify each against the index before a byte is returned, and keep them in a sparse
-//! cache file under the store root (`lazy/<blob hex>.data`, a byte per chunk in `.map`), so a
-//! later run reads locally. The squashfs is loop-mounted from that file read-only (nosuid,
-//! nodev), as a `.sqsh` image is, and becomes the container's overlay lower.
+//! cache file under the store root, so a later run reads locally. The squashfs is loop-mounted
+//! from that file read-only (nosuid, nodev), as a `.sqsh` image is, and becomes the container's
+//! overlay lower.
+//!
+//! The chunk cache is shared by every user whose run names the same index, so no run may change
+//! what another verified (DESIGN.md, "Privilege model"): it is named by the digest of the
+//! verified index blob (`lazy/<index hex>.data`, a byte per chunk in `.map`), not by the squashfs
+//! blob's, since anyone can publish another index naming the same blob with other chunks or
+//! another size. The index fixes every chunk's sha256 and the file's size, so all that is ever
+//! written into a cache is bytes that index verified: both files are made whole-sized under a
+//! temporary name and linked into place (never truncated or resized), a chunk is written only
+//! into a slot its map marks missing, and a marked chunk that does not verify fails the read
+//! rather than being fetched and written again.
 //!
 //! Lifetime: the FUSE server is threads of the `berth run` process that mounted it; the mounts
 //! are that run's own (`<squashfs.mount_dir>/lazy/<pid>-<n>/`) and go when it ends. The chunk
@@ -260,6 +270,8 @@ struct Chunks {
     client: Client,
     source: LazySource,
     index: Index,
+    /// `lazy/<index hex>.data` under the store root, for messages.
+    cache_name: String,
     data: File,
     map: File,
     /// Free bytes the cache's file system keeps (`store.reserve_bytes`): a chunk that would
@@ -325,6 +337,25 @@ impl Chunks {
             .ok()
             .and_then(|i| self.index.chunks.get(i))
             .is_some_and(|want| *want == hex(&Sha256::digest(bytes)))
+    }
+
+    /// Checks a chunk the map marks cached against the index. One that does not match is not
+    /// fetched and written again (a marked slot is never rewritten in place, another run may be
+    /// reading it): the read fails, in one line, until the cache is removed.
+    fn check_cached(&self, i: u64) -> Result<(), ImageError> {
+        let (s, e) = self.range(i);
+        let mut buf = vec![0u8; usize::try_from(e - s).unwrap_or(0)];
+        if self.data.read_exact_at(&mut buf, s).is_ok() && self.matches(i, &buf) {
+            return Ok(());
+        }
+        Err(self.fail(format!(
+            "lazy image {}: cached chunk {i} (bytes {s}-{}) in {} does not match its index: the \
+             node's chunk cache is damaged; remove it with berth images gc --unused-for 0s once \
+             no run uses it",
+            self.image,
+            e - 1,
+            self.cache_name
+        )))
     }
 
     /// Fails, in one line, when writing `bytes` more into the cache would leave less than the
@@ -407,16 +438,9 @@ impl Chunks {
         let mut missing = Vec::new();
         for &(i, was) in mine {
             if was == 2 {
-                let (s, e) = self.range(i);
-                let mut buf = vec![0u8; usize::try_from(e - s).unwrap_or(0)];
-                if self.data.read_exact_at(&mut buf, s).is_ok() && self.matches(i, &buf) {
-                    self.set_state(i, 1);
-                    continue;
-                }
-                tracing::warn!(
-                    "lazy image {}: cached chunk {i} does not match its index; fetching it again",
-                    self.image
-                );
+                self.check_cached(i)?;
+                self.set_state(i, 1);
+                continue;
             }
             missing.push(i);
         }
@@ -468,6 +492,15 @@ impl Chunks {
                     self.image
                 ))
             };
+            // Another run of the same index may have cached it meanwhile: its bytes were
+            // verified against the same sha256, and a marked slot is never written again.
+            let mut mark = [0u8];
+            self.map.read_exact_at(&mut mark, i).map_err(cache_io)?;
+            if mark[0] == 1 {
+                self.check_cached(i)?;
+                self.set_state(i, 1);
+                continue;
+            }
             self.check_room(e - s)?;
             self.data.write_all_at(slice, s).map_err(cache_io)?;
             self.map.write_all_at(&[1], i).map_err(cache_io)?;
@@ -558,7 +591,8 @@ impl LazyMount {
             )));
         }
         let index_json = client.lazy_range(&source, &idx.digest, 0, idx.size)?;
-        if format!("sha256:{}", hex(&Sha256::digest(&index_json))) != idx.digest {
+        let index_hex = hex(&Sha256::digest(&index_json));
+        if format!("sha256:{index_hex}") != idx.digest {
             return Err(lazy_err(format!(
                 "lazy image {image}: its index blob does not match its digest {}",
                 idx.digest
@@ -580,6 +614,7 @@ impl LazyMount {
             client,
             source,
             index,
+            &index_hex,
             config.store.root.as_path(),
             config.store.reserve_bytes,
         )?);
@@ -715,66 +750,122 @@ pub fn detach_orphans(mount_root: &Path) {
     }
 }
 
-/// Opens (making them when missing) the chunk cache of `index.blob` under `store_root/lazy`:
-/// root's directory, files opened beneath it without following symlinks.
+/// The chunk cache's file names for the index whose sha256 is `index_hex`: its data (the
+/// squashfs, sparse) and its map (a byte per chunk, 1 once the chunk is cached and verified).
+pub fn cache_names(index_hex: &str) -> (String, String) {
+    (format!("{index_hex}.data"), format!("{index_hex}.map"))
+}
+
+/// Marks a temporary cache file: `<name>.tmp-<pid>-<n>`, made whole-sized, then linked to its
+/// name. `berth images gc` removes those a crashed run left behind.
+pub const TMP_MARK: &str = ".tmp-";
+
+/// Times a cache is opened again when `berth images gc` removed it while it was being opened.
+const OPEN_TRIES: u32 = 5;
+
+/// Opens the file `name` (`len` bytes) beneath `dir`, making it when missing: whole-sized under
+/// a temporary name, then linked to `name`, so that no one ever finds it part-made and no
+/// opener ever resizes it. Another run making it at once wins the link; its file is used.
+fn open_sized(dir: &std::os::fd::OwnedFd, name: &str, len: u64) -> std::io::Result<File> {
+    let open = |n: &str, flags: OFlag| {
+        // openat2 takes a mode only with O_CREAT.
+        let mode = if flags.contains(OFlag::O_CREAT) {
+            0o600
+        } else {
+            0
+        };
+        berth_sys::privfs::open_beneath(dir.as_fd(), Path::new(n), flags, mode, true)
+            .map(File::from)
+    };
+    match open(name, OFlag::O_RDWR) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        other => return other,
+    }
+    let tmp = format!(
+        "{name}{TMP_MARK}{}-{}",
+        std::process::id(),
+        MOUNTS.fetch_add(1, Ordering::Relaxed)
+    );
+    let made = open(&tmp, OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL)?;
+    let linked = made.set_len(len).and_then(|()| {
+        nix::unistd::linkat(dir, tmp.as_str(), dir, name, nix::fcntl::AtFlags::empty())
+            .map_err(std::io::Error::from)
+    });
+    let _ = nix::unistd::unlinkat(dir, tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+    match linked {
+        Ok(()) => Ok(made),
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => open(name, OFlag::O_RDWR),
+        Err(e) => Err(e),
+    }
+}
+
+/// Opens (making them when missing) the chunk cache of the index whose sha256 is `index_hex`
+/// under `store_root/lazy`: root's directory, files opened beneath it without following
+/// symlinks. See the module header for why it is named by the index.
 fn open_cache(
     image: &str,
     client: Client,
     source: LazySource,
     index: Index,
+    index_hex: &str,
     store_root: &Path,
     reserve: u64,
 ) -> Result<Chunks, ImageError> {
+    use std::os::unix::fs::MetadataExt;
     let dir_path = store_root.join("lazy");
     let dir = berth_sys::privfs::root_dir(&dir_path, 0o700).map_err(|e| lazy_err(e.to_string()))?;
-    let hex_name = index
-        .blob
-        .strip_prefix("sha256:")
-        .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-        .ok_or_else(|| {
-            lazy_err(format!(
-                "lazy image {image}: blob {} is not a sha256",
-                index.blob
-            ))
-        })?
-        .to_string();
-    let open = |name: String| -> Result<File, ImageError> {
-        let path = dir_path.join(&name);
-        berth_sys::privfs::open_beneath(
-            dir.as_fd(),
-            Path::new(&name),
-            OFlag::O_RDWR | OFlag::O_CREAT,
-            0o600,
-            true,
-        )
-        .map(File::from)
-        .map_err(|source| ImageError::Io { path, source })
-    };
-    let data = open(format!("{hex_name}.data"))?;
-    let map = open(format!("{hex_name}.map"))?;
+    if index_hex.len() != 64 || !index_hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(lazy_err(format!(
+            "lazy image {image}: index digest {index_hex} is not a sha256"
+        )));
+    }
+    let (data_name, map_name) = cache_names(index_hex);
     let n = index.chunks.len() as u64;
     let io = |what: &str, e: std::io::Error| {
         lazy_err(format!(
-            "lazy image {image}: the chunk cache in {}: {what}: {e}",
-            dir_path.display()
+            "lazy image {image}: the chunk cache {}: {what}: {e}",
+            dir_path.join(&data_name).display()
         ))
     };
-    // Held while the image is mounted (the lock goes with the fd): `berth images gc` removes
-    // only caches nobody holds. The map's mtime is the cache's last use, which gc ages.
-    map.lock_shared().map_err(|e| io("locking the map", e))?;
+    let mut tries = 0;
+    let (data, map) = loop {
+        let data = open_sized(&dir, &data_name, index.size).map_err(|e| io("opening", e))?;
+        let map = open_sized(&dir, &map_name, n).map_err(|e| io("opening its map", e))?;
+        // Held while the image is mounted (the lock goes with the fd): `berth images gc`
+        // removes only caches nobody holds, under the exclusive lock, data first. Files it
+        // unlinked before this lock was had are not used: a new cache is made.
+        map.lock_shared().map_err(|e| io("locking the map", e))?;
+        let linked = |f: &File| f.metadata().is_ok_and(|m| m.nlink() > 0);
+        if linked(&data) && linked(&map) {
+            break (data, map);
+        }
+        tries += 1;
+        if tries >= OPEN_TRIES {
+            return Err(io(
+                "opening",
+                std::io::Error::other("removed by berth images gc each time it was opened"),
+            ));
+        }
+    };
+    // The map's mtime is the cache's last use, which gc ages.
     map.set_modified(std::time::SystemTime::now())
         .map_err(|e| io("marking its use", e))?;
-    let meta = data.metadata().map_err(|e| io("stat", e))?;
-    if meta.len() != index.size {
-        data.set_len(index.size).map_err(|e| io("sizing", e))?;
+    // The name fixes the size (the index does), and only root writes here: another size is
+    // damage, never resized (a run of this index may be reading it).
+    let data_len = data.metadata().map_err(|e| io("stat", e))?.len();
+    let map_len = map.metadata().map_err(|e| io("stat of its map", e))?.len();
+    if data_len != index.size || map_len != n {
+        return Err(lazy_err(format!(
+            "lazy image {image}: the chunk cache {} is {data_len} bytes with {map_len} marks, not \
+             the {} bytes and {n} chunks of its index: it is damaged; remove it with berth images \
+             gc --unused-for 0s once no run uses it",
+            dir_path.join(&data_name).display(),
+            index.size
+        )));
     }
     let mut marks = vec![0u8; usize::try_from(n).unwrap_or(0)];
-    let got = map
-        .read_at(&mut marks, 0)
+    map.read_exact_at(&mut marks, 0)
         .map_err(|e| io("reading the map", e))?;
-    if (got as u64) < n {
-        map.set_len(n).map_err(|e| io("sizing the map", e))?;
-    }
     let state = marks
         .iter()
         .map(|m| AtomicU8::new(if *m == 1 { 2 } else { 0 }))
@@ -784,6 +875,7 @@ fn open_cache(
         client,
         source,
         index,
+        cache_name: dir_path.join(&data_name).display().to_string(),
         data,
         map,
         reserve,
@@ -820,6 +912,43 @@ mod tests {
                 .to_string()
                 .contains("2 chunks for 10000 bytes")
         );
+    }
+
+    #[test]
+    fn another_index_of_the_same_blob_gets_a_cache_of_its_own() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let idx = Index::of(&mut data.as_slice(), 4096).unwrap();
+        let mut other = idx.clone();
+        other.chunks[1] = hex(&Sha256::digest(b"someone else's bytes"));
+        let mut shorter = idx.clone();
+        shorter.size = 4096;
+        shorter.chunks.truncate(1);
+        let name = |i: &Index| cache_names(&hex(&Sha256::digest(serde_json::to_vec(i).unwrap())));
+        assert_eq!(other.blob, idx.blob);
+        assert_ne!(name(&other), name(&idx));
+        assert_ne!(name(&shorter), name(&idx));
+        assert_eq!(name(&idx), name(&idx.clone()));
+    }
+
+    #[test]
+    fn a_cache_file_is_made_whole_and_never_resized() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = std::os::fd::OwnedFd::from(File::open(tmp.path()).unwrap());
+        let f = open_sized(&dir, "a.data", 1 << 20).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 1 << 20);
+        f.write_all_at(b"verified", 4096).unwrap();
+        // Opened again with another size (a bug, or another index's claim): the file stays.
+        let again = open_sized(&dir, "a.data", 10).unwrap();
+        assert_eq!(again.metadata().unwrap().len(), 1 << 20);
+        let mut back = [0u8; 8];
+        again.read_exact_at(&mut back, 4096).unwrap();
+        assert_eq!(&back, b"verified");
+        // No temporary is left behind.
+        let names: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["a.data"]);
     }
 
     #[test]

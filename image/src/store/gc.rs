@@ -534,10 +534,12 @@ impl Store {
         (removed, freed)
     }
 
-    /// Removes the chunk caches of lazy images (`lazy/<blob>.data` and `.map`) last used longer
-    /// than `age` ago and mounted by no one (a mount holds a shared lock on the map; gc takes
-    /// the exclusive one without waiting, and holds it while it removes). Returns the caches
-    /// removed and their bytes on disk. A mount that opens the cache as it goes makes a new one.
+    /// Removes the chunk caches of lazy images (`lazy/<index>.data` and `.map`, named by the
+    /// digest of their chunk index: `crate::lazy`) last used longer than `age` ago and mounted
+    /// by no one (a mount holds a shared lock on the map; gc takes the exclusive one without
+    /// waiting, and holds it while it removes, data first). Returns the caches removed and
+    /// their bytes on disk. A mount that opens the cache as it goes makes a new one. Temporary
+    /// files a crashed mount left while making a cache go once older than `age` (and an hour).
     fn prune_lazy_caches(&self, age: Duration) -> (usize, u64) {
         use std::os::unix::fs::MetadataExt;
         let dir_path = self.dir("lazy");
@@ -568,6 +570,25 @@ impl Store {
         let (mut removed, mut freed) = (0, 0);
         for e in dir.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
+            if name.contains(crate::lazy::TMP_MARK) {
+                let old = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    // A temporary lives for a moment while a mount makes its cache: one an
+                    // hour old is a crashed mount's, whatever `age` says.
+                    .is_ok_and(|t| {
+                        now.duration_since(t).unwrap_or_default()
+                            >= age.max(Duration::from_secs(3600))
+                    });
+                if old {
+                    let _ = nix::unistd::unlinkat(
+                        &dir_fd,
+                        name.as_str(),
+                        nix::unistd::UnlinkatFlags::NoRemoveDir,
+                    );
+                }
+                continue;
+            }
             let Some(hex) = name.strip_suffix(".map") else {
                 continue;
             };
