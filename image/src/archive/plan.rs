@@ -217,13 +217,7 @@ pub(super) fn choose<'a>(
         .iter()
         .filter_map(|d| d.annotations.get(REF_NAME).map(String::as_str))
         .collect();
-    let listed = || {
-        if names.is_empty() {
-            "no named images".to_string()
-        } else {
-            names.join(", ")
-        }
-    };
+    let listed = || berth_sys::text::list(&names, "no named images");
     if let Some(want) = name {
         let exact = manifests
             .iter()
@@ -282,7 +276,10 @@ pub(super) fn by_platform<'a>(
                 .collect();
             invalid(
                 what,
-                format!("no image for {os}/{arch} (it has: {})", have.join(", ")),
+                format!(
+                    "no image for {os}/{arch} (it has: {})",
+                    berth_sys::text::list(&have, "none")
+                ),
             )
         })
 }
@@ -382,13 +379,7 @@ pub(super) fn docker_plan(
     )?;
     let tags = |e: &DockerEntry| e.repo_tags.clone().unwrap_or_default();
     let all_names: Vec<String> = entries.iter().flat_map(tags).collect();
-    let listed = || {
-        if all_names.is_empty() {
-            "no named images".into()
-        } else {
-            all_names.join(", ")
-        }
-    };
+    let listed = || berth_sys::text::list(&all_names, "no named images");
     let entry = match name {
         Some(n) if n.starts_with('@') => n[1..]
             .parse::<usize>()

@@ -218,19 +218,17 @@ pub fn select<'a>(entries: &'a [Descriptor], want: &Wanted) -> Option<&'a Descri
     }
 }
 
-/// The platforms an index offers, for the error when none fits.
+/// The platforms an index offers, for the error when none fits: a few, then how many more (an
+/// index may list thousands, and the error is one line into srun and the logs).
 pub fn platforms(entries: &[Descriptor]) -> String {
-    let list: Vec<String> = entries
-        .iter()
-        .filter_map(|d| d.platform.as_ref())
-        .filter(|p| p.os != "unknown")
-        .map(ToString::to_string)
-        .collect();
-    if list.is_empty() {
-        "none".to_string()
-    } else {
-        list.join(", ")
-    }
+    berth_sys::text::list(
+        entries
+            .iter()
+            .filter_map(|d| d.platform.as_ref())
+            .filter(|p| p.os != "unknown")
+            .map(ToString::to_string),
+        "none",
+    )
 }
 
 #[cfg(test)]
@@ -285,6 +283,22 @@ mod tests {
             platforms(&index),
             "linux/arm/v6, linux/arm/v7, linux/arm64/v8, linux/amd64, linux/ppc64le"
         );
+        // An index of 20000 platforms, none of them wanted: a short line, and how many more.
+        let many: Vec<Descriptor> = (0..20_000u32)
+            .map(|n| Descriptor {
+                platform: Some(Platform {
+                    architecture: format!("arch{n}"),
+                    os: "linux".into(),
+                    variant: None,
+                }),
+                ..entry("amd64", None, 1)
+            })
+            .collect();
+        assert_eq!(select(&many, &Wanted::parse("amd64").unwrap()), None);
+        let have = platforms(&many);
+        assert!(have.ends_with("linux/arch7 (and 19992 more)"), "{have}");
+        assert!(have.len() < 200, "{have}");
+        assert_eq!(platforms(&[]), "none");
         Wanted::parse("").unwrap_err();
         Wanted::parse("arm64/").unwrap_err();
         Wanted::parse("a b").unwrap_err();
