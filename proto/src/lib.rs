@@ -84,7 +84,7 @@ pub(crate) fn from_peer<T: serde::de::DeserializeOwned>(
         return Err(ProtoError::Invalid(format!(
             "unknown field{} {}",
             if unknown.len() == 1 { "" } else { "s" },
-            unknown.join(", ")
+            berth_sys::text::list(&unknown, "none")
         )));
     }
     Ok((parsed, unknown))

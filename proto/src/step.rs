@@ -103,7 +103,34 @@ impl Options {
     /// Options from a JSON object keyed by flag name (`container-image`, …): every key must be
     /// one this version defines.
     pub fn from_json(value: serde_json::Value) -> Result<Self, ProtoError> {
-        crate::from_peer(value, VERSION).map(|(options, _)| options)
+        let options: Self = crate::from_peer(value, VERSION).map(|(options, _)| options)?;
+        options.check_text()?;
+        Ok(options)
+    }
+
+    /// Refuses, in one line, an option holding a control character: a name or a path with a
+    /// newline would forge a row of `berth ps` (names and save paths become labels) or a line
+    /// of the logs, and no image, path or list needs one.
+    pub fn check_text(&self) -> Result<(), ProtoError> {
+        let text = [
+            ("--container-image", &self.container_image),
+            ("--container-mounts", &self.container_mounts),
+            ("--container-workdir", &self.container_workdir),
+            ("--container-name", &self.container_name),
+            ("--container-save", &self.container_save),
+            ("--container-env", &self.container_env),
+            ("--container-unshare", &self.container_unshare),
+            ("--container-bind", &self.container_bind),
+        ];
+        for (flag, value) in text {
+            if let Some(line) = value
+                .as_deref()
+                .and_then(|v| berth_sys::text::refuse_control(flag, v))
+            {
+                return Err(ProtoError::Invalid(line));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -142,7 +169,28 @@ impl StepRequest {
             return Err(ProtoError::version("SPANK plugin", "berth", version));
         }
         let (request, ignored) = crate::from_peer::<StepRequest>(value, version)?;
+        request.check_text()?;
         Ok(Parsed { request, ignored })
+    }
+
+    /// Refuses an option ([`Options::check_text`]) or a job environment variable whose name
+    /// holds a control character, in one line saying which: the variable could not be set as
+    /// named in the container (an `A\nB=1` was dropped), and its name would break the lines it
+    /// is shown on. Values may hold any character (exported shell functions hold newlines).
+    pub fn check_text(&self) -> Result<(), ProtoError> {
+        self.options.check_text()?;
+        for entry in &self.job_env {
+            let name = entry.split_once('=').map_or(entry.as_str(), |(k, _)| k);
+            if berth_sys::text::control_char(name).is_some()
+                && let Some(line) =
+                    berth_sys::text::refuse_control("the job's environment variable", name)
+            {
+                return Err(ProtoError::Invalid(format!(
+                    "{line}: unset or rename it before srun"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The request as one JSON document.
@@ -200,14 +248,14 @@ impl StepRequest {
     }
 }
 
-/// A node name usable as one path component and label value.
+/// A node name usable as one path component and label value (on one line of `berth ps`).
 fn plain_name(node: &str) -> bool {
     !node.is_empty()
         && node != "."
         && node != ".."
         && node.len() <= 255
         && !node.contains('/')
-        && !node.contains('\0')
+        && berth_sys::text::control_char(node).is_none()
 }
 
 /// The node of a step from its environment: `SLURMD_NODENAME` (tasks and Prolog/Epilog have
@@ -246,6 +294,50 @@ mod tests {
         assert_eq!(r.node, None);
         assert_eq!(r.node_name().as_deref(), Some("n7"));
         assert_eq!(r.cwd(), Some(PathBuf::from("/home/a")));
+    }
+
+    #[test]
+    fn control_characters_in_options_and_variable_names_are_refused_in_one_line() {
+        let req = |options: &str, env: &str| {
+            format!(
+                r#"{{"job_id": 1, "step_id": 0, "uid": 1000, "gid": 1000,
+                "options": {{{options}}}, "job_env": [{env}]}}"#
+            )
+        };
+        let refused = |text: String, what: &str| {
+            let e = StepRequest::parse(&text).unwrap_err().to_string();
+            assert!(!e.contains('\n') && !e.contains('\u{1b}'), "{e}");
+            assert!(e.starts_with(what), "{e}");
+            assert!(e.contains("control character"), "{e}");
+        };
+        refused(
+            req(r#""container-name": "x\nforged""#, r#""A=1""#),
+            "--container-name 'x\\nforged'",
+        );
+        refused(
+            req(r#""container-save": "/tmp/a\rb""#, ""),
+            "--container-save '/tmp/a\\rb'",
+        );
+        refused(
+            req(
+                r#""container-image": "busybox""#,
+                r#""PATH=/bin", "A\nB=1""#,
+            ),
+            "the job's environment variable 'A\\nB'",
+        );
+        refused(
+            req(r#""container-image": "busybox""#, r#""A\u001b]0;x=1""#),
+            "the job's environment variable 'A\\u{1b}]0;x'",
+        );
+        // Values may hold newlines (bash exports functions so); names anything printable.
+        let ok = req(
+            r#""container-image": "busybox""#,
+            r#""BASH_FUNC_f%%=() {  echo\n}", "PWD=/home/a b""#,
+        );
+        let r = StepRequest::parse(&ok).unwrap().request;
+        assert_eq!(r.job_env.len(), 2);
+        Options::from_json(serde_json::json!({"container-workdir": "/a\tb"})).unwrap_err();
+        Options::from_json(serde_json::json!({"container-workdir": "/a b"})).unwrap();
     }
 
     /// V1 with `protocol: version`, an unknown top-level field and an unknown option.
@@ -342,7 +434,7 @@ mod tests {
             ])),
             Some("c3".into())
         );
-        for bad in ["..", "", "a/b"] {
+        for bad in ["..", "", "a/b", "n1\nforged", "n\u{1b}1"] {
             let get = move |k: &str| (k == "SLURMD_NODENAME").then(|| bad.to_string());
             assert_eq!(node_from_env(&get), None, "{bad}");
         }
