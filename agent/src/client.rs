@@ -1,11 +1,13 @@
-//! A client of the cluster controllers (`berth agent`, `berth cluster`, pre-warm): the shared
-//! key, bounded requests, a follower's redirect to the leader.
+//! A client of the cluster controllers (`berth agent`, `berth cluster`, pre-warm): requests
+//! signed with the shared key and answers checked for the server's proof of it (berth_api::auth;
+//! the key itself is never sent), bounded requests, a follower's redirect to the leader.
 
 use std::io::Read;
 use std::path::Path;
 use std::time::Duration;
 
 use berth_api::NotLeader;
+use berth_api::auth::{self, Key};
 use berth_slurm::config::Config;
 
 use crate::AgentError;
@@ -22,7 +24,7 @@ const MAX_HOPS: usize = 3;
 pub struct Client {
     agent: ureq::Agent,
     controllers: Vec<String>,
-    bearer: String,
+    key: Key,
     /// The leader's address, learnt from a follower's 421 or the last success.
     leader: Option<String>,
 }
@@ -78,16 +80,10 @@ impl Client {
             ));
         }
         let key = read_key(&config.agent.key_file)?;
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(REQUEST_TIMEOUT))
-            .user_agent(concat!("berth/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .into();
         Ok(Self {
-            agent,
+            agent: agent(REQUEST_TIMEOUT),
             controllers: config.agent.controllers.clone(),
-            bearer: berth_api::bearer(&key),
+            key: Key::new(&key),
             leader: None,
         })
     }
@@ -98,29 +94,7 @@ impl Client {
         path: &str,
         body: Option<&[u8]>,
     ) -> Result<(u16, Vec<u8>), AgentError> {
-        let url = format!("http://{addr}{path}");
-        let resp = match body {
-            Some(b) => self
-                .agent
-                .post(&url)
-                .header(berth_api::KEY_HEADER, &self.bearer)
-                .content_type("application/json")
-                .send(b),
-            None => self
-                .agent
-                .get(&url)
-                .header(berth_api::KEY_HEADER, &self.bearer)
-                .call(),
-        };
-        let mut resp = resp.map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
-        let status = resp.status().as_u16();
-        let bytes = resp
-            .body_mut()
-            .with_config()
-            .limit(REPLY_MAX)
-            .read_to_vec()
-            .map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
-        Ok((status, bytes))
+        call(&self.agent, &self.key, addr, path, body, REPLY_MAX)
     }
 
     /// Sends a request to the leader (found through any controller) when `leader_only`, else
@@ -178,6 +152,73 @@ impl Client {
             errors.join("; ")
         )))
     }
+}
+
+/// An HTTP agent for calls between berth processes: no kept-alive connections (servers close
+/// idle ones after a few seconds, listen.rs), every call within `timeout`.
+pub fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(timeout))
+        .max_idle_connections(0)
+        .user_agent(concat!("berth/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .into()
+}
+
+/// One call to another berth process at `addr`: `POST` with `body` (JSON), else `GET`, signed
+/// with `key`; returns the status and body (at most `limit` bytes) once the answer proved the
+/// server holds the key too (an answer without that proof is refused, whatever it says).
+pub fn call(
+    agent: &ureq::Agent,
+    key: &Key,
+    addr: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    limit: u64,
+) -> Result<(u16, Vec<u8>), AgentError> {
+    let url = format!("http://{addr}{path}");
+    let method = if body.is_some() { "POST" } else { "GET" };
+    let signed = auth::sign_request(key, method, path, body.unwrap_or_default())
+        .map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
+    let resp = match body {
+        Some(b) => agent
+            .post(&url)
+            .header(auth::AUTH_HEADER, &signed.header)
+            .content_type("application/json")
+            .send(b),
+        None => agent
+            .get(&url)
+            .header(auth::AUTH_HEADER, &signed.header)
+            .call(),
+    };
+    let mut resp = resp.map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
+    let status = resp.status().as_u16();
+    let proof = resp
+        .headers()
+        .get(auth::PROOF_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let bytes = resp
+        .body_mut()
+        .with_config()
+        .limit(limit)
+        .read_to_vec()
+        .map_err(|e| AgentError::Host(format!("{url}: {e}")))?;
+    auth::verify_answer(
+        key,
+        proof.as_deref(),
+        &signed.nonce,
+        status,
+        &auth::body_tag(&bytes),
+    )
+    .map_err(|e| {
+        let said = String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+            .trim()
+            .replace('\n', " ");
+        AgentError::Host(format!("{url}: HTTP {status}: {e} (it said: {said})"))
+    })?;
+    Ok((status, bytes))
 }
 
 #[cfg(test)]

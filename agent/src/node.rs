@@ -464,6 +464,18 @@ fn answer(mut conn: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
     )
 }
 
+/// Raises the soft limit on open files to the hard limit: the peer server holds a descriptor per
+/// transfer and per blob it serves, and the default soft limit (1024) is the first to run out.
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::warn!("raising the open files limit: {e}");
+    }
+}
+
 /// A pseudo-random fraction in [0, 1) for jitter (no RNG dependency: time and pid mixed).
 fn jitter_fraction(round: u64) -> f64 {
     let nanos = SystemTime::now()
@@ -494,6 +506,7 @@ pub fn run(
         serve_metrics(&config.agent.metrics_listen, metrics.clone())?;
     }
     if !once {
+        raise_nofile_limit();
         crate::peer::serve(&config, &node)?;
     }
     let boot = boot_id();

@@ -3,8 +3,9 @@
 //! imports asks the cluster controller's catalog which nodes to fetch blobs from first
 //! (`berth_image::peers` does the fetching and the verifying).
 //!
-//! What is served, on `peers.listen`, each request with the cluster key (`Authorization: Bearer`
-//! as for the controller; 401 without):
+//! What is served, on `peers.listen`, each request signed with the cluster key and each answer to
+//! one proving this node holds it too (berth_api::auth, as for the controller; 401 without; the
+//! proof of a blob answer covers its digest and Content-Length):
 //! - `GET`/`HEAD /v2/<name>/blobs/sha256:<hex>`: a blob of the store's blob cache, whole or from
 //!   `Range: bytes=N-`. `<name>` is ignored; the digest must be exactly `sha256:` and 64 lower
 //!   case hex digits, and only then names a file (`blobs/sha256/<hex>`, opened without following
@@ -18,14 +19,23 @@
 //!   client retries with backoff, then moves to its next source).
 //! - `POST /v1/warm` ([`berth_api::WarmRequest`]): imports the reference into the store as
 //!   root, fetching blobs from the named peers before the registry; answers when done.
+//!
+//! Bounds, so that connections without the key (idle, or a byte every few seconds) cannot keep
+//! keyed ones out: at most `peers.max_uploads` + [`EXTRA_CONNECTIONS`] connections, half of
+//! them from one address; a connection is unauthenticated until its request head verified, and
+//! one that is not after [`HEAD_DEADLINE`] is closed; when a cap is reached a new connection
+//! closes the oldest unauthenticated one (none left: the new one is closed). A warm's body is
+//! at most [`BODY_MAX`] bytes and read only once the head verified.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Seek, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use berth_api::auth::{self, Key, ReplayCache};
 use berth_api::{CatalogNode, WarmReply, WarmRequest};
 
 use berth_image::peers::{self, BlobCache};
@@ -39,17 +49,19 @@ const HEAD_MAX: usize = 16 * 1024;
 const BODY_MAX: u64 = 64 * 1024;
 /// Connections handled at once beyond the uploads (warm requests, refusals).
 const EXTRA_CONNECTIONS: usize = 64;
+/// How long a connection may take to send a request head that verifies.
+const HEAD_DEADLINE: Duration = Duration::from_secs(5);
 /// Peers an import asks before the registry, from the catalog.
 const LOOKUP_PEERS: usize = 3;
 
-/// The cluster key as the `Authorization` header, when this process may read the key file.
-fn authorization(config: &Config) -> Option<String> {
+/// The cluster key, when a controller is configured and this process may read the key file.
+fn cluster_key(config: &Config) -> Option<Key> {
     if config.agent.controllers.is_empty() {
         return None;
     }
     crate::client::read_key(&config.agent.key_file)
         .ok()
-        .map(|k| berth_api::bearer(&k))
+        .map(|k| Key::new(&k))
 }
 
 /// Sets up this process's imports to use peers: ask the controller's catalog (when
@@ -57,17 +69,17 @@ fn authorization(config: &Config) -> Option<String> {
 /// where no controller is configured or the key is unreadable (not root): imports then go to
 /// the registry as always.
 pub fn install(config: &Config) {
-    let Some(auth) = authorization(config) else {
+    let Some(key) = cluster_key(config) else {
         return;
     };
     let serves = !config.peers.listen.is_empty();
     let lookup: Option<Box<peers::Lookup>> = config.peers.lookup.then(|| {
         let config = config.clone();
-        let auth = auth.clone();
-        Box::new(move |r: &RegistryRef| lookup(&config, &auth, r)) as Box<peers::Lookup>
+        let key = key.clone();
+        Box::new(move |r: &RegistryRef| lookup(&config, &key, r)) as Box<peers::Lookup>
     });
     peers::configure(
-        auth,
+        key,
         serves.then_some(config.store.root.as_path()),
         config.peers.cache_bytes,
         lookup,
@@ -76,27 +88,14 @@ pub fn install(config: &Config) {
 
 /// GETs `path` from the controllers (following a follower to the leader once), all within
 /// `timeout`: an import never waits longer for its peers than that.
-fn ask_controllers(config: &Config, auth: &str, path: &str, timeout: Duration) -> Option<Vec<u8>> {
+fn ask_controllers(config: &Config, key: &Key, path: &str, timeout: Duration) -> Option<Vec<u8>> {
     let deadline = Instant::now() + timeout;
     let get = |addr: &str| -> Option<(u16, Vec<u8>)> {
         let left = deadline.checked_duration_since(Instant::now())?;
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(left))
-            .build()
-            .into();
-        let mut r = agent
-            .get(&format!("http://{addr}{path}"))
-            .header(berth_api::KEY_HEADER, auth)
-            .call()
-            .ok()?;
-        let body = r
-            .body_mut()
-            .with_config()
-            .limit(16 << 20)
-            .read_to_vec()
-            .ok()?;
-        Some((r.status().as_u16(), body))
+        let agent = crate::client::agent(left);
+        crate::client::call(&agent, key, addr, path, None, 16 << 20)
+            .inspect_err(|e| tracing::warn!("the image catalog: {e}"))
+            .ok()
     };
     for addr in &config.agent.controllers {
         match get(addr) {
@@ -116,11 +115,11 @@ fn ask_controllers(config: &Config, auth: &str, path: &str, timeout: Duration) -
 }
 
 /// Peers that hold `r` by the catalog, freshest first, this node left out.
-fn lookup(config: &Config, auth: &str, r: &RegistryRef) -> Vec<String> {
+fn lookup(config: &Config, cluster_key: &Key, r: &RegistryRef) -> Vec<String> {
     let timeout = Duration::from_millis(config.peers.lookup_timeout_ms.max(100));
     let key = berth_image::store::reference_key(&Reference::Registry(r.clone()));
     let path = format!("/v1/catalog?ref={}", percent_encode(&key));
-    let Some(body) = ask_controllers(config, auth, &path, timeout) else {
+    let Some(body) = ask_controllers(config, cluster_key, &path, timeout) else {
         tracing::debug!("no catalog from the controller: the registry only");
         return Vec::new();
     };
@@ -266,11 +265,13 @@ impl Drop for Slot<'_> {
 
 struct Server {
     node: String,
-    authorization: String,
+    key: Key,
+    /// Nonces of the requests verified within the clock skew window.
+    seen: ReplayCache,
     cache: Option<BlobCache>,
     config: Config,
     uploads: Uploads,
-    connections: AtomicUsize,
+    conns: Conns,
     /// One warm at a time: they share the node's disk and network.
     warming: Mutex<()>,
     /// Warms running or waiting here: requests for blobs not held yet wait while there are.
@@ -302,7 +303,7 @@ pub fn serve(config: &Config, node: &str) -> Result<(), AgentError> {
     if config.peers.listen.is_empty() {
         return Ok(());
     }
-    let authorization = authorization(config).ok_or_else(|| {
+    let key = cluster_key(config).ok_or_else(|| {
         AgentError::input(format!(
             "peers.listen is set but the cluster key {} cannot be read",
             config.agent.key_file.display()
@@ -314,32 +315,167 @@ pub fn serve(config: &Config, node: &str) -> Result<(), AgentError> {
             config.peers.listen
         ))
     })?;
+    let max = config.peers.max_uploads.max(1) + EXTRA_CONNECTIONS;
     let server = Arc::new(Server {
         node: node.to_string(),
-        authorization,
+        key,
+        seen: ReplayCache::default(),
         cache: BlobCache::open(&config.store.root, config.peers.cache_bytes.max(1)),
         config: config.clone(),
         uploads: Uploads::new(config.peers.max_uploads),
-        connections: AtomicUsize::new(0),
+        conns: Conns::new(max, max / 2),
         warming: Mutex::new(()),
         warms: AtomicUsize::new(0),
     });
+    let reaper = server.clone();
     std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
+        loop {
+            std::thread::sleep(Duration::from_millis(250));
+            reaper.conns.close_late(HEAD_DEADLINE);
+        }
+    });
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let conn = match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and the like: wait for descriptors to free up, do not spin.
+                    tracing::warn!("peers: accepting a connection: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
             let s = server.clone();
-            if s.connections.fetch_add(1, Ordering::AcqRel) >= s.uploads.max + EXTRA_CONNECTIONS {
-                s.connections.fetch_sub(1, Ordering::AcqRel);
+            let Some((id, authenticated)) = s.conns.admit(&conn) else {
                 continue;
-            }
+            };
             std::thread::spawn(move || {
-                if let Err(e) = s.handle(conn) {
+                if let Err(e) = s.handle(conn, &authenticated) {
                     tracing::debug!("peer connection: {e}");
                 }
-                s.connections.fetch_sub(1, Ordering::AcqRel);
+                s.conns.remove(id);
             });
         }
     });
     Ok(())
+}
+
+/// One open connection: where from, since when, whether its request verified, and a handle to
+/// close it with.
+struct Open {
+    ip: IpAddr,
+    since: Instant,
+    authenticated: Arc<AtomicBool>,
+    stream: TcpStream,
+}
+
+/// The open connections, by arrival (the first unauthenticated one is the oldest).
+struct Conns {
+    open: Mutex<BTreeMap<u64, Open>>,
+    next: AtomicU64,
+    max: usize,
+    per_address: usize,
+}
+
+impl Conns {
+    fn new(max: usize, per_address: usize) -> Self {
+        Self {
+            open: Mutex::new(BTreeMap::new()),
+            next: AtomicU64::new(0),
+            max: max.max(1),
+            per_address: per_address.max(1),
+        }
+    }
+
+    /// Registers `conn`, closing the oldest unauthenticated connection (of its address, for
+    /// the per-address cap) when a cap is reached; `None` when there is no room for it.
+    fn admit(&self, conn: &TcpStream) -> Option<(u64, Arc<AtomicBool>)> {
+        let ip = conn.peer_addr().ok()?.ip();
+        let stream = conn.try_clone().ok()?;
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let from_ip = open.values().filter(|o| o.ip == ip).count();
+        if from_ip >= self.per_address && !Self::evict(&mut open, Some(ip)) {
+            return None;
+        }
+        if open.len() >= self.max && !Self::evict(&mut open, None) {
+            return None;
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let authenticated = Arc::new(AtomicBool::new(false));
+        open.insert(
+            id,
+            Open {
+                ip,
+                since: Instant::now(),
+                authenticated: authenticated.clone(),
+                stream,
+            },
+        );
+        Some((id, authenticated))
+    }
+
+    fn evict(open: &mut BTreeMap<u64, Open>, ip: Option<IpAddr>) -> bool {
+        let victim = open
+            .iter()
+            .find(|(_, o)| {
+                !o.authenticated.load(Ordering::Acquire) && ip.is_none_or(|ip| o.ip == ip)
+            })
+            .map(|(id, _)| *id);
+        match victim.and_then(|id| open.remove(&id)) {
+            Some(o) => {
+                // Its thread's read returns at once; the thread then ends and frees its place.
+                let _ = o.stream.shutdown(Shutdown::Both);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Closes the connections that sent no verified request head within `deadline`.
+    fn close_late(&self, deadline: Duration) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|_, o| {
+            let late = !o.authenticated.load(Ordering::Acquire) && o.since.elapsed() >= deadline;
+            if late {
+                let _ = o.stream.shutdown(Shutdown::Both);
+            }
+            !late
+        });
+    }
+
+    fn remove(&self, id: u64) {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+    }
+}
+
+/// How an answer to a verified request proves this node holds the key.
+struct Proof<'a> {
+    key: &'a Key,
+    nonce: &'a str,
+    /// For a blob path: the digest, and the proof covers it and the Content-Length.
+    digest: Option<&'a str>,
+}
+
+impl Proof<'_> {
+    fn header(&self, status: &str, body_len: u64, body: &[u8]) -> String {
+        let code = status
+            .split(' ')
+            .next()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let tag = match self.digest {
+            Some(d) => auth::blob_tag(d, body_len),
+            None => auth::body_tag(body),
+        };
+        format!(
+            "{}: {}\r\n",
+            auth::PROOF_HEADER,
+            auth::sign_answer(self.key, self.nonce, code, &tag)
+        )
+    }
 }
 
 /// A parsed request head.
@@ -347,7 +483,7 @@ pub fn serve(config: &Config, node: &str) -> Result<(), AgentError> {
 struct Head {
     method: String,
     path: String,
-    authorization: Option<String>,
+    auth: Option<String>,
     range_from: Option<u64>,
     content_length: u64,
 }
@@ -366,7 +502,7 @@ fn parse_head(text: &str) -> Option<Head> {
         };
         let value = value.trim();
         match name.trim().to_ascii_lowercase().as_str() {
-            "authorization" => h.authorization = Some(value.to_string()),
+            auth::AUTH_HEADER => h.auth = Some(value.to_string()),
             "content-length" => h.content_length = value.parse().ok()?,
             "range" => {
                 // Only what the registry client sends: `bytes=N-`.
@@ -386,21 +522,25 @@ fn blob_digest(path: &str) -> Option<&str> {
     (!name.is_empty() && peers::digest_hex(digest).is_some()).then_some(digest)
 }
 
-fn respond(conn: &mut TcpStream, status: &str, headers: &str, body: &[u8]) -> std::io::Result<()> {
+/// Writes a whole answer; with `proof` (the request verified), signed.
+fn respond(
+    conn: &mut TcpStream,
+    proof: Option<&Proof>,
+    status: &str,
+    headers: &str,
+    body: &[u8],
+) -> std::io::Result<()> {
+    let proof = proof.map_or(String::new(), |p| p.header(status, body.len() as u64, body));
     write!(
         conn,
-        "HTTP/1.1 {status}\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n",
+        "HTTP/1.1 {status}\r\nContent-Length: {}\r\n{headers}{proof}Connection: close\r\n\r\n",
         body.len()
     )?;
     conn.write_all(body)
 }
 
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 impl Server {
-    fn handle(&self, mut conn: TcpStream) -> std::io::Result<()> {
+    fn handle(&self, mut conn: TcpStream, authenticated: &AtomicBool) -> std::io::Result<()> {
         conn.set_read_timeout(Some(Duration::from_secs(10)))?;
         conn.set_write_timeout(Some(Duration::from_secs(60)))?;
         let mut reader = BufReader::new(conn.try_clone()?);
@@ -410,34 +550,54 @@ impl Server {
                 .take((HEAD_MAX - head.len()) as u64)
                 .read_line(&mut head)?;
             if n == 0 || head.len() >= HEAD_MAX {
-                return respond(&mut conn, "400 Bad Request", "", b"bad request\n");
+                return respond(&mut conn, None, "400 Bad Request", "", b"bad request\n");
             }
         }
         let Some(h) = parse_head(&head) else {
-            return respond(&mut conn, "400 Bad Request", "", b"bad request\n");
+            return respond(&mut conn, None, "400 Bad Request", "", b"bad request\n");
         };
-        let authorized = h
-            .authorization
-            .as_deref()
-            .is_some_and(|a| same(a.as_bytes(), self.authorization.as_bytes()));
-        if !authorized {
-            return respond(
-                &mut conn,
-                "401 Unauthorized",
-                "",
-                b"the cluster key is required (Authorization: Bearer KEY)\n",
-            );
-        }
-        match (h.method.as_str(), blob_digest(&h.path)) {
-            ("GET" | "HEAD", Some(digest)) => self.blob(&mut conn, &h, digest),
+        let verified = match auth::verify_request(
+            &self.key,
+            h.auth.as_deref(),
+            &h.method,
+            &h.path,
+            auth::now(),
+            &self.seen,
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                let said = format!("{e}\n");
+                return respond(&mut conn, None, "401 Unauthorized", "", said.as_bytes());
+            }
+        };
+        authenticated.store(true, Ordering::Release);
+        let digest = blob_digest(&h.path);
+        let proof = Proof {
+            key: &self.key,
+            nonce: &verified.nonce,
+            digest,
+        };
+        let proof = Some(&proof);
+        match (h.method.as_str(), digest) {
+            ("GET" | "HEAD", Some(digest)) => self.blob(&mut conn, proof, &h, digest),
             ("POST", None) if h.path == "/v1/warm" => {
                 if h.content_length > BODY_MAX {
-                    return respond(&mut conn, "413 Payload Too Large", "", b"too large\n");
+                    return respond(
+                        &mut conn,
+                        proof,
+                        "413 Payload Too Large",
+                        "",
+                        b"too large\n",
+                    );
                 }
                 let mut body = Vec::new();
                 (&mut reader)
                     .take(h.content_length)
                     .read_to_end(&mut body)?;
+                if let Err(e) = verified.check_body(&body) {
+                    let said = format!("{e}\n");
+                    return respond(&mut conn, proof, "401 Unauthorized", "", said.as_bytes());
+                }
                 let reply = match serde_json::from_slice::<WarmRequest>(&body) {
                     Ok(req) => self.warm(req),
                     Err(e) => WarmReply {
@@ -450,12 +610,13 @@ impl Server {
                 let json = serde_json::to_vec(&reply).expect("serializes");
                 respond(
                     &mut conn,
+                    proof,
                     "200 OK",
                     "Content-Type: application/json\r\n",
                     &json,
                 )
             }
-            _ => respond(&mut conn, "404 Not Found", "", b"not found\n"),
+            _ => respond(&mut conn, proof, "404 Not Found", "", b"not found\n"),
         }
     }
 
@@ -486,24 +647,34 @@ impl Server {
         }
     }
 
-    fn blob(&self, conn: &mut TcpStream, h: &Head, digest: &str) -> std::io::Result<()> {
+    fn blob(
+        &self,
+        conn: &mut TcpStream,
+        proof: Option<&Proof>,
+        h: &Head,
+        digest: &str,
+    ) -> std::io::Result<()> {
         let Some(found) = self.find(digest) else {
-            return respond(conn, "404 Not Found", "", b"no such blob\n");
+            return respond(conn, proof, "404 Not Found", "", b"no such blob\n");
         };
         let size = match &found {
             Found::Kept(file) => file.metadata()?.len(),
             Found::Growing { size, .. } => *size,
         };
+        let signed =
+            |status: &str, len: u64| proof.map_or(String::new(), |p| p.header(status, len, b""));
         if h.method == "HEAD" {
+            let proof = signed("200 OK", size);
             return write!(
                 conn,
                 "HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nDocker-Content-Digest: {digest}\r\n\
-                 Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n"
+                 Content-Type: application/octet-stream\r\n{proof}Connection: close\r\n\r\n"
             );
         }
         let Some((_slot, running)) = self.uploads.take(UPLOAD_WAIT) else {
             return respond(
                 conn,
+                proof,
                 "503 Service Unavailable",
                 "Retry-After: 1\r\n",
                 b"serving as many transfers as peers.max_uploads allows, for too long\n",
@@ -522,10 +693,11 @@ impl Server {
         } else {
             ("200 OK", String::new())
         };
+        let proof = signed(status, size - from);
         write!(
             conn,
             "HTTP/1.1 {status}\r\nContent-Length: {}\r\n{range}Docker-Content-Digest: {digest}\r\n\
-             Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+             Content-Type: application/octet-stream\r\n{proof}Connection: close\r\n\r\n",
             size - from
         )?;
         match found {
@@ -693,11 +865,11 @@ mod tests {
     #[test]
     fn request_heads_parse_and_odd_ranges_are_refused() {
         let h = parse_head(
-            "GET /v2/a/blobs/x HTTP/1.1\r\nAuthorization: Bearer k\r\nRange: bytes=10-\r\n\r\n",
+            "GET /v2/a/blobs/x HTTP/1.1\r\nX-Berth-Auth: v1 ts=1\r\nRange: bytes=10-\r\n\r\n",
         )
         .unwrap();
         assert_eq!(h.method, "GET");
-        assert_eq!(h.authorization.as_deref(), Some("Bearer k"));
+        assert_eq!(h.auth.as_deref(), Some("v1 ts=1"));
         assert_eq!(h.range_from, Some(10));
         assert!(parse_head("GET /x HTTP/1.1\r\nRange: bytes=1-5\r\n\r\n").is_none());
         assert!(parse_head("GET /x HTTP/1.1\r\nContent-Length: many\r\n\r\n").is_none());

@@ -158,29 +158,13 @@ impl Plan {
 
 fn warm(
     addr: &str,
-    bearer: &str,
+    key: &berth_api::auth::Key,
     req: &WarmRequest,
     timeout: Duration,
 ) -> Result<WarmReply, AgentError> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(timeout))
-        .build()
-        .into();
+    let agent = crate::client::agent(timeout);
     let body = serde_json::to_vec(req).expect("serializes");
-    let mut r = agent
-        .post(&format!("http://{addr}/v1/warm"))
-        .header(berth_api::KEY_HEADER, bearer)
-        .content_type("application/json")
-        .send(&body[..])
-        .map_err(|e| AgentError::Host(format!("{addr}: {e}")))?;
-    let status = r.status().as_u16();
-    let bytes = r
-        .body_mut()
-        .with_config()
-        .limit(1 << 20)
-        .read_to_vec()
-        .map_err(|e| AgentError::Host(format!("{addr}: {e}")))?;
+    let (status, bytes) = crate::client::call(&agent, key, addr, "/v1/warm", Some(&body), 1 << 20)?;
     if status != 200 {
         return Err(AgentError::Host(format!(
             "{addr}: HTTP {status}: {}",
@@ -219,7 +203,7 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
         targets,
         holders,
     } = survey(config, req, &key)?;
-    let bearer = berth_api::bearer(&crate::client::read_key(&config.agent.key_file)?);
+    let cluster_key = berth_api::auth::Key::new(&crate::client::read_key(&config.agent.key_file)?);
     let timeout = req.timeout;
     let started = Instant::now();
     let mut plan = Plan::new(targets.clone(), holders.clone(), req.fanout);
@@ -246,9 +230,9 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
                 reference: key.clone(),
                 peers: a.peers.iter().map(|p| addrs[p].clone()).collect(),
             };
-            let (tx, addr, bearer) = (tx.clone(), addrs[&a.node].clone(), bearer.clone());
+            let (tx, addr, cluster_key) = (tx.clone(), addrs[&a.node].clone(), cluster_key.clone());
             std::thread::spawn(move || {
-                let r = warm(&addr, &bearer, &warm_req, timeout);
+                let r = warm(&addr, &cluster_key, &warm_req, timeout);
                 let _ = tx.send((a, r));
             });
         }

@@ -2,13 +2,13 @@
 //! cluster`) and cluster controller (`berth-controller`) exchange as JSON over HTTP. Both sides
 //! build against this crate so that a field renamed on one side fails to compile on the other.
 //!
-//! Every request carries the cluster's shared key (the content of the key file, like
-//! munge.key) in [`KEY_HEADER`]; the controller answers 401 without it.
+//! Every request proves that its sender holds the cluster's shared key (the content of the key
+//! file, like munge.key) and every answer that its server does, without the key ever being sent:
+//! see [`auth`]. The controller answers 401 to a request without a valid proof.
+
+pub mod auth;
 
 use serde::{Deserialize, Serialize};
-
-/// The header that carries the shared key: `Authorization: Bearer <key>`.
-pub const KEY_HEADER: &str = "authorization";
 
 /// The header a follower sets on its 421 answer: the leader's API address, when it knows it.
 pub const LEADER_HEADER: &str = "x-berth-leader";
@@ -19,12 +19,6 @@ pub const NOT_LEADER_STATUS: u16 = 421;
 
 /// The most bytes a key file may hold.
 pub const KEY_MAX: usize = 4096;
-
-/// Turns a key file's content into the header value: surrounding whitespace is not part of the
-/// key (a trailing newline from `echo` must not make two nodes disagree).
-pub fn bearer(key: &str) -> String {
-    format!("Bearer {}", key.trim())
-}
 
 /// What one health check found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

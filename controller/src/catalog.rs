@@ -1,15 +1,17 @@
 //! The image catalog: which node holds which registry image (canonical reference → manifest
 //! digest) and where it serves blobs to other nodes, from the agents' heartbeats. The leader's
 //! memory only, like the rest of a heartbeat: a new leader learns it again within one inventory
-//! round of the agents, and a stale entry costs a node one refused peer (every blob is verified
-//! by digest, and the registry is the last source).
+//! round of the agents. A node that stops heartbeating is dropped after [`STALE_BEATS`]
+//! intervals (`controller.heartbeat_interval_s`): its port may by then be held by another
+//! process, which importers would otherwise be sent to (they refuse it, as it cannot prove the
+//! cluster key, but it costs them a try).
 //!
 //! `GET /v1/catalog` (leader only) lists it; `berth cluster prewarm` plans from it and imports
 //! (the Prolog's too) ask it for peers holding an image before going to the registry.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::State as AxState;
@@ -18,6 +20,9 @@ use axum::response::{IntoResponse, Response};
 use berth_api::{CatalogNode, Heartbeat};
 
 use crate::server::App;
+
+/// Heartbeat intervals without one after which a node leaves the catalog (the lost-node rule).
+pub const STALE_BEATS: u64 = 3;
 
 /// Most references kept per node (an inventory lists at most 1000).
 const REFS_MAX: usize = 1000;
@@ -71,8 +76,10 @@ impl Catalog {
         }
     }
 
-    pub fn view(&self) -> Vec<CatalogNode> {
-        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+    /// The nodes heard from within `max_age`; the others are dropped.
+    pub fn view(&self, max_age: Duration) -> Vec<CatalogNode> {
+        let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        nodes.retain(|_, h| h.at.elapsed() <= max_age);
         let mut out: Vec<CatalogNode> = nodes
             .iter()
             .map(|(n, h)| CatalogNode {
@@ -99,7 +106,8 @@ pub async fn get(AxState(app): AxState<Arc<App>>, uri: Uri) -> Response {
             .find_map(|kv| kv.strip_prefix("ref="))
             .map(percent_decode)
     });
-    let mut view = app.catalog.view();
+    let max_age = Duration::from_secs(app.s.heartbeat_interval_s.max(1) * STALE_BEATS);
+    let mut view = app.catalog.view(max_age);
     if let Some(r) = wanted {
         view.retain(|n| n.peer.is_some() && n.refs.contains_key(&r));
         for n in &mut view {
@@ -181,9 +189,29 @@ mod tests {
         ));
         // A heartbeat without inventory keeps the last one.
         c.record(&hb("n1", None, &[]));
-        let v = c.view();
+        let v = c.view(Duration::from_secs(15));
         assert_eq!(v[0].peer.as_deref(), Some("10.0.0.1:6822"));
         assert_eq!(v[0].refs["docker://r/a:1"], "sha256:x");
         assert_eq!(v[1].peer, None);
+    }
+
+    #[test]
+    fn nodes_that_stopped_heartbeating_leave_the_catalog() {
+        let c = Catalog::default();
+        let refs = [("docker://r/a:1", "sha256:x")];
+        c.record(&hb("gone", Some("10.0.0.1:6822"), &refs));
+        c.record(&hb("here", Some("10.0.0.2:6822"), &refs));
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("the clock is past a minute");
+        c.nodes.lock().unwrap().get_mut("gone").unwrap().at = long_ago;
+        let v = c.view(Duration::from_secs(15));
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].node, "here");
+        // Pruned, not only hidden: a wider window does not bring it back.
+        assert_eq!(c.view(Duration::from_secs(3600)).len(), 1);
+        // Its next heartbeat brings it back.
+        c.record(&hb("gone", Some("10.0.0.1:6822"), &refs));
+        assert_eq!(c.view(Duration::from_secs(15)).len(), 2);
     }
 }

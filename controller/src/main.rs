@@ -6,6 +6,7 @@
 
 mod catalog;
 mod error;
+mod listen;
 mod network;
 mod server;
 mod sim;
@@ -45,7 +46,7 @@ pub struct Settings {
     pub peers: Vec<String>,
     /// Where the redb file lives (`raft.redb`).
     pub data_dir: PathBuf,
-    /// The shared key file; its content is every request's bearer key.
+    /// The shared key file; every request proves it holds its content (berth_api::auth).
     pub key_file: PathBuf,
     pub sinfo: PathBuf,
     pub scontrol: PathBuf,
@@ -331,7 +332,7 @@ fn main() {
         Command::Sim(args) => read_key(&args.key_file).map(|key| {
             let summary = sim::run(sim::SimOptions {
                 controllers: args.controllers,
-                bearer: berth_api::bearer(&key),
+                key: berth_api::auth::Key::new(&key),
                 agents: args.agents,
                 interval: std::time::Duration::from_millis(args.interval_ms.max(1)),
                 failing_percent: args.failing_percent.min(100),
@@ -345,6 +346,30 @@ fn main() {
     if let Err(e) = result {
         eprintln!("berth-controller: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit: every agent's heartbeat and every
+/// admin call is a connection, and the default soft limit (1024) is near what listen.rs admits.
+fn raise_nofile_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct it is given, which lives on this stack.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
+        || lim.rlim_cur >= lim.rlim_max
+    {
+        return;
+    }
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: setrlimit reads the struct it is given; raising the soft limit to the hard one
+    // needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        tracing::warn!(
+            "raising the open files limit: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -379,6 +404,7 @@ fn serve(config: Option<&Path>, args: ServeArgs) -> anyhow::Result<()> {
     }
     s.failpoint_file = args.failpoint_file;
     let key = read_key(&s.key_file)?;
+    raise_nofile_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -402,7 +428,7 @@ async fn run(s: Settings, key: String) -> anyhow::Result<()> {
     let config = Arc::new(config.validate().context("the Raft settings")?);
     let (log, sm) = openraft::storage::Adaptor::new(store.clone());
     let net = network::Network {
-        bearer: berth_api::bearer(&key),
+        key: berth_api::auth::Key::new(&key),
     };
     let raft = Raft::new(s.id, config, net, log, sm)
         .await

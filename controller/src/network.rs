@@ -1,5 +1,6 @@
 //! Raft RPCs between controllers: JSON over HTTP (`POST /raft/{append,vote,snapshot}` on the
-//! peer's API address), sent with `ureq` on tokio's blocking pool, carrying the shared key.
+//! peer's API address), sent with `ureq` on tokio's blocking pool, signed with the shared key
+//! (berth_api::auth); an answer without the peer's proof of the key is refused.
 //! Every call is bounded by openraft's per-RPC deadline, so a stopped peer (SIGSTOP: its socket
 //! accepts but never answers) costs one timeout, not a stuck replication stream.
 
@@ -26,13 +27,13 @@ const REPLY_MAX: u64 = 64 << 20;
 
 #[derive(Clone)]
 pub struct Network {
-    pub bearer: String,
+    pub key: berth_api::auth::Key,
 }
 
 pub struct Peer {
     target: NodeId,
     addr: String,
-    bearer: String,
+    key: berth_api::auth::Key,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -42,7 +43,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         Peer {
             target,
             addr: node.addr.clone(),
-            bearer: self.bearer.clone(),
+            key: self.key.clone(),
         }
     }
 }
@@ -64,8 +65,12 @@ impl Peer {
     ) -> Result<Resp, Fail> {
         let body = serde_json::to_vec(req).map_err(|e| Fail::Network(std::io::Error::other(e)))?;
         let url = format!("http://{}{path}", self.addr);
-        let bearer = self.bearer.clone();
+        let key = self.key.clone();
+        let path = path.to_string();
         let task = tokio::task::spawn_blocking(move || -> Result<Resp, Fail> {
+            use berth_api::auth;
+            let signed = auth::sign_request(&key, "POST", &path, &body)
+                .map_err(|e| Fail::Network(std::io::Error::other(e.to_string())))?;
             let agent: ureq::Agent = ureq::Agent::config_builder()
                 .http_status_as_error(false)
                 .timeout_global(Some(timeout))
@@ -73,17 +78,30 @@ impl Peer {
                 .into();
             let mut resp = agent
                 .post(&url)
-                .header(berth_api::KEY_HEADER, &bearer)
+                .header(auth::AUTH_HEADER, &signed.header)
                 .content_type("application/json")
                 .send(&body[..])
                 .map_err(|e| Fail::Unreachable(std::io::Error::other(format!("{url}: {e}"))))?;
             let status = resp.status().as_u16();
+            let proof = resp
+                .headers()
+                .get(auth::PROOF_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
             let bytes = resp
                 .body_mut()
                 .with_config()
                 .limit(REPLY_MAX)
                 .read_to_vec()
                 .map_err(|e| Fail::Unreachable(std::io::Error::other(format!("{url}: {e}"))))?;
+            auth::verify_answer(
+                &key,
+                proof.as_deref(),
+                &signed.nonce,
+                status,
+                &auth::body_tag(&bytes),
+            )
+            .map_err(|e| Fail::Unreachable(std::io::Error::other(format!("{url}: {e}"))))?;
             if status != 200 {
                 return Err(Fail::Network(std::io::Error::other(format!(
                     "{url}: HTTP {status}: {}",

@@ -1,7 +1,9 @@
 //! The controller's HTTP API (agents, the admin CLI, peers' Raft RPCs), its metrics, and the
 //! leader's reconciler that applies committed decisions to Slurm.
 //!
-//! Every request must carry the shared key (401 otherwise). Leader-only requests (heartbeats,
+//! Every request must prove it holds the shared key (berth_api::auth; 401 otherwise), and every
+//! answer to one proves this controller holds it too; only `GET /metrics` is open, read-only, to
+//! Prometheus. Connections are bounded and timed by listen.rs. Leader-only requests (heartbeats,
 //! admin commands) get 421 with the leader's address from a follower. Heartbeats stay in the
 //! leader's memory; a heartbeat that changes a node's verdict or counters becomes a Raft entry
 //! before anything acts on it. The reconciler confirms leadership with a quorum
@@ -49,7 +51,9 @@ use self::metrics::metrics;
 
 pub struct App {
     pub s: Settings,
-    bearer: String,
+    key: berth_api::auth::Key,
+    /// Nonces of requests verified within the clock skew window.
+    seen: berth_api::auth::ReplayCache,
     pub(crate) raft: Raft<TypeConfig>,
     pub(crate) store: Store,
     voters: BTreeMap<u64, BasicNode>,
@@ -81,7 +85,8 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
 ) -> anyhow::Result<()> {
     let app = Arc::new(App {
-        bearer: berth_api::bearer(&key),
+        key: berth_api::auth::Key::new(&key),
+        seen: berth_api::auth::ReplayCache::default(),
         watch: crate::watch::Watch::new(&s),
         takeovers_run: AtomicU64::new(0),
         s,
@@ -114,33 +119,84 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app);
-    axum::serve(listener, router)
-        .await
-        .map_err(|e| anyhow::anyhow!("serving HTTP: {e}"))
+    crate::listen::serve(listener, router).await;
+    Ok(())
 }
 
-/// Constant-time equality: the time taken does not say how much of a guess was right.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+/// The most bytes of a request body: a Raft RPC (entries, a snapshot), anything else.
+const RAFT_BODY_MAX: usize = 64 << 20;
+const BODY_MAX: usize = 1 << 20;
+/// How long a verified request's body may take to arrive.
+const BODY_DEADLINE: Duration = Duration::from_secs(30);
 
+/// Verifies a request's proof of the key from its head, before its body is read (an
+/// unauthenticated client gets nothing buffered), then its body against the signed hash, and
+/// signs the answer. `GET /metrics` needs no key.
 async fn auth(AxState(app): AxState<Shared>, req: Request, next: Next) -> Response {
-    let given = req
-        .headers()
-        .get(berth_api::KEY_HEADER)
-        .map(|v| v.as_bytes())
-        .unwrap_or_default();
-    if !same(given, app.bearer.as_bytes()) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "no or wrong cluster key: send the content of the controller's key file as \
-             `Authorization: Bearer KEY`",
-        );
+    use axum::body::{Body, to_bytes};
+    use berth_api::auth;
+    if req.method() == axum::http::Method::GET && req.uri().path() == "/metrics" {
+        return next.run(req).await;
     }
-    next.run(req).await
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let header = parts
+        .headers
+        .get(auth::AUTH_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let verified = match auth::verify_request(
+        &app.key,
+        header,
+        parts.method.as_str(),
+        path,
+        auth::now(),
+        &app.seen,
+    ) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::UNAUTHORIZED, format!("{path}: {e}")),
+    };
+    if let Some(conn) = parts.extensions.get::<Arc<crate::listen::Conn>>() {
+        conn.authenticated();
+    }
+    let limit = if parts.uri.path().starts_with("/raft/") {
+        RAFT_BODY_MAX
+    } else {
+        BODY_MAX
+    };
+    let bytes = match tokio::time::timeout(BODY_DEADLINE, to_bytes(body, limit)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("{path}: the body (at most {limit} bytes): {e}"),
+            );
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("{path}: the body did not arrive within {BODY_DEADLINE:?}"),
+            );
+        }
+    };
+    if let Err(e) = verified.check_body(&bytes) {
+        return error(StatusCode::UNAUTHORIZED, format!("{path}: {e}"));
+    }
+    let resp = next
+        .run(Request::from_parts(parts, Body::from(bytes)))
+        .await;
+    let (mut head, body) = resp.into_parts();
+    // The answers are JSON built in memory: collecting them costs nothing new.
+    let bytes = to_bytes(body, usize::MAX).await.unwrap_or_default();
+    let proof = auth::sign_answer(
+        &app.key,
+        &verified.nonce,
+        head.status.as_u16(),
+        &auth::body_tag(&bytes),
+    );
+    if let Ok(v) = proof.parse() {
+        head.headers.insert(auth::PROOF_HEADER, v);
+    }
+    Response::from_parts(head, Body::from(bytes))
 }
 
 fn error(code: StatusCode, msg: impl Into<String>) -> Response {
@@ -769,12 +825,5 @@ mod tests {
             "# HELP x_calls_total Calls.\n# TYPE x_calls_total counter\nx_calls_total 3\n\
              # HELP x_up Up.\n# TYPE x_up gauge\nx_up 1\n"
         );
-    }
-
-    #[test]
-    fn keys_compare_whole() {
-        assert!(same(b"Bearer abc", b"Bearer abc"));
-        assert!(!same(b"Bearer abd", b"Bearer abc"));
-        assert!(!same(b"Bearer ab", b"Bearer abc"));
     }
 }

@@ -13,7 +13,7 @@ use berth_api::{CheckResult, Heartbeat, HeartbeatReply, NotLeader, Severity, Sta
 
 pub struct SimOptions {
     pub controllers: Vec<String>,
-    pub bearer: String,
+    pub key: berth_api::auth::Key,
     pub agents: usize,
     pub interval: Duration,
     pub failing_percent: u32,
@@ -36,15 +36,29 @@ fn send(agent: &ureq::Agent, o: &SimOptions, leader: &mut usize, body: &[u8]) ->
     let mut addr = o.controllers[*leader % o.controllers.len()].clone();
     for _ in 0..(o.controllers.len() + 2) {
         let url = format!("http://{addr}/v1/heartbeat");
+        let signed = berth_api::auth::sign_request(&o.key, "POST", "/v1/heartbeat", body).ok()?;
         let r = agent
             .post(&url)
-            .header(berth_api::KEY_HEADER, &o.bearer)
+            .header(berth_api::auth::AUTH_HEADER, &signed.header)
             .content_type("application/json")
             .send(body);
         match r {
             Ok(mut resp) => {
                 let status = resp.status().as_u16();
+                let proof = resp
+                    .headers()
+                    .get(berth_api::auth::PROOF_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
                 let bytes = resp.body_mut().read_to_vec().ok()?;
+                berth_api::auth::verify_answer(
+                    &o.key,
+                    proof.as_deref(),
+                    &signed.nonce,
+                    status,
+                    &berth_api::auth::body_tag(&bytes),
+                )
+                .ok()?;
                 if status == 200 {
                     return serde_json::from_slice::<HeartbeatReply>(&bytes)
                         .ok()

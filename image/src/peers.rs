@@ -7,7 +7,9 @@
 //! (it says what a tag means now), then the config and layers are asked of each peer in turn and
 //! of the registry last. The client checks every blob's sha256 against the manifest's digest, as
 //! it does for a registry, so a peer that serves a wrong byte is refused and the next source is
-//! used; a peer that dies mid-transfer is the same as a mirror that does.
+//! used; a peer that dies mid-transfer is the same as a mirror that does. Requests to a peer are
+//! signed with the cluster key and its answers must prove it holds the key too
+//! (berth_api::auth): a process that took a departed agent's port is refused the same way.
 //!
 //! The cache: `<store root>/blobs/sha256/<hex>`, each blob written beside the download (tee of
 //! the stream) into `blobs/tmp/<pid>.<seq>.<hex>.<size>` and renamed into place only after the
@@ -40,8 +42,8 @@ pub type Lookup = dyn Fn(&RegistryRef) -> Vec<String> + Send + Sync;
 
 /// How this process uses peers, set once by [`configure`].
 struct Settings {
-    /// The `Authorization` header peers want (the cluster key).
-    authorization: String,
+    /// The cluster key requests to peers are signed with (never sent).
+    key: berth_api::auth::Key,
     /// Where the node keeps verified compressed blobs for peers; `None`: keeps none.
     cache: Option<(PathBuf, u64)>,
     lookup: Option<Box<Lookup>>,
@@ -54,16 +56,17 @@ thread_local! {
     static NAMED: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
 }
 
-/// Sets, once per process, the key peers want, whether registry imports keep their blobs in
-/// `store_root`'s cache (`cache_bytes` > 0) and how to find peers. Later calls change nothing.
+/// Sets, once per process, the cluster key requests to peers are signed with, whether registry
+/// imports keep their blobs in `store_root`'s cache (`cache_bytes` > 0) and how to find peers.
+/// Later calls change nothing.
 pub fn configure(
-    authorization: String,
+    key: berth_api::auth::Key,
     store_root: Option<&Path>,
     cache_bytes: u64,
     lookup: Option<Box<Lookup>>,
 ) {
     let _ = SETTINGS.set(Settings {
-        authorization,
+        key,
         cache: store_root
             .filter(|_| cache_bytes > 0)
             .map(|r| (r.to_path_buf(), cache_bytes)),
@@ -79,14 +82,15 @@ pub fn with_peers<T>(peers: Vec<String>, f: impl FnOnce() -> T) -> T {
     out
 }
 
-/// The peers to ask for `r`'s blobs and the header they want; none when peers are not set up.
-pub fn peers_for(r: &RegistryRef) -> Option<(Vec<String>, String)> {
+/// The peers to ask for `r`'s blobs and the key to sign requests to them with; none when peers
+/// are not set up.
+pub fn peers_for(r: &RegistryRef) -> Option<(Vec<String>, berth_api::auth::Key)> {
     let s = SETTINGS.get()?;
     let peers = NAMED
         .with(|n| n.borrow().clone())
         .or_else(|| s.lookup.as_ref().map(|l| l(r)))
         .unwrap_or_default();
-    (!peers.is_empty()).then(|| (peers, s.authorization.clone()))
+    (!peers.is_empty()).then(|| (peers, s.key.clone()))
 }
 
 /// The blob cache registry imports write to, when this process keeps blobs.

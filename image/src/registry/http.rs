@@ -57,8 +57,9 @@ pub struct Transport {
     auth_cache: Mutex<HashMap<String, String>>,
     /// Whether any request of this client sent a user's login.
     used_login: AtomicBool,
-    /// Cluster peers (crate::peers): plain HTTP, and the `Authorization` each wants.
-    peers: Mutex<HashMap<String, String>>,
+    /// Cluster peers (crate::peers): plain HTTP, each request signed with the cluster key and
+    /// each answer checked for the peer's proof of it (berth_api::auth).
+    peers: Mutex<HashMap<String, berth_api::auth::Key>>,
 }
 
 /// Without the credentials and the cached `Authorization` headers: a debug line or a log must
@@ -104,15 +105,15 @@ impl Transport {
         })
     }
 
-    /// Makes `host` a cluster peer: asked in plain HTTP with `authorization` (the cluster key).
-    pub fn add_peer(&self, host: &str, authorization: &str) {
+    /// Makes `host` a cluster peer: asked in plain HTTP, requests signed with `key`.
+    pub fn add_peer(&self, host: &str, key: &berth_api::auth::Key) {
         self.peers
             .lock()
             .expect("peers")
-            .insert(host.to_string(), authorization.to_string());
+            .insert(host.to_string(), key.clone());
     }
 
-    fn peer_auth(&self, host: &str) -> Option<String> {
+    fn peer_key(&self, host: &str) -> Option<berth_api::auth::Key> {
         self.peers.lock().expect("peers").get(host).cloned()
     }
 
@@ -128,7 +129,7 @@ impl Transport {
     /// `https://REGISTRY/v2/REPOSITORY/` (or `http://` for a registry listed as insecure).
     pub fn repo_url(&self, t: &Target) -> String {
         let scheme = if self.insecure.iter().any(|i| i == &t.registry)
-            || self.peer_auth(&t.registry).is_some()
+            || self.peer_key(&t.registry).is_some()
         {
             "http"
         } else {
@@ -176,13 +177,16 @@ impl Transport {
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
                 return Err(ImageError::Aborted);
             }
-            let authorization = self.peer_auth(&t.registry).or_else(|| {
+            let peer = self.peer_key(&t.registry);
+            let authorization = if peer.is_some() {
+                None
+            } else {
                 self.auth_cache
                     .lock()
                     .expect("auth cache")
                     .get(&key)
                     .cloned()
-            });
+            };
             let mut req = match method {
                 Method::Get => self.agent.get(url),
                 Method::Head => self.agent.head(url),
@@ -196,9 +200,20 @@ impl Transport {
             if let Some(r) = range {
                 req = req.header("Range", r);
             }
+            let signed = match &peer {
+                Some(k) => Some(peer_sign(t, k, method, url)?),
+                None => None,
+            };
+            if let Some(s) = &signed {
+                req = req.header(berth_api::auth::AUTH_HEADER, &s.header);
+            }
+            let answer = req.call();
+            if let (Some(k), Some(s), Ok(resp)) = (&peer, &signed, &answer) {
+                peer_check(t, k, s, url, resp)?;
+            }
             // With `answered`, the error status the registry gave: a registry that answers is
             // not "unreachable", and its own words say more than the status.
-            let (failure, answered) = match req.call() {
+            let (failure, answered) = match answer {
                 Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED => {
                     if answered_challenge {
                         return Err(self.rejected(t));
@@ -528,6 +543,60 @@ impl Transport {
             },
         }
     }
+}
+
+/// Signs a request to a cluster peer (berth_api::auth): the cluster key is never sent.
+fn peer_sign(
+    t: &Target,
+    key: &berth_api::auth::Key,
+    method: Method,
+    url: &str,
+) -> Result<berth_api::auth::Signed, ImageError> {
+    let path = url
+        .split_once("://")
+        .and_then(|(_, rest)| rest.find('/').map(|i| &rest[i..]))
+        .unwrap_or("/");
+    let method = match method {
+        Method::Get => "GET",
+        Method::Head => "HEAD",
+    };
+    berth_api::auth::sign_request(key, method, path, b"").map_err(|e| ImageError::Protocol {
+        image: t.image.clone(),
+        registry: t.registry.clone(),
+        detail: e.to_string(),
+    })
+}
+
+/// Refuses a peer's answer, whatever its status, unless it proves the peer holds the cluster key:
+/// a process that took a departed agent's port gets no say. A blob answer's proof covers the
+/// digest and the Content-Length (its bytes are checked against the digest as they come).
+fn peer_check(
+    t: &Target,
+    key: &berth_api::auth::Key,
+    signed: &berth_api::auth::Signed,
+    url: &str,
+    resp: &Resp,
+) -> Result<(), ImageError> {
+    let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
+    let digest = url.rsplit('/').next().unwrap_or_default();
+    let length = header("content-length")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0);
+    berth_api::auth::verify_answer(
+        key,
+        header(berth_api::auth::PROOF_HEADER),
+        &signed.nonce,
+        resp.status().as_u16(),
+        &berth_api::auth::blob_tag(digest, length),
+    )
+    .map_err(|e| {
+        tracing::debug!("cluster peer {} failed to authenticate: {e}", t.registry);
+        ImageError::Protocol {
+            image: t.image.clone(),
+            registry: t.registry.clone(),
+            detail: format!("the cluster peer failed to authenticate: {e}"),
+        }
+    })
 }
 
 /// The form body that exchanges a refresh (identity) token for an access token.

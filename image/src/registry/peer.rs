@@ -6,17 +6,17 @@ use super::manifest::Descriptor;
 use super::{Client, ImageError, RegistryRef, target, warn_source_failed};
 
 impl Client {
-    /// The peers to ask for `r`'s blobs, as sources like mirrors (plain HTTP, the cluster key,
-    /// never the user's login); none when this process has no peers set up.
+    /// The peers to ask for `r`'s blobs, as sources like mirrors (plain HTTP, requests signed
+    /// with the cluster key, never the user's login); none when this process has no peers set up.
     pub(super) fn peer_targets(&self, r: &RegistryRef) -> Vec<Target> {
-        let Some((hosts, authorization)) = crate::peers::peers_for(r) else {
+        let Some((hosts, key)) = crate::peers::peers_for(r) else {
             return Vec::new();
         };
         let origin = target(r);
         hosts
             .into_iter()
             .map(|host| {
-                self.transport.add_peer(&host, &authorization);
+                self.transport.add_peer(&host, &key);
                 Target {
                     registry: host,
                     repository: origin.repository.clone(),
