@@ -48,7 +48,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
             "the SPANK plugin speaks protocol {} (this berth {}): ignored what this berth does not know: {}",
             step.protocol,
             berth_proto::VERSION,
-            parsed.ignored.join(", ")
+            berth_sys::text::list(&parsed.ignored, "none")
         );
     }
     let node = step.node_name();

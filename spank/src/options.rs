@@ -337,9 +337,9 @@ impl Options {
                 lookup(&var).filter(|v| !v.is_empty()).map(|v| (var, v))
             });
             if let Some((var, value)) = found {
-                let readonly = parse_bool(&value).ok_or(SpankError::NotBool {
+                let readonly = parse_bool(&value).ok_or_else(|| SpankError::NotBool {
                     var: var.clone(),
-                    value: value.clone(),
+                    value: shown(&value),
                 })?;
                 self.writable = Some(!readonly);
             }
@@ -356,7 +356,7 @@ impl Options {
             | Key::Writable => {
                 let b = parse_bool(value).ok_or_else(|| SpankError::NotBool {
                     var: var.to_string(),
-                    value: value.to_string(),
+                    value: shown(value),
                 })?;
                 self.set_bool(key, b)
             }
@@ -416,10 +416,21 @@ impl Options {
         let invalid_because = |hint: std::borrow::Cow<'static, str>| SpankError::Invalid {
             flag,
             origin: source.clone(),
-            value: value.to_string(),
+            value: shown(value),
             hint,
         };
         let invalid = |hint: &'static str| invalid_because(hint.into());
+        // No option needs one, and a name or path with a newline would forge a row of berth ps
+        // or a line of the logs.
+        if let Some((at, c)) = berth_sys::text::control_char(value) {
+            return Err(invalid_because(
+                format!(
+                    "it has a control character ({}) at byte {at}: give a printable value",
+                    c.escape_unicode()
+                )
+                .into(),
+            ));
+        }
         match key {
             Key::Image => set_once(&mut self.image, flag, value),
             // A relative one is taken against the container's default working directory on
@@ -694,6 +705,11 @@ fn check_env_name(name: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// A value as an error line quotes it: elided, control characters escaped.
+fn shown(value: &str) -> String {
+    berth_sys::text::escape_controls(&berth_sys::text::elide(value)).into_owned()
+}
+
 /// Pyxis's boolean spellings.
 pub fn parse_bool(s: &str) -> Option<bool> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -766,6 +782,38 @@ mod tests {
         for key in Key::ALL {
             assert!(FLAGS.iter().any(|f| f.key == key), "{key:?} has no flag");
         }
+    }
+
+    #[test]
+    fn values_with_control_characters_are_refused_in_one_line() {
+        for (name, value) in [
+            ("container-name", "x\nforged"),
+            ("container-save", "/tmp/a\rb"),
+            ("container-image", "busybox\u{1b}[2J"),
+            ("container-mounts", "/a:/b\n"),
+            ("container-workdir", "/w\tx"),
+        ] {
+            let mut o = Options::default();
+            let e = flag(&mut o, name, Some(value)).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("--{name}")), "{e}");
+            assert!(e.contains("control character"), "{e}");
+            assert!(!e.chars().any(char::is_control), "{e}");
+        }
+        let mut o = Options::default();
+        let e = o
+            .apply_env(env(&[("PYXIS_CONTAINER_NAME", "a\nb")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--container-name"), "{e}");
+        assert!(
+            e.contains("'a\\nb'") && e.contains("control character"),
+            "{e}"
+        );
+        let e = o
+            .apply_env(env(&[("PYXIS_CONTAINER_WRITABLE", "1\nforged")]))
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains('\n'), "{e}");
     }
 
     #[test]
