@@ -70,6 +70,14 @@ fn controller_bin() -> PathBuf {
     bin
 }
 
+/// The `X-Berth-Auth` header of a request signed with the test cluster's key.
+fn signed(method: &str, path: &str, body: &[u8]) -> String {
+    let key = berth_api::auth::Key::new(KEY);
+    berth_api::auth::sign_request(&key, method, path, body)
+        .unwrap()
+        .header
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -255,7 +263,7 @@ done
             .into();
         let mut r = agent
             .get(&format!("http://{}{path}", self.addrs[i]))
-            .header("authorization", &format!("Bearer {KEY}"))
+            .header(berth_api::auth::AUTH_HEADER, &signed("GET", path, b""))
             .call()
             .ok()?;
         serde_json::from_slice(&r.body_mut().read_to_vec().ok()?).ok()
@@ -409,7 +417,7 @@ done
             .into();
         let mut r = agent
             .get(&format!("http://{addr}{path}"))
-            .header("authorization", &format!("Bearer {KEY}"))
+            .header(berth_api::auth::AUTH_HEADER, &signed("GET", path, b""))
             .call()
             .ok()?;
         r.body_mut().read_to_string().ok()
@@ -508,7 +516,17 @@ fn one_controller_drains_a_failing_node_resumes_it_and_leaves_admin_drains() {
     assert_eq!(r.status().as_u16(), 401);
     let r = plain
         .post(&format!("http://{}/v1/heartbeat", c.addrs[0]))
-        .header("authorization", "Bearer wrong")
+        .header(
+            berth_api::auth::AUTH_HEADER,
+            &berth_api::auth::sign_request(
+                &berth_api::auth::Key::new("wrong"),
+                "POST",
+                "/v1/heartbeat",
+                b"{}",
+            )
+            .unwrap()
+            .header,
+        )
         .content_type("application/json")
         .send(&b"{}"[..])
         .unwrap();
@@ -1039,11 +1057,15 @@ fn post_beat(c: &Cluster, i: usize, node: &str, ok: bool) -> Option<u16> {
                     "severity": "hard", "recoverable": true,
                     "message": if ok { "8 of 8" } else { "7 of 8" }}]
     });
+    let body = body.to_string();
     let r = agent
         .post(&format!("http://{}/v1/heartbeat", c.addrs[i]))
-        .header("authorization", &format!("Bearer {KEY}"))
+        .header(
+            berth_api::auth::AUTH_HEADER,
+            &signed("POST", "/v1/heartbeat", body.as_bytes()),
+        )
         .content_type("application/json")
-        .send(body.to_string().as_bytes())
+        .send(body.as_bytes())
         .ok()?;
     Some(r.status().as_u16())
 }

@@ -264,7 +264,12 @@ fn get(addr: &str, path: &str) -> Option<(u16, String)> {
         .into();
     let mut r = agent
         .get(&format!("http://{addr}{path}"))
-        .header("authorization", &format!("Bearer {KEY}"))
+        .header(
+            berth_api::auth::AUTH_HEADER,
+            &berth_api::auth::sign_request(&berth_api::auth::Key::new(KEY), "GET", path, b"")
+                .unwrap()
+                .header,
+        )
         .call()
         .ok()?;
     let status = r.status().as_u16();

@@ -65,6 +65,14 @@ fn write(path: &Path, text: &str) {
     std::fs::write(path, text).unwrap();
 }
 
+/// The `X-Berth-Auth` header of a request signed with the test cluster's key.
+fn signed(method: &str, path: &str, body: &[u8]) -> String {
+    let key = berth_api::auth::Key::new(KEY);
+    berth_api::auth::sign_request(&key, method, path, body)
+        .unwrap()
+        .header
+}
+
 fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while !cond() {
@@ -235,7 +243,10 @@ impl Cluster {
             .into();
         let mut r = agent
             .get(&format!("http://{}/v1/catalog", self.controller))
-            .header("authorization", &format!("Bearer {KEY}"))
+            .header(
+                berth_api::auth::AUTH_HEADER,
+                &signed("GET", "/v1/catalog", b""),
+            )
             .call()
             .ok()?;
         serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
@@ -302,12 +313,15 @@ impl Cluster {
             .timeout_global(Some(Duration::from_secs(300)))
             .build()
             .into();
-        let body = serde_json::json!({"reference": self.reference, "peers": peers});
+        let body = serde_json::json!({"reference": self.reference, "peers": peers}).to_string();
         let mut r = agent
             .post(&format!("http://127.0.0.1:{}/v1/warm", self.agents[i].1))
-            .header("authorization", &format!("Bearer {KEY}"))
+            .header(
+                berth_api::auth::AUTH_HEADER,
+                &signed("POST", "/v1/warm", body.as_bytes()),
+            )
             .content_type("application/json")
-            .send(body.to_string().as_bytes())
+            .send(body.as_bytes())
             .unwrap();
         serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
     }
@@ -402,25 +416,39 @@ impl CorruptPeer {
                 if reader.read_line(&mut first).is_err() {
                     continue;
                 }
+                let mut nonce = String::new();
                 loop {
                     let mut l = String::new();
                     if reader.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
                         break;
                     }
+                    if let Some(v) = l.to_ascii_lowercase().strip_prefix("x-berth-auth:") {
+                        nonce = v
+                            .split_whitespace()
+                            .find_map(|w| w.strip_prefix("nonce="))
+                            .unwrap_or_default()
+                            .to_string();
+                    }
                 }
-                let size = sizes
-                    .iter()
-                    .find(|(d, _)| first.contains(d.as_str()))
-                    .map(|(_, s)| *s);
+                let found = sizes.iter().find(|(d, _)| first.contains(d.as_str()));
                 let mut conn = conn;
-                match size {
-                    Some(size) => {
+                match found {
+                    Some((digest, size)) => {
                         a.fetch_add(1, Ordering::SeqCst);
+                        // It holds the cluster key (a node whose disk went bad): its answers
+                        // prove the key, and only the digest check can refuse its bytes.
+                        let proof = berth_api::auth::sign_answer(
+                            &berth_api::auth::Key::new(KEY),
+                            &nonce,
+                            200,
+                            &berth_api::auth::blob_tag(digest, *size),
+                        );
                         let _ = write!(
                             conn,
-                            "HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n"
+                            "HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\
+                             X-Berth-Proof: {proof}\r\nConnection: close\r\n\r\n"
                         );
-                        let junk = vec![0x1fu8; usize::try_from(size).unwrap()];
+                        let junk = vec![0x1fu8; usize::try_from(*size).unwrap()];
                         let _ = conn.write_all(&junk);
                     }
                     None => {
