@@ -6,8 +6,11 @@ fn main() {
     let code = match cli.execute() {
         Ok(code) => code,
         Err(failure) => {
-            berth::log::failure(&failure.message);
-            eprintln!("berth: {}", failure.message);
+            // The last guard: whatever a user, an image or a server put into the message, it is
+            // one line of bounded size on stderr (srun, slurmd's log) and in syslog.
+            let line = berth_sys::text::one_line(&failure.message);
+            berth::log::failure(&line);
+            eprintln!("berth: {line}");
             failure.code
         }
     };

@@ -26,7 +26,7 @@ pub struct CreateArgs {
     pub positional_image: Option<String>,
 
     /// A name to find the container by (unique per user)
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = super::values::name)]
     pub name: Option<String>,
 
     /// Print a JSON description (id, init pid, namespaces, environment, working directory)
@@ -41,7 +41,7 @@ pub struct ExecArgs {
     pub container: String,
 
     /// Add or override an environment variable
-    #[arg(short, long = "env", value_name = "KEY=VAL")]
+    #[arg(short, long = "env", value_name = "KEY=VAL", value_parser = super::values::env)]
     pub env: Vec<String>,
 
     /// The command and its arguments
@@ -217,19 +217,22 @@ pub fn ps(args: &PsArgs, config: &Config) -> Result<i32, Failure> {
         "PID",
         "NAME"
     );
+    // One row per container whatever its record holds: a name or label with a control
+    // character (refused now, possibly kept by an older berth) is shown escaped.
+    use berth_sys::text::escape_controls as esc;
     for r in records {
         let labels: Vec<String> = r
             .labels
             .iter()
             .filter(|(k, _)| *k != "name" && *k != "uid")
-            .map(|(k, v)| format!("{k}={v}"))
+            .map(|(k, v)| format!("{}={}", esc(k), esc(v)))
             .collect();
         outln!(
             "{:<14} {:>8} {:>8}  {:<16} {}",
-            r.id,
+            esc(&r.id),
             r.uid(),
             r.init_pid,
-            r.labels.get("name").map(String::as_str).unwrap_or("-"),
+            esc(r.labels.get("name").map(String::as_str).unwrap_or("-")),
             labels.join(",")
         );
     }

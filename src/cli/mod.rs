@@ -121,7 +121,8 @@ impl Cli {
             }
             // A value a flag's parser refused: one line, as berth words every error.
             Err(e) if e.kind() == ErrorKind::ValueValidation => {
-                eprintln!("berth: {}", elide_words(&value_error_line(&e)));
+                let line = berth_sys::text::one_line(&elide_words(&value_error_line(&e)));
+                eprintln!("berth: {line}");
                 std::process::exit(e.exit_code());
             }
             Err(e)
@@ -346,12 +347,31 @@ pub mod values {
             .map_err(|e| e.to_string())
     }
 
-    /// `--env KEY=VAL`, or `KEY` alone (the caller's value, looked up when the verb runs).
+    /// `--env KEY=VAL`, or `KEY` alone (the caller's value, looked up when the verb runs). A
+    /// KEY with a control character is refused (a value may hold any but NUL: certificates,
+    /// exported shell functions).
     pub fn env(text: &str) -> Result<String, String> {
         if text.contains('=') || text.is_empty() || text.contains('\0') {
             parse::env_pair(text).map_err(|e| e.to_string())?;
         }
+        let key = text.split('=').next().unwrap_or_default();
+        if berth_sys::text::control_char(key).is_some()
+            && let Some(line) = berth_sys::text::refuse_control("--env", text)
+        {
+            return Err(line);
+        }
         Ok(text.to_string())
+    }
+
+    /// `create --name`: not empty, and no control character (`berth ps` shows it in a row).
+    pub fn name(text: &str) -> Result<String, String> {
+        if text.is_empty() {
+            return Err("--name: give a name, or leave --name out".into());
+        }
+        match berth_sys::text::refuse_control("--name", text) {
+            Some(line) => Err(line),
+            None => Ok(text.to_string()),
+        }
     }
 
     /// `--workdir`'s parser: [`workdir`] on the argument's bytes.
@@ -590,6 +610,26 @@ mod tests {
             (&["topo", "plan", "--gpus", "all"][..], "--gpus"),
             (&["stage", "in", "--workers=-1", "a"][..], "--workers"),
             (&["health", "--expect-gpus", "many"][..], "--expect-gpus"),
+            (
+                &["run", "-e", "A\nB=1", "img"][..],
+                "--env 'A\\nB=1': has a control character",
+            ),
+            (
+                &["run", "-e", "A\u{1b}[2J", "img"][..],
+                "--env 'A\\u{1b}[2J': has a control character",
+            ),
+            (
+                &["exec", "-e", "A\rB=1", "c", "--", "true"][..],
+                "--env 'A\\rB=1': has a control character",
+            ),
+            (
+                &["create", "--name", "x\nforged", "--rootfs", "/"][..],
+                "--name 'x\\nforged': has a control character (\\u{a}) at byte 1",
+            ),
+            (
+                &["create", "--name", "", "--rootfs", "/"][..],
+                "--name: give a name",
+            ),
         ] {
             let e = parse(args).expect_err(&format!("{args:?} was accepted"));
             assert_eq!(e.kind(), ErrorKind::ValueValidation, "{args:?}");
@@ -635,6 +675,17 @@ mod tests {
         assert_eq!(a.container.memory.as_deref(), Some("512M"));
         assert_eq!(a.container.cpuset.as_deref(), Some("0-3,8"));
         assert_eq!(a.container.env, ["K=V", "HOME"]);
+        // A value may hold newlines (a certificate, an exported shell function); a name may hold
+        // any printable character.
+        let cert = run_args(&["run", "-e", "CERT=-----BEGIN\nabc\n-----END", "img"]);
+        assert_eq!(cert.container.env, ["CERT=-----BEGIN\nabc\n-----END"]);
+        let Command::Create(c) = parse(&["create", "--name", "my box-ü", "--rootfs", "/"])
+            .unwrap()
+            .command
+        else {
+            panic!("not create")
+        };
+        assert_eq!(c.name.as_deref(), Some("my box-ü"));
         assert_eq!(a.container.devices.len(), 2);
         for gpus in [
             "all",
