@@ -7,6 +7,7 @@
 mod common;
 
 mod images;
+mod inputs;
 mod runtime;
 mod stage;
 mod state;
