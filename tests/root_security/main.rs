@@ -7,6 +7,7 @@
 mod common;
 
 mod images;
+mod network;
 mod inputs;
 mod runtime;
 mod stage;
