@@ -48,6 +48,21 @@ pub struct RegistryConfig {
     /// Mirrors per registry (`HOST[:PORT]` as in image references, `docker.io` for Docker Hub),
     /// tried in order before the registry itself.
     pub mirrors: std::collections::BTreeMap<String, MirrorConfig>,
+    /// Seconds an import from a registry may take in all (`berth import`, `berth run`, a step):
+    /// past it, it fails in one line. A lazy image's chunk fetches each get this much.
+    pub import_deadline_s: u64,
+    /// The import's deadline in the Slurm Prolog (`berth prolog`), when smaller: keep it below
+    /// slurm.conf's PrologEpilogTimeout less what stage-in and cleanup take. The first step
+    /// imports what the Prolog did not finish.
+    pub prolog_import_deadline_s: u64,
+    /// Bytes per second every transfer of an import must average over each
+    /// `min_rate_window_s` spent waiting on the network (a registry trickling a byte every few
+    /// seconds never trips `read_timeout_s`); 0: no minimum.
+    pub min_rate_bytes_per_s: u64,
+    pub min_rate_window_s: u64,
+    /// Set by the Prolog (never read from berth.toml): `prolog_import_deadline_s` applies.
+    #[serde(skip)]
+    pub in_prolog: bool,
 }
 
 /// `[registry.mirrors."HOST"]`: where images of one registry are pulled from first.
@@ -84,6 +99,11 @@ impl Default for RegistryConfig {
             retry_backoff_ms: 500,
             auth_files: true,
             mirrors: std::collections::BTreeMap::new(),
+            import_deadline_s: 1800,
+            prolog_import_deadline_s: 300,
+            min_rate_bytes_per_s: 4096,
+            min_rate_window_s: 30,
+            in_prolog: false,
         }
     }
 }

@@ -172,6 +172,30 @@ pub enum ImageError {
     /// Another layer of the same pull failed first.
     #[error("pull aborted")]
     Aborted,
+    /// A transfer brought less than `registry.min_rate_bytes_per_s` over a window.
+    #[error(
+        "registry {registry}: {what}: {bytes} bytes in {secs} s, below the minimum {rate}/s \
+         ({key}); check the registry or raise the limit"
+    )]
+    TooSlow {
+        registry: String,
+        what: String,
+        bytes: u64,
+        secs: u64,
+        rate: String,
+        key: &'static str,
+    },
+    /// The import's overall deadline passed.
+    #[error(
+        "registry {registry}: {what}: the import did not finish within its deadline of {secs} s \
+         ({key}); check the registry or raise the limit"
+    )]
+    DeadlinePassed {
+        registry: String,
+        what: String,
+        secs: u64,
+        key: &'static str,
+    },
 
     // ---- Reading tar streams (`layer::reader`), before a layer or archive gives them context.
     #[error("{0}")]
@@ -467,6 +491,8 @@ impl ImageError {
             | E::TarFormat { .. }
             | E::ArchiveIo { .. }
             | E::Invalid { .. }
+            | E::TooSlow { .. }
+            | E::DeadlinePassed { .. }
             | E::BlobMismatch { .. }
             | E::NoSuchName { .. }
             | E::AmbiguousName { .. }

@@ -98,11 +98,16 @@ pub fn prolog(config: &Config, say: Say<'_>) -> Result<(), SlurmError> {
         && !image.is_empty()
     {
         // Fetching early saves the first step the wait. A failure here must not drain the
-        // node: the step tries again and reports it to the user.
+        // node: the step tries again and reports it to the user. The import has the Prolog's
+        // own deadline (registry.prolog_import_deadline_s), below Slurm's PrologEpilogTimeout:
+        // a registry that trickles must not keep the Prolog until slurmd kills it and drains
+        // the node.
+        let mut in_prolog = config.clone();
+        in_prolog.registry.in_prolog = true;
         match ids {
             Some((uid, gid)) => {
                 let user = berth_spec::user::by_id(uid, gid);
-                match crate::container::resolve(&image, config, &user, None) {
+                match crate::container::resolve(&image, &in_prolog, &user, None) {
                     Ok(resolved) => tracing::info!(
                         "job {job}: image {image} ready ({})",
                         resolved.digest.as_deref().unwrap_or("a directory")

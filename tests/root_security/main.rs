@@ -9,6 +9,7 @@ mod common;
 mod images;
 mod network;
 mod inputs;
+mod lazy;
 mod runtime;
 mod stage;
 mod state;

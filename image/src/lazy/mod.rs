@@ -609,6 +609,9 @@ impl LazyMount {
                 index.blob, index.size, sqsh.digest, sqsh.size
             )));
         }
+        // The manifest and index came within the import's deadline; each chunk fetch, for as
+        // long as the container runs, gets one of its own.
+        client.deadline_per_request();
         let chunks = Arc::new(open_cache(
             &image,
             client,

@@ -36,6 +36,9 @@ pub struct BlobStream<'a> {
     pub failure: Option<ImageError>,
     /// Where the delivered bytes are also written, to keep the blob for peers once verified.
     pub tee: Option<crate::peers::Keeper>,
+    /// The minimum rate (super::limits), over the whole blob, resumes included: the time spent
+    /// reopening it counts as waiting.
+    meter: super::limits::Meter,
 }
 
 impl<'a> BlobStream<'a> {
@@ -61,6 +64,7 @@ impl<'a> BlobStream<'a> {
             on_bytes,
             failure: None,
             tee: None,
+            meter: transport.limits.meter(),
         }
     }
 
@@ -175,6 +179,7 @@ impl Read for BlobStream<'_> {
                 // `size` bytes.
                 return Ok(0);
             }
+            let since = std::time::Instant::now();
             if self.body.is_none() {
                 match self.open() {
                     Ok(b) => self.body = Some(b),
@@ -186,7 +191,14 @@ impl Read for BlobStream<'_> {
                 .len()
                 .min(usize::try_from(remaining).unwrap_or(usize::MAX));
             let body = self.body.as_mut().expect("opened above");
-            let detail = match body.read(&mut buf[..want]) {
+            let got = body.read(&mut buf[..want]);
+            let n = got.as_ref().map_or(0, |n| *n as u64);
+            if let Err(slow) = self.meter.add(n, since.elapsed()) {
+                // Final: a resume would only trickle on.
+                let what = format!("blob {} of {}", self.digest, self.target.image);
+                return Err(self.fail(slow.error(&self.target.registry, &what)));
+            }
+            let detail = match got {
                 Ok(0) => "connection closed early".to_string(),
                 Ok(n) => {
                     self.hasher.update(&buf[..n]);

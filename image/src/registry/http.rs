@@ -57,6 +57,8 @@ pub struct Transport {
     auth_cache: Mutex<HashMap<String, String>>,
     /// Whether any request of this client sent a user's login.
     used_login: AtomicBool,
+    /// The import's deadline and minimum rate (super::limits).
+    pub limits: super::limits::Limits,
     /// Cluster peers (crate::peers): plain HTTP, each request signed with the cluster key and
     /// each answer checked for the peer's proof of it (berth_api::auth).
     peers: Mutex<HashMap<String, berth_api::auth::Key>>,
@@ -101,6 +103,7 @@ impl Transport {
             credentials,
             auth_cache: Mutex::new(HashMap::new()),
             used_login: AtomicBool::new(false),
+            limits: super::limits::Limits::new(config),
             peers: Mutex::new(HashMap::new()),
         })
     }
@@ -173,10 +176,12 @@ impl Transport {
         let key = format!("{}/{}", t.registry, t.repository);
         let mut answered_challenge = false;
         let mut attempt = 0u32;
+        let deadline = self.limits.deadline();
         loop {
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
                 return Err(ImageError::Aborted);
             }
+            let left = deadline.check(&t.registry, &super::limits::what(&t.image, url))?;
             let peer = self.peer_key(&t.registry);
             let authorization = if peer.is_some() {
                 None
@@ -200,6 +205,8 @@ impl Transport {
             if let Some(r) = range {
                 req = req.header("Range", r);
             }
+            // What is left of the deadline bounds this request, the reading of its body included.
+            req = req.config().timeout_global(Some(left)).build();
             let signed = match &peer {
                 Some(k) => Some(peer_sign(t, k, method, url)?),
                 None => None,
@@ -276,11 +283,13 @@ impl Transport {
     /// midway is `Unreachable` (callers retry it); a body past [`DOCUMENT_LIMIT`] is the
     /// registry's fault, said so, not retried.
     pub fn read_document(&self, t: &Target, resp: Resp) -> Result<Vec<u8>, ImageError> {
-        resp.into_body()
+        let reader = resp
+            .into_body()
             .into_with_config()
             .limit(DOCUMENT_LIMIT)
-            .read_to_vec()
-            .map_err(|e| match e {
+            .reader();
+        let what = format!("a manifest, config or token of {}", t.image);
+        super::limits::read_metered(reader, self.limits.meter(), &t.registry, &what, |e| match e {
                 ureq::Error::BodyExceedsLimit(_) => ImageError::Protocol {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
@@ -389,7 +398,9 @@ impl Transport {
             detail,
         };
         let mut attempt = 0u32;
+        let deadline = self.limits.deadline();
         let resp = loop {
+            let left = deadline.check(realm_host, &format!("a token for {}", t.image))?;
             let answer = match login {
                 // docker's identity token is an OAuth2 refresh token: POSTed to the realm
                 // (distribution's token spec), never sent as a password.
@@ -399,14 +410,26 @@ impl Transport {
                 }) => self
                     .agent
                     .post(realm)
+                    .config()
+                    .timeout_global(Some(left))
+                    .build()
                     .header("Content-Type", "application/x-www-form-urlencoded")
                     .send(refresh_form(token, service, &scope).as_bytes()),
                 Some(l) => self
                     .agent
                     .get(&url)
+                    .config()
+                    .timeout_global(Some(left))
+                    .build()
                     .header("Authorization", l.basic_header())
                     .call(),
-                None => self.agent.get(&url).call(),
+                None => self
+                    .agent
+                    .get(&url)
+                    .config()
+                    .timeout_global(Some(left))
+                    .build()
+                    .call(),
             };
             let (failure, answered) = match answer {
                 Ok(r) if r.status().is_server_error() => (

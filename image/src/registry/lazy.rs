@@ -1,13 +1,15 @@
 //! The registry side of lazily loaded images (`crate::lazy`): the lazy form's manifest, its
 //! small blobs, byte ranges of its squashfs blob (`Range: bytes=A-B`), and publishing it (the
 //! distribution spec's monolithic upload: POST, then PUT with the digest; then a manifest PUT).
-//! Every request goes with the user's credentials, as a pull does.
+//! Every request goes with the user's credentials, as a pull does, and under an import's
+//! deadline and minimum rate (super::limits).
 
 use std::io::Read;
 
 use ureq::http::StatusCode;
 
 use super::http::{Method, Target};
+use super::limits::{Metered, Slow};
 use super::{Client, check_digest, manifest_url};
 use crate::ImageError;
 use crate::RegistryRef;
@@ -82,6 +84,13 @@ impl Client {
         }))
     }
 
+    /// Gives each later request the whole import deadline (`registry.import_deadline_s`) from
+    /// when it is sent, rather than from this client's start: a lazy image's chunks are fetched
+    /// for as long as its container runs.
+    pub fn deadline_per_request(&self) {
+        self.transport.limits.per_request();
+    }
+
     /// Bytes `start..start + len` of the blob `digest`: a `Range` GET. A registry that ignores
     /// `Range` (200) is read up to the range and the rest of its answer dropped.
     pub fn lazy_range(
@@ -118,18 +127,30 @@ impl Client {
                 ));
             }
         };
-        let mut body = resp.into_body().into_reader();
-        let io = |e: std::io::Error| ImageError::Unreachable {
-            registry: t.registry.clone(),
-            image: t.image.clone(),
-            attempts: 1,
-            detail: format!("reading {digest} ({range}): {e}"),
+        let mut body = Metered::new(
+            resp.into_body().into_reader(),
+            self.transport.limits.meter(),
+        );
+        let io = |e: std::io::Error, slow: Option<Slow>| match slow {
+            Some(slow) => slow.error(
+                &t.registry,
+                &format!("blob {digest} ({range}) of {}", t.image),
+            ),
+            None => ImageError::Unreachable {
+                registry: t.registry.clone(),
+                image: t.image.clone(),
+                attempts: 1,
+                detail: format!("reading {digest} ({range}): {e}"),
+            },
         };
         if skip > 0 {
-            std::io::copy(&mut body.by_ref().take(skip), &mut std::io::sink()).map_err(io)?;
+            std::io::copy(&mut body.by_ref().take(skip), &mut std::io::sink())
+                .map_err(|e| io(e, body.slow))?;
         }
         let mut out = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-        body.take(len).read_to_end(&mut out).map_err(io)?;
+        if let Err(e) = body.by_ref().take(len).read_to_end(&mut out) {
+            return Err(io(e, body.slow));
+        }
         if out.len() as u64 != len {
             return Err(protocol(
                 t,

@@ -18,6 +18,7 @@ mod blob;
 mod http;
 mod layers;
 pub mod lazy;
+mod limits;
 pub mod manifest;
 mod peer;
 mod pipeline;
@@ -228,7 +229,11 @@ impl Client {
     fn is_final(e: &ImageError) -> bool {
         matches!(
             e,
-            ImageError::RegistryConfig { .. } | ImageError::Aborted | ImageError::PullLayer { .. }
+            ImageError::RegistryConfig { .. }
+                | ImageError::Aborted
+                | ImageError::PullLayer { .. }
+                // The deadline is the import's: no other source has time left either.
+                | ImageError::DeadlinePassed { .. }
         )
     }
 
