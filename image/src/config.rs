@@ -167,6 +167,10 @@ pub struct SquashfsConfig {
     pub compression_level: u32,
     /// Run an Enroot image's /etc/rc as its entrypoint (what Pyxis --container-entrypoint does).
     pub enroot_entrypoint: bool,
+    /// Seconds a save (`berth export` of a container, `--container-save` at a step's end) may
+    /// take before mksquashfs is killed and the save fails: a step's end never waits on the
+    /// user's files without limit (a FIFO swapped in for a file would block a read forever).
+    pub export_timeout_s: u64,
 }
 
 impl Default for SquashfsConfig {
@@ -176,13 +180,20 @@ impl Default for SquashfsConfig {
             compression: Compression::Zstd,
             compression_level: 3,
             enroot_entrypoint: false,
+            export_timeout_s: 1800,
         }
     }
 }
 
 impl SquashfsConfig {
-    /// Checks values serde cannot: the level's range for the compressor.
+    /// Checks values serde cannot: the level's range for the compressor, a save's deadline.
     pub fn check(&self) -> Result<(), ImageError> {
+        if self.export_timeout_s == 0 {
+            return Err(ImageError::ExportInvalid(
+                "squashfs.export_timeout_s is 0: give the seconds a save may take (default 1800)"
+                    .into(),
+            ));
+        }
         if let Some(range) = self.compression.levels()
             && !range.contains(&self.compression_level)
         {

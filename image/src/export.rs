@@ -9,7 +9,10 @@
 //!   without what is mounted on top (`/proc`, `/sys`, `/dev`, `/tmp`, bind mounts): a child
 //!   joins the container's mount namespace, clones its root mount alone (open_tree without
 //!   AT_RECURSIVE), and runs mksquashfs on that bare root while the container keeps running
-//!   untouched;
+//!   untouched. The user's processes may swap files for symlinks or FIFOs meanwhile, so
+//!   mksquashfs runs with an empty tmpfs as its root ([`Jail`]): it holds mksquashfs and its
+//!   libraries, the bare root at `/src` and the output at `/out`, and nothing of the host, so a
+//!   path mksquashfs follows never reaches a host file; a deadline bounds a blocked read;
 //! - an existing squashfs (a `.sqsh`, or a SIF's partition): copied byte for byte.
 //!
 //! mksquashfs keeps owners, modes, times and extended attributes (`-xattrs`), never
@@ -21,6 +24,7 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -116,19 +120,25 @@ pub fn mksquashfs_args(
     args
 }
 
-/// The mksquashfs binary: on PATH, else where Debian and others install it (a Slurm prolog
-/// runs with no PATH).
-pub fn find_mksquashfs() -> Result<PathBuf, ImageError> {
+/// `name` on PATH, else where Debian and others install programs (a Slurm prolog runs with no
+/// PATH).
+fn find_program(name: &str) -> Option<PathBuf> {
     let dirs: Vec<PathBuf> = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect())
         .unwrap_or_default();
-    let fallback = ["/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin"];
     dirs.iter()
         .map(PathBuf::as_path)
-        .chain(fallback.iter().map(Path::new))
-        .map(|d| d.join("mksquashfs"))
+        .chain(PROGRAM_DIRS.iter().map(Path::new))
+        .map(|d| d.join(name))
         .find(|p| p.is_file())
-        .ok_or_else(|| ImageError::NoMksquashfs(format!("PATH, {}", fallback.join(", "))))
+}
+
+const PROGRAM_DIRS: [&str; 5] = ["/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin"];
+
+/// The mksquashfs binary.
+pub fn find_mksquashfs() -> Result<PathBuf, ImageError> {
+    find_program("mksquashfs")
+        .ok_or_else(|| ImageError::NoMksquashfs(format!("PATH, {}", PROGRAM_DIRS.join(", "))))
 }
 
 /// The partially written output: removed on drop unless committed.
@@ -383,10 +393,17 @@ fn check(r: libc::c_int) -> std::io::Result<()> {
     }
 }
 
-/// Runs mksquashfs and turns its failure into one line.
+/// Runs mksquashfs within `config.export_timeout_s` and turns its failure into one line. Past
+/// the deadline it is killed: a step's end never waits on the user's files without limit.
 /// `setup` names what the child does before exec, for the error if that fails.
-fn run_mksquashfs(mut cmd: Command, setup: &str, tmp: &Path, out: &Path) -> Result<(), ImageError> {
-    let child = cmd
+fn run_mksquashfs(
+    mut cmd: Command,
+    setup: &str,
+    tmp: &Path,
+    out: &Path,
+    config: &SquashfsConfig,
+) -> Result<(), ImageError> {
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -395,16 +412,42 @@ fn run_mksquashfs(mut cmd: Command, setup: &str, tmp: &Path, out: &Path) -> Resu
             what: format!("starting mksquashfs ({setup})"),
             source,
         })?;
-    let output = child
-        .wait_with_output()
-        .map_err(|source| ImageError::ExportIo {
-            what: "waiting for mksquashfs".into(),
-            source,
-        })?;
-    if output.status.success() && tmp.exists() {
+    let pid = child.id();
+    let stderr = child.stderr.take();
+    // A thread owns the child and reaps it: the pid stays the child's (unreaped) until then, so
+    // the kill below can never reach another process.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut text = Vec::new();
+        if let Some(e) = stderr {
+            // Bounded: a message, not a stream to keep.
+            let _ = e.take(64 * 1024).read_to_end(&mut text);
+        }
+        let _ = done.send((child.wait(), text));
+    });
+    let limit = std::time::Duration::from_secs(config.export_timeout_s);
+    let (status, stderr) = match finished.recv_timeout(limit) {
+        Ok(r) => r,
+        Err(_) => {
+            let pid = libc::pid_t::try_from(pid).unwrap_or(libc::pid_t::MAX);
+            // SAFETY: kill(2) on the child this function started, not yet reaped (above).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let _ = finished.recv();
+            return Err(ImageError::ExportTimeout {
+                out: out.to_path_buf(),
+                secs: config.export_timeout_s,
+            });
+        }
+    };
+    let status = status.map_err(|source| ImageError::ExportIo {
+        what: "waiting for mksquashfs".into(),
+        source,
+    })?;
+    let written = std::fs::metadata(tmp).is_ok_and(|m| m.len() > 0);
+    if status.success() && written {
         return Ok(());
     }
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&stderr);
     tracing::debug!("mksquashfs: {stderr}");
     if stderr.contains("No space left on device") {
         return Err(no_space(out));
@@ -419,7 +462,7 @@ fn run_mksquashfs(mut cmd: Command, setup: &str, tmp: &Path, out: &Path) -> Resu
         })
         .or_else(|| stderr.lines().map(str::trim).rfind(|l| !l.is_empty()))
         .map(str::to_string)
-        .unwrap_or_else(|| format!("it exited with {}", output.status));
+        .unwrap_or_else(|| format!("it exited with {status}"));
     Err(ImageError::Mksquashfs {
         out: out.to_path_buf(),
         message,
@@ -457,7 +500,7 @@ fn squash_layers(
         }
         let mut cmd = Command::new(&mksquashfs);
         cmd.args(mksquashfs_args(top, tmp, offset, config));
-        return run_mksquashfs(cmd, "reading the directory", tmp, out);
+        return run_mksquashfs(cmd, "reading the directory", tmp, out, config);
     }
     // A private mount namespace in the child holds the overlay: nothing appears on the host,
     // and the two empty directories it needs go with the scratch guard.
@@ -505,11 +548,203 @@ fn squash_layers(
         "mounting a read-only overlay of the layers in a private mount namespace",
         tmp,
         out,
+        config,
     )
 }
 
 /// open_tree(2)'s flag for a detached copy of the mount (not in libc).
 const OPEN_TREE_CLONE: libc::c_int = 1;
+/// move_mount(2)'s flag: the source is the descriptor itself (not in libc).
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+
+/// Where the saving child mounts the tmpfs that becomes its root, in its private copy of the
+/// host's mount namespace: a directory every system has and no user can replace. Nothing
+/// changes there on the host.
+const JAIL_AT: &str = "/dev";
+
+/// A program and the shared objects it loads, as `ldd` lists them: what an empty root must hold
+/// for the program to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Tool {
+    binary: PathBuf,
+    /// The ELF interpreter, at the absolute path the binary names (none when static).
+    interpreter: Option<PathBuf>,
+    libraries: Vec<PathBuf>,
+}
+
+/// The interpreter and libraries in `ldd`'s output (`name => /path (0x…)`, `/interp (0x…)`).
+fn parse_ldd(text: &str) -> Result<(Option<PathBuf>, Vec<PathBuf>), String> {
+    let mut interpreter = None;
+    let mut libraries = Vec::new();
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if line.contains("not a dynamic executable") || line.contains("statically linked") {
+            return Ok((None, Vec::new()));
+        }
+        let path = |p: &str| p.split(" (0x").next().unwrap_or(p).trim().to_string();
+        match line.split_once("=>") {
+            Some((name, target)) => {
+                let target = path(target);
+                if target == "not found" {
+                    return Err(format!("{} is not found", name.trim()));
+                }
+                if target.starts_with('/') {
+                    libraries.push(PathBuf::from(target));
+                }
+            }
+            // The vDSO has no file; the interpreter is the one absolute path without "=>".
+            None if line.starts_with('/') => interpreter = Some(PathBuf::from(path(line))),
+            None => {}
+        }
+    }
+    Ok((interpreter, libraries))
+}
+
+fn tool(binary: &Path) -> Result<Tool, ImageError> {
+    let fail = |why: String| {
+        ImageError::ExportInvalid(format!(
+            "listing the libraries of {} for the save's empty root: {why}",
+            binary.display()
+        ))
+    };
+    let ldd = find_program("ldd").ok_or_else(|| fail("ldd not found (libc-bin)".into()))?;
+    let o = Command::new(ldd)
+        .arg(binary)
+        .env_clear()
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| fail(e.to_string()))?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    let (interpreter, mut libraries) = parse_ldd(&text).map_err(fail)?;
+    // glibc loads libgcc_s at run time (dlopen, so ldd does not list it) to unwind a thread
+    // that exits: mksquashfs's threads do.
+    if let Some(dir) = libraries
+        .iter()
+        .find(|l| l.file_name().is_some_and(|n| n == "libc.so.6"))
+        .and_then(|l| l.parent())
+    {
+        let gcc = dir.join("libgcc_s.so.1");
+        if gcc.is_file() && !libraries.contains(&gcc) {
+            libraries.push(gcc);
+        }
+    }
+    if !o.status.success() && interpreter.is_none() && libraries.is_empty() {
+        // ldd exits 1 for a static binary, which needs nothing else.
+        let why = String::from_utf8_lossy(&o.stderr);
+        if !text.contains("not a dynamic") && !why.contains("not a dynamic") {
+            return Err(fail(why.trim().chars().take(200).collect()));
+        }
+    }
+    Ok(Tool {
+        binary: binary.to_path_buf(),
+        interpreter,
+        libraries,
+    })
+}
+
+/// Where each of `tool`'s files goes in the jail: (host path, path in the jail). mksquashfs is
+/// `/bin/mksquashfs`, its libraries are in `/lib` (`LD_LIBRARY_PATH`), its interpreter where the
+/// binary names it.
+fn layout(tool: &Tool) -> Vec<(PathBuf, PathBuf)> {
+    let mut places = vec![(tool.binary.clone(), PathBuf::from("/bin/mksquashfs"))];
+    if let Some(i) = &tool.interpreter {
+        places.push((i.clone(), i.clone()));
+    }
+    for l in &tool.libraries {
+        let name = l.file_name().unwrap_or_default();
+        places.push((l.clone(), Path::new("/lib").join(name)));
+    }
+    let mut taken = std::collections::HashSet::new();
+    places.retain(|(_, inside)| taken.insert(inside.clone()));
+    places
+}
+
+/// The empty root mksquashfs saves a container from: a tmpfs holding only mksquashfs, the shared
+/// objects it loads, the container's root mount (alone, at `/src`) and the output file (`/out`).
+/// A symlink in the container, whatever it points to and whenever it is swapped in, resolves in
+/// there: never to a host file.
+#[derive(Debug)]
+struct Jail {
+    /// Directories to make, parents first.
+    dirs: Vec<CString>,
+    /// Empty files to make as mount points.
+    files: Vec<CString>,
+    /// (detached mount, target, read-only): each file cloned here with open_tree from what this
+    /// process opened, attached by the child with move_mount (a bind by path would look the
+    /// path up again; one from a descriptor of this namespace is refused in the child's).
+    binds: Vec<(OwnedFd, CString, bool)>,
+    tmpfs_at: CString,
+    src: CString,
+}
+
+/// A detached copy (open_tree OPEN_TREE_CLONE) of the file `fd` is open on.
+fn detached_copy(fd: &OwnedFd, what: &Path) -> Result<OwnedFd, ImageError> {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "open_tree returns an int (an fd or -1), widened to syscall()'s long"
+    )]
+    // SAFETY: open_tree on a descriptor owned here with a static empty path; it returns a new
+    // descriptor or -1 and touches no memory of ours.
+    let cloned = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            (libc::AT_EMPTY_PATH | OPEN_TREE_CLONE | libc::O_CLOEXEC) as libc::c_uint,
+        ) as libc::c_int
+    };
+    check(cloned).map_err(|source| ImageError::ExportIo {
+        what: format!("cloning a mount of {}", what.display()),
+        source,
+    })?;
+    // SAFETY: `cloned` is a descriptor open_tree just returned, owned by nothing else.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(cloned) })
+}
+
+impl Jail {
+    fn new(tool: &Tool, output: &OwnedFd, out: &Path) -> Result<Jail, ImageError> {
+        let mut jail = Jail {
+            dirs: Vec::new(),
+            files: Vec::new(),
+            binds: Vec::new(),
+            tmpfs_at: cstring(Path::new(JAIL_AT))?,
+            src: cstring(&Path::new(JAIL_AT).join("src"))?,
+        };
+        jail.dirs.push(jail.src.clone());
+        for (source, inside) in layout(tool) {
+            let fd = nix::fcntl::open(
+                &source,
+                nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            )
+            .map_err(|e| ImageError::ExportIo {
+                what: format!("opening {}", source.display()),
+                source: e.into(),
+            })?;
+            let mount = detached_copy(&fd, &source)?;
+            jail.bind(mount, &inside, true)?;
+        }
+        jail.bind(detached_copy(output, out)?, Path::new("/out"), false)?;
+        Ok(jail)
+    }
+
+    /// Mounts `mount` at `inside` (a path in the jail), making its parent directories.
+    fn bind(&mut self, mount: OwnedFd, inside: &Path, read_only: bool) -> Result<(), ImageError> {
+        let at = Path::new(JAIL_AT);
+        let rel = inside.strip_prefix("/").unwrap_or(inside);
+        let mut dir = at.to_path_buf();
+        for part in rel.parent().into_iter().flat_map(Path::components) {
+            dir.push(part);
+            let d = cstring(&dir)?;
+            if !self.dirs.contains(&d) {
+                self.dirs.push(d);
+            }
+        }
+        let target = cstring(&at.join(rel))?;
+        self.files.push(target.clone());
+        self.binds.push((mount, target, read_only));
+        Ok(())
+    }
+}
 
 fn squash_container(
     pid: i32,
@@ -519,6 +754,7 @@ fn squash_container(
     out: &Path,
 ) -> Result<(), ImageError> {
     let mksquashfs = find_mksquashfs()?;
+    let tool = tool(&mksquashfs)?;
     let open = |path: String, flags: nix::fcntl::OFlag| -> Result<OwnedFd, ImageError> {
         nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty()).map_err(|e| {
             ImageError::ExportIo {
@@ -532,9 +768,9 @@ fn squash_container(
         format!("/proc/{pid}/ns/mnt"),
         OFlag::O_RDONLY | OFlag::O_CLOEXEC,
     )?;
-    let host_root = open(
-        "/".into(),
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+    let host_ns = open(
+        "/proc/self/ns/mnt".into(),
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
     )?;
     // The container's root: the namespace's top mount after pivot_root, but a mount above a
     // tmpfs when the container was moved onto an initramfs root (runtime::init::move_root).
@@ -542,24 +778,16 @@ fn squash_container(
         format!("/proc/{pid}/root"),
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
     )?;
-    // A descriptor number the child can rely on: it replaces this inherited placeholder with its
-    // handle on the container's root, and mksquashfs reads /proc/self/fd/N/.
-    let placeholder: OwnedFd = File::open("/dev/null")
-        .map_err(|source| ImageError::ExportIo {
-            what: "opening /dev/null".into(),
-            source,
-        })?
+    // Made here, exclusively (never through a link), and bound into the jail by descriptor.
+    let output: OwnedFd = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(tmp)
+        .map_err(io_err(out, format!("creating {}", tmp.display())))?
         .into();
-    // SAFETY: fcntl F_SETFD on a descriptor owned here: clears FD_CLOEXEC so the child inherits it.
-    check(unsafe { libc::fcntl(placeholder.as_raw_fd(), libc::F_SETFD, 0) }).map_err(|source| {
-        ImageError::ExportIo {
-            what: "preparing a descriptor".into(),
-            source,
-        }
-    })?;
-    let slot = placeholder.as_raw_fd();
-    let source_dir = PathBuf::from(format!("/proc/self/fd/{slot}/."));
-    let (ns_fd, root_fd) = (mnt_ns.as_raw_fd(), host_root.as_raw_fd());
+    let jail = Jail::new(&tool, &output, out)?;
+    let (ns_fd, host_ns_fd) = (mnt_ns.as_raw_fd(), host_ns.as_raw_fd());
     let container_fd = container_root.as_raw_fd();
     // A remapped container's files belong to the user on the host (its root's, through the
     // idmapped image) and are the image's root's in the container: mksquashfs reads them through
@@ -579,17 +807,33 @@ fn squash_container(
             source: std::io::Error::other(e),
         })?;
     let idmap_fd = idmap.as_ref().map(|fd| fd.as_raw_fd());
-    let mut cmd = Command::new(&mksquashfs);
-    cmd.args(mksquashfs_args(&source_dir, tmp, offset, config));
+    let processors = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let mut cmd = Command::new("/bin/mksquashfs");
+    cmd.args(mksquashfs_args(
+        Path::new("/src"),
+        Path::new("/out"),
+        offset,
+        config,
+    ))
+    .args(["-processors", &processors.to_string()])
+    .env_clear()
+    .env("LD_LIBRARY_PATH", "/lib");
+    let ro = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
+    // The child's copies; `jail` keeps the mounts open until mksquashfs has started.
+    let (dirs, files) = (jail.dirs.clone(), jail.files.clone());
+    let binds: Vec<(libc::c_int, CString, bool)> = jail
+        .binds
+        .iter()
+        .map(|(fd, target, ro)| (fd.as_raw_fd(), target.clone(), *ro))
+        .collect();
+    let (tmpfs_at, src) = (jail.tmpfs_at.clone(), jail.src.clone());
     // SAFETY: the closure runs in the forked child before exec and only makes raw syscalls on
     // descriptors and strings prepared beforehand; it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
             // In the container's mount namespace, a copy of its root mount alone (open_tree
             // without AT_RECURSIVE): nothing mounted on it comes along, whatever the paths of
-            // those mounts are by now. (Detaching them by the paths mountinfo gave a moment
-            // before missed a bind whose parent directory the user had just renamed, and root
-            // read the host's files there into the image.)
+            // those mounts are by now.
             check(libc::setns(ns_fd, libc::CLONE_NEWNS))?;
             #[expect(
                 clippy::cast_possible_truncation,
@@ -602,11 +846,88 @@ fn squash_container(
                 (libc::AT_EMPTY_PATH | OPEN_TREE_CLONE) as libc::c_uint,
             ) as libc::c_int;
             check(bare)?;
-            check(libc::dup2(bare, slot))?;
+            // A private copy of the host's namespace to build the jail in.
+            check(libc::setns(host_ns_fd, libc::CLONE_NEWNS))?;
+            check(libc::unshare(libc::CLONE_NEWNS))?;
+            check(libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ))?;
+            check(libc::mount(
+                c"tmpfs".as_ptr(),
+                tmpfs_at.as_ptr(),
+                c"tmpfs".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                c"mode=0755,size=1m".as_ptr().cast(),
+            ))?;
+            for d in &dirs {
+                check(libc::mkdir(d.as_ptr(), 0o755))?;
+            }
+            for f in &files {
+                let fd = libc::open(
+                    f.as_ptr(),
+                    libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_CLOEXEC,
+                    0o600,
+                );
+                check(fd)?;
+                libc::close(fd);
+            }
+            for (mount, target, read_only) in &binds {
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "move_mount returns 0 or -1, widened to syscall()'s long"
+                )]
+                let moved = libc::syscall(
+                    libc::SYS_move_mount,
+                    *mount,
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    target.as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH,
+                ) as libc::c_int;
+                check(moved)?;
+                if *read_only {
+                    check(libc::mount(
+                        std::ptr::null(),
+                        target.as_ptr(),
+                        std::ptr::null(),
+                        ro,
+                        std::ptr::null(),
+                    ))?;
+                }
+            }
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "move_mount returns 0 or -1, widened to syscall()'s long"
+            )]
+            let moved = libc::syscall(
+                libc::SYS_move_mount,
+                bare,
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                src.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            ) as libc::c_int;
+            check(moved)?;
             libc::close(bare);
-            // Back to the host's file system for mksquashfs, its libraries and the output.
-            check(libc::fchdir(root_fd))?;
-            check(libc::chroot(c".".as_ptr()))?;
+            check(libc::mount(
+                std::ptr::null(),
+                src.as_ptr(),
+                std::ptr::null(),
+                ro,
+                std::ptr::null(),
+            ))?;
+            // The jail becomes the root; the host's tree is detached from this namespace (a
+            // chroot where the host root cannot be pivoted, as from an initramfs).
+            check(libc::chdir(tmpfs_at.as_ptr()))?;
+            if libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) == 0 {
+                check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            } else {
+                check(libc::chroot(c".".as_ptr()))?;
+            }
             check(libc::chdir(c"/".as_ptr()))?;
             if let Some(fd) = idmap_fd {
                 // Last: it ends the host's privileges the steps above need.
@@ -617,11 +938,13 @@ fn squash_container(
     }
     let result = run_mksquashfs(
         cmd,
-        "cloning the container's root mount in its mount namespace",
+        "building the save's empty root around the container's root mount",
         tmp,
         out,
+        config,
     );
-    drop(placeholder);
+    drop(jail);
+    drop(output);
     result
 }
 
@@ -666,6 +989,50 @@ mod tests {
             compression_level: level,
             ..SquashfsConfig::default()
         }
+    }
+
+    #[test]
+    fn ldd_output_names_the_interpreter_and_libraries() {
+        let text = "\tlinux-vdso.so.1 (0x00007ffd4b1f4000)\n\
+            \tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x00007f0c)\n\
+            \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f0b)\n\
+            \t/lib64/ld-linux-x86-64.so.2 (0x00007f0d)\n";
+        let (interp, libs) = parse_ldd(text).unwrap();
+        assert_eq!(interp, Some(PathBuf::from("/lib64/ld-linux-x86-64.so.2")));
+        assert_eq!(
+            libs,
+            [
+                PathBuf::from("/lib/x86_64-linux-gnu/libz.so.1"),
+                PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6")
+            ]
+        );
+        assert_eq!(
+            parse_ldd("\tnot a dynamic executable\n").unwrap(),
+            (None, Vec::new())
+        );
+        let err = parse_ldd("\tliblzo2.so.2 => not found\n").unwrap_err();
+        assert!(err.contains("liblzo2.so.2"), "{err}");
+    }
+
+    #[test]
+    fn the_jail_holds_the_tool_and_its_libraries_once_each() {
+        let tool = Tool {
+            binary: PathBuf::from("/usr/bin/mksquashfs"),
+            interpreter: Some(PathBuf::from("/lib64/ld-linux-x86-64.so.2")),
+            libraries: vec![
+                PathBuf::from("/lib/x86_64-linux-gnu/libz.so.1"),
+                PathBuf::from("/usr/lib/x86_64-linux-gnu/libz.so.1"),
+                PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"),
+            ],
+        };
+        let expected = [
+            ("/usr/bin/mksquashfs", "/bin/mksquashfs"),
+            ("/lib64/ld-linux-x86-64.so.2", "/lib64/ld-linux-x86-64.so.2"),
+            ("/lib/x86_64-linux-gnu/libz.so.1", "/lib/libz.so.1"),
+            ("/lib/x86_64-linux-gnu/libc.so.6", "/lib/libc.so.6"),
+        ]
+        .map(|(s, i)| (PathBuf::from(s), PathBuf::from(i)));
+        assert_eq!(layout(&tool), expected);
     }
 
     #[test]

@@ -7,10 +7,11 @@
 mod common;
 
 mod images;
-mod network;
 mod inputs;
 mod lazy;
+mod network;
 mod runtime;
+mod save;
 mod stage;
 mod state;
 
