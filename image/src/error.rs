@@ -442,6 +442,12 @@ pub enum ImageError {
     NoMksquashfs(String),
     #[error("mksquashfs failed writing {out}: {message}")]
     Mksquashfs { out: PathBuf, message: String },
+    #[error(
+        "saving to {out} took longer than {secs} s and was stopped (a file in the container that \
+         never ends or blocks, such as a FIFO swapped in mid-save, or a very large container); \
+         raise squashfs.export_timeout_s if the container is that large"
+    )]
+    ExportTimeout { out: PathBuf, secs: u64 },
     /// What to export is not an image berth can export (the user's input).
     #[error("{0}")]
     ExportInvalid(String),
@@ -485,14 +491,14 @@ impl ImageError {
             | E::RegistryConfig { .. }
             | E::Mirror { .. }
             | E::Lazy(_)
+            | E::TooSlow { .. }
+            | E::DeadlinePassed { .. }
             | E::Aborted => Kind::Registry,
             E::Format(_)
             | E::Detail(_)
             | E::TarFormat { .. }
             | E::ArchiveIo { .. }
             | E::Invalid { .. }
-            | E::TooSlow { .. }
-            | E::DeadlinePassed { .. }
             | E::BlobMismatch { .. }
             | E::NoSuchName { .. }
             | E::AmbiguousName { .. }
@@ -509,6 +515,7 @@ impl ImageError {
             | E::ExportIo { .. }
             | E::NoMksquashfs(_)
             | E::Mksquashfs { .. }
+            | E::ExportTimeout { .. }
             | E::ExportInvalid(_) => Kind::Export,
             E::Duration(_) | E::CompressionLevel { .. } => Kind::Config,
             E::Store(_)

@@ -289,7 +289,12 @@ impl Transport {
             .limit(DOCUMENT_LIMIT)
             .reader();
         let what = format!("a manifest, config or token of {}", t.image);
-        super::limits::read_metered(reader, self.limits.meter(), &t.registry, &what, |e| match e {
+        super::limits::read_metered(
+            reader,
+            self.limits.meter(),
+            &t.registry,
+            &what,
+            |e| match e {
                 ureq::Error::BodyExceedsLimit(_) => ImageError::Protocol {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
@@ -304,7 +309,8 @@ impl Transport {
                     attempts: 1,
                     detail: describe(&e),
                 },
-            })
+            },
+        )
     }
 
     /// Works out the `Authorization` header a 401 asks for.
