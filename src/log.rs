@@ -155,7 +155,9 @@ pub fn set_job(job: &str, step: Option<u64>) {
 /// A line for Slurm (the user's error, a drain reason) that also belongs in syslog: written to
 /// stderr as it is, and to syslog at `err` when the Slurm path logs there.
 pub fn stderr_line(args: std::fmt::Arguments) {
-    let line = args.to_string();
+    // Bounded and escaped like main's error line: what a user or a registry put in a message
+    // reaches srun, slurmd's log and syslog as one line of at most LINE_MAX bytes.
+    let line = berth_sys::text::one_line(&args.to_string());
     // The standard macro: this module's `eprintln` is the one that calls this function.
     std::eprintln!("{line}");
     to_syslog(Severity::Err, line.strip_prefix("berth: ").unwrap_or(&line));
