@@ -1009,3 +1009,136 @@ fn remap_root_makes_the_user_root_of_the_image_and_nothing_more() {
         0
     );
 }
+
+/// Makes a device node (`kind`: 'c' or 'b') at `path` with `mode`, owned by `uid`.
+fn mknod(path: &Path, kind: char, major: u32, minor: u32, mode: u32, uid: u32) {
+    let status = Command::new("mknod")
+        .arg("-m")
+        .arg(format!("{mode:o}"))
+        .arg(path)
+        .arg(kind.to_string())
+        .arg(major.to_string())
+        .arg(minor.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "mknod {}", path.display());
+    std::os::unix::fs::lchown(path, Some(uid), None).unwrap();
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn character_devices_the_user_may_open_bind_and_the_device_cgroup_still_decides() {
+    // Issue 27, point 4 (berth run --mount): Pyxis binds character devices; berth binds one the
+    // user may open, without nodev on that one node, and the device cgroup still decides.
+    let (uid, gid, _) = test_user();
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).unwrap();
+    // Major 60 is for local use, never a real driver's: opening these does nothing on the host.
+    let not_allowed = dir.path().join("local-char");
+    mknod(&not_allowed, 'c', 60, 0, 0o666, uid);
+    let root_only = dir.path().join("root-only-char");
+    mknod(&root_only, 'c', 60, 1, 0o600, 0);
+    let block = dir.path().join("local-block");
+    mknod(&block, 'b', 60, 0, 0o666, uid);
+    let mount = |src: &Path, dst: &str| format!("{}:{dst}", src.display());
+    let out = ok(run_sh(
+        &[
+            "--user",
+            "berthtest",
+            "--mount",
+            "/dev/null:/null",
+            "--mount",
+            &mount(&not_allowed, "/local"),
+        ],
+        "echo discarded > /null && echo wrote-null; wc -c < /null; \
+         cat /local 2>&1; stat -c %t:%T /local",
+    ));
+    assert!(out.contains("wrote-null\n0\n"), "/dev/null bound: {out}");
+    // Outside the allow-list (null, zero, full, random, urandom, tty): EPERM from the device
+    // cgroup, not EACCES from a nodev mount.
+    assert!(
+        out.contains("Operation not permitted"),
+        "the device cgroup did not decide: {out}"
+    );
+    assert!(out.contains("3c:0"), "{out}");
+    // A node the user may not open, and a block device (runtime.mount_block_devices is off):
+    // refused in one line before anything runs.
+    for (src, needle) in [(&root_only, "cannot read"), (&block, "block device")] {
+        let o = run_sh(
+            &["--user", "berthtest", "--mount", &mount(src, "/x")],
+            "echo ran",
+        );
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{}: {err}", src.display());
+        assert_eq!(err.lines().count(), 1, "not one line: {err}");
+        assert!(err.contains(needle), "{err}");
+        assert!(!stdout(&o).contains("ran"));
+    }
+    assert!(
+        stderr(&run_sh(
+            &["--user", "berthtest", "--mount", &mount(&block, "/x")],
+            "true"
+        ))
+        .contains("runtime.mount_block_devices")
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_users_own_directory_image_runs_with_remap_root() {
+    // Issue 27, point 9 (berth run --remap-root): a directory image the user unpacked as
+    // themselves failed with `creating mount point /etc/hosts: EACCES`.
+    let (uid, gid, _) = test_user();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let image = dir.path().join("image");
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let status = Command::new("chown")
+        .args(["-R", "-h", &format!("{uid}:{gid}")])
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let before = snapshot(&image);
+    let o = berth(&[
+        "run",
+        "--rootfs",
+        image.to_str().unwrap(),
+        "--user",
+        "berthtest",
+        "--remap-root",
+        "--",
+        "sh",
+        "-c",
+        "id -u; stat -c %u / /etc /bin/busybox; grep -c . /etc/hosts >/dev/null && echo hosts; \
+         echo new > /etc/new-file && mkdir /top && echo writes-ok; \
+         grep -E '^(CapEff|NoNewPrivs)' /proc/self/status",
+    ])
+    .output()
+    .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}{out}", stderr(&o));
+    let lines: Vec<&str> = out.lines().collect();
+    // The user's files are the remapped root's, as Enroot shows an unpacked image.
+    assert_eq!(&lines[..4], ["0", "0", "0", "0"], "{out}");
+    for needle in [
+        "hosts",
+        "writes-ok",
+        "CapEff:\t0000000000000000",
+        "NoNewPrivs:\t1",
+    ] {
+        assert!(out.contains(needle), "{needle} missing: {out}");
+    }
+    // The writes stayed in the container's own layer.
+    assert_eq!(snapshot(&image), before, "the user's image changed");
+}

@@ -153,6 +153,7 @@ fn options() -> runtime::Options {
         state_dir: state_dir(),
         timeout: Some(Duration::from_secs(30)),
         kill_timeout: Duration::from_secs(10),
+        block_device_mounts: false,
     }
 }
 

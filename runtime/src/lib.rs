@@ -97,6 +97,9 @@ pub struct Options {
     pub state_dir: PathBuf,
     pub timeout: Option<Duration>,
     pub kill_timeout: Duration,
+    /// Bind a block device the user names as a mount source (the config's
+    /// `runtime.mount_block_devices`); off, such a source is refused in one line.
+    pub block_device_mounts: bool,
 }
 
 /// How the command ended.
@@ -179,8 +182,8 @@ fn start(
     let resources = linux.resources().clone().unwrap_or_default();
     // Bind sources are opened now, in the host's mount namespace and before the container
     // exists: those the user named with the user's credentials. Init attaches what was opened.
-    let trees =
-        mounts::open_sources(spec, &host_user(spec, linux)?).map_err(RuntimeError::Setup)?;
+    let trees = mounts::open_sources(spec, &host_user(spec, linux)?, opts.block_device_mounts)
+        .map_err(RuntimeError::Setup)?;
 
     let id = new_id();
     let hierarchy = Hierarchy::open(&opts.cgroup_root, &cgroup::required_controllers(&resources))?;
@@ -212,7 +215,13 @@ fn start(
     let flags = namespace_flags(spec);
     let remap = remap_namespaces(linux)?;
     let layers = match &remap {
-        Some(r) => mounts::open_layers(lowers, Some(r.layers.as_fd())),
+        // A directory image the user unpacked as themselves is already theirs, and so the
+        // remapped root's: through the idmapping its files (the user's own id, which the mapping
+        // leaves out) would become nobody's, where not even root can make a mount point.
+        Some(r) if image_root_is_roots(lowers) => {
+            mounts::open_layers(lowers, Some(r.layers.as_fd()))
+        }
+        Some(_) => mounts::open_layers(lowers, None),
         None => user_layers(spec, lowers),
     }
     .map_err(RuntimeError::Setup)?;
@@ -509,11 +518,7 @@ fn user_layers(spec: &Spec, lowers: &[PathBuf]) -> Result<Vec<mounts::Tree>, Set
     // idmapped. One the user unpacked as themselves (Enroot's way) already is the user's, and
     // through the idmapping its files (the user's own id, which the mapping leaves out) would
     // become nobody's, where not even root can make a mount point.
-    let root_owned = lowers
-        .first()
-        .and_then(|top| std::fs::metadata(top).ok())
-        .is_some_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
-    if !root_owned {
+    if !image_root_is_roots(lowers) {
         return mounts::open_layers(lowers, None);
     }
     let idmapped = userns::create(&userns::layer_map(uid), &userns::layer_map(gid))
@@ -526,6 +531,16 @@ fn user_layers(spec: &Spec, lowers: &[PathBuf]) -> Result<Vec<mounts::Tree>, Set
         );
         mounts::open_layers(lowers, None)
     })
+}
+
+/// Whether the image's root directory (its top layer's) is root's: a registry's or a site's
+/// image, whose layers are idmapped so that root's files become the user's. Not one a user
+/// unpacked as themselves, which is theirs already.
+fn image_root_is_roots(lowers: &[PathBuf]) -> bool {
+    lowers
+        .first()
+        .and_then(|top| std::fs::metadata(top).ok())
+        .is_some_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
 }
 
 /// The host identity the container's process runs as: the Spec's user, through the user

@@ -126,6 +126,71 @@ fn mount_id(fd: BorrowedFd<'_>) -> Result<u64, Errno> {
     Ok(st.stx_mnt_id)
 }
 
+/// Why a block device is refused as a mount source, for the one-line error.
+pub const BLOCK_DEVICE_REFUSED: &str = "a block device of the host, which berth binds only where \
+     runtime.mount_block_devices = true in berth.toml: ask the admin, or bind a file or directory";
+
+/// Opens a mount source `user` named (`--mount`, `--container-mounts`), as that user: a directory
+/// the user can list or a file the user can read (never blocking on a FIFO), or a device node the
+/// user may open for reading or writing, as the kernel's access check says (the node is not
+/// opened, so no driver acts for it). A block device only with `block_devices` (the config's
+/// `runtime.mount_block_devices`). A device is returned as an `O_PATH` fd: a bind of it needs
+/// nothing more, and whether the container may open it is decided there, by the node's mode, the
+/// host mount's `nodev` and the container's device cgroup.
+pub fn open_source_as_user(
+    source: &Path,
+    user: &UserIds,
+    block_devices: bool,
+) -> std::io::Result<OwnedFd> {
+    let device = privfs::as_user(user, || -> std::io::Result<Option<OwnedFd>> {
+        let fd = nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
+        let kind = nix::sys::stat::fstat(&fd)?.st_mode & libc::S_IFMT;
+        if kind != libc::S_IFCHR && kind != libc::S_IFBLK {
+            return Ok(None);
+        }
+        if kind == libc::S_IFBLK && !block_devices {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                BLOCK_DEVICE_REFUSED,
+            ));
+        }
+        if may_access(&fd, libc::R_OK).is_err() {
+            may_access(&fd, libc::W_OK)?;
+        }
+        Ok(Some(fd))
+    })??;
+    match device {
+        Some(fd) => Ok(fd),
+        None => privfs::open_readable_as_user(source, user).map(OwnedFd::from),
+    }
+}
+
+/// Whether [`open_source_as_user`] refused a block device (not a permission of the user's).
+pub fn is_block_refusal(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .is_some_and(|inner| inner.to_string() == BLOCK_DEVICE_REFUSED)
+}
+
+/// The kernel's access check of the calling thread's credentials on an open fd (faccessat2 with
+/// AT_EMPTY_PATH, Linux 5.8).
+fn may_access(fd: &OwnedFd, mode: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: faccessat2 on a valid fd with an empty NUL-terminated path; it reads nothing else.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_faccessat2,
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            mode,
+            libc::AT_EMPTY_PATH,
+        )
+    };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Opens (creating when missing) `path` inside `root` as an O_PATH fd: a directory, or an empty
 /// file when `file` is set. Symlinks are resolved as if `root` were `/`, so nothing outside it is
 /// reached; a missing component is created only on a mount of `made`, never in a tree bound from
@@ -242,7 +307,11 @@ struct MountAttr {
 /// [`USER_SOURCE_OPTION`]) as `user`, who must be able to read or list it; berth's own sources
 /// (host files, cgroup views, the loader cache, GPU files) as root. One entry per Spec mount,
 /// `None` for the mounts that are not binds.
-pub fn open_sources(spec: &Spec, user: &UserIds) -> Result<Vec<Option<Tree>>, SetupError> {
+pub fn open_sources(
+    spec: &Spec,
+    user: &UserIds,
+    block_devices: bool,
+) -> Result<Vec<Option<Tree>>, SetupError> {
     let mut trees = Vec::new();
     for m in spec.mounts().as_deref().unwrap_or_default() {
         let options = m.options().as_deref().unwrap_or_default();
@@ -250,7 +319,12 @@ pub fn open_sources(spec: &Spec, user: &UserIds) -> Result<Vec<Option<Tree>>, Se
             || options.iter().any(|o| o == "bind" || o == "rbind");
         let user_named = options.iter().any(|o| o == USER_SOURCE_OPTION);
         trees.push(match (is_bind, m.source()) {
-            (true, Some(src)) => Some(Tree::open(src, options, user_named.then_some(user))?),
+            (true, Some(src)) => Some(Tree::open(
+                src,
+                options,
+                user_named.then_some(user),
+                block_devices,
+            )?),
             (false, _) if user_named => {
                 return Err(SetupError::new(format!(
                     "the mount on {} has a user's source but is not a bind mount",
@@ -298,31 +372,43 @@ pub fn open_layers(
 
 impl Tree {
     /// Opens `source` (as `user` when given: the kernel checks the user's permissions on every
-    /// component, whatever the path points to at this instant) and clones the mount tree of what
-    /// was opened (recursively with `rbind`), private, with `options`' ro/nosuid/nodev/noexec.
+    /// component, whatever the path points to at this instant; see [`open_source_as_user`]) and
+    /// clones the mount tree of what was opened (recursively with `rbind`), private, with
+    /// `options`' ro/nosuid/nodev/noexec. A device node is bound without adding `nodev`, which
+    /// would leave it unopenable: the bind holds that one node and nothing can be made beneath
+    /// it, a `nodev` of the host's mount stays, and the device cgroup still decides.
     pub fn open(
         source: &Path,
         options: &[String],
         user: Option<&UserIds>,
+        block_devices: bool,
     ) -> Result<Tree, SetupError> {
         let fd: OwnedFd = match user {
-            Some(user) => privfs::open_readable_as_user(source, user)
-                .map_err(|e| {
-                    SetupError::new(format!(
-                        "mount source {}: uid {} cannot read it ({e}); give a file or directory \
-                         the user can read",
-                        source.display(),
-                        user.uid
-                    ))
-                })?
-                .into(),
+            Some(user) => open_source_as_user(source, user, block_devices).map_err(|e| {
+                if is_block_refusal(&e) {
+                    return SetupError::new(format!("mount source {}: {e}", source.display()));
+                }
+                SetupError::new(format!(
+                    "mount source {}: uid {} cannot read it ({e}); give a file or directory the \
+                     user can read, or a character device the user may open",
+                    source.display(),
+                    user.uid
+                ))
+            })?,
             None => nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(|e| SetupError::new(format!("mount source {}: {e}", source.display())))?,
         };
         let st = nix::sys::stat::fstat(&fd)
             .map_err(|e| SetupError::new(format!("mount source {}: {e}", source.display())))?;
-        let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
-        Self::clone_fd(&fd, is_dir, options, None)
+        let kind = st.st_mode & libc::S_IFMT;
+        let device_options: Vec<String>;
+        let options = if kind == libc::S_IFCHR || kind == libc::S_IFBLK {
+            device_options = options.iter().filter(|o| *o != "nodev").cloned().collect();
+            &device_options
+        } else {
+            options
+        };
+        Self::clone_fd(&fd, kind == libc::S_IFDIR, options, None)
             .map_err(|(what, e)| SetupError::new(format!("{what} {}: {e}", source.display())))
     }
 

@@ -45,9 +45,10 @@ fn sys(what: String) -> impl FnOnce(nix::errno::Errno) -> SetupError {
 
 /// Lays out the root under `work` (a per-container directory) and pivots into it. `layers` are
 /// the image's layers (`lowers`, topmost first), opened and cloned by the parent
-/// ([`mounts::open_layers`]), idmapped when `idmapped` (a remapped container) or when the parent
-/// idmapped them for a user's writable container (`userns::user_layer_ids`); `trees` the Spec's
-/// bind sources ([`mounts::open_sources`]).
+/// ([`mounts::open_layers`]), idmapped in a remapped container (`idmapped`) unless the image is a
+/// directory the user unpacked as themselves, or when the parent idmapped them for a user's
+/// writable container (`userns::user_layer_ids`); `trees` the Spec's bind sources
+/// ([`mounts::open_sources`]).
 // Long by design: the root is built in the one order the kernel allows (the overlay, the Spec's
 // mounts beneath it, /dev, the masks, pivot_root), each step commented where it happens.
 pub fn setup(
@@ -98,8 +99,9 @@ pub fn setup(
     }
     if let (Some(top), true) = (short.first(), idmapped) {
         // The merged root directory is the upper one: it must belong to whoever the image's
-        // root directory belongs to through the idmapping (the remapped user), or that user
-        // could not create anything at the top level.
+        // root directory belongs to through the idmapping, or without one (the user's own
+        // directory image) on the host: the remapped user, or that user could not create
+        // anything at the top level.
         let meta = std::fs::metadata(top)
             .map_err(|e| SetupError::new(format!("reading {}: {e}", top.display())))?;
         let upper = work.join("upper");

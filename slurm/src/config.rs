@@ -59,6 +59,9 @@ pub struct RuntimeConfig {
     /// Namespaces (`ipc`, `uts`) every Slurm step's container has of its own, on top of
     /// those its `--container-unshare` names. Empty (Pyxis's behaviour): the host's.
     pub step_unshare: Vec<String>,
+    /// Bind a block device of the host that a user names as a mount source (and may open). Off:
+    /// refused in one line; a character device the user may open is always bound.
+    pub mount_block_devices: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -68,6 +71,7 @@ impl Default for RuntimeConfig {
             kill_timeout_s: 10,
             entrypoint_timeout_s: 60,
             step_unshare: Vec::new(),
+            mount_block_devices: false,
         }
     }
 }

@@ -186,6 +186,7 @@ pub fn options(config: &Config, timeout: Option<Duration>) -> berth_runtime::Opt
         state_dir: config.runtime.state_dir.clone(),
         timeout,
         kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
+        block_device_mounts: config.runtime.mount_block_devices,
     }
 }
 

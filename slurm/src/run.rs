@@ -77,17 +77,28 @@ pub fn prepare(
     let mounts = flags
         .mounts
         .into_iter()
-        .map(
-            |(text, m)| match privfs::open_readable_as_user(&m.source, &user) {
+        .map(|(text, m)| {
+            match berth_runtime::mounts::open_source_as_user(
+                &m.source,
+                &user,
+                config.runtime.mount_block_devices,
+            ) {
                 Ok(_) => Ok(m),
+                Err(e) if berth_runtime::mounts::is_block_refusal(&e) => {
+                    Err(SlurmError::input(format!(
+                        "--mount {}: the source {} is {e}",
+                        elide(&text),
+                        elide(&m.source.to_string_lossy())
+                    )))
+                }
                 Err(e) => Err(SlurmError::input(format!(
                     "--mount {}: uid {} cannot read the source {}: {e}",
                     elide(&text),
                     user.uid,
                     elide(&m.source.to_string_lossy())
                 ))),
-            },
-        )
+            }
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let env_limits = config.store.env_limits();
     env_limits

@@ -270,7 +270,17 @@ fn request(
     // Opened as the user, only to word the refusal: the runtime opens each source again as the
     // user and mounts what it opened, never the path as root.
     for m in &req.mounts {
-        if let Err(e) = berth_sys::privfs::open_readable_as_user(&m.source, user) {
+        if let Err(e) = runtime::mounts::open_source_as_user(
+            &m.source,
+            user,
+            config.runtime.mount_block_devices,
+        ) {
+            if runtime::mounts::is_block_refusal(&e) {
+                return Err(SlurmError::input(format!(
+                    "--container-mounts: {} is {e}",
+                    m.source.display()
+                )));
+            }
             return Err(SlurmError::input(format!(
                 "--container-mounts: uid {} cannot read {}: {e}",
                 user.uid,
