@@ -33,6 +33,9 @@ PACKAGES=(
   slurm-client    #   (srun, sbatch, sinfo, squeue, scancel)
   munge           #   (Slurm's authentication daemon)
   libslurm-dev    # spank/build.rs: slurm/spank.h, slurm_version.h (plugin_version)
+  openssh-server  # tests/root_pam.rs: the sshd that loads pam_berth.so (pam/ needs no PAM
+                  #   headers: it declares libpam's few calls itself)
+  openssh-client  #   (ssh, ssh-keygen)
   openmpi-bin     # Slurm MPI tests: mpirun, an MPI runtime
   libopenmpi-dev  #   (mpicc for the test program)
   libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)

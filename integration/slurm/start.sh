@@ -11,6 +11,7 @@
 #   --berth-config FILE berth's configuration [default: a test one written to DIR/etc/berth.toml]
 #   --plugstack-arg A   extra plugin argument in plugstack.conf (repeatable), e.g. sbatch_support=0
 #   --no-prolog         configure no Prolog/Epilog (berth without the prolog/epilog verbs)
+#   --contain           PrologFlags=Contain: every job gets an extern step (pam_berth adopts into it)
 #   --wrappers DIR      the Prolog/Epilog wrappers DIR/prolog.sh, DIR/epilog.sh (e.g. a package's,
 #                       /usr/libexec/berth) [default: the repository's configs/slurm]
 #   --ha                a primary and a backup slurmctld sharing StateSaveLocation, each on a "head
@@ -27,7 +28,7 @@
 # is stopped first. Logs: DIR/log/. Needs: slurmctld slurmd slurm-client munge (setup.sh).
 set -euo pipefail
 
-usage() { sed -n '5,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '5,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "slurm/start.sh: $*" >&2; exit 1; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -41,6 +42,7 @@ berth=$target/debug/berth
 berth_config=
 plugstack_args=()
 prolog=1
+contain=0
 wrappers=$repo/configs/slurm
 ha=0
 ctld_timeout=
@@ -53,6 +55,7 @@ while [ $# -gt 0 ]; do
     --berth-config) berth_config=${2:?--berth-config needs a file}; shift 2 ;;
     --plugstack-arg) plugstack_args+=("${2:?--plugstack-arg needs KEY=VALUE}"); shift 2 ;;
     --no-prolog) prolog=0; shift ;;
+    --contain) contain=1; shift ;;
     --wrappers) wrappers=${2:?--wrappers needs a directory}; shift 2 ;;
     --ha) ha=1; shift ;;
     --ctld-timeout) ctld_timeout=${2:?--ctld-timeout needs seconds}; shift 2 ;;
@@ -229,11 +232,12 @@ PlugStackConfig=$state/etc/plugstack.conf
 EOF
   if [ "$prolog" -eq 1 ]; then
     cat <<EOF
-PrologFlags=Alloc
+PrologFlags=Alloc$([ "$contain" -eq 1 ] && echo ,Contain)
 Prolog=$state/etc/prolog.sh
 Epilog=$state/etc/epilog.sh
 EOF
   fi
+  [ "$prolog" -eq 0 ] && [ "$contain" -eq 1 ] && echo "PrologFlags=Contain"
   i=0
   for n in "${node_names[@]}"; do
     echo "NodeName=$n NodeHostname=$host NodeAddr=$node_addr Port=$((ctld_port + 1 + i)) CPUs=$cpus State=UNKNOWN"

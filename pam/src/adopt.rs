@@ -42,8 +42,9 @@ pub fn extern_step_dirs(mount: &Path, node: &str, uid: u32, job: u64) -> Vec<Pat
     dirs
 }
 
-/// Moves process `pid` into every directory of `dirs`. Each must be root's: under cgroup v1 a
-/// job's user may own `uid_<uid>` and make look-alike directories in it.
+/// Moves process `pid` into every directory of `dirs`. Each one's parent must be root's and not
+/// writable by others: Slurm gives the step's directory itself to the job's user under cgroup v1
+/// (who may make look-alikes inside it), never the job's.
 pub fn adopt(dirs: &[PathBuf], job: u64, pid: u32) -> Result<(), PamError> {
     if dirs.is_empty() {
         return Err(PamError::NoExternStep {
@@ -52,12 +53,15 @@ pub fn adopt(dirs: &[PathBuf], job: u64, pid: u32) -> Result<(), PamError> {
         });
     }
     for dir in dirs {
-        let meta = std::fs::symlink_metadata(dir).map_err(|source| PamError::Join {
-            path: dir.clone(),
+        let parent = dir.parent().unwrap_or(dir);
+        let meta = std::fs::symlink_metadata(parent).map_err(|source| PamError::Join {
+            path: parent.to_path_buf(),
             source,
         })?;
-        if meta.uid() != 0 || !meta.is_dir() {
-            return Err(PamError::Forged { path: dir.clone() });
+        if meta.uid() != 0 || !meta.is_dir() || meta.mode() & 0o022 != 0 {
+            return Err(PamError::Forged {
+                path: parent.to_path_buf(),
+            });
         }
         let procs = dir.join("cgroup.procs");
         std::fs::write(&procs, pid.to_string()).map_err(|source| PamError::Join {
@@ -98,6 +102,21 @@ mod tests {
         let d = t.join("system.slice/slurmstepd.scope/job_3/step_extern/user/task_special");
         std::fs::create_dir_all(&d).unwrap();
         assert_eq!(extern_step_dirs(&t, "n1", 5, 3), [d]);
+        std::fs::remove_dir_all(&t).unwrap();
+    }
+
+    #[test]
+    fn a_step_under_a_directory_others_may_write_is_refused() {
+        let t = tempfile_dir();
+        let step = t.join("job_1/step_extern");
+        std::fs::create_dir_all(&step).unwrap();
+        std::fs::set_permissions(
+            t.join("job_1"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let e = adopt(&[step], 1, std::process::id()).unwrap_err();
+        assert!(matches!(e, PamError::Forged { .. }), "{e}");
         std::fs::remove_dir_all(&t).unwrap();
     }
 

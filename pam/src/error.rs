@@ -34,6 +34,8 @@ pub enum PamError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("pam_berth: {path} is not owned by root: refusing to adopt into a cgroup a user made")]
+    #[error(
+        "pam_berth: {path} is not root's alone: refusing to adopt into a cgroup a user could have made"
+    )]
     Forged { path: PathBuf },
 }

@@ -1,0 +1,520 @@
+//! Root tier: node access through pam_berth.so (issue 28), with a real OpenSSH server on a real
+//! one-host Slurm of this file's own (integration/slurm/start.sh --contain, its own state
+//! directory and ports, started once per test binary, stopped at exit). sshd runs on a free
+//! loopback port with its own host key and configuration, in a private mount namespace where the
+//! test's PAM stack is bound over /etc/pam.d/sshd: the host's PAM files are never touched.
+//! Run by integration/test.sh as root:
+//! `cargo test --test root_pam -- --ignored --test-threads=1`.
+//!
+//! `BERTH_TEST_PAM=none` puts pam_permit.so where the module goes, to show each test failing
+//! without it.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Distinct from the other root test files' clusters (another hash input), per checkout.
+fn checkout_hash() -> u32 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&(env!("CARGO_MANIFEST_DIR"), "root_pam"), &mut h);
+    u32::try_from(std::hash::Hasher::finish(&h) & u64::from(u32::MAX)).unwrap()
+}
+
+fn state_path() -> PathBuf {
+    PathBuf::from(format!("/tmp/berth-root-pam-{:08x}", checkout_hash()))
+}
+
+/// How long the module waits for Slurm before `action_generic_failure` (deny) applies.
+const SLURM_TIMEOUT_MS: u64 = 3000;
+
+struct Cluster {
+    state: PathBuf,
+    conf: PathBuf,
+    /// The Slurm name of the one node.
+    node: String,
+    /// A directory every user can use as the working directory of sbatch.
+    cwd: PathBuf,
+    /// sshd's loopback port.
+    ssh_port: u16,
+    /// The client's private key, authorized for every test user and root.
+    key: PathBuf,
+}
+
+static SSHD_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Two consecutive free TCP ports on the loopback (slurmctld's and slurmd's).
+fn free_port_pair() -> u16 {
+    for _ in 0..50 {
+        let p = free_port();
+        if p < 65000 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports found");
+}
+
+fn build(package: &str, profile_dir: &Path) {
+    let mut build = Command::new(env!("CARGO"));
+    build.args(["build", "-p", package]);
+    if profile_dir.file_name().and_then(|n| n.to_str()) == Some("release") {
+        build.arg("--release");
+    }
+    let status = build
+        .current_dir(repo())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("running cargo");
+    assert!(status.success(), "cargo build -p {package} failed");
+}
+
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let profile_dir = Path::new(BERTH).parent().unwrap().to_path_buf();
+        build("berth-spank", &profile_dir);
+        build("berth-pam", &profile_dir);
+        let state = state_path();
+        let berth_config = PathBuf::from(format!("{}.toml", state.display()));
+        std::fs::write(
+            &berth_config,
+            format!(
+                "[cgroup]\nroot = \"{}-pam\"\n[runtime]\nstate_dir = \"{s}/berth/state\"\n\
+                 [squashfs]\nmount_dir = \"{s}/berth/images\"\n\
+                 [scratch]\nroot = \"{s}/berth/scratch\"\n",
+                cgroup_root(),
+                s = state.display(),
+            ),
+        )
+        .unwrap();
+        extern "C" fn stop_all() {
+            let pid = SSHD_PID.load(std::sync::atomic::Ordering::Relaxed);
+            if pid > 0 {
+                // SAFETY: killing the sshd listener this process started.
+                unsafe { libc::kill(i32::try_from(pid).unwrap(), libc::SIGTERM) };
+            }
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state_path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_all) };
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .arg("--plugin")
+            .arg(profile_dir.join("libspank_berth.so"))
+            .arg("--berth")
+            .arg(berth_bin())
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .arg("--contain")
+            .env("BERTH_SLURM_PORT", free_port_pair().to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        let conf = state.join("etc/slurm.conf");
+        let node = std::fs::read_to_string(&conf)
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("# nodes: ").map(str::to_string))
+            .expect("slurm.conf names its nodes");
+        let cwd = state.join("cwd");
+        std::fs::create_dir_all(&cwd).unwrap();
+        std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let (ssh_port, key) = start_sshd(&state, &conf, &node, &profile_dir);
+        Cluster {
+            state,
+            conf,
+            node,
+            cwd,
+            ssh_port,
+            key,
+        }
+    })
+}
+
+/// sshd on a free loopback port, with the test's PAM stack bound over /etc/pam.d/sshd in a
+/// mount namespace of its own. Returns the port and the client's key.
+fn start_sshd(state: &Path, conf: &Path, node: &str, profile_dir: &Path) -> (u16, PathBuf) {
+    let dir = state.join("ssh");
+    let keys = dir.join("keys");
+    std::fs::create_dir_all(&keys).unwrap();
+    for name in ["host_key", "client_key"] {
+        let out = Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", ""])
+            .arg("-f")
+            .arg(dir.join(name))
+            .output()
+            .expect("running ssh-keygen (apt-get install openssh-client)");
+        assert!(out.status.success(), "ssh-keygen: {}", stderr(&out));
+    }
+    let public = std::fs::read(dir.join("client_key.pub")).unwrap();
+    for user in ["root", "berthtest", OTHER] {
+        std::fs::write(keys.join(user), &public).unwrap();
+    }
+    let module = match std::env::var("BERTH_TEST_PAM").as_deref() {
+        Ok("none") => "pam_permit.so".to_string(),
+        _ => format!(
+            "{} nodename={node} slurm_conf={} timeout_ms={SLURM_TIMEOUT_MS}",
+            profile_dir.join("libpam_berth.so").display(),
+            conf.display()
+        ),
+    };
+    let pam = dir.join("pam");
+    std::fs::write(
+        &pam,
+        format!(
+            "auth required pam_deny.so\naccount required {module}\nsession required {module}\n"
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let config = dir.join("sshd_config");
+    std::fs::write(
+        &config,
+        format!(
+            "ListenAddress 127.0.0.1\nHostKey {d}/host_key\nPidFile {d}/sshd.pid\nUsePAM yes\n\
+             AuthorizedKeysFile {d}/keys/%u\nPasswordAuthentication no\n\
+             KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n\
+             StrictModes no\nSubsystem sftp internal-sftp\n",
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    std::fs::create_dir_all("/run/sshd").unwrap();
+    let log = std::fs::File::create(dir.join("sshd.log")).unwrap();
+    let child = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg("mount --bind \"$1\" /etc/pam.d/sshd && exec /usr/sbin/sshd -D -e -p \"$2\" -f \"$3\"")
+        .arg("sh")
+        .arg(&pam)
+        .arg(port.to_string())
+        .arg(&config)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("starting sshd (apt-get install openssh-server)");
+    SSHD_PID.store(child.id(), std::sync::atomic::Ordering::Relaxed);
+    // Runs until the atexit handler stops it; the test binary's exit reaps it.
+    std::mem::forget(child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "sshd did not listen on port {port}: {}",
+            std::fs::read_to_string(dir.join("sshd.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (port, dir.join("client_key"))
+}
+
+/// A second non-root user, whose jobs berthtest must never reach.
+const OTHER: &str = "berthpam2";
+
+fn other_user() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let exists = Command::new("id")
+            .arg(OTHER)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        if !exists {
+            let out = Command::new("useradd")
+                .args(["-M", "-s", "/bin/sh", OTHER])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "useradd: {}", stderr(&out));
+        }
+    });
+}
+
+/// `ssh user@127.0.0.1 cmd` to the test's sshd, as root's client with the test key.
+fn ssh_command(user: &str, cmd: &str) -> Command {
+    let c = cluster();
+    let mut command = Command::new("timeout");
+    command
+        .args(["60", "ssh", "-i"])
+        .arg(&c.key)
+        .args([
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=20",
+            "-p",
+        ])
+        .arg(c.ssh_port.to_string())
+        .arg(format!("{user}@127.0.0.1"))
+        .arg(cmd)
+        .stdin(Stdio::null());
+    command
+}
+
+fn ssh(user: &str, cmd: &str) -> Output {
+    ssh_command(user, cmd).output().expect("running ssh")
+}
+
+/// A running batch job of `user`, cancelled on drop.
+struct Job {
+    id: String,
+}
+
+impl Job {
+    fn start(user: &str) -> Job {
+        let c = cluster();
+        let out = Command::new("runuser")
+            .args([
+                "-u",
+                user,
+                "--",
+                "sbatch",
+                "--parsable",
+                "--wrap",
+                "sleep 600",
+            ])
+            .env("SLURM_CONF", &c.conf)
+            .current_dir(&c.cwd)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running sbatch");
+        assert!(out.status.success(), "sbatch: {}", stderr(&out));
+        let job = Job {
+            id: stdout(&out).trim().to_string(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let out = Command::new("squeue")
+                .args(["-h", "-o", "%T", "-j", &job.id])
+                .env("SLURM_CONF", &c.conf)
+                .output()
+                .unwrap();
+            if stdout(&out).trim() == "RUNNING" {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {} not running after 60 s: {}",
+                job.id,
+                stdout(&out)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        job
+    }
+
+    fn cancel(&self) {
+        let _ = Command::new("scancel")
+            .arg(&self.id)
+            .env("SLURM_CONF", &cluster().conf)
+            .status();
+    }
+
+    /// The cgroup path (v1, freezer) of this job's extern step.
+    fn extern_step(&self) -> String {
+        format!("/job_{}/step_extern", self.id)
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+fn refusal(c: &Cluster) -> String {
+    format!(
+        "berth: access denied: you have no running job on {}",
+        c.node
+    )
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_user_without_a_job_is_refused_with_one_line() {
+    let c = cluster();
+    let _ = test_user();
+    let out = ssh("berthtest", "echo in");
+    assert!(
+        !out.status.success() && !stdout(&out).contains("in"),
+        "logged in without a job: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert_eq!(
+        stderr(&out).matches(&refusal(c)).count(),
+        1,
+        "stderr: {}",
+        stderr(&out)
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_session_runs_in_the_jobs_extern_step_and_ends_with_the_job() {
+    let _ = test_user();
+    let job = Job::start("berthtest");
+    let out = ssh("berthtest", "cat /proc/self/cgroup");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    let freezer = stdout(&out)
+        .lines()
+        .find(|l| l.contains(":freezer:"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        freezer.ends_with(&job.extern_step()),
+        "not in job {}'s extern step: {}",
+        job.id,
+        stdout(&out)
+    );
+
+    let mut session: Child = ssh_command("berthtest", "echo in; exec sleep 300")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(session.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert_eq!(first.trim(), "in");
+    job.cancel();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = session.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = session.kill();
+            let _ = session.wait();
+            panic!("the ssh session outlived job {} by 30 s", job.id);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success(), "the session ended normally: {status}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn root_is_let_in_without_a_job_and_not_adopted() {
+    let _ = cluster();
+    let out = ssh("root", "id -u; cat /proc/self/cgroup");
+    assert!(out.status.success(), "root refused: {}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(text.lines().next(), Some("0"), "{text}");
+    assert!(!text.contains("step_extern"), "{text}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn another_users_job_is_never_joined() {
+    let c = cluster();
+    let _ = test_user();
+    other_user();
+    let theirs = Job::start(OTHER);
+    let out = ssh("berthtest", "cat /proc/self/cgroup");
+    assert!(
+        !out.status.success(),
+        "let in on another user's job {}: {}",
+        theirs.id,
+        stdout(&out)
+    );
+    assert!(stderr(&out).contains(&refusal(c)), "{}", stderr(&out));
+
+    // With a job of one's own beside theirs (theirs is not the newest here, but may be
+    // any order), the session is in one's own job.
+    let mine = Job::start("berthtest");
+    let out = ssh("berthtest", "cat /proc/self/cgroup");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains(&mine.extern_step()), "{text}");
+    assert!(!text.contains(&theirs.extern_step()), "{text}");
+}
+
+/// SIGCONTs slurmctld on drop, so a failed assertion leaves Slurm running.
+struct Stopped(i32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: resuming the slurmctld this file's cluster started.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_stopped_slurm_denies_within_the_timeout() {
+    let c = cluster();
+    let _ = test_user();
+    // A job of the user's own: what refuses the login is Slurm's silence, not a missing job.
+    let job = Job::start("berthtest");
+    let pid: i32 = std::fs::read_to_string(c.state.join("run/slurmctld.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: stopping the slurmctld this file's cluster started; Stopped resumes it.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Stopped(pid);
+    let started = Instant::now();
+    let out = ssh("berthtest", "echo in");
+    let took = started.elapsed();
+    drop(stopped);
+    assert!(
+        !out.status.success() && !stdout(&out).contains("in"),
+        "let in while Slurm did not answer (job {}): {}",
+        job.id,
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains(&format!(
+            "berth: access denied: cannot tell whether you have a job on {}",
+            c.node
+        )),
+        "{}",
+        stderr(&out)
+    );
+    // The module's deadline plus sshd's and the client's own work.
+    assert!(
+        took < Duration::from_millis(SLURM_TIMEOUT_MS) + Duration::from_secs(10),
+        "the refusal took {took:?}"
+    );
+}
