@@ -1108,3 +1108,88 @@ fn processes_exec_d_into_a_remapped_container_get_the_filter_too() {
         assert!(out.contains(needle), "{needle} missing: {out}");
     }
 }
+
+// --- Issue 27, points 4 and 9 (runtime side) ---
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn character_devices_bind_as_mount_sources_and_block_devices_are_refused() {
+    // Point 4: Pyxis binds `--container-mounts=/dev/null:/null`; berth refused it ("not a regular
+    // file or directory"). A block device stays refused (runtime.mount_block_devices is off).
+    let (uid, _, _) = pyxis_user();
+    let dir = user_dir("devices", &[]);
+    let block = dir.join("local-block");
+    // Major 60 is for local use, never a real driver's.
+    let status = Command::new("mknod")
+        .args(["-m", "666"])
+        .arg(&block)
+        .args(["b", "60", "0"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    std::os::unix::fs::lchown(&block, Some(uid), None).unwrap();
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &image(),
+            "--container-mounts=/dev/null:/null",
+            "sh",
+            "-c",
+            "echo discarded > /null && echo wrote-null; wc -c < /null",
+        ],
+    )));
+    assert!(out.contains("wrote-null\n0\n"), "{out}");
+    let out = run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &image(),
+            &format!("--container-mounts={}:/disk", block.display()),
+            "echo",
+            "ran",
+        ],
+    ));
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(!stdout(&out).contains("ran"));
+    let said: Vec<&str> = err.lines().filter(|l| l.contains("block device")).collect();
+    assert_eq!(said.len(), 1, "{err}");
+    assert!(said[0].contains("runtime.mount_block_devices"), "{err}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_users_own_directory_image_runs_with_container_remap_root() {
+    // Point 9: a directory image owned by the user, with --container-remap-root, failed with
+    // `creating mount point /etc/hosts: EACCES` (a root-owned copy worked).
+    let (uid, gid, _) = pyxis_user();
+    let dir = user_dir("own-image", &[]);
+    let img = dir.join("img");
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    chown_tree(&img, uid, gid);
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &format!("--container-image={}", img.display()),
+            "--container-remap-root",
+            "sh",
+            "-c",
+            "id -u; stat -c %u /etc; grep -c . /etc/hosts >/dev/null && echo hosts; \
+             touch /etc/new-file && echo writes-ok",
+        ],
+    )));
+    assert_eq!(out.lines().take(2).collect::<Vec<_>>(), ["0", "0"], "{out}");
+    assert!(out.contains("hosts\nwrites-ok"), "{out}");
+    assert!(
+        !img.join("etc/new-file").exists(),
+        "the user's image changed"
+    );
+}
