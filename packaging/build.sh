@@ -15,6 +15,8 @@
 # Contents (Debian path / RHEL-family path where they differ):
 #   /usr/bin/berth, /usr/bin/berth-controller
 #   /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_berth.so  /  /usr/lib64/slurm/spank_berth.so
+#   /usr/lib/x86_64-linux-gnu/security/pam_berth.so  /  /usr/lib64/security/pam_berth.so
+#                                              sshd's node access (README, "Node access (ssh)")
 #   /usr/libexec/berth/{prolog,epilog}.sh      Slurm Prolog/Epilog wrappers (slurm.conf names them)
 #   /etc/berth/berth.toml                      conffile: every key, at its default
 #   /etc/slurm/plugstack.conf.d/berth.conf     conffile: the plugin line (plugstack.conf untouched)
@@ -72,28 +74,31 @@ slurm_next=$(printf '%d.%02d' $((number >> 16)) $((((number >> 8) & 0xff) + 1)))
 echo "packaging/build.sh: building berth $version (profile $profile) for Slurm $slurm" >&2
 cargo build --profile "$profile" -p berth --bin berth --example gen-docs
 cargo build --profile "$profile" -p berth-spank
+cargo build --profile "$profile" -p berth-pam
 cargo build --profile "$profile" -p berth-controller --bin berth-controller
 bin=$target/$dir/berth
 plugin=$target/$dir/libspank_berth.so
+pam=$target/$dir/libpam_berth.so
 gen=$target/$dir/examples/gen-docs
 controller=$target/$dir/berth-controller
-for f in "$bin" "$plugin" "$gen" "$controller"; do [ -f "$f" ] || die "$f not built"; done
+for f in "$bin" "$plugin" "$pam" "$gen" "$controller"; do [ -f "$f" ] || die "$f not built"; done
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/berth-packaging.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 "$gen" "$work/docs"
 
 # glibc the binary and plugin need: the highest GLIBC_x.y version they reference.
-glibc=$( (strings -a "$bin" "$plugin" "$controller" 2>/dev/null || true) | sed -n 's/^GLIBC_\([0-9][0-9.]*\)$/\1/p' |
+glibc=$( (strings -a "$bin" "$plugin" "$pam" "$controller" 2>/dev/null || true) | sed -n 's/^GLIBC_\([0-9][0-9.]*\)$/\1/p' |
   sort -V | tail -n 1)
 glibc=${glibc:-2.34}
 
-# stage ROOT PLUGIN_DIR ZSH_DIR: the installed tree.
+# stage ROOT PLUGIN_DIR ZSH_DIR PAM_DIR: the installed tree.
 stage() {
-  local root=$1 plugdir=$2 zshdir=$3 v
+  local root=$1 plugdir=$2 zshdir=$3 pamdir=$4 v
   install -D -m 0755 "$bin" "$root/usr/bin/berth"
   install -D -m 0755 "$controller" "$root/usr/bin/berth-controller"
   install -D -m 0644 "$plugin" "$root$plugdir/spank_berth.so"
+  install -D -m 0644 "$pam" "$root$pamdir/pam_berth.so"
   for v in prolog epilog; do
     install -d -m 0755 "$root/usr/libexec/berth"
     sed -e 's|^BERTH=.*|BERTH=/usr/bin/berth|' \
@@ -136,7 +141,8 @@ description="Container runtime and job executor for Slurm GPU clusters"
 
 if [ "$deb" -eq 1 ]; then
   root=$work/deb
-  stage "$root" /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/share/zsh/vendor-completions
+  stage "$root" /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/share/zsh/vendor-completions \
+    /usr/lib/x86_64-linux-gnu/security
   cat >"$root/usr/share/doc/berth/copyright" <<EOF
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
 Upstream-Name: berth
@@ -177,7 +183,7 @@ fi
 
 if [ "$rpm" -eq 1 ]; then
   root=$work/rpmroot
-  stage "$root" /usr/lib64/slurm /usr/share/zsh/site-functions
+  stage "$root" /usr/lib64/slurm /usr/share/zsh/site-functions /usr/lib64/security
   top=$work/rpmbuild
   mkdir -p "$top"/{SPECS,RPMS,BUILD,BUILDROOT}
   {
