@@ -186,9 +186,10 @@ fn start_sshd(state: &Path, conf: &Path, node: &str, profile_dir: &Path) -> (u16
     let module = match std::env::var("BERTH_TEST_PAM").as_deref() {
         Ok("none") => "pam_permit.so".to_string(),
         _ => format!(
-            "{} nodename={node} slurm_conf={} timeout_ms={SLURM_TIMEOUT_MS}",
+            "{} nodename={node} slurm_conf={} state_dir={} timeout_ms={SLURM_TIMEOUT_MS}",
             profile_dir.join("libpam_berth.so").display(),
-            conf.display()
+            conf.display(),
+            state.join("berth/state").display()
         ),
     };
     let pam = dir.join("pam");
@@ -266,10 +267,17 @@ fn other_user() {
 
 /// `ssh user@127.0.0.1 cmd` to the test's sshd, as root's client with the test key.
 fn ssh_command(user: &str, cmd: &str) -> Command {
+    let mut command = client("ssh", "-p");
+    command.arg(format!("{user}@127.0.0.1")).arg(cmd);
+    command
+}
+
+/// `program` (ssh or sftp) with the test key and options, ending with `port_flag PORT`.
+fn client(program: &str, port_flag: &str) -> Command {
     let c = cluster();
     let mut command = Command::new("timeout");
     command
-        .args(["60", "ssh", "-i"])
+        .args(["60", program, "-i"])
         .arg(&c.key)
         .args([
             "-o",
@@ -280,11 +288,9 @@ fn ssh_command(user: &str, cmd: &str) -> Command {
             "BatchMode=yes",
             "-o",
             "ConnectTimeout=20",
-            "-p",
+            port_flag,
         ])
         .arg(c.ssh_port.to_string())
-        .arg(format!("{user}@127.0.0.1"))
-        .arg(cmd)
         .stdin(Stdio::null());
     command
 }
@@ -300,17 +306,16 @@ struct Job {
 
 impl Job {
     fn start(user: &str) -> Job {
+        Job::start_with(user, &[])
+    }
+
+    /// A job with more sbatch options (`--container-image=…`).
+    fn start_with(user: &str, options: &[&str]) -> Job {
         let c = cluster();
         let out = Command::new("runuser")
-            .args([
-                "-u",
-                user,
-                "--",
-                "sbatch",
-                "--parsable",
-                "--wrap",
-                "sleep 600",
-            ])
+            .args(["-u", user, "--", "sbatch", "--parsable"])
+            .args(options)
+            .args(["--wrap", "sleep 600"])
             .env("SLURM_CONF", &c.conf)
             .current_dir(&c.cwd)
             .stdin(Stdio::null())
@@ -517,4 +522,93 @@ fn a_stopped_slurm_denies_within_the_timeout() {
         took < Duration::from_millis(SLURM_TIMEOUT_MS) + Duration::from_secs(10),
         "the refusal took {took:?}"
     );
+}
+
+/// What the test image's /etc/os-release says (integration/busybox-rootfs.sh).
+const IMAGE_OS: &str = "berth test image (busybox)";
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_session_lands_in_the_jobs_container_without_privileges() {
+    let _ = test_user();
+    let image = format!("--container-image={}", rootfs().display());
+    let job = Job::start_with("berthtest", &[&image, "--container-name=dev"]);
+    let out = ssh(
+        "berthtest",
+        "cat /etc/os-release; grep -E '^(NoNewPrivs|CapEff|CapPrm)' /proc/self/status; \
+         cat /proc/self/cgroup",
+    );
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains(IMAGE_OS), "not in the container: {text}");
+    assert!(text.contains("NoNewPrivs:\t1"), "{text}");
+    assert!(text.contains("CapEff:\t0000000000000000"), "{text}");
+    assert!(text.contains("CapPrm:\t0000000000000000"), "{text}");
+    assert!(text.contains(&job.extern_step()), "{text}");
+
+    // An interactive login (a pty, no command): its first line names the job and container.
+    let mut login = client("ssh", "-p")
+        .arg("-tt")
+        .arg("berthtest@127.0.0.1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut input = login.stdin.take().unwrap();
+        input.write_all(b"tty; exit\n").unwrap();
+    }
+    let out = login.wait_with_output().unwrap();
+    let first = stdout(&out)
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        first,
+        format!("berth: job {}, container dev", job.id),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert!(stdout(&out).contains("/dev/pts/"), "{}", stdout(&out));
+
+    // sftp (sshd's internal-sftp) reads the container's files.
+    let dir = cluster().state.join("sftp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let got = dir.join("os-release");
+    let _ = std::fs::remove_file(&got);
+    let batch = dir.join("batch");
+    std::fs::write(&batch, format!("get /etc/os-release {}\n", got.display())).unwrap();
+    let out = client("sftp", "-P")
+        .arg("-b")
+        .arg(&batch)
+        .arg("berthtest@127.0.0.1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "sftp: {}", stderr(&out));
+    let fetched = std::fs::read_to_string(&got).unwrap();
+    assert!(fetched.contains(IMAGE_OS), "{fetched}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn another_users_container_is_never_entered() {
+    let _ = test_user();
+    other_user();
+    let image = format!("--container-image={}", rootfs().display());
+    let theirs = Job::start_with(OTHER, &[&image, "--container-name=dev"]);
+    let mine = Job::start("berthtest");
+    let out = ssh("berthtest", "cat /etc/os-release /proc/self/cgroup");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        !text.contains(IMAGE_OS),
+        "in job {}'s container: {text}",
+        theirs.id
+    );
+    assert!(text.contains(&mine.extern_step()), "{text}");
 }

@@ -20,6 +20,7 @@ pub const PAM_SILENT: c_int = 0x8000;
 const PAM_SERVICE: c_int = 1;
 const PAM_RHOST: c_int = 4;
 const PAM_ERROR_MSG: c_int = 3;
+const PAM_TEXT_INFO: c_int = 4;
 
 unsafe extern "C" {
     fn pam_get_user(pamh: *mut PamHandle, user: *mut *const c_char, prompt: *const c_char)
@@ -91,6 +92,11 @@ impl Pam {
     /// Shows `line` to the user as an error (sshd prints it on the client's stderr).
     pub fn error(&self, line: &str) {
         self.prompt(PAM_ERROR_MSG, line);
+    }
+
+    /// Shows `line` to the user as information.
+    pub fn info(&self, line: &str) {
+        self.prompt(PAM_TEXT_INFO, line);
     }
 
     fn prompt(&self, style: c_int, line: &str) {

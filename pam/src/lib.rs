@@ -5,13 +5,16 @@
 //! Stacks: `account` decides (root and `admin_groups` always pass; others need a running job
 //! here, from squeue with a deadline: see `jobs`); `session` moves sshd's process for the
 //! connection, and with it every process of the session, into the job's extern step cgroups
-//! (`adopt`). Only the service named by `service=` (sshd) is acted on: under any other the module
-//! returns PAM_IGNORE. Arguments: `options`; README, "Node access (ssh)".
+//! (`adopt`), then, when the job has a berth container of the user's here, into its mount, UTS
+//! and IPC namespaces with no_new_privs (`container`). Only the service named by `service=`
+//! (sshd) is acted on: under any other the module returns PAM_IGNORE. Arguments: `options`;
+//! README, "Node access (ssh)".
 //!
 //! The pure parts are unit-tested; the libpam glue (`ffi`, the `pam_sm_*` entry points) is tested
 //! end to end with a real sshd on a real Slurm (tests/root_pam.rs).
 
 mod adopt;
+pub mod container;
 mod error;
 pub mod jobs;
 pub mod login;
@@ -121,8 +124,22 @@ mod entry {
         let Some(job) = job else {
             return ffi::PAM_SUCCESS;
         };
-        match login::adopt(&opts, &user, &node, job, std::process::id()) {
-            Ok(()) => ffi::PAM_SUCCESS,
+        let joined = login::adopt(&opts, &user, &node, job, std::process::id()).and_then(|()| {
+            if !opts.container {
+                return Ok(None);
+            }
+            let Some(c) = crate::container::find(&opts.state_dir, user.uid, job) else {
+                return Ok(None);
+            };
+            crate::container::join(&c)?;
+            Ok(Some(c))
+        });
+        match joined {
+            Ok(Some(c)) => {
+                pam.info(&format!("berth: job {job}, container {}", c.label()));
+                ffi::PAM_SUCCESS
+            }
+            Ok(None) => ffi::PAM_SUCCESS,
             Err(e) => {
                 pam.log(&e.to_string());
                 if opts.adopt_failure_allow {

@@ -56,6 +56,10 @@ pub struct Options {
     pub timeout: Duration,
     /// The cgroup file systems' mount point.
     pub cgroup_mount: PathBuf,
+    /// Whether a session joins the job's berth container when it has one here (`container=0|1`).
+    pub container: bool,
+    /// berth's `runtime.state_dir`, where the node's containers are recorded.
+    pub state_dir: PathBuf,
 }
 
 impl Default for Options {
@@ -73,6 +77,8 @@ impl Default for Options {
             squeue: PathBuf::from("/usr/bin/squeue"),
             timeout: Duration::from_secs(5),
             cgroup_mount: PathBuf::from("/sys/fs/cgroup"),
+            container: true,
+            state_dir: PathBuf::from("/run/berth"),
         }
     }
 }
@@ -150,11 +156,19 @@ impl Options {
                 }
                 "squeue" if value.starts_with('/') => o.squeue = PathBuf::from(value),
                 "cgroup_mount" if value.starts_with('/') => o.cgroup_mount = PathBuf::from(value),
+                "state_dir" if value.starts_with('/') => o.state_dir = PathBuf::from(value),
+                "container" => {
+                    o.container = match value {
+                        "1" => true,
+                        "0" => false,
+                        _ => return Err(bad(arg, "use 0 or 1")),
+                    }
+                }
                 "timeout_ms" => match value.parse::<u64>() {
                     Ok(ms) if (1..=60_000).contains(&ms) => o.timeout = Duration::from_millis(ms),
                     _ => return Err(bad(arg, "use milliseconds from 1 to 60000")),
                 },
-                "slurm_conf" | "squeue" | "cgroup_mount" => {
+                "slurm_conf" | "squeue" | "cgroup_mount" | "state_dir" => {
                     return Err(bad(arg, "use an absolute path"));
                 }
                 "service" | "nodename" => return Err(bad(arg, "give a value")),
@@ -173,6 +187,7 @@ impl Options {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn defaults_deny_whenever_berth_cannot_tell() {
@@ -197,6 +212,8 @@ mod tests {
             "nodename=n1",
             "slurm_conf=/etc/slurm/slurm.conf",
             "timeout_ms=250",
+            "container=0",
+            "state_dir=/var/run/berth",
         ])
         .unwrap();
         assert_eq!(o.action_no_jobs, NoJobs::Ignore);
@@ -208,6 +225,8 @@ mod tests {
         assert_eq!(o.admin_groups, ["wheel", "ops"]);
         assert_eq!(o.nodename.as_deref(), Some("n1"));
         assert_eq!(o.timeout, Duration::from_millis(250));
+        assert!(!o.container);
+        assert_eq!(o.state_dir, Path::new("/var/run/berth"));
     }
 
     #[test]
@@ -219,6 +238,7 @@ mod tests {
             "squeue=squeue",
             "nodename=",
             "join_container=true",
+            "container=yes",
         ] {
             let e = Options::parse([arg]).unwrap_err().to_string();
             assert!(e.contains(arg), "{e}");
