@@ -547,34 +547,37 @@ fn a_session_lands_in_the_jobs_container_without_privileges() {
     assert!(text.contains(&job.extern_step()), "{text}");
 
     // An interactive login (a pty, no command): its first line names the job and container.
+    // The input goes in only after the first line: the pty echoes whatever comes before.
     let mut login = client("ssh", "-p")
         .arg("-tt")
         .arg("berthtest@127.0.0.1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let mut lines = BufReader::new(login.stdout.take().unwrap());
+    let mut first = String::new();
+    while first.trim().is_empty() {
+        first.clear();
+        if lines.read_line(&mut first).unwrap() == 0 {
+            break;
+        }
+    }
     {
         use std::io::Write;
         let mut input = login.stdin.take().unwrap();
         input.write_all(b"tty; exit\n").unwrap();
     }
-    let out = login.wait_with_output().unwrap();
-    let first = stdout(&out)
-        .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or_default()
-        .to_string();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
+    let _ = login.wait();
     assert_eq!(
-        first,
+        first.trim(),
         format!("berth: job {}, container dev", job.id),
-        "{}{}",
-        stdout(&out),
-        stderr(&out)
+        "{first}{rest}"
     );
-    assert!(stdout(&out).contains("/dev/pts/"), "{}", stdout(&out));
+    assert!(rest.contains("/dev/pts/"), "{rest}");
 
     // sftp (sshd's internal-sftp) reads the container's files.
     let dir = cluster().state.join("sftp");
@@ -592,6 +595,35 @@ fn a_session_lands_in_the_jobs_container_without_privileges() {
     assert!(out.status.success(), "sftp: {}", stderr(&out));
     let fetched = std::fs::read_to_string(&got).unwrap();
     assert!(fetched.contains(IMAGE_OS), "{fetched}");
+
+    // Port forwarding (what VS Code Remote-SSH needs): the network is still the node's.
+    let service = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = service.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        if let Ok((mut conn, _)) = service.accept() {
+            use std::io::Write;
+            let _ = conn.write_all(b"forwarded\n");
+        }
+    });
+    let local = free_port();
+    let mut forward = client("ssh", "-p")
+        .args(["-N", "-L", &format!("{local}:127.0.0.1:{target}")])
+        .arg("berthtest@127.0.0.1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut got = String::new();
+    while got.is_empty() && Instant::now() < deadline {
+        if let Ok(conn) = std::net::TcpStream::connect(("127.0.0.1", local)) {
+            let _ = BufReader::new(conn).read_line(&mut got);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = forward.kill();
+    let _ = forward.wait();
+    assert_eq!(got.trim(), "forwarded");
 }
 
 #[test]
