@@ -469,6 +469,23 @@ fn run_mksquashfs(
     })
 }
 
+/// Moves this process into a mount namespace of its own whose mounts propagate nowhere: what
+/// it mounts never appears on the host. Allocates nothing (it runs between fork and exec).
+fn private_mount_namespace() -> std::io::Result<()> {
+    // SAFETY: unshare and mount with static strings and null pointers; no memory of ours is
+    // written.
+    unsafe {
+        check(libc::unshare(libc::CLONE_NEWNS))?;
+        check(libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ))
+    }
+}
+
 fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
@@ -526,14 +543,7 @@ fn squash_layers(
     // strings prepared beforehand; it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
-            check(libc::unshare(libc::CLONE_NEWNS))?;
-            check(libc::mount(
-                std::ptr::null(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ))?;
+            private_mount_namespace()?;
             check(libc::mount(
                 c"overlay".as_ptr(),
                 target.as_ptr(),
@@ -848,14 +858,7 @@ fn squash_container(
             check(bare)?;
             // A private copy of the host's namespace to build the jail in.
             check(libc::setns(host_ns_fd, libc::CLONE_NEWNS))?;
-            check(libc::unshare(libc::CLONE_NEWNS))?;
-            check(libc::mount(
-                std::ptr::null(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ))?;
+            private_mount_namespace()?;
             check(libc::mount(
                 c"tmpfs".as_ptr(),
                 tmpfs_at.as_ptr(),
