@@ -69,6 +69,9 @@ pub struct Options {
     /// `closest` or `none`; unset: `topology.bind`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_bind: Option<String>,
+    /// The host's Slurm client inside (`--container-slurm`); unset: `host_software.slurm`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_slurm: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]

@@ -30,6 +30,28 @@ pub struct Config {
     pub controller: toml::Table,
     pub agent: AgentConfig,
     pub peers: PeersConfig,
+    pub host_software: HostSoftwareConfig,
+}
+
+/// `[host_software]`: the node's own software a container may ask for (crate::hostsw).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct HostSoftwareConfig {
+    /// Every Slurm step gets the host's Slurm client unless it says `--no-container-slurm`.
+    pub slurm: bool,
+    /// What `--container-slurm` binds read-only, each `PATH` or `SOURCE:DESTINATION` (absolute):
+    /// the client binaries, their libraries and plugins, slurm.conf's directory, munged's socket
+    /// directory. Missing ones are skipped; a directory holding a key is refused.
+    pub slurm_paths: Vec<String>,
+}
+
+impl Default for HostSoftwareConfig {
+    fn default() -> Self {
+        Self {
+            slurm: false,
+            slurm_paths: crate::hostsw::default_slurm_paths(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]

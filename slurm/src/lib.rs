@@ -1,8 +1,10 @@
 //! The workflows of a berth node: the container of a Slurm job step from the SPANK plugin's
-//! request ([`step`]), the job's Prolog and Epilog ([`job`]), the node's health ([`health`]), what every container needs before the runtime makes it ([`container`]:
-//! the image, host files, options), the node's topology source ([`node`]), and the Pyxis-shaped
-//! request turned into a container request ([`request`], [`env`], [`cgroup`]). The node's
-//! configuration, `/etc/berth/berth.toml`, is [`config`].
+//! request ([`step`]), the job's Prolog and Epilog ([`job`]), the node's health ([`health`]),
+//! what every container needs before the runtime makes it ([`container`]: the image, host
+//! files, options), the host's own software a container asks for ([`hostsw`]), the node's
+//! topology source ([`node`]), and the Pyxis-shaped request turned into a container request
+//! ([`request`], [`env`], [`cgroup`]). The node's configuration, `/etc/berth/berth.toml`, is
+//! [`config`].
 
 pub mod cgroup;
 pub mod config;
@@ -11,6 +13,7 @@ pub mod env;
 mod error;
 pub mod export;
 pub mod health;
+pub mod hostsw;
 pub mod job;
 pub use berth_proto::mounts;
 pub mod node;

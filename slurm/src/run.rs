@@ -39,6 +39,8 @@ pub struct Flags {
     pub net: Net,
     pub readonly: bool,
     pub remap_root: bool,
+    /// `--slurm` / `--no-slurm`; unset: `host_software.slurm`.
+    pub slurm: Option<bool>,
 }
 
 /// A container request and the image it stacks (whose in-use mark lives as long as it).
@@ -105,6 +107,11 @@ pub fn prepare(
         .check("--env", &flags.env)
         .map_err(|e| SlurmError::input(e.to_string()))?;
     let mut env = image.defaults.env.clone();
+    let slurm = flags.slurm.unwrap_or(config.host_software.slurm);
+    if slurm {
+        // srun inside needs the job's SLURM_* (SLURM_JOB_ID, SLURM_CONF) as srun outside does.
+        env.extend(std::env::vars().filter(|(k, _)| k.starts_with("SLURM_")));
+    }
     env.extend(flags.env);
     env_limits
         .check(
@@ -132,6 +139,14 @@ pub fn prepare(
         .iter()
         .map(|p| host_device(Path::new(p), &user))
         .collect::<Result<Vec<_>, _>>()?;
+    let mut mounts = mounts;
+    if slurm {
+        mounts.extend(crate::hostsw::slurm_binds(
+            config,
+            &image.lowers,
+            "--slurm",
+        )?);
+    }
     let request = Request {
         rootfs: image.lowers[0].clone(),
         args: args_line,

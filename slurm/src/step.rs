@@ -85,7 +85,16 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     let user = spec::user::by_id(step.uid, step.gid);
     let image = crate::container::resolve(image_text, config, &user, None)
         .map_err(|e| SlurmError::ImageUnavailable(Box::new(e)))?;
-    let req = request(&step, config, &user, &image)?;
+    let mut req = request(&step, config, &user, &image)?;
+    if step
+        .options
+        .container_slurm
+        .unwrap_or(config.host_software.slurm)
+    {
+        let what = "--container-slurm";
+        req.mounts
+            .extend(crate::hostsw::slurm_binds(config, &image.lowers, what)?);
+    }
     let mut spec = spec::build(&req).map_err(|e| SlurmError::input(e.to_string()))?;
     slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)?;
     let topo = StepTopology::discover(&step, config)?;

@@ -33,10 +33,11 @@ pub enum Key {
     Bind,
     StageIn,
     StageOut,
+    Slurm,
 }
 
 impl Key {
-    pub const ALL: [Key; 15] = [
+    pub const ALL: [Key; 16] = [
         Key::Image,
         Key::Mounts,
         Key::Workdir,
@@ -52,6 +53,7 @@ impl Key {
         Key::Bind,
         Key::StageIn,
         Key::StageOut,
+        Key::Slurm,
     ];
 
     /// The flag name without dashes, which is also the key in the request's `options` object.
@@ -72,6 +74,7 @@ impl Key {
             Key::Bind => "container-bind",
             Key::StageIn => "stage-in",
             Key::StageOut => "stage-out",
+            Key::Slurm => "container-slurm",
         }
     }
 
@@ -93,6 +96,7 @@ impl Key {
             Key::Bind => "CONTAINER_BIND",
             Key::StageIn => "STAGE_IN",
             Key::StageOut => "STAGE_OUT",
+            Key::Slurm => "CONTAINER_SLURM",
         }
     }
 
@@ -130,7 +134,7 @@ pub struct Flag {
 
 /// Every option, in `srun --help` order. The index of a row is the `val` Slurm passes back to
 /// the option callback.
-pub static FLAGS: [Flag; 19] = [
+pub static FLAGS: [Flag; 21] = [
     Flag {
         name: c"container-image",
         arginfo: Some(c"[USER@][REGISTRY#]IMAGE[:TAG]|PATH"),
@@ -264,6 +268,21 @@ pub static FLAGS: [Flag; 19] = [
         key: Key::StageOut,
         sets: false,
     },
+    // After the others: a row's index is its callback's `val`, kept across versions.
+    Flag {
+        name: c"container-slurm",
+        arginfo: None,
+        usage: c"[berth] the host's Slurm commands (srun, sbatch, squeue, ...) work inside the container: the client files host_software.slurm_paths in berth.toml names, bound read-only",
+        key: Key::Slurm,
+        sets: true,
+    },
+    Flag {
+        name: c"no-container-slurm",
+        arginfo: None,
+        usage: c"[berth] no host Slurm commands inside the container [default: host_software.slurm in berth.toml]",
+        key: Key::Slurm,
+        sets: false,
+    },
 ];
 
 /// Where a value came from, for error messages.
@@ -300,6 +319,7 @@ pub struct Options {
     pub bind: Option<String>,
     pub stage_in: Vec<String>,
     pub stage_out: Vec<String>,
+    pub slurm: Option<bool>,
 }
 
 impl Options {
@@ -353,7 +373,8 @@ impl Options {
             | Key::RemapRoot
             | Key::Entrypoint
             | Key::EntrypointLog
-            | Key::Writable => {
+            | Key::Writable
+            | Key::Slurm => {
                 let b = parse_bool(value).ok_or_else(|| SpankError::NotBool {
                     var: var.to_string(),
                     value: shown(value),
@@ -381,6 +402,7 @@ impl Options {
             Key::Bind => self.bind.is_some(),
             Key::StageIn => !self.stage_in.is_empty(),
             Key::StageOut => !self.stage_out.is_empty(),
+            Key::Slurm => self.slurm.is_some(),
         }
     }
 
@@ -391,6 +413,7 @@ impl Options {
             Key::Entrypoint => &mut self.entrypoint,
             Key::EntrypointLog => &mut self.entrypoint_log,
             Key::Writable => &mut self.writable,
+            Key::Slurm => &mut self.slurm,
             _ => return Ok(()),
         };
         match *slot {
@@ -493,7 +516,8 @@ impl Options {
             | Key::RemapRoot
             | Key::Entrypoint
             | Key::EntrypointLog
-            | Key::Writable => Ok(()),
+            | Key::Writable
+            | Key::Slurm => Ok(()),
         }
     }
 
@@ -562,6 +586,7 @@ impl Options {
             (Key::EntrypointLog, self.entrypoint_log),
         ] {
             if let Some(v) = v {
+            (Key::Slurm, self.slurm),
                 map.insert(key.flag().into(), Value::Bool(v));
             }
         }
@@ -1150,3 +1175,23 @@ mod tests {
         assert_eq!(parse_bool(""), None);
     }
 }
+
+    #[test]
+    fn container_slurm_from_flag_or_pyxis_style_env_reaches_the_request() {
+        let mut o = Options::default();
+        flag(&mut o, "container-slurm", None).unwrap();
+        assert_eq!(o.to_json().get("container-slurm"), Some(&Value::Bool(true)));
+        let e = flag(&mut o, "no-container-slurm", None).unwrap_err();
+        assert!(e.to_string().contains("--container-slurm"), "{e}");
+        let mut o = Options::default();
+        o.apply_env(env(&[("PYXIS_CONTAINER_SLURM", "0")])).unwrap();
+        assert_eq!(
+            o.to_json().get("container-slurm"),
+            Some(&Value::Bool(false))
+        );
+        assert_eq!(
+            Options::default().to_json().get("container-slurm"),
+            None,
+            "unset: the site's host_software.slurm decides"
+        );
+    }

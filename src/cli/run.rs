@@ -144,6 +144,15 @@ pub struct ContainerArgs {
     /// Mount the root filesystem read-only
     #[arg(long)]
     pub readonly: bool,
+
+    /// The host's Slurm commands inside: the client files host_software.slurm_paths names,
+    /// bound read-only, and the caller's SLURM_* environment [default: host_software.slurm]
+    #[arg(long)]
+    pub slurm: bool,
+
+    /// No host Slurm commands inside, whatever host_software.slurm says
+    #[arg(long, conflicts_with = "slurm")]
+    pub no_slurm: bool,
 }
 
 fn flag<T>(
@@ -243,6 +252,7 @@ pub fn request(
         net: args.net,
         readonly: args.readonly,
         remap_root: args.remap_root,
+        slurm: (args.slurm || args.no_slurm).then_some(args.slurm),
     };
     Ok(crate::slurm::run::prepare(flags, command, config, hold)?)
 }

@@ -1,0 +1,275 @@
+//! The node's own software inside a container, as the site configures it (`[host_software]`):
+//! the host's Slurm client (`--container-slurm`, `berth run --slurm`), so that `srun`, `sbatch`
+//! and `squeue` work from inside a job's container as from the host.
+//!
+//! Only what the configuration names is bound, read-only, at the path the configuration gives:
+//! a user chooses whether, never what. The host's binaries run on the image's C library (they
+//! are bound at their own paths, with their own libraries beside the image's), so the image's
+//! glibc must be at least the host's: checked before the container is made, refused in one line
+//! otherwise. The alternative, a private loader path with wrappers, would put the host's glibc
+//! under programs the image built against its own.
+
+use std::path::{Path, PathBuf};
+
+use berth_spec::BindMount;
+
+use crate::SlurmError;
+use crate::config::Config;
+
+/// The Slurm client files of the usual layouts (Debian/Ubuntu per architecture, RHEL); the
+/// ones missing on a node are skipped.
+pub fn default_slurm_paths() -> Vec<String> {
+    let mut paths: Vec<String> = [
+        "srun", "sbatch", "salloc", "squeue", "scancel", "sinfo", "scontrol", "sacct",
+    ]
+    .iter()
+    .map(|b| format!("/usr/bin/{b}"))
+    .collect();
+    for triple in ["x86_64-linux-gnu", "aarch64-linux-gnu"] {
+        paths.push(format!("/usr/lib/{triple}/slurm-wlm"));
+        paths.push(format!("/usr/lib/{triple}/libmunge.so.2"));
+    }
+    paths.extend(
+        [
+            "/usr/lib64/slurm",
+            "/usr/lib64/libmunge.so.2",
+            "/etc/slurm",
+            "/run/munge",
+        ]
+        .map(String::from),
+    );
+    paths
+}
+
+/// Names of files that must never reach a container: munge's key, slurmdbd's configuration
+/// (its database password), and keys and certificates in general (JWT keys beside slurm.conf).
+fn is_secret(name: &str) -> bool {
+    name == "munge.key"
+        || name == "slurmdbd.conf"
+        || name.ends_with(".key")
+        || name.ends_with(".pem")
+}
+
+/// The read-only binds that bring the host's Slurm client into a container whose image layers
+/// are `lowers` (topmost first). `what` names the request in errors (`--container-slurm`).
+pub fn slurm_binds(
+    config: &Config,
+    lowers: &[PathBuf],
+    what: &str,
+) -> Result<Vec<BindMount>, SlurmError> {
+    let binds = configured(&config.host_software.slurm_paths, "slurm_paths")?;
+    if binds.is_empty() {
+        return Err(SlurmError::input(format!(
+            "{what}: none of host_software.slurm_paths exists on this node: ask the site to \
+             name its Slurm client files in berth.toml, or drop {what}"
+        )));
+    }
+    check_glibc(lowers, what)?;
+    Ok(binds)
+}
+
+/// The entries of `[host_software].key` that exist here, as read-only binds; an entry that is not
+/// absolute, or that is or holds a secret, is the configuration's error.
+fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>, SlurmError> {
+    let mut out = Vec::new();
+    for entry in entries {
+        let (source, destination) = match entry.split_once(':') {
+            Some((s, d)) => (PathBuf::from(s), PathBuf::from(d)),
+            None => (PathBuf::from(entry), PathBuf::from(entry)),
+        };
+        if !source.is_absolute() || !destination.is_absolute() {
+            return Err(SlurmError::host(format!(
+                "host_software.{key}: '{entry}' is not an absolute PATH or SOURCE:DESTINATION: \
+                 fix berth.toml"
+            )));
+        }
+        let Ok(meta) = std::fs::metadata(&source) else {
+            tracing::debug!(
+                "host_software.{key}: {} is missing: skipped",
+                source.display()
+            );
+            continue;
+        };
+        if let Some(secret) = secret_in(&source, meta.is_dir()) {
+            return Err(SlurmError::host(format!(
+                "host_software.{key}: {} holds {}, which no container may see: name the \
+                 client files themselves (or a directory without it) in berth.toml",
+                source.display(),
+                secret.display()
+            )));
+        }
+        out.push(BindMount {
+            source,
+            destination,
+            readonly: true,
+        });
+    }
+    Ok(out)
+}
+
+/// The secret `path` is (or, a directory, holds directly or one level down).
+fn secret_in(path: &Path, is_dir: bool) -> Option<PathBuf> {
+    let named = |p: &Path| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_secret)
+    };
+    if named(path) {
+        return Some(path.to_path_buf());
+    }
+    if !is_dir {
+        return None;
+    }
+    let entries = |dir: &Path| {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect::<Vec<_>>()
+    };
+    for child in entries(path) {
+        if named(&child) {
+            return Some(child);
+        }
+        // Includes of slurm.conf often live one directory down (conf.d).
+        if child.symlink_metadata().is_ok_and(|m| m.is_dir())
+            && let Some(found) = entries(&child).into_iter().find(|p| named(p))
+        {
+            return Some(found);
+        }
+    }
+    None
+}
+
+/// Where glibc's libc.so.6 is in the usual layouts.
+const LIBC_PATHS: [&str; 6] = [
+    "usr/lib/x86_64-linux-gnu/libc.so.6",
+    "usr/lib/aarch64-linux-gnu/libc.so.6",
+    "usr/lib64/libc.so.6",
+    "lib/x86_64-linux-gnu/libc.so.6",
+    "lib/aarch64-linux-gnu/libc.so.6",
+    "lib64/libc.so.6",
+];
+
+/// Refuses an image whose glibc is older than the host's (or that has none): the host's
+/// binaries would fail inside with "GLIBC_2.x not found", long after the container started.
+fn check_glibc(lowers: &[PathBuf], what: &str) -> Result<(), SlurmError> {
+    let host = glibc_version(&[PathBuf::from("/")]).ok_or_else(|| {
+        SlurmError::host(format!(
+            "{what}: this node's glibc version is unknown (no libc.so.6 in {}): the host's Slurm \
+             client cannot be brought into containers here",
+            LIBC_PATHS[0]
+        ))
+    })?;
+    match glibc_version(lowers) {
+        Some(image) if image >= host => Ok(()),
+        Some(image) => Err(SlurmError::input(format!(
+            "{what}: the image's glibc {}.{} is older than this node's {}.{}, which the host's \
+             Slurm commands need: use an image with glibc {}.{} or newer, or drop {what}",
+            image.0, image.1, host.0, host.1, host.0, host.1
+        ))),
+        None => Err(SlurmError::input(format!(
+            "{what}: the image has no glibc (libc.so.6), which the host's Slurm commands need \
+             ({}.{} or newer): use a glibc image (Debian, Ubuntu, RHEL), or drop {what}",
+            host.0, host.1
+        ))),
+    }
+}
+
+/// The glibc version of the first of `roots` (image layers, topmost first) that has one, read
+/// from libc.so.6's "release version X.Y" banner. Each layer's file is opened beneath it,
+/// following none of the image's symlinks, so an image cannot steer root to a host file.
+fn glibc_version(roots: &[PathBuf]) -> Option<(u32, u32)> {
+    roots.iter().find_map(|root| {
+        let dir = std::fs::File::open(root).ok()?;
+        LIBC_PATHS.iter().find_map(|rel| {
+            let fd = berth_runtime::mounts::path_beneath(&dir, Path::new(rel)).ok()?;
+            let path = berth_sys::privfs::fd_path(&fd);
+            let bytes = std::fs::read(path).ok()?;
+            release_version(&bytes)
+        })
+    })
+}
+
+/// `X.Y` after glibc's "release version " banner in `bytes`.
+fn release_version(bytes: &[u8]) -> Option<(u32, u32)> {
+    const BANNER: &[u8] = b"release version ";
+    let at = bytes.windows(BANNER.len()).position(|w| w == BANNER)? + BANNER.len();
+    let rest = &bytes[at..bytes.len().min(at + 16)];
+    let text: String = rest
+        .iter()
+        .take_while(|b| b.is_ascii_digit() || **b == b'.')
+        .map(|b| char::from(*b))
+        .collect();
+    let mut parts = text.trim_end_matches('.').split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glibc_banner_is_read() {
+        let banner =
+            b"\0GNU C Library (Debian GLIBC 2.36-9+deb12u4) stable release version 2.36.\n";
+        assert_eq!(release_version(banner), Some((2, 36)));
+        assert_eq!(release_version(b"release version 2.9."), Some((2, 9)));
+        assert_eq!(release_version(b"musl libc"), None);
+    }
+
+    #[test]
+    fn image_glibc_is_compared_with_the_hosts() {
+        let host = glibc_version(&[PathBuf::from("/")]).expect("the test host has glibc");
+        let image = tempfile::tempdir().unwrap();
+        let lib = image.path().join("usr/lib64");
+        std::fs::create_dir_all(&lib).unwrap();
+        let what = "--container-slurm";
+        let e = check_glibc(&[image.path().to_path_buf()], what).unwrap_err();
+        assert!(e.to_string().contains("the image has no glibc"), "{e}");
+        let old = format!("release version {}.{}.", host.0, host.1 - 1);
+        std::fs::write(lib.join("libc.so.6"), old).unwrap();
+        let e = check_glibc(&[image.path().to_path_buf()], what).unwrap_err();
+        assert!(e.to_string().contains("is older than this node's"), "{e}");
+        assert_eq!(e.to_string().lines().count(), 1);
+        std::fs::write(
+            lib.join("libc.so.6"),
+            format!("release version {}.{}.", host.0, host.1),
+        )
+        .unwrap();
+        check_glibc(&[image.path().to_path_buf()], what).unwrap();
+        // A symlink in the image is not followed to the host's file.
+        std::fs::remove_file(lib.join("libc.so.6")).unwrap();
+        std::os::unix::fs::symlink("/usr/lib/x86_64-linux-gnu/libc.so.6", lib.join("libc.so.6"))
+            .unwrap();
+        assert!(check_glibc(&[image.path().to_path_buf()], what).is_err());
+    }
+
+    #[test]
+    fn only_existing_configured_paths_are_bound_read_only_and_secrets_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("etc-slurm");
+        std::fs::create_dir_all(conf.join("conf.d")).unwrap();
+        std::fs::write(conf.join("slurm.conf"), "").unwrap();
+        let entries = vec![
+            conf.display().to_string(),
+            format!("{}:/etc/slurm", conf.display()),
+            "/nonexistent/srun".to_string(),
+        ];
+        let binds = configured(&entries, "slurm_paths").unwrap();
+        assert_eq!(binds.len(), 2);
+        assert!(binds.iter().all(|b| b.readonly));
+        assert_eq!(binds[1].destination, Path::new("/etc/slurm"));
+        std::fs::write(conf.join("conf.d/jwt_hs256.key"), "k").unwrap();
+        let e = configured(&entries, "slurm_paths").unwrap_err().to_string();
+        assert!(
+            e.contains("jwt_hs256.key, which no container may see"),
+            "{e}"
+        );
+        let e = configured(&["relative".to_string()], "slurm_paths").unwrap_err();
+        assert!(e.to_string().contains("not an absolute"), "{e}");
+    }
+}

@@ -1,0 +1,311 @@
+//! Root tier: the host's software inside containers (issue 29): the host's Slurm client in a
+//! step's container (`--container-slurm`) and in `berth run --slurm`, on a real one-host Slurm
+//! of this file's own (integration/slurm/start.sh with its own state directory and free ports,
+//! started once per test binary, stopped at exit), as a non-root user, in the Debian image of
+//! integration/slurm/mpi-image.sh. Run as root:
+//! `cargo test --test root_hostsw -- --ignored --test-threads=1`. `BERTH_TEST_BIN` and
+//! `BERTH_TEST_PLUGIN` run it against an older berth binary and SPANK plugin.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use common::*;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Distinct from the other root tests' clusters (another hash input), per checkout.
+fn state_path() -> PathBuf {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&(env!("CARGO_MANIFEST_DIR"), "root_hostsw"), &mut h);
+    let hash = std::hash::Hasher::finish(&h) & u64::from(u32::MAX);
+    PathBuf::from(format!("/tmp/berth-root-hostsw-{hash:08x}"))
+}
+
+struct Cluster {
+    state: PathBuf,
+    conf: PathBuf,
+    /// A directory every user can use as the working directory of srun.
+    cwd: PathBuf,
+    /// The berth configuration the cluster's nodes use (host_software.slurm_paths set).
+    berth_config: PathBuf,
+}
+
+/// Two consecutive free ports (slurmctld's and slurmd's).
+fn free_port_pair() -> u16 {
+    for _ in 0..50 {
+        let p = std::net::TcpListener::bind(("0.0.0.0", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if p < 65000 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports found");
+}
+
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let berth = PathBuf::from(berth_bin());
+        let built = PathBuf::from(BERTH);
+        let profile_dir = built.parent().unwrap();
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "-p", "berth-spank"]);
+        if profile_dir.file_name().and_then(|n| n.to_str()) == Some("release") {
+            build.arg("--release");
+        }
+        let status = build
+            .current_dir(repo())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("running cargo");
+        assert!(status.success(), "building the SPANK plugin failed");
+        let plugin = std::env::var_os("BERTH_TEST_PLUGIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| profile_dir.join("libspank_berth.so"));
+        let state = state_path();
+        let berth_config = PathBuf::from(format!("{}.toml", state.display()));
+        let lib = format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH);
+        // The cluster's slurm.conf, plugstack.conf and the plugin srun loads from inside; its
+        // munged's socket through a directory of its own (munged's holds munge.key, which
+        // berth refuses to bind), at the path slurm.conf's AuthInfo names.
+        std::fs::write(
+            &berth_config,
+            format!(
+                "[cgroup]\nroot = \"{}-hostsw\"\n[runtime]\nstate_dir = \"{s}/berth/state\"\n\
+                 [store]\nroot = \"{s}/berth/store\"\n[squashfs]\nmount_dir = \"{s}/berth/images\"\n\
+                 [scratch]\nroot = \"{s}/berth/scratch\"\n\
+                 [host_software]\nslurm_paths = [\"/usr/bin/srun\", \"/usr/bin/squeue\", \
+                 \"/usr/bin/sinfo\", \"/usr/bin/sbatch\", \"{lib}/slurm-wlm\", \"{lib}/libmunge.so.2\", \
+                 \"{s}/etc\", \"{s}/munge-client:{s}/munge\", \"{plugin}\"]\n",
+                cgroup_root(),
+                s = state.display(),
+                plugin = plugin.display(),
+            ),
+        )
+        .unwrap();
+        extern "C" fn stop_cluster() {
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state_path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_cluster) };
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .arg("--plugin")
+            .arg(&plugin)
+            .arg("--berth")
+            .arg(&berth)
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .env("BERTH_SLURM_PORT", free_port_pair().to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        // A second name of munged's socket (a hard link reaches the same listening socket) in
+        // a directory holding nothing else.
+        let client = state.join("munge-client");
+        std::fs::create_dir_all(&client).unwrap();
+        std::fs::set_permissions(&client, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::hard_link(
+            state.join("munge/munge.socket"),
+            client.join("munge.socket"),
+        )
+        .unwrap();
+        let cwd = state.join("cwd");
+        std::fs::create_dir_all(&cwd).unwrap();
+        std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        Cluster {
+            conf: state.join("etc/slurm.conf"),
+            state,
+            cwd,
+            berth_config,
+        }
+    })
+}
+
+/// The user of these tests: berthhostsw, without a home directory.
+fn test_user_name() -> &'static str {
+    static USER: OnceLock<()> = OnceLock::new();
+    USER.get_or_init(|| {
+        let exists = Command::new("id")
+            .arg("berthhostsw")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        if !exists {
+            let out = Command::new("useradd")
+                .args(["-M", "-s", "/bin/sh", "-d", "/nonexistent", "berthhostsw"])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "useradd: {}", stderr(&out));
+        }
+    });
+    "berthhostsw"
+}
+
+/// A Slurm client command as the test user, from the cluster's shared working directory.
+fn slurm_as_user(cmd: &str, args: &[&str]) -> Command {
+    let c = cluster();
+    let mut command = Command::new("runuser");
+    command
+        .args(["-u", test_user_name(), "--", cmd])
+        .args(args)
+        .env("SLURM_CONF", &c.conf)
+        .env_remove("BERTH_CONTAINER_IMAGE")
+        .env_remove("PYXIS_CONTAINER_IMAGE")
+        .env_remove("BERTH_CONTAINER_SLURM")
+        .env_remove("PYXIS_CONTAINER_SLURM")
+        .env("PWD", &c.cwd)
+        .current_dir(&c.cwd)
+        .stdin(Stdio::null());
+    command
+}
+
+fn output(mut cmd: Command) -> Output {
+    cmd.output().expect("running a command")
+}
+
+/// The Debian bookworm image of integration/slurm/mpi-image.sh (cached).
+fn debian_image() -> &'static str {
+    static IMAGE: OnceLock<String> = OnceLock::new();
+    IMAGE.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/mpi-image.sh"))
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/mpi-image.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/mpi-image.sh failed: {}",
+            stderr(&out)
+        );
+        stdout(&out).trim().to_string()
+    })
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "{:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    )
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn squeue_and_srun_work_inside_a_step_with_container_slurm() {
+    let img = format!("--container-image={}", debian_image());
+    // The image has no Slurm of its own: without the option, nothing to run.
+    let o = output(slurm_as_user(
+        "srun",
+        &[&img, "sh", "-c", "command -v squeue || echo no-squeue"],
+    ));
+    assert!(stdout(&o).contains("no-squeue"), "{}", show(&o));
+    let script = "echo job=$SLURM_JOB_ID; squeue -h -u $(id -un) -o 'queued=%i'; \
+                  srun -n1 --overlap sh -c 'echo inner-step=$SLURM_STEP_ID host=$(hostname)'";
+    let o = output(slurm_as_user(
+        "srun",
+        &[&img, "--container-slurm", "bash", "-c", script],
+    ));
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", show(&o));
+    let job = out
+        .lines()
+        .find_map(|l| l.strip_prefix("job="))
+        .unwrap_or_else(|| panic!("no job id: {}", show(&o)));
+    assert!(
+        out.lines().any(|l| l == format!("queued={job}")),
+        "squeue -u does not list job {job}: {}",
+        show(&o)
+    );
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("inner-step=")
+                && l.ends_with(&format!("host={}", hostname.trim()))),
+        "srun from inside did not run: {}",
+        show(&o)
+    );
+    // PYXIS-style environment, with a read-only container remapped to root.
+    let mut cmd = slurm_as_user(
+        "srun",
+        &[
+            &img,
+            "--container-remap-root",
+            "--container-readonly",
+            "sh",
+            "-c",
+            "id -u; sinfo -h -o 'partition=%P'; touch /usr/bin/srun 2>/dev/null || echo ro",
+        ],
+    );
+    cmd.env("PYXIS_CONTAINER_SLURM", "1");
+    let o = output(cmd);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", show(&o));
+    for needle in ["0\n", "partition=debug*", "ro"] {
+        assert!(out.contains(needle), "{needle} missing: {}", show(&o));
+    }
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn berth_run_slurm_binds_only_what_the_config_names_and_never_munges_key() {
+    let c = cluster();
+    let img = debian_image();
+    let run = |config: &Path| {
+        let mut cmd = Command::new(berth_bin());
+        cmd.arg("--config")
+            .arg(config)
+            .args(["run", "--image", img, "--user", test_user_name(), "--slurm"])
+            .args(["--", "sinfo", "-h", "-o", "partition=%P"])
+            .env("SLURM_CONF", &c.conf)
+            .stdin(Stdio::null());
+        output(cmd)
+    };
+    let o = run(&c.berth_config);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(stdout(&o).contains("partition=debug*"), "{}", show(&o));
+    // A site naming munged's own directory (munge.key beside the socket) is refused.
+    let leaky = c.state.join("leaky.toml");
+    let text = std::fs::read_to_string(&c.berth_config).unwrap();
+    let client = format!("{}/munge-client:", c.state.display());
+    std::fs::write(
+        &leaky,
+        text.replace(&client, &format!("{}/munge:", c.state.display())),
+    )
+    .unwrap();
+    let o = run(&leaky);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{}", show(&o));
+    assert!(
+        err.contains("munge.key, which no container may see") && err.trim().lines().count() == 1,
+        "{}",
+        show(&o)
+    );
+}
