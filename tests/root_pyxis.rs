@@ -2,7 +2,9 @@
 //! file's own (integration/slurm/start.sh with its own state directory and free ports, started
 //! once per test binary, stopped at exit) with `pyxis_messages=1`, and a loopback registry.
 //! Run by integration/test.sh as root:
-//! `cargo test --test root_pyxis -- --ignored --test-threads=1`.
+//! `cargo test --test root_pyxis -- --ignored --test-threads=1`. `BERTH_TEST_BIN` and
+//! `BERTH_TEST_PLUGIN` run it against an older berth binary and SPANK plugin;
+//! `BERTH_TEST_PYXIS_STATE` gives the cluster another state directory.
 
 mod common;
 #[path = "../integration/registry/harness.rs"]
@@ -27,6 +29,11 @@ fn checkout_hash() -> u32 {
 }
 
 fn state_path() -> PathBuf {
+    // Another directory for a run beside one from the same checkout (start.sh restarts the
+    // cluster of a state directory, and each run writes its own berth.toml there).
+    if let Some(dir) = std::env::var_os("BERTH_TEST_PYXIS_STATE") {
+        return PathBuf::from(dir);
+    }
     PathBuf::from(format!("/tmp/berth-root-pyxis-{:08x}", checkout_hash()))
 }
 
@@ -106,7 +113,11 @@ fn cluster() -> &'static Cluster {
             .status()
             .expect("running cargo");
         assert!(status.success(), "building the SPANK plugin failed");
-        let plugin = profile_dir.join("libspank_berth.so");
+        // $BERTH_TEST_PLUGIN: an older build of the plugin, to show that a test fails without
+        // the fix it covers (as $BERTH_TEST_BIN for the binary).
+        let plugin = std::env::var_os("BERTH_TEST_PLUGIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| profile_dir.join("libspank_berth.so"));
 
         let state = state_path();
         let berth_config = PathBuf::from(format!("{}.toml", state.display()));
@@ -1107,6 +1118,265 @@ fn processes_exec_d_into_a_remapped_container_get_the_filter_too() {
     for needle in ["chown-ok", "Seccomp:\t2", "APT::Sandbox::User \"root\";"] {
         assert!(out.contains(needle), "{needle} missing: {out}");
     }
+}
+
+// --- Issue 27: Pyxis drop-in, round 2 ---
+
+/// Runs `script` (sh) as a one-task batch job of berthpyxis from `dir`; its output file.
+fn batch_as_user(dir: &Path, script: &str) -> String {
+    let (uid, gid, _) = pyxis_user();
+    let out_file = dir.join("job.out");
+    let path = dir.join("job.sh");
+    std::fs::write(&path, format!("#!/bin/sh\n{script}")).unwrap();
+    std::os::unix::fs::chown(&path, Some(uid), Some(gid)).unwrap();
+    let out = run(slurm_as_user_in(
+        dir,
+        "sbatch",
+        &[
+            "--wait",
+            "-n1",
+            "-o",
+            &out_file.display().to_string(),
+            &path.display().to_string(),
+        ],
+    ));
+    let log = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert!(out.status.success(), "{}\n{log}", stderr(&out));
+    log
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_joining_steps_remap_choice_is_applied_or_refused_in_one_line() {
+    let (uid, _, _) = pyxis_user();
+    let dir = user_dir("remap-join", &[]);
+    let log = batch_as_user(
+        &dir,
+        &format!(
+            "srun {img} --container-name=remapped --container-remap-root sh -c 'echo made=$(id -u)'\n\
+             srun --container-name=remapped --no-container-remap-root sh -c 'echo noremap=$(id -u)'\n\
+             srun --container-name=remapped sh -c 'echo default=$(id -u)'\n\
+             srun {img} --container-name=plain sh -c 'echo plain=$(id -u)'\n\
+             srun --container-name=plain --container-remap-root sh -c 'echo remapped-into-plain=$(id -u)'\n\
+             echo remap=$?\n",
+            img = image()
+        ),
+    );
+    for line in [
+        "made=0".to_string(),
+        format!("noremap={uid}"),
+        "default=0".to_string(),
+        format!("plain={uid}"),
+    ] {
+        assert!(log.lines().any(|l| l == line), "{line} missing: {log}");
+    }
+    assert!(!log.contains("remapped-into-plain="), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with("remap=") && l != "remap=0"),
+        "{log}"
+    );
+    let refusal: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("was made without --container-remap-root"))
+        .collect();
+    assert_eq!(refusal.len(), 1, "{log}");
+    assert!(refusal[0].contains("container 'plain'"), "{log}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn relative_image_paths_are_the_steps_working_directorys() {
+    let dir = user_dir("relative-image", &[]);
+    let sqsh = dir.join("img.sqsh");
+    let out = Command::new("mksquashfs")
+        .arg(rootfs())
+        .arg(&sqsh)
+        .args(["-quiet", "-noappend"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("running mksquashfs");
+    assert!(out.status.success(), "mksquashfs: {}", stderr(&out));
+    let (uid, gid, _) = pyxis_user();
+    std::os::unix::fs::chown(&sqsh, Some(uid), Some(gid)).unwrap();
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &["--container-image=./img.sqsh", "echo", "from-flag"],
+    )));
+    assert!(out.contains("from-flag"), "{out}");
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "env",
+        &[
+            "PYXIS_CONTAINER_IMAGE=./img.sqsh",
+            "srun",
+            "echo",
+            "from-env",
+        ],
+    )));
+    assert!(out.contains("from-env"), "{out}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn umount_entries_unmount_a_path_inside_the_container() {
+    let dir = user_dir("umount", &[("f", "bound\n")]);
+    let mounts = format!(
+        "--container-mounts=umount:/tmp,umount:/dev/shm,{}:/tmp/x",
+        dir.display()
+    );
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[
+            &image(),
+            &mounts,
+            "sh",
+            "-c",
+            "grep -E ' /(tmp|dev/shm|tmp/x) ' /proc/self/mounts | cut -d' ' -f2; cat /tmp/x/f",
+        ],
+    )));
+    let points: Vec<&str> = out.lines().filter(|l| l.starts_with('/')).collect();
+    assert_eq!(points, ["/tmp/x"], "{out}");
+    assert!(out.contains("bound"), "{out}");
+    // Berth's /proc, /dev and /sys stay: refused before the job is queued.
+    let out = run(slurm_as_user_in(
+        &dir,
+        "srun",
+        &[&image(), "--container-mounts=umount:/proc", "true"],
+    ));
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("umount:/proc"), "{}", stderr(&out));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn mount_home_binds_the_jobs_home() {
+    let dir = user_dir("job-home", &[("marker", "the job's home\n")]);
+    let home = format!("HOME={}", dir.display());
+    let out = succeeded(run(slurm_as_user_in(
+        &dir,
+        "env",
+        &[
+            &home,
+            "srun",
+            &image(),
+            "--container-mount-home",
+            "sh",
+            "-c",
+            &format!("cat {}/marker; echo HOME=$HOME", dir.display()),
+        ],
+    )));
+    assert!(out.contains("the job's home"), "{out}");
+    assert!(out.contains(&home), "{out}");
+    // A HOME the user cannot read is refused as any mount source.
+    let secret = cluster().state.join("job-home-secret");
+    let _ = std::fs::remove_dir_all(&secret);
+    std::fs::create_dir_all(&secret).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let out = run(slurm_as_user_in(
+        &dir,
+        "env",
+        &[
+            &format!("HOME={}", secret.display()),
+            "srun",
+            &image(),
+            "--container-mount-home",
+            "true",
+        ],
+    ));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.lines().any(|l| l.contains("--container-mount-home")
+            && l.contains("cannot read")
+            && l.contains(&secret.display().to_string())),
+        "{err}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn exec_joins_only_a_running_named_container() {
+    let dir = user_dir("exec-stopped", &[]);
+    let log = batch_as_user(
+        &dir,
+        &format!(
+            "srun {img} --container-name=ex true\n\
+             srun --container-name=ex:exec echo joined-stopped\n\
+             echo exec_stopped=$?\n\
+             srun -n1 --overlap {img} --container-name=ex2 --container-mounts={d} sh -c 'touch {d}/ready; \
+               while [ ! -e {d}/done ]; do sleep 0.2; done' &\n\
+             i=0; while [ ! -e {d}/ready ] && [ $i -lt 300 ]; do sleep 0.2; i=$((i+1)); done\n\
+             srun -n1 --overlap --container-name=ex2:exec echo joined-running\n\
+             echo exec_running=$?\n\
+             touch {d}/done\n\
+             wait\n\
+             srun --container-name=ex echo joined-auto\n",
+            img = image(),
+            d = dir.display(),
+        ),
+    );
+    assert!(!log.contains("joined-stopped"), "{log}");
+    assert!(!log.contains("exec_stopped=0"), "{log}");
+    assert!(log.contains("container 'ex' is not running"), "{log}");
+    assert!(log.contains("joined-running\nexec_running=0"), "{log}");
+    assert!(log.contains("joined-auto"), "{log}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn pyxis_messages_and_key_phrases() {
+    let c = cluster();
+    // A registry image: Pyxis's two lines around the import, from slurmstepd.
+    let reference = format!("{}#test/busybox:1", c.registry);
+    let out = run(slurm(
+        "srun",
+        &[&format!("--container-image={reference}"), "busybox", "true"],
+    ));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let importing = err
+        .find(&format!("pyxis: importing docker image: {reference}"))
+        .unwrap_or_else(|| panic!("no importing line: {err}"));
+    let imported = err
+        .find(&format!("pyxis: imported docker image: {reference}"))
+        .unwrap_or_else(|| panic!("no imported line: {err}"));
+    assert!(importing < imported, "{err}");
+    // A squashfs or directory image is no docker image.
+    let out = run(slurm("srun", &[&image(), "true"]));
+    assert!(!stderr(&out).contains("pyxis:"), "{}", stderr(&out));
+    // The phrases job scripts grep.
+    let dir = user_dir("phrases", &[]);
+    let failing = |args: &[&str]| -> String {
+        let out = run(slurm_as_user_in(&dir, "srun", args));
+        assert!(!out.status.success(), "{args:?} succeeded");
+        stderr(&out)
+    };
+    let err = failing(&[&image(), "--container-mounts=/nonexistent/src:/x", "true"]);
+    assert!(err.contains("source path does not exist"), "{err}");
+    let err = failing(&[&image(), "--container-unshare=pid", "true"]);
+    assert!(err.contains("unknown namespace"), "{err}");
+    let err = failing(&[&image(), "--container-workdir=/nonexistent/wd", "true"]);
+    assert!(
+        err.contains("/nonexistent/wd: No such file or directory"),
+        "{err}"
+    );
+    let err = failing(&[&image(), "--container-mounts=/tmp:/a/../../etc", "true"]);
+    assert!(err.contains("failed to resolve path"), "{err}");
+    let log = batch_as_user(
+        &dir,
+        &format!(
+            "srun {img} --container-name=noipc true\n\
+             srun --container-name=noipc --container-unshare=ipc true\n\
+             srun --container-name=noipc --container-unshare=uts true\n\
+             exit 0\n",
+            img = image()
+        ),
+    );
+    assert!(log.contains("not in a separate IPC namespace"), "{log}");
+    assert!(log.contains("not in a separate UTS namespace"), "{log}");
 }
 
 // --- Issue 27, points 4 and 9 (runtime side) ---

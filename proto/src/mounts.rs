@@ -11,6 +11,9 @@
 //! A relative SRC (`./data`) is relative to the step's working directory, as in Pyxis; the path
 //! is kept as written under that directory (the kernel resolves it when the runtime opens it with
 //! the user's credentials, never root's).
+//!
+//! `umount:DST` (Pyxis's and Enroot's syntax) unmounts DST inside the container: berth leaves out
+//! every mount it would make at DST or beneath it, except those of later entries.
 
 use std::path::{Path, PathBuf};
 
@@ -31,7 +34,14 @@ pub enum Mount {
         /// `ro`, `noexec`, atime flags and tmpfs options (`size=…`, `mode=…`, …), kernel names.
         flags: Vec<String>,
     },
+    /// `umount:DST`: nothing stays mounted at DST or beneath it (but what later entries mount).
+    Umount { destination: PathBuf },
 }
+
+/// Where berth's own /proc, /dev and /sys are mounted: `umount:` may not take them away (the
+/// container's processes, device nodes and masked kernel files rely on them), nor anything
+/// above them.
+const KEPT: [&str; 3] = ["/proc", "/dev", "/sys"];
 
 /// Flags accepted for compatibility that change nothing here: berth's bind mounts are always
 /// recursive, private, nosuid and nodev, and it creates every destination itself. `suid`, `dev`
@@ -110,6 +120,9 @@ fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, ProtoError> 
         return Err(ProtoError::Mount("expected SRC[:DST[:FLAGS]]".into()));
     }
     let source_text = parts[0];
+    if source_text == "umount" && parts.len() > 1 {
+        return umount_entry(&parts);
+    }
     let tmpfs = source_text == "tmpfs";
     let source: PathBuf = if tmpfs || source_text.starts_with('/') {
         PathBuf::from(source_text)
@@ -182,7 +195,9 @@ fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, ProtoError> 
         .any(|c| c == std::path::Component::ParentDir)
     {
         return Err(ProtoError::Mount(
-            "the destination must not contain '..'".into(),
+            "failed to resolve path: the destination must not contain '..' (it could leave the \
+             container's root)"
+                .into(),
         ));
     }
     if tmpfs {
@@ -197,6 +212,37 @@ fn parse_entry_in(entry: &str, cwd: Option<&Path>) -> Result<Mount, ProtoError> 
         readonly,
         flags,
     })
+}
+
+/// `umount:DST`: DST absolute, without `..`, and none of berth's own [`KEPT`] mounts.
+fn umount_entry(parts: &[&str]) -> Result<Mount, ProtoError> {
+    if parts.len() > 2 {
+        return Err(ProtoError::Mount("umount:DST takes no flags".into()));
+    }
+    let destination = PathBuf::from(parts[1]);
+    if !destination.is_absolute() {
+        return Err(ProtoError::Mount(
+            "the destination must be an absolute path".into(),
+        ));
+    }
+    if destination
+        .components()
+        .any(|c| c == std::path::Component::ParentDir)
+    {
+        return Err(ProtoError::Mount(
+            "failed to resolve path: the destination must not contain '..' (it could leave the \
+             container's root)"
+                .into(),
+        ));
+    }
+    if KEPT.iter().any(|k| Path::new(k).starts_with(&destination)) {
+        return Err(ProtoError::Mount(format!(
+            "berth keeps the container's {} mounted (its processes, device nodes and \
+             masked kernel files rely on them): unmount a path beneath them or elsewhere",
+            KEPT.join(", ")
+        )));
+    }
+    Ok(Mount::Umount { destination })
 }
 
 /// `cwd` joined with `rel`, `.` components dropped (`..` is kept for the kernel to resolve as
@@ -365,6 +411,46 @@ mod tests {
         assert!(e.to_string().contains("'..'"), "{e}");
         let e = parse("./data:/data").unwrap_err();
         assert!(e.to_string().contains("working directory"), "{e}");
+    }
+
+    #[test]
+    fn umount_entries_name_a_destination_to_unmount() {
+        let m = parse_in(
+            "umount:/root,/d:/root/x,umount:/dev/shm",
+            Some(Path::new("/w")),
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            vec![
+                Mount::Umount {
+                    destination: "/root".into()
+                },
+                bind("/d", "/root/x", false),
+                Mount::Umount {
+                    destination: "/dev/shm".into()
+                },
+            ]
+        );
+        // As the plugin checks it, before the job is queued.
+        parse_entry("umount:/root").unwrap();
+        // Alone, `umount` is still a relative source (a directory of that name).
+        assert_eq!(
+            parse_in("umount", Some(Path::new("/w"))).unwrap(),
+            vec![bind("/w/umount", "/w/umount", false)]
+        );
+        for (bad, why) in [
+            ("umount:/", "keeps"),
+            ("umount:/proc", "keeps"),
+            ("umount:/dev", "keeps"),
+            ("umount:/sys", "keeps"),
+            ("umount:rel", "absolute"),
+            ("umount:/a/../proc", "'..'"),
+            ("umount:/x:ro", "no flags"),
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains(bad) && err.contains(why), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -151,7 +151,7 @@ pub fn unshare(o: &Options, site_default: &[String]) -> Result<Unshare, SlurmErr
             }
             other => {
                 return Err(SlurmError::Input(format!(
-                    "invalid --container-unshare '{other}': use net, ipc or uts"
+                    "invalid --container-unshare '{other}': unknown namespace (use net, ipc or uts)"
                 )));
             }
         }
@@ -190,12 +190,14 @@ pub fn adjust_spec(
     if !u.ipc {
         list.retain(|m| m.destination() != std::path::Path::new("/dev/mqueue"));
     }
+    unmount(list, &user_mounts);
     for m in user_mounts {
         let (destination, flags, tmpfs) = match m {
             mounts::Mount::Bind {
                 destination, flags, ..
             } => (destination, flags, false),
             mounts::Mount::Tmpfs { destination, flags } => (destination, flags, true),
+            mounts::Mount::Umount { .. } => continue,
         };
         if flags.is_empty() {
             continue;
@@ -217,8 +219,60 @@ pub fn adjust_spec(
     Ok(())
 }
 
+/// `umount:DST` entries of `--container-mounts`: every mount of `list` at DST or beneath it is
+/// left out (Enroot detaches the whole tree there), but those at the destination of a later
+/// entry, which mounts it again.
+fn unmount(list: &mut Vec<oci_spec::runtime::Mount>, entries: &[mounts::Mount]) {
+    for (i, entry) in entries.iter().enumerate() {
+        let mounts::Mount::Umount { destination } = entry else {
+            continue;
+        };
+        let later: Vec<&std::path::Path> = entries[i + 1..]
+            .iter()
+            .filter_map(|m| match m {
+                mounts::Mount::Bind { destination, .. }
+                | mounts::Mount::Tmpfs { destination, .. } => Some(destination.as_path()),
+                mounts::Mount::Umount { .. } => None,
+            })
+            .collect();
+        list.retain(|m| {
+            !m.destination().starts_with(destination) || later.contains(&m.destination().as_path())
+        });
+    }
+}
+
+/// The host directory `--container-mount-home` binds, at the same path: the job's `HOME` (as
+/// Pyxis, whose Enroot home hook mounts `$HOME`), else the user's home in the passwd database;
+/// `None` without either. A `HOME` that is not an absolute path below `/` is refused: it names
+/// nothing to mount, and a silent fallback would bind another directory than the job asked for.
+pub fn home_to_mount(step: &StepRequest, user: &UserIds) -> Result<Option<PathBuf>, SlurmError> {
+    let job_home = env::pairs(&step.job_env)
+        .into_iter()
+        .rev()
+        .find(|(k, _)| k == "HOME")
+        .map(|(_, v)| v)
+        .filter(|v| !v.is_empty());
+    let Some(home) = job_home else {
+        return Ok(user.home.clone());
+    };
+    let path = PathBuf::from(&home);
+    let plain = path.is_absolute()
+        && !path
+            .components()
+            .any(|c| c == std::path::Component::ParentDir)
+        && path.parent().is_some();
+    if !plain {
+        return Err(SlurmError::input(format!(
+            "--container-mount-home: the job's HOME '{}' is not an absolute path below / \
+             without '..': export HOME as your home directory, or drop --container-mount-home",
+            berth_sys::text::elide(&home)
+        )));
+    }
+    Ok(Some(path))
+}
+
 /// Builds the container request for a step. `lowers`/`image` describe the resolved image;
-/// `home_mount` is the user's home when it is to be mounted (already checked to exist).
+/// `--container-mount-home` binds [`home_to_mount`]; the runtime opens every source as `user`.
 pub fn to_request(
     step: &StepRequest,
     user: UserIds,
@@ -243,6 +297,8 @@ pub fn to_request(
                 readonly,
             }),
             mounts::Mount::Tmpfs { destination, .. } => tmpfs.push(destination),
+            // Applied to the spec (adjust_spec), where every mount of the container is listed.
+            mounts::Mount::Umount { .. } => {}
         }
     }
     for dir in pmix_dirs(step) {
@@ -254,7 +310,7 @@ pub fn to_request(
     }
     let remap_root = o.container_remap_root == Some(true);
     if o.container_mount_home == Some(true)
-        && let Some(home) = &user.home
+        && let Some(home) = &home_to_mount(step, &user)?
     {
         binds.push(BindMount {
             source: home.clone(),
@@ -513,6 +569,76 @@ mod tests {
             no_cwd.host_path("/o.sqsh").unwrap(),
             PathBuf::from("/o.sqsh")
         );
+    }
+
+    #[test]
+    fn mount_home_binds_the_jobs_home_else_the_passwd_one() {
+        let with = |env: &str| {
+            step(&format!(
+                r#"{{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                    "options":{{"container-mount-home":true}},"job_env":[{env}]}}"#
+            ))
+        };
+        let req = to_request(
+            &with(r#""HOME=/old","HOME=/tmp/h""#),
+            user(),
+            &["/img".into()],
+            &Default::default(),
+            vec![],
+        )
+        .unwrap();
+        assert_eq!(req.mounts[0].source, PathBuf::from("/tmp/h"));
+        assert_eq!(req.mounts[0].destination, PathBuf::from("/tmp/h"));
+        for unset in ["", r#""HOME=""#] {
+            let req = to_request(
+                &with(unset),
+                user(),
+                &["/img".into()],
+                &Default::default(),
+                vec![],
+            )
+            .unwrap();
+            assert_eq!(req.mounts[0].source, PathBuf::from("/home/alice"));
+        }
+        for bad in ["HOME=rel", "HOME=/", "HOME=/a/../etc"] {
+            let e = to_request(
+                &with(&format!("\"{bad}\"")),
+                user(),
+                &["/img".into()],
+                &Default::default(),
+                vec![],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.starts_with("--container-mount-home: the job's HOME"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn umount_entries_leave_out_what_is_mounted_there_but_later_entries() {
+        let s = step(
+            r#"{"job_id":1,"step_id":0,"uid":0,"gid":0,
+                "options":{"container-mounts":"/a:/srv/a,umount:/srv,/b:/srv/b,umount:/dev/shm,umount:/tmp"}}"#,
+        );
+        let req = to_request(&s, user(), &["/img".into()], &Default::default(), vec![]).unwrap();
+        let mut spec = berth_spec::build(&req).unwrap();
+        adjust_spec(&s, &mut spec, &[]).unwrap();
+        let dsts: Vec<String> = spec
+            .mounts()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|m| m.destination().display().to_string())
+            .collect();
+        for gone in ["/srv/a", "/dev/shm", "/tmp"] {
+            assert!(!dsts.iter().any(|d| d == gone), "{gone}: {dsts:?}");
+        }
+        for kept in ["/srv/b", "/proc", "/dev", "/sys"] {
+            assert!(dsts.iter().any(|d| d == kept), "{kept}: {dsts:?}");
+        }
     }
 
     #[test]

@@ -82,8 +82,9 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     let image_text = step.options.container_image.as_deref().ok_or_else(|| {
         SlurmError::input("no --container-image given (and no existing --container-name to use)")
     })?;
+    let image_text = image_on_host(&step, image_text)?;
     let user = spec::user::by_id(step.uid, step.gid);
-    let image = crate::container::resolve(image_text, config, &user, None)
+    let image = crate::container::resolve(&image_text, config, &user, None)
         .map_err(|e| SlurmError::ImageUnavailable(Box::new(e)))?;
     let mut req = request(&step, config, &user, &image)?;
     if step
@@ -130,6 +131,18 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     Ok(answer(&description, binding, false))
 }
 
+/// `--container-image` as berth resolves it: a path starting with `.` (`./x.sqsh`, `../img`) is
+/// the step's working directory's, as Pyxis takes it (and as `--container-save` is); anything
+/// else as given.
+fn image_on_host(step: &StepRequest, text: &str) -> Result<String, SlurmError> {
+    if !text.starts_with('.') {
+        return Ok(text.to_string());
+    }
+    step.host_path(text)
+        .map(|p| p.display().to_string())
+        .map_err(|e| SlurmError::input(format!("--container-image={text}: {e}")))
+}
+
 /// The running container `--container-name=NAME[:MODE]` names for this step's user on this node
 /// (with the job's scope, or Pyxis's `JOBID.STEPID` for another step's unnamed one), or `None`
 /// when one is to be made; the mode's refusals (`create` of an existing one, `exec` of none).
@@ -172,8 +185,33 @@ fn named(
         (None, NameMode::Exec) => Err(SlurmError::input(format!(
             "no container named '{name}' (--container-name={name}:exec needs one)"
         ))),
+        (Some(i), NameMode::Exec) if !in_use(records[i].init_pid) => {
+            Err(SlurmError::input(format!(
+                "container '{name}' is not running: none of its steps runs now, and \
+                 --container-name={name}:exec only joins a running container (as in Pyxis); \
+                 use --container-name={name} to run in it anyway"
+            )))
+        }
         (existing, _) => Ok(existing.and_then(|i| records.into_iter().nth(i))),
     }
+}
+
+/// Whether a process other than berth's holder `holder` is in the holder's mount namespace: a
+/// task of a step that runs in the container (tasks join its namespaces, not its cgroup), or
+/// one such a step left running.
+fn in_use(holder: i32) -> bool {
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+    let holder = holder.to_string();
+    let Some(theirs) = ns(&holder) else {
+        return false;
+    };
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()) && *pid != holder)
+        .any(|pid| ns(&pid).as_ref() == Some(&theirs))
 }
 
 /// The answer for a step that joins the existing container `record`, whose mounts and
@@ -191,22 +229,59 @@ fn join_named(
         pid: record.init_pid,
         timings: Vec::new(),
     };
-    let description = Description::new(&created, &spec);
+    let mut description = Description::new(&created, &spec);
     // Asking for a namespace of its own cannot be granted by joining a container that shares
-    // the host's (Pyxis fails too).
+    // the host's (Pyxis fails too, in these words).
     let asked = slurm_step::unshare(&step.options, &[])?;
-    for (wanted, ns) in [(asked.net, "net"), (asked.ipc, "ipc"), (asked.uts, "uts")] {
+    for (wanted, ns, pyxis) in [
+        (asked.net, "net", "network"),
+        (asked.ipc, "ipc", "IPC"),
+        (asked.uts, "uts", "UTS"),
+    ] {
         if wanted && !description.namespaces.contains_key(ns) {
             return Err(SlurmError::input(format!(
-                "--container-unshare={ns}: container '{name}' shares the host's {ns} \
+                "--container-unshare={ns}: container '{name}' is not in a separate {pyxis} \
                  namespace (it was made without --container-unshare={ns}): give a \
                  new --container-name or drop --container-unshare={ns}"
             )));
         }
     }
+    remap_of_joining_step(step, record, &spec, name, &mut description)?;
     let topo = StepTopology::discover(step, config)?;
     let binding = topo.binding(bind, config)?;
     Ok(answer(&description, binding, true))
+}
+
+/// A joining step's own `--[no-]container-remap-root` (Pyxis applies each step's). A remapped
+/// container's tasks are root of its user namespace; a step asking not to be joins every
+/// namespace but that one, so its tasks run as the job's user, as in a container made without
+/// remapping (the mount and other namespaces stay the container's; the user namespace grants
+/// nothing outside it, so leaving it out gives the task less, never more). The reverse cannot
+/// be granted: the container's namespaces are not its tasks' to administer, and a user
+/// namespace of the step's own would give them root's name without root's rights there
+/// (`mount: must be superuser`), so it is refused.
+fn remap_of_joining_step(
+    step: &StepRequest,
+    record: &state::Record,
+    spec: &oci_spec::runtime::Spec,
+    name: &str,
+    description: &mut Description,
+) -> Result<(), SlurmError> {
+    let as_root = spec.process().as_ref().is_some_and(|p| p.user().uid() == 0);
+    let remapped = as_root && record.uid() != 0;
+    match step.options.container_remap_root {
+        Some(true) if !remapped && step.uid != 0 => Err(SlurmError::input(format!(
+            "--container-remap-root: container '{name}' was made without \
+             --container-remap-root and a step joining it shares its namespaces, which cannot \
+             make its tasks root: give --container-remap-root to the step that makes it, or \
+             use a new --container-name"
+        ))),
+        Some(false) if remapped => {
+            description.namespaces.remove("user");
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// `--container-save`'s file on the host (a relative path is the step's working directory's, as
@@ -278,6 +353,10 @@ fn request(
         .collect();
     // Opened as the user, only to word the refusal: the runtime opens each source again as the
     // user and mounts what it opened, never the path as root.
+    let home = match step.options.container_mount_home {
+        Some(true) => slurm_step::home_to_mount(step, user)?,
+        _ => None,
+    };
     for m in &req.mounts {
         if let Err(e) = runtime::mounts::open_source_as_user(
             &m.source,
@@ -290,14 +369,29 @@ fn request(
                     m.source.display()
                 )));
             }
-            return Err(SlurmError::input(format!(
-                "--container-mounts: uid {} cannot read {}: {e}",
-                user.uid,
-                m.source.display()
+            let what = if home.as_ref() == Some(&m.source) {
+                "--container-mount-home (the job's HOME)"
+            } else {
+                "--container-mounts"
+            };
+            return Err(SlurmError::input(mount_refusal(
+                what, &m.source, user.uid, &e,
             )));
         }
     }
     Ok(req)
+}
+
+/// The one line refusing a mount source the user could not open: a missing one in Pyxis's
+/// words (`source path does not exist`), which job scripts grep.
+fn mount_refusal(what: &str, source: &std::path::Path, uid: u32, e: &std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        return format!(
+            "{what}: {}: source path does not exist (as uid {uid} sees it): give an existing path",
+            source.display()
+        );
+    }
+    format!("{what}: uid {uid} cannot read {}: {e}", source.display())
 }
 
 /// Runs the image's entrypoint in the new container `id` (`--container-entrypoint`) and keeps

@@ -486,7 +486,9 @@ impl Options {
             Key::Unshare => {
                 for ns in value.split(',') {
                     if !matches!(ns, "net" | "ipc" | "uts") {
-                        return Err(invalid("namespaces are net, ipc and uts, comma-separated"));
+                        return Err(invalid(
+                            "unknown namespace: use net, ipc and uts, comma-separated",
+                        ));
                     }
                 }
                 push_unique(&mut self.unshare, value.split(','));

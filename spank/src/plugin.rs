@@ -233,13 +233,10 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
                     ffi::log_user(berth_line(line).to_string());
                 }
                 if let Some(image) = &st.options.image
-                    && st.config.pyxis_messages
-                    && ctx == Context::Local
-                    && request::is_registry_image(image)
+                    // A relative path is the step's working directory's, which the Prolog does
+                    // not know.
+                    && !image.starts_with('.')
                 {
-                    ffi::log_user(format!("pyxis: importing docker image: {image}"));
-                }
-                if let Some(image) = &st.options.image {
                     // The Prolog (`berth prolog`) imports it before the step starts. Inside an
                     // existing allocation the Prolog has already run and this is refused.
                     if let Err(e) = ffi::job_control_setenv(sp, "BERTH_IMAGE", image) {
@@ -459,10 +456,12 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, SpankError> {
     }
     let inv = berth_invocation(&st.config, &["step", "create"], request.into_bytes());
     st.create_ran = true;
+    let mut pyxis = PyxisImport::new(sp, st);
+    pyxis.before();
     let outcome = start_berth(&inv)?;
     if !outcome.status.success() {
-        if st.config.pyxis_messages && berth_proto::answer::import_failed(&outcome.stderr) {
-            ffi::log_error("pyxis: failed to import docker image");
+        if berth_proto::answer::import_failed(&outcome.stderr) {
+            pyxis.failed();
         }
         return Err(SpankError::Step(request::failure_line(
             &outcome.stderr,
@@ -471,6 +470,9 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, SpankError> {
         )));
     }
     let created = Created::parse(&outcome.stdout).map_err(berth_line)?;
+    if !created.attached {
+        pyxis.imported();
+    }
     st.berth_protocol = created.protocol;
     let mut namespaces = Vec::new();
     for (ns, path) in request::join_order(&created).map_err(berth_line)? {
@@ -495,6 +497,66 @@ fn create(sp: spank_t, st: &mut State) -> Result<Container, SpankError> {
         bind: created.bind,
         attached: created.attached,
     })
+}
+
+/// Pyxis's lines about a registry image (`pyxis_messages=1`), where Pyxis prints them: in
+/// slurmstepd, `importing docker image: IMAGE` before the import when the job has one task (Pyxis
+/// is terse for many), then `imported docker image: IMAGE` or `failed to import docker image`;
+/// none when the step joins an existing container (nothing is imported). Whether a named
+/// container exists is berth's to know: for one the `importing` line waits for its answer.
+struct PyxisImport {
+    /// The registry image, when the lines are wanted.
+    image: Option<String>,
+    /// Pyxis's `importing` line is wanted (the job's total task count is at most one).
+    verbose: bool,
+    /// The step may join an existing container (it names one).
+    may_join: bool,
+    importing_shown: bool,
+}
+
+impl PyxisImport {
+    fn new(sp: spank_t, st: &State) -> Self {
+        let image = st
+            .options
+            .image
+            .clone()
+            .filter(|i| st.config.pyxis_messages && request::is_registry_image(i));
+        // Pyxis reads S_JOB_TOTAL_TASK_COUNT: 0 for the batch step, which counts as one.
+        let verbose = ffi::get_u32(sp, ffi::S_JOB_TOTAL_TASK_COUNT).is_ok_and(|n| n <= 1);
+        PyxisImport {
+            image,
+            verbose,
+            may_join: st.options.name.is_some(),
+            importing_shown: false,
+        }
+    }
+
+    fn importing(&mut self) {
+        if let (Some(image), true, false) = (&self.image, self.verbose, self.importing_shown) {
+            ffi::log_user(format!("pyxis: importing docker image: {image}"));
+            self.importing_shown = true;
+        }
+    }
+
+    fn before(&mut self) {
+        if !self.may_join {
+            self.importing();
+        }
+    }
+
+    fn imported(&mut self) {
+        self.importing();
+        if let Some(image) = &self.image {
+            ffi::log_user(format!("pyxis: imported docker image: {image}"));
+        }
+    }
+
+    fn failed(&mut self) {
+        self.importing();
+        if self.image.is_some() {
+            ffi::log_error("pyxis: failed to import docker image");
+        }
+    }
 }
 
 /// # Safety
@@ -574,9 +636,11 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         }
         join::enter(&c.namespaces).map_err(berth_line)?;
         // As the job's user, without capabilities: the directory is checked with its rights.
+        // `PATH: No such file or directory`, as Pyxis words it and job scripts grep.
         std::env::set_current_dir(&c.cwd).map_err(|e| {
             berth_line(format!(
-                "cannot enter the working directory {} in the container: {}",
+                "cannot enter the working directory in the container: {}: {}: give an \
+                 existing directory as --container-workdir",
                 c.cwd,
                 io_text(&e)
             ))
