@@ -69,39 +69,6 @@ pub fn resolve(spec: &str) -> Result<UserIds, SpecError> {
     Ok(with_groups(user.uid.as_raw(), gid, Some(user)))
 }
 
-/// Whether `user` can reach `path` (a directory it can list, a file it can read), checked by a
-/// child process that takes the user's credentials: root's view is never what decides what a user
-/// may mount or stage.
-pub fn can_read(path: &std::path::Path, user: &UserIds) -> bool {
-    use nix::sys::wait::{WaitStatus, waitpid};
-    use nix::unistd::{ForkResult, fork, setgroups, setresgid, setresuid};
-    if !Uid::current().is_root() {
-        return std::fs::File::open(path).is_ok();
-    }
-    // SAFETY: berth is single-threaded; the child only makes syscalls and exits.
-    match unsafe { fork() } {
-        Ok(ForkResult::Child) => {
-            let groups: Vec<Gid> = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
-            let gid = Gid::from_raw(user.gid);
-            let uid = Uid::from_raw(user.uid);
-            let ok = setgroups(&groups).is_ok()
-                && setresgid(gid, gid, gid).is_ok()
-                && setresuid(uid, uid, uid).is_ok()
-                && match std::fs::metadata(path) {
-                    Ok(m) if m.is_dir() => std::fs::read_dir(path).is_ok(),
-                    Ok(_) => std::fs::File::open(path).is_ok(),
-                    Err(_) => false,
-                };
-            // SAFETY: leaving the child without running the parent's exit handlers.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) }
-        }
-        Ok(ForkResult::Parent { child }) => {
-            matches!(waitpid(child, None), Ok(WaitStatus::Exited(_, 0)))
-        }
-        Err(_) => false,
-    }
-}
-
 fn with_groups(uid: u32, gid: u32, user: Option<User>) -> UserIds {
     let name = user.as_ref().map(|u| u.name.clone());
     let group_name = Group::from_gid(Gid::from_raw(gid))
