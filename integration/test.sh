@@ -10,12 +10,13 @@
 #   setup   integration/setup.sh (Debian packages, VM kernel)
 #   fmt     cargo fmt --all -- --check
 #   clippy  cargo clippy --workspace --all-targets -- -D warnings
+#   deps    cargo machete (unused dependencies); cargo deny check licenses bans sources (deny.toml)
 #   build   cargo build --workspace --all-targets
 #   unit    cargo test --workspace --lib --bins
 #   fuzz    bench/fuzz/run.sh 7: AFL++ on each fuzz target for 7 s (fails on a crash or hang)
 #   root    cargo test --test root_* -- --ignored --test-threads=1   (every tests/root*.rs)
 #   vm      cargo test --test vm -- --ignored --test-threads=1        (tests/vm.rs)
-# setup, fmt, clippy and build always run. A tier whose test file is missing, or that runs no
+# setup, fmt, clippy, deps and build always run. A tier whose test file is missing, or that runs no
 # test at all, fails: a tier that cannot run is a failure, never a skip.
 # Honours CARGO_TARGET_DIR and the other cargo variables.
 set -euo pipefail
@@ -63,7 +64,7 @@ export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
 export BERTH_PACKAGE_PROFILE=${BERTH_PACKAGE_PROFILE:-dev}
 
 # Steps to run, in order.
-steps=(setup fmt clippy build)
+steps=(setup fmt clippy deps build)
 for t in "${all_tiers[@]}"; do
   for w in "${tiers[@]}"; do
     if [ "$t" = "$w" ]; then steps+=("$t"); break; fi
@@ -145,6 +146,9 @@ cargo_test() {
 step_setup() { bash integration/setup.sh; }
 step_fmt() { cargo fmt --all -- --check; }
 step_clippy() { cargo clippy --workspace --all-targets -- -D warnings; }
+# Both read the manifests and Cargo.lock, not the build; setup installed them. No advisories:
+# cargo-deny clones their database from GitHub, which test machines do not reach (deny.toml).
+step_deps() { cargo machete && cargo deny --workspace check licenses bans sources; }
 step_build() { cargo build --workspace --all-targets; }
 step_unit() { cargo_test unit --workspace --lib --bins; }
 
