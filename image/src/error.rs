@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use nix::errno::Errno;
 
 use crate::layer::Bound;
-use crate::loopdev::ATTACH_ATTEMPTS;
+use crate::loopdev::LoopError;
 use crate::sif::Fault;
 
 /// What failed, for callers that decide on the group and not the variant (exit statuses, whose
@@ -375,24 +375,6 @@ pub enum ImageError {
     #[error("reading SIF file {path}: {source}")]
     SifIo { path: PathBuf, source: io::Error },
 
-    // ---- Loop devices (`loopdev`).
-    #[error("opening /dev/loop-control: {0} (berth needs root and the loop driver: modprobe loop)")]
-    LoopControl(io::Error),
-    #[error("no free loop device: {0}")]
-    NoFreeLoop(Errno),
-    #[error("opening {path}: {source}")]
-    LoopDevice { path: PathBuf, source: io::Error },
-    #[error("opening {path}: {source}")]
-    LoopBacking { path: PathBuf, source: io::Error },
-    #[error("configuring {device} for {file}: {errno}")]
-    LoopConfigure {
-        device: PathBuf,
-        file: PathBuf,
-        errno: Errno,
-    },
-    #[error("every free loop device was taken by other processes {ATTACH_ATTEMPTS} times in a row")]
-    LoopContended,
-
     // ---- Mounting stored squashfs images (`mount`).
     #[error("image digest {0:?} is not sha256:<64 hex digits>")]
     MountDigest(String),
@@ -409,10 +391,7 @@ pub enum ImageError {
     )]
     Occupied { path: PathBuf, fstype: String },
     #[error("attaching {file} to a loop device: {source}")]
-    Loop {
-        file: PathBuf,
-        source: Box<ImageError>,
-    },
+    Loop { file: PathBuf, source: LoopError },
     #[error("mounting the squashfs of {file} (byte {offset}) on {target}: {errno}{hint}")]
     Mount {
         file: PathBuf,
@@ -539,12 +518,6 @@ impl ImageError {
             | E::ImageTooLarge { .. }
             | E::Reserve { .. }
             | E::HardlinkMissing(_)
-            | E::LoopControl(_)
-            | E::NoFreeLoop(_)
-            | E::LoopDevice { .. }
-            | E::LoopBacking { .. }
-            | E::LoopConfigure { .. }
-            | E::LoopContended
             | E::MountDigest(_)
             | E::StoredAsLayers(_)
             | E::MountIo { .. }
@@ -637,5 +610,23 @@ mod tests {
         assert_eq!(sif.kind(), Kind::Format);
         assert_eq!(ImageError::NotStored("x".into()).kind(), Kind::Store);
         assert_eq!(ImageError::Aborted.kind(), Kind::Registry);
+    }
+
+    #[test]
+    fn a_loop_device_failure_names_the_image_file_and_keeps_its_cause() {
+        let e = ImageError::Loop {
+            file: "/store/x.sqsh".into(),
+            source: LoopError::NoFree(Errno::ENOSPC),
+        };
+        assert_eq!(
+            e.to_string(),
+            "attaching /store/x.sqsh to a loop device: no free loop device: ENOSPC: No space left on device"
+        );
+        assert_eq!(e.kind(), Kind::Store);
+        let cause = std::error::Error::source(&e).map(ToString::to_string);
+        assert_eq!(
+            cause.as_deref(),
+            Some("no free loop device: ENOSPC: No space left on device")
+        );
     }
 }

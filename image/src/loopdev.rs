@@ -12,8 +12,6 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 
-use crate::ImageError;
-
 // From <linux/loop.h>; the libc crate does not define them.
 const LOOP_SET_FD: libc::c_ulong = 0x4C00;
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
@@ -25,7 +23,35 @@ const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_NAME_SIZE: usize = 64;
 const LOOP_MAJOR: u32 = 7;
 /// Attempts when other processes take the free device first.
-pub(crate) const ATTACH_ATTEMPTS: usize = 64;
+const ATTACH_ATTEMPTS: usize = 64;
+
+/// Attaching a file to a loop device failed; the store names the image file
+/// ([`crate::ImageError::Loop`]).
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error("opening /dev/loop-control: {0} (berth needs root and the loop driver: modprobe loop)")]
+    Control(std::io::Error),
+    #[error("no free loop device: {0}")]
+    NoFree(Errno),
+    #[error("opening {path}: {source}")]
+    Device {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("opening {path}: {source}")]
+    Backing {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("configuring {device} for {file}: {errno}")]
+    Configure {
+        device: PathBuf,
+        file: PathBuf,
+        errno: Errno,
+    },
+    #[error("every free loop device was taken by other processes {ATTACH_ATTEMPTS} times in a row")]
+    Contended,
+}
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -85,7 +111,7 @@ fn info(file: &Path, offset: u64, size: u64, flags: u32) -> LoopInfo64 {
 }
 
 /// The node of loop device `n`, created when /dev has none (a /dev without udev or devtmpfs).
-fn device_node(n: u32) -> Result<PathBuf, ImageError> {
+fn device_node(n: u32) -> Result<PathBuf, LoopError> {
     let path = PathBuf::from(format!("/dev/loop{n}"));
     if path.exists() {
         return Ok(path);
@@ -104,7 +130,7 @@ fn device_node(n: u32) -> Result<PathBuf, ImageError> {
         nix::sys::stat::makedev(u64::from(major), u64::from(minor)),
     ) {
         Ok(()) | Err(Errno::EEXIST) => Ok(path),
-        Err(e) => Err(ImageError::LoopDevice {
+        Err(e) => Err(LoopError::Device {
             path,
             source: e.into(),
         }),
@@ -130,7 +156,7 @@ pub enum Method {
 
 impl LoopDevice {
     /// Attaches `size` bytes of `file` starting at `offset`, read-only, with autoclear.
-    pub fn attach(file: &Path, offset: u64, size: u64) -> Result<LoopDevice, ImageError> {
+    pub fn attach(file: &Path, offset: u64, size: u64) -> Result<LoopDevice, LoopError> {
         Self::attach_with(file, offset, size, Method::Configure)
     }
 
@@ -140,12 +166,12 @@ impl LoopDevice {
         offset: u64,
         size: u64,
         method: Method,
-    ) -> Result<LoopDevice, ImageError> {
+    ) -> Result<LoopDevice, LoopError> {
         let backing = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC)
             .open(file)
-            .map_err(|source| ImageError::LoopBacking {
+            .map_err(|source| LoopError::Backing {
                 path: file.to_path_buf(),
                 source,
             })?;
@@ -161,13 +187,13 @@ impl LoopDevice {
         offset: u64,
         size: u64,
         method: Method,
-    ) -> Result<LoopDevice, ImageError> {
+    ) -> Result<LoopDevice, LoopError> {
         let control = OpenOptions::new()
             .read(true)
             .write(true)
             .custom_flags(libc::O_CLOEXEC)
             .open("/dev/loop-control")
-            .map_err(ImageError::LoopControl)?;
+            .map_err(LoopError::Control)?;
         let flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR;
         for _ in 0..ATTACH_ATTEMPTS {
             #[expect(
@@ -175,13 +201,13 @@ impl LoopDevice {
                 reason = "ioctl_ptr turns a negative result into an error"
             )]
             let n = ioctl_ptr::<u8>(&control, LOOP_CTL_GET_FREE, std::ptr::null())
-                .map_err(ImageError::NoFreeLoop)? as u32;
+                .map_err(LoopError::NoFree)? as u32;
             let path = device_node(n)?;
             let device = OpenOptions::new()
                 .read(true)
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&path)
-                .map_err(|source| ImageError::LoopDevice {
+                .map_err(|source| LoopError::Device {
                     path: path.clone(),
                     source,
                 })?;
@@ -192,7 +218,7 @@ impl LoopDevice {
                 info: info(file, offset, size, flags),
                 reserved: [0; 8],
             };
-            let configure_err = |errno| ImageError::LoopConfigure {
+            let configure_err = |errno| LoopError::Configure {
                 device: path.clone(),
                 file: file.to_path_buf(),
                 errno,
@@ -237,7 +263,7 @@ impl LoopDevice {
             }
             return Ok(dev);
         }
-        Err(ImageError::LoopContended)
+        Err(LoopError::Contended)
     }
 
     /// Detaches the device now (after a failed mount).

@@ -335,7 +335,7 @@ fn mount_at(
         LoopDevice::attach_fd(opened, file, offset, size, Method::Configure).map_err(|source| {
             ImageError::Loop {
                 file: file.to_path_buf(),
-                source: Box::new(source),
+                source,
             }
         })?;
     let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
