@@ -1,6 +1,8 @@
-//! The crate's one error type. Every failure of an image operation is one line naming the image,
+//! The crate's error type. Every failure of an image operation is one line naming the image,
 //! file or store and saying what to do; the variants are grouped by what failed, and
-//! [`ImageError::kind`] says which group, so the binary can map kinds to exit statuses.
+//! [`ImageError::kind`] says which group, so the binary can map kinds to exit statuses. A module
+//! whose failures form a closed set of its own keeps them in its enum, held by one variant here
+//! ([`crate::loopdev::LoopError`], [`crate::squashfs::SquashfsError`]).
 
 use std::io;
 use std::path::PathBuf;
@@ -10,6 +12,7 @@ use nix::errno::Errno;
 use crate::layer::Bound;
 use crate::loopdev::LoopError;
 use crate::sif::Fault;
+use crate::squashfs::SquashfsError;
 
 /// What failed, for callers that decide on the group and not the variant (exit statuses, whose
 /// fault a failure is).
@@ -338,35 +341,8 @@ pub enum ImageError {
     },
 
     // ---- Squashfs files (`squashfs`).
-    #[error(
-        "{path}: not a squashfs image (no 'hsqs' magic at byte {offset}); use an Enroot .sqsh, a squashfs file or an Apptainer .sif"
-    )]
-    NotSquashfs { path: PathBuf, offset: u64 },
-    #[error(
-        "{path}: squashfs version {major}.{minor} at byte {offset} cannot be mounted by Linux (it mounts 4.0); rebuild it with a current mksquashfs"
-    )]
-    SquashfsVersion {
-        path: PathBuf,
-        offset: u64,
-        major: u16,
-        minor: u16,
-    },
-    #[error("{path}: the squashfs at byte {offset} is damaged: {why}; fetch or rebuild the image")]
-    SquashfsCorrupt {
-        path: PathBuf,
-        offset: u64,
-        why: String,
-    },
-    #[error(
-        "{path}: the squashfs is compressed with {compression}, which Linux cannot mount; rebuild it with -comp zstd (or gzip, xz, lzo, lz4)"
-    )]
-    Compression { path: PathBuf, compression: String },
-    #[error("{path}: not a regular file; give the path of a .sqsh or .sif file")]
-    NotAFile { path: PathBuf },
-    /// Reading a squashfs file failed; an import reports it as [`ImageError::Io`] (see
-    /// [`ImageError::plain_io`]).
-    #[error("reading {path}: {source}")]
-    SquashfsIo { path: PathBuf, source: io::Error },
+    #[error(transparent)]
+    Squashfs(#[from] SquashfsError),
 
     // ---- Apptainer SIF files (`sif`).
     #[error("SIF file {path}: {fault}")]
@@ -483,13 +459,12 @@ impl ImageError {
             | E::AmbiguousName { .. }
             | E::NoTool { .. }
             | E::Tool { .. }
-            | E::NotSquashfs { .. }
-            | E::SquashfsVersion { .. }
-            | E::SquashfsCorrupt { .. }
-            | E::Compression { .. }
-            | E::NotAFile { .. }
             | E::Sif { .. } => Kind::Format,
-            E::Io { .. } | E::TarRead(_) | E::SquashfsIo { .. } | E::SifIo { .. } => Kind::Io,
+            E::Io { .. }
+            | E::TarRead(_)
+            | E::Squashfs(SquashfsError::Io { .. })
+            | E::SifIo { .. } => Kind::Io,
+            E::Squashfs(_) => Kind::Format,
             E::ExportNoSpace { .. }
             | E::ExportIo { .. }
             | E::NoMksquashfs(_)
@@ -530,11 +505,10 @@ impl ImageError {
 
     /// A squashfs or SIF read failure as an import reports it: the file and the error, without
     /// the file kind (the import's message names the image already). Others pass unchanged.
-    pub fn plain_io(self) -> Self {
-        match self {
-            ImageError::SquashfsIo { path, source } | ImageError::SifIo { path, source } => {
-                ImageError::Io { path, source }
-            }
+    pub fn plain_io(e: impl Into<Self>) -> Self {
+        match e.into() {
+            ImageError::Squashfs(SquashfsError::Io { path, source })
+            | ImageError::SifIo { path, source } => ImageError::Io { path, source },
             other => other,
         }
     }
@@ -570,12 +544,13 @@ mod tests {
 
     #[test]
     fn an_import_reports_a_read_failure_without_the_file_kind() {
-        let e = ImageError::SquashfsIo {
+        let e = ImageError::from(SquashfsError::Io {
             path: "/x.sqsh".into(),
             source: io::Error::from_raw_os_error(libc::ENOENT),
-        };
+        });
         assert!(e.to_string().starts_with("reading /x.sqsh: "), "{e}");
-        let plain = e.plain_io();
+        assert_eq!(e.kind(), Kind::Io);
+        let plain = ImageError::plain_io(e);
         assert!(plain.to_string().starts_with("/x.sqsh: "), "{plain}");
         assert_eq!(plain.kind(), Kind::Io);
     }
@@ -598,10 +573,10 @@ mod tests {
 
     #[test]
     fn files_that_are_not_images_are_format_failures() {
-        let not_sqsh = ImageError::NotSquashfs {
+        let not_sqsh = ImageError::from(SquashfsError::NotSquashfs {
             path: "/x".into(),
             offset: 0,
-        };
+        });
         assert_eq!(not_sqsh.kind(), Kind::Format);
         let sif = ImageError::Sif {
             path: "/x.sif".into(),

@@ -17,6 +17,44 @@ use super::sif::Sif;
 use super::synth::{self, FileSource, Synthesised};
 use super::{Image, ImageError, Reference, Rootfs};
 
+/// Why a file cannot be loop-mounted as a squashfs (not one, a version or compressor Linux cannot
+/// mount, damaged, unreadable); callers get it as [`ImageError::Squashfs`].
+#[derive(Debug, thiserror::Error)]
+pub enum SquashfsError {
+    #[error(
+        "{path}: not a squashfs image (no 'hsqs' magic at byte {offset}); use an Enroot .sqsh, a squashfs file or an Apptainer .sif"
+    )]
+    NotSquashfs { path: PathBuf, offset: u64 },
+    #[error(
+        "{path}: squashfs version {major}.{minor} at byte {offset} cannot be mounted by Linux (it mounts 4.0); rebuild it with a current mksquashfs"
+    )]
+    Version {
+        path: PathBuf,
+        offset: u64,
+        major: u16,
+        minor: u16,
+    },
+    #[error("{path}: the squashfs at byte {offset} is damaged: {why}; fetch or rebuild the image")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        why: String,
+    },
+    #[error(
+        "{path}: the squashfs is compressed with {compression}, which Linux cannot mount; rebuild it with -comp zstd (or gzip, xz, lzo, lz4)"
+    )]
+    Compression { path: PathBuf, compression: String },
+    #[error("{path}: not a regular file; give the path of a .sqsh or .sif file")]
+    NotAFile { path: PathBuf },
+    /// Reading a squashfs file failed; an import reports it as [`ImageError::Io`] (see
+    /// [`ImageError::plain_io`]).
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
 /// The first four bytes of every squashfs (little-endian 0x73717368).
 pub const MAGIC: &[u8; 4] = b"hsqs";
 const SUPERBLOCK_LEN: usize = 96;
@@ -122,15 +160,15 @@ pub fn parse_superblock(b: &[u8]) -> Result<Superblock, SuperblockFault> {
 
 /// Checks that `path` holds a mountable squashfs at `offset` that fits in the file (a sanity
 /// check before loop-mounting: a clear error instead of the kernel's "wrong fs type").
-pub fn probe_squashfs_magic(path: &Path, offset: u64) -> Result<Superblock, ImageError> {
-    let io = |source| ImageError::SquashfsIo {
+pub fn probe_squashfs_magic(path: &Path, offset: u64) -> Result<Superblock, SquashfsError> {
+    let io = |source| SquashfsError::Io {
         path: path.to_path_buf(),
         source,
     };
     let mut file = File::open(path).map_err(io)?;
     let meta = file.metadata().map_err(io)?;
     if !meta.is_file() {
-        return Err(ImageError::NotAFile {
+        return Err(SquashfsError::NotAFile {
             path: path.to_path_buf(),
         });
     }
@@ -138,29 +176,29 @@ pub fn probe_squashfs_magic(path: &Path, offset: u64) -> Result<Superblock, Imag
     file.seek(SeekFrom::Start(offset)).map_err(io)?;
     let n = read_full(&mut file, &mut b).map_err(io)?;
     let sb = parse_superblock(&b[..n]).map_err(|fault| match fault {
-        SuperblockFault::Magic => ImageError::NotSquashfs {
+        SuperblockFault::Magic => SquashfsError::NotSquashfs {
             path: path.to_path_buf(),
             offset,
         },
-        SuperblockFault::Version(major, minor) => ImageError::SquashfsVersion {
+        SuperblockFault::Version(major, minor) => SquashfsError::Version {
             path: path.to_path_buf(),
             offset,
             major,
             minor,
         },
-        SuperblockFault::Corrupt(why) => ImageError::SquashfsCorrupt {
+        SuperblockFault::Corrupt(why) => SquashfsError::Corrupt {
             path: path.to_path_buf(),
             offset,
             why,
         },
-        SuperblockFault::Compression(c) => ImageError::Compression {
+        SuperblockFault::Compression(c) => SquashfsError::Compression {
             path: path.to_path_buf(),
             compression: c.name(),
         },
     })?;
     let available = meta.len().saturating_sub(offset);
     if sb.bytes_used > available {
-        return Err(ImageError::SquashfsCorrupt {
+        return Err(SquashfsError::Corrupt {
             path: path.to_path_buf(),
             offset,
             why: format!(
@@ -184,8 +222,8 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 }
 
 /// `sha256:<hex>` of a whole file, streamed.
-pub fn sha256_file(path: &Path) -> Result<String, ImageError> {
-    let io = |source| ImageError::SquashfsIo {
+pub fn sha256_file(path: &Path) -> Result<String, SquashfsError> {
+    let io = |source| SquashfsError::Io {
         path: path.to_path_buf(),
         source,
     };
@@ -219,13 +257,13 @@ pub struct InspectOptions {
     pub enroot_entrypoint: bool,
 }
 
-fn absolute_file(path: &Path) -> Result<PathBuf, ImageError> {
-    let file = std::fs::canonicalize(path).map_err(|source| ImageError::SquashfsIo {
+fn absolute_file(path: &Path) -> Result<PathBuf, SquashfsError> {
+    let file = std::fs::canonicalize(path).map_err(|source| SquashfsError::Io {
         path: path.to_path_buf(),
         source,
     })?;
     if !std::fs::metadata(&file).is_ok_and(|m| m.is_file()) {
-        return Err(ImageError::NotAFile {
+        return Err(SquashfsError::NotAFile {
             path: path.to_path_buf(),
         });
     }
@@ -294,14 +332,15 @@ pub fn inspect_sif_at(read: &Path, shown: &Path) -> Result<Image, ImageError> {
         .clone();
     let sb = probe_squashfs_magic(&file, part.offset).map_err(ImageError::plain_io)?;
     if sb.bytes_used > part.size {
-        return Err(ImageError::SquashfsCorrupt {
+        return Err(SquashfsError::Corrupt {
             path: file,
             offset: part.offset,
             why: format!(
                 "it needs {} bytes but its SIF partition holds {}",
                 sb.bytes_used, part.size
             ),
-        });
+        }
+        .into());
     }
     let files = SquashfsFiles::open(&file, part.offset).map_err(ImageError::plain_io)?;
     let config = image_config(synth::apptainer(&files));
@@ -351,11 +390,11 @@ impl std::fmt::Debug for SquashfsFiles {
 
 impl SquashfsFiles {
     pub fn open(path: &Path, offset: u64) -> Result<Self, ImageError> {
-        let file = File::open(path).map_err(|source| ImageError::SquashfsIo {
+        let file = File::open(path).map_err(|source| SquashfsError::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        let corrupt = |why: String| ImageError::SquashfsCorrupt {
+        let corrupt = |why: String| SquashfsError::Corrupt {
             path: path.to_path_buf(),
             offset,
             why: format!("reading its directory tree failed: {why}"),
@@ -547,7 +586,10 @@ mod tests {
         let path = testdata("one-group.sif");
         probe_squashfs_magic(&path, 36864).unwrap();
         let err = probe_squashfs_magic(&path, 32768).unwrap_err();
-        assert!(matches!(err, ImageError::NotSquashfs { offset: 32768, .. }));
+        assert!(matches!(
+            err,
+            SquashfsError::NotSquashfs { offset: 32768, .. }
+        ));
         let text = err.to_string();
         assert!(
             text.contains("not a squashfs image") && !text.contains('\n'),
@@ -555,11 +597,11 @@ mod tests {
         );
         assert!(matches!(
             probe_squashfs_magic(Path::new("/"), 0),
-            Err(ImageError::NotAFile { .. })
+            Err(SquashfsError::NotAFile { .. })
         ));
         assert!(matches!(
             probe_squashfs_magic(&path, 1 << 30),
-            Err(ImageError::NotSquashfs { .. })
+            Err(SquashfsError::NotSquashfs { .. })
         ));
     }
 
