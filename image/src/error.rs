@@ -2,15 +2,13 @@
 //! file or store and saying what to do; the variants are grouped by what failed, and
 //! [`ImageError::kind`] says which group, so the binary can map kinds to exit statuses. A module
 //! whose failures form a closed set of its own keeps them in its enum, held by one variant here
-//! ([`crate::loopdev::LoopError`], [`crate::squashfs::SquashfsError`]).
+//! ([`crate::mount::MountError`], [`crate::squashfs::SquashfsError`]).
 
 use std::io;
 use std::path::PathBuf;
 
-use nix::errno::Errno;
-
 use crate::layer::Bound;
-use crate::loopdev::LoopError;
+use crate::mount::MountError;
 use crate::sif::Fault;
 use crate::squashfs::SquashfsError;
 
@@ -352,32 +350,8 @@ pub enum ImageError {
     SifIo { path: PathBuf, source: io::Error },
 
     // ---- Mounting stored squashfs images (`mount`).
-    #[error("image digest {0:?} is not sha256:<64 hex digits>")]
-    MountDigest(String),
-    #[error("{0}: this image is stored as layer directories, not as a squashfs")]
-    StoredAsLayers(String),
-    #[error("{what} {path}: {source}")]
-    MountIo {
-        what: &'static str,
-        path: PathBuf,
-        source: io::Error,
-    },
-    #[error(
-        "{path} is already a {fstype} mount, not this image's squashfs; unmount it or set another [squashfs] mount_dir"
-    )]
-    Occupied { path: PathBuf, fstype: String },
-    #[error("attaching {file} to a loop device: {source}")]
-    Loop { file: PathBuf, source: LoopError },
-    #[error("mounting the squashfs of {file} (byte {offset}) on {target}: {errno}{hint}")]
-    Mount {
-        file: PathBuf,
-        offset: u64,
-        target: PathBuf,
-        errno: Errno,
-        hint: &'static str,
-    },
-    #[error("unmounting {target}: {errno}")]
-    Unmount { target: PathBuf, errno: Errno },
+    #[error(transparent)]
+    Mount(#[from] MountError),
 
     // ---- Exporting an image to a file (`export`).
     #[error(
@@ -493,13 +467,7 @@ impl ImageError {
             | E::ImageTooLarge { .. }
             | E::Reserve { .. }
             | E::HardlinkMissing(_)
-            | E::MountDigest(_)
-            | E::StoredAsLayers(_)
-            | E::MountIo { .. }
-            | E::Occupied { .. }
-            | E::Loop { .. }
-            | E::Mount { .. }
-            | E::Unmount { .. } => Kind::Store,
+            | E::Mount(_) => Kind::Store,
         }
     }
 
@@ -589,10 +557,12 @@ mod tests {
 
     #[test]
     fn a_loop_device_failure_names_the_image_file_and_keeps_its_cause() {
-        let e = ImageError::Loop {
+        use crate::loopdev::LoopError;
+        use nix::errno::Errno;
+        let e = ImageError::from(MountError::Loop {
             file: "/store/x.sqsh".into(),
             source: LoopError::NoFree(Errno::ENOSPC),
-        };
+        });
         assert_eq!(
             e.to_string(),
             "attaching /store/x.sqsh to a loop device: no free loop device: ENOSPC: No space left on device"

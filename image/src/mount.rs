@@ -13,9 +13,41 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags};
 
-use super::loopdev::{LoopDevice, Method};
+use super::loopdev::{LoopDevice, LoopError, Method};
 use super::squashfs::probe_squashfs_magic;
 use super::{ImageError, Rootfs};
+
+/// Why a stored squashfs image could not be mounted or unmounted; callers get it as
+/// [`ImageError::Mount`].
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("image digest {0:?} is not sha256:<64 hex digits>")]
+    Digest(String),
+    #[error("{0}: this image is stored as layer directories, not as a squashfs")]
+    StoredAsLayers(String),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{path} is already a {fstype} mount, not this image's squashfs; unmount it or set another [squashfs] mount_dir"
+    )]
+    Occupied { path: PathBuf, fstype: String },
+    #[error("attaching {file} to a loop device: {source}")]
+    Loop { file: PathBuf, source: LoopError },
+    #[error("mounting the squashfs of {file} (byte {offset}) on {target}: {errno}{hint}")]
+    Mount {
+        file: PathBuf,
+        offset: u64,
+        target: PathBuf,
+        errno: Errno,
+        hint: &'static str,
+    },
+    #[error("unmounting {target}: {errno}")]
+    Unmount { target: PathBuf, errno: Errno },
+}
 
 /// The hex part of a `sha256:<hex>` digest, checked: it becomes a directory name.
 pub fn digest_hex(digest: &str) -> Result<&str, ImageError> {
@@ -27,7 +59,7 @@ pub fn digest_hex(digest: &str) -> Result<&str, ImageError> {
     {
         Ok(hex)
     } else {
-        Err(ImageError::MountDigest(digest.to_string()))
+        Err(MountError::Digest(digest.to_string()).into())
     }
 }
 
@@ -84,7 +116,7 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
 
 fn mounts() -> Result<Vec<MountEntry>, ImageError> {
     let path = "/proc/self/mountinfo";
-    let text = std::fs::read_to_string(path).map_err(|source| ImageError::MountIo {
+    let text = std::fs::read_to_string(path).map_err(|source| MountError::Io {
         what: "reading",
         path: path.into(),
         source,
@@ -109,7 +141,7 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, ImageError> {
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
-        .map_err(|source| ImageError::MountIo {
+        .map_err(|source| MountError::Io {
             what: "opening the lock",
             path: path.clone(),
             source,
@@ -120,11 +152,12 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, ImageError> {
             Ok(_) => return Ok(ImageLock(file)),
             Err(Errno::EINTR) => continue,
             Err(e) => {
-                return Err(ImageError::MountIo {
+                return Err(MountError::Io {
                     what: "locking",
                     path,
                     source: e.into(),
-                });
+                }
+                .into());
             }
         }
     }
@@ -136,7 +169,7 @@ fn lock(mount_root: &Path, hex: &str) -> Result<ImageLock, ImageError> {
 /// overlays root mounts, which this does not hinder).
 fn root_dir(mount_root: &Path) -> Result<PathBuf, ImageError> {
     if nix::unistd::geteuid().is_root() {
-        berth_sys::privfs::root_dir(mount_root, 0o700).map_err(|e| ImageError::MountIo {
+        berth_sys::privfs::root_dir(mount_root, 0o700).map_err(|e| MountError::Io {
             what: "checking",
             path: mount_root.to_path_buf(),
             source: std::io::Error::other(e.to_string()),
@@ -146,16 +179,18 @@ fn root_dir(mount_root: &Path) -> Result<PathBuf, ImageError> {
             .recursive(true)
             .mode(0o700)
             .create(mount_root)
-            .map_err(|source| ImageError::MountIo {
+            .map_err(|source| MountError::Io {
                 what: "creating",
                 path: mount_root.to_path_buf(),
                 source,
             })?;
     }
-    std::fs::canonicalize(mount_root).map_err(|source| ImageError::MountIo {
-        what: "resolving",
-        path: mount_root.to_path_buf(),
-        source,
+    std::fs::canonicalize(mount_root).map_err(|source| {
+        ImageError::from(MountError::Io {
+            what: "resolving",
+            path: mount_root.to_path_buf(),
+            source,
+        })
     })
 }
 
@@ -163,7 +198,7 @@ fn root_dir(mount_root: &Path) -> Result<PathBuf, ImageError> {
 fn user_dir(root: &Path, uid: u32) -> Result<PathBuf, ImageError> {
     let dir = root.join(format!("u{uid}"));
     if nix::unistd::geteuid().is_root() {
-        berth_sys::privfs::root_dir(&dir, 0o700).map_err(|e| ImageError::MountIo {
+        berth_sys::privfs::root_dir(&dir, 0o700).map_err(|e| MountError::Io {
             what: "checking",
             path: dir.clone(),
             source: std::io::Error::other(e.to_string()),
@@ -173,11 +208,12 @@ fn user_dir(root: &Path, uid: u32) -> Result<PathBuf, ImageError> {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(source) => {
-                return Err(ImageError::MountIo {
+                return Err(MountError::Io {
                     what: "creating",
                     path: dir,
                     source,
-                });
+                }
+                .into());
             }
         }
     }
@@ -275,7 +311,7 @@ pub fn mount_shared(
         Rootfs::Squashfs { file, offset, size } => {
             mount_shared_at(digest, file, *offset, *size, mount_root)
         }
-        Rootfs::Layers(_) => Err(ImageError::StoredAsLayers(digest.to_string())),
+        Rootfs::Layers(_) => Err(MountError::StoredAsLayers(digest.to_string()).into()),
     }
 }
 
@@ -290,7 +326,7 @@ pub fn mount_shared_at(
     let hex = digest_hex(digest)?;
     let root = root_dir(mount_root)?;
     let _lock = lock(&root, hex)?;
-    let opened = File::open(file).map_err(|source| ImageError::MountIo {
+    let opened = File::open(file).map_err(|source| MountError::Io {
         what: "opening",
         path: file.to_path_buf(),
         source,
@@ -312,20 +348,22 @@ fn mount_at(
             tracing::debug!("{} already mounted from {}", target.display(), m.source);
             return Ok(target);
         }
-        return Err(ImageError::Occupied {
+        return Err(MountError::Occupied {
             path: target,
             fstype: m.fstype,
-        });
+        }
+        .into());
     }
     match std::fs::DirBuilder::new().mode(0o700).create(&target) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(source) => {
-            return Err(ImageError::MountIo {
+            return Err(MountError::Io {
                 what: "creating",
                 path: target,
                 source,
-            });
+            }
+            .into());
         }
     }
     // As an import reports it: the caller names the image.
@@ -333,7 +371,7 @@ fn mount_at(
         .map_err(ImageError::plain_io)?;
     let device =
         LoopDevice::attach_fd(opened, file, offset, size, Method::Configure).map_err(|source| {
-            ImageError::Loop {
+            MountError::Loop {
                 file: file.to_path_buf(),
                 source,
             }
@@ -354,13 +392,14 @@ fn mount_at(
             }
             _ => "",
         };
-        return Err(ImageError::Mount {
+        return Err(MountError::Mount {
             file: file.to_path_buf(),
             offset,
             target,
             errno,
             hint,
-        });
+        }
+        .into());
     }
     tracing::debug!(
         "mounted {} (byte {offset}) on {} via {}",
@@ -387,7 +426,7 @@ pub fn attach_directory(
     let root = root_dir(mount_root)?;
     let dirs = root.join("dirs");
     if nix::unistd::geteuid().is_root() {
-        berth_sys::privfs::root_dir(&dirs, 0o700).map_err(|e| ImageError::MountIo {
+        berth_sys::privfs::root_dir(&dirs, 0o700).map_err(|e| MountError::Io {
             what: "checking",
             path: dirs.clone(),
             source: std::io::Error::other(e.to_string()),
@@ -395,7 +434,7 @@ pub fn attach_directory(
     }
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let target = dirs.join(format!("{}-{n}", std::process::id()));
-    let io = |what, source| ImageError::MountIo {
+    let io = |what, source| MountError::Io {
         what,
         path: target.clone(),
         source,
@@ -403,7 +442,7 @@ pub fn attach_directory(
     match std::fs::DirBuilder::new().mode(0o700).create(&target) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(io("creating", e)),
+        Err(e) => return Err(io("creating", e).into()),
     }
     let c_target = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
         .map_err(|e| io("naming", std::io::Error::other(e)))?;
@@ -422,11 +461,12 @@ pub fn attach_directory(
     if r != 0 {
         let e = std::io::Error::last_os_error();
         let _ = std::fs::remove_dir(&target);
-        return Err(ImageError::MountIo {
+        return Err(MountError::Io {
             what: "attaching the directory image",
             path: shown.to_path_buf(),
             source: e,
-        });
+        }
+        .into());
     }
     Ok(DirectoryMount(target))
 }
@@ -499,7 +539,7 @@ pub fn release_unused(config: &crate::config::Settings<'_>) {
 /// for the shared mounts and each user's own (`u<uid>/`), sorted.
 fn image_dirs(root: &Path) -> Result<Vec<(PathBuf, String, String)>, ImageError> {
     let root = root.to_path_buf();
-    let entries = std::fs::read_dir(&root).map_err(|source| ImageError::MountIo {
+    let entries = std::fs::read_dir(&root).map_err(|source| MountError::Io {
         what: "listing",
         path: root.clone(),
         source,
@@ -563,11 +603,12 @@ pub fn unmount_unused(
         Ok(root) => root,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(source) => {
-            return Err(ImageError::MountIo {
+            return Err(MountError::Io {
                 what: "resolving",
                 path: mount_root.to_path_buf(),
                 source,
-            });
+            }
+            .into());
         }
     };
     detach_orphan_directories(&root);
@@ -605,7 +646,7 @@ pub fn unmount_unused(
                     );
                     break;
                 }
-                Err(errno) => return Err(ImageError::Unmount { target, errno }),
+                Err(errno) => return Err(MountError::Unmount { target, errno }.into()),
             }
         }
         if mounted_at(&target)?.is_none() {
@@ -689,6 +730,9 @@ garbage\n";
             dir.path(),
         )
         .unwrap_err();
-        assert!(matches!(err, ImageError::StoredAsLayers(_)));
+        assert!(matches!(
+            err,
+            ImageError::Mount(MountError::StoredAsLayers(_))
+        ));
     }
 }
