@@ -40,6 +40,7 @@ PACKAGES=(
   openmpi-bin     # Slurm MPI tests: mpirun, an MPI runtime
   libopenmpi-dev  #   (mpicc for the test program)
   libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)
+  lmod            # tests/root_hostsw.rs: the host's Lmod (and its Lua 5.3) that --container-modules binds
   rsync           # bench/stage: the rsync -a arm berth stage is compared with
   xfsprogs        # root tier (tests/root_stage.rs): an XFS with reflinks, where staging clones
   debootstrap     # integration/slurm/mpi-image.sh: the Debian minbase MPI test image

@@ -1,5 +1,7 @@
 //! Root tier: the host's software inside containers (issue 29): the host's Slurm client in a
-//! step's container (`--container-slurm`) and in `berth run --slurm`, on a real one-host Slurm
+//! step's container (`--container-slurm`) and in `berth run --slurm`; the host's Lmod (Debian's
+//! `lmod`, integration/setup.sh) with a module tree made here (`--container-modules`, `berth run
+//! --modules`), on a real one-host Slurm
 //! of this file's own (integration/slurm/start.sh with its own state directory and free ports,
 //! started once per test binary, stopped at exit), as a non-root user, in the Debian image of
 //! integration/slurm/mpi-image.sh. Run as root:
@@ -86,7 +88,10 @@ fn cluster() -> &'static Cluster {
                  [scratch]\nroot = \"{s}/berth/scratch\"\n\
                  [host_software]\nslurm_paths = [\"/usr/bin/srun\", \"/usr/bin/squeue\", \
                  \"/usr/bin/sinfo\", \"/usr/bin/sbatch\", \"{lib}/slurm-wlm\", \"{lib}/libmunge.so.2\", \
-                 \"{s}/etc\", \"{s}/munge-client:{s}/munge\", \"{plugin}\"]\n",
+                 \"{s}/etc\", \"{s}/munge-client:{s}/munge\", \"{plugin}\"]\n\
+                 module_paths = [\"/usr/share/lmod\", \"/usr/lib/lmod\", \"/etc/lmod\", \
+                 \"/etc/profile.d/lmod.sh\", \"/usr/bin/lua5.3\", \"{lib}/liblua5.3*.so*\", \"{lib}/libreadline.so.8\", \"{lib}/libtcl8.6.so\", \
+                 \"{lib}/lua\", \"/usr/share/lua\", \"{s}/modules\", \"{s}/sw\"]\n",
                 cgroup_root(),
                 s = state.display(),
                 plugin = plugin.display(),
@@ -134,6 +139,7 @@ fn cluster() -> &'static Cluster {
             client.join("munge.socket"),
         )
         .unwrap();
+        make_module_tree(&state);
         let cwd = state.join("cwd");
         std::fs::create_dir_all(&cwd).unwrap();
         std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o1777)).unwrap();
@@ -144,6 +150,33 @@ fn cluster() -> &'static Cluster {
             berth_config,
         }
     })
+}
+
+/// A module tree under `state`: `hello/1.0` puts `hello-tool` (in the software tree `sw`) on
+/// PATH and sets HELLO_GREETING, which the tool prints.
+fn make_module_tree(state: &Path) {
+    let modules = state.join("modules/hello");
+    let bin = state.join("sw/hello/1.0/bin");
+    std::fs::create_dir_all(&modules).unwrap();
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(
+        modules.join("1.0.lua"),
+        format!(
+            "prepend_path(\"PATH\", \"{}\")\nsetenv(\"HELLO_GREETING\", \"hello from a module\")\n",
+            bin.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        bin.join("hello-tool"),
+        "#!/bin/sh\necho \"hello-tool ran: $HELLO_GREETING\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        bin.join("hello-tool"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
 }
 
 /// The user of these tests: berthhostsw, without a home directory.
@@ -168,12 +201,22 @@ fn test_user_name() -> &'static str {
     "berthhostsw"
 }
 
-/// A Slurm client command as the test user, from the cluster's shared working directory.
+/// A Slurm client command as the test user, from the cluster's shared working directory,
+/// killed after two minutes (a node drained by a failed Prolog would keep srun waiting).
 fn slurm_as_user(cmd: &str, args: &[&str]) -> Command {
     let c = cluster();
-    let mut command = Command::new("runuser");
+    let mut command = Command::new("timeout");
     command
-        .args(["-u", test_user_name(), "--", cmd])
+        .args([
+            "-k",
+            "5",
+            "120",
+            "runuser",
+            "-u",
+            test_user_name(),
+            "--",
+            cmd,
+        ])
         .args(args)
         .env("SLURM_CONF", &c.conf)
         .env_remove("BERTH_CONTAINER_IMAGE")
@@ -305,6 +348,103 @@ fn berth_run_slurm_binds_only_what_the_config_names_and_never_munges_key() {
     assert!(!o.status.success(), "{}", show(&o));
     assert!(
         err.contains("munge.key, which no container may see") && err.trim().lines().count() == 1,
+        "{}",
+        show(&o)
+    );
+}
+
+/// What a user who set Lmod up on the host has in the environment srun passes on.
+fn with_modulepath(mut cmd: Command) -> Command {
+    cmd.env("MODULEPATH", cluster().state.join("modules"))
+        .env("BASH_ENV", "/usr/share/lmod/lmod/init/bash");
+    cmd
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn module_load_works_in_bash_inside_a_step_with_container_modules() {
+    let img = format!("--container-image={}", debian_image());
+    let want = "hello-tool ran: hello from a module";
+    // A login shell (/etc/profile.d/lmod.sh) and a batch script's non-interactive bash
+    // (BASH_ENV), in a writable and in a read-only container remapped to root.
+    for (extra, shell) in [
+        (vec![], "-lc"),
+        (vec!["--container-readonly", "--container-remap-root"], "-c"),
+    ] {
+        let mut args = vec![img.as_str(), "--container-modules"];
+        args.extend(extra.iter().copied());
+        args.extend([
+            "bash",
+            shell,
+            "module load hello/1.0 && hello-tool && module list 2>&1",
+        ]);
+        let o = output(with_modulepath(slurm_as_user("srun", &args)));
+        assert!(o.status.success(), "{}", show(&o));
+        assert!(stdout(&o).contains(want), "{}", show(&o));
+        assert!(stdout(&o).contains("hello/1.0"), "{}", show(&o));
+    }
+    // Loaded on the host before srun (a login shell of the host's Lmod), still loaded inside,
+    // its PATH entry kept with --container-env=PATH.
+    let inner = format!(
+        "module load hello/1.0 && srun {img} --container-modules --container-env=PATH \
+         bash -c 'module list 2>&1; hello-tool'"
+    );
+    let o = output(with_modulepath(slurm_as_user("bash", &["-lc", &inner])));
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        stdout(&o).contains("hello/1.0") && stdout(&o).contains(want),
+        "{}",
+        show(&o)
+    );
+    // Without the option the image has no module command.
+    let o = output(with_modulepath(slurm_as_user(
+        "srun",
+        &[
+            &img,
+            "bash",
+            "-lc",
+            "type module >/dev/null 2>&1 || echo no-module",
+        ],
+    )));
+    assert!(stdout(&o).contains("no-module"), "{}", show(&o));
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn an_image_without_bash_gets_a_one_line_refusal_and_berth_run_modules_works() {
+    let busybox = format!("--container-image={}", rootfs().display());
+    let o = output(with_modulepath(slurm_as_user(
+        "srun",
+        &[&busybox, "--container-modules", "true"],
+    )));
+    assert!(!o.status.success(), "{}", show(&o));
+    let err = stderr(&o);
+    let refusal: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("--container-modules"))
+        .collect();
+    assert!(
+        refusal.len() == 1 && refusal[0].contains("the image has no bash"),
+        "{}",
+        show(&o)
+    );
+    let mut cmd = Command::new(berth_bin());
+    cmd.arg("--config")
+        .arg(&cluster().berth_config)
+        .args([
+            "run",
+            "--image",
+            debian_image(),
+            "--user",
+            test_user_name(),
+            "--modules",
+        ])
+        .args(["--", "bash", "-lc", "module load hello && hello-tool"])
+        .stdin(Stdio::null());
+    let o = output(with_modulepath(cmd));
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        stdout(&o).contains("hello-tool ran: hello from a module"),
         "{}",
         show(&o)
     );

@@ -72,6 +72,10 @@ pub struct Options {
     /// The host's Slurm client inside (`--container-slurm`); unset: `host_software.slurm`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_slurm: Option<bool>,
+    /// Lmod and the site's module trees inside (`--container-modules`); unset:
+    /// `host_software.modules`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_modules: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]

@@ -41,8 +41,15 @@ pub struct HostSoftwareConfig {
     pub slurm: bool,
     /// What `--container-slurm` binds read-only, each `PATH` or `SOURCE:DESTINATION` (absolute):
     /// the client binaries, their libraries and plugins, slurm.conf's directory, munged's socket
-    /// directory. Missing ones are skipped; a directory holding a key is refused.
+    /// directory. Missing ones are skipped; a directory holding a key is refused. `*` and `?`
+    /// match in any component of a PATH.
     pub slurm_paths: Vec<String>,
+    /// Every step gets Lmod and the module trees unless it says `--no-container-modules`.
+    pub modules: bool,
+    /// What `--container-modules` binds read-only (as `slurm_paths`): Lmod, the Lua it runs on,
+    /// the module trees and the software their modules point to. `*` and `?` match in any
+    /// component of a PATH.
+    pub module_paths: Vec<String>,
 }
 
 impl Default for HostSoftwareConfig {
@@ -50,6 +57,8 @@ impl Default for HostSoftwareConfig {
         Self {
             slurm: false,
             slurm_paths: crate::hostsw::default_slurm_paths(),
+            modules: false,
+            module_paths: crate::hostsw::default_module_paths(),
         }
     }
 }

@@ -1,6 +1,8 @@
 //! The node's own software inside a container, as the site configures it (`[host_software]`):
 //! the host's Slurm client (`--container-slurm`, `berth run --slurm`), so that `srun`, `sbatch`
-//! and `squeue` work from inside a job's container as from the host.
+//! and `squeue` work from inside a job's container as from the host; and Lmod with the site's
+//! module trees and software (`--container-modules`, `berth run --modules`), so that `module
+//! load` works in the container's `bash -l` and in batch scripts (BASH_ENV).
 //!
 //! Only what the configuration names is bound, read-only, at the path the configuration gives:
 //! a user chooses whether, never what. The host's binaries run on the image's C library (they
@@ -16,8 +18,8 @@ use berth_spec::BindMount;
 use crate::SlurmError;
 use crate::config::Config;
 
-/// The Slurm client files of the usual layouts (Debian/Ubuntu per architecture, RHEL); the
-/// ones missing on a node are skipped.
+/// The Slurm client files of the usual layouts (Debian/Ubuntu, RHEL); the ones missing on a
+/// node are skipped.
 pub fn default_slurm_paths() -> Vec<String> {
     let mut paths: Vec<String> = [
         "srun", "sbatch", "salloc", "squeue", "scancel", "sinfo", "scontrol", "sacct",
@@ -25,12 +27,10 @@ pub fn default_slurm_paths() -> Vec<String> {
     .iter()
     .map(|b| format!("/usr/bin/{b}"))
     .collect();
-    for triple in ["x86_64-linux-gnu", "aarch64-linux-gnu"] {
-        paths.push(format!("/usr/lib/{triple}/slurm-wlm"));
-        paths.push(format!("/usr/lib/{triple}/libmunge.so.2"));
-    }
     paths.extend(
         [
+            "/usr/lib/*-linux-gnu/slurm-wlm",
+            "/usr/lib/*-linux-gnu/libmunge.so.2",
             "/usr/lib64/slurm",
             "/usr/lib64/libmunge.so.2",
             "/etc/slurm",
@@ -39,6 +39,47 @@ pub fn default_slurm_paths() -> Vec<String> {
         .map(String::from),
     );
     paths
+}
+
+/// Lmod as Debian/Ubuntu install it (its Lua 5.3 interpreter and modules, which images lack),
+/// its configuration and the usual module trees; sites add their software trees (`/opt/hpcx`).
+pub fn default_module_paths() -> Vec<String> {
+    [
+        "/usr/share/lmod",
+        "/usr/lib/lmod",
+        "/etc/lmod",
+        "/etc/profile.d/lmod.sh",
+        "/usr/share/modulefiles",
+        "/opt/modulefiles",
+        "/usr/bin/lua5.3",
+        "/usr/lib/*-linux-gnu/liblua5.3*.so*",
+        // lua5.3 links readline, Lmod's tcl2lua.so (loaded at every start) Tcl: images rarely
+        // have them.
+        "/usr/lib/*-linux-gnu/libreadline.so.8",
+        "/usr/lib/*-linux-gnu/libtcl8.6.so",
+        "/usr/share/tcltk/tcl8.6",
+        "/usr/lib/*-linux-gnu/lua",
+        "/usr/share/lua",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The variables of Lmod's state and setup that `berth run --modules` carries from the caller
+/// (a Slurm step has the job's environment already): the module search path, what is loaded,
+/// and BASH_ENV, which defines `module` in non-interactive bash.
+pub fn module_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
+    const NAMES: [&str; 6] = [
+        "MODULEPATH",
+        "MODULEPATH_ROOT",
+        "MODULESHOME",
+        "LOADEDMODULES",
+        "_LMFILES_",
+        "BASH_ENV",
+    ];
+    const PREFIXES: [&str; 3] = ["LMOD_", "_ModuleTable", "__LMOD_REF_COUNT_"];
+    vars.filter(|(k, _)| NAMES.contains(&k.as_str()) || PREFIXES.iter().any(|p| k.starts_with(p)))
+        .collect()
 }
 
 /// Names of files that must never reach a container: munge's key, slurmdbd's configuration
@@ -64,8 +105,85 @@ pub fn slurm_binds(
              name its Slurm client files in berth.toml, or drop {what}"
         )));
     }
-    check_glibc(lowers, what)?;
+    check_glibc(lowers, what, "the host's Slurm commands")?;
     Ok(binds)
+}
+
+/// The read-only binds of Lmod, the module trees and their software; refused for an image
+/// without bash (Lmod's `module` is a bash function there: a `sh` would get a broken one) or
+/// with an older glibc than the host's Lua.
+pub fn module_binds(
+    config: &Config,
+    lowers: &[PathBuf],
+    what: &str,
+) -> Result<Vec<BindMount>, SlurmError> {
+    let binds = configured(&config.host_software.module_paths, "module_paths")?;
+    if binds.is_empty() {
+        return Err(SlurmError::input(format!(
+            "{what}: none of host_software.module_paths exists on this node: ask the site to \
+             name Lmod and its module trees in berth.toml, or drop {what}"
+        )));
+    }
+    let has_bash = lowers.iter().any(|layer| {
+        let Ok(dir) = std::fs::File::open(layer) else {
+            return false;
+        };
+        ["usr/bin/bash", "bin/bash"].iter().any(|rel| {
+            berth_runtime::mounts::path_beneath(&dir, Path::new(rel))
+                .ok()
+                .and_then(|fd| std::fs::File::from(fd).metadata().ok())
+                .is_some_and(|m| m.is_file())
+        })
+    });
+    if !has_bash {
+        return Err(SlurmError::input(format!(
+            "{what}: the image has no bash (/usr/bin/bash), which Lmod's module command needs: \
+             use an image with bash, or drop {what}"
+        )));
+    }
+    check_glibc(lowers, what, "the host's Lmod and Lua")?;
+    Ok(binds)
+}
+
+/// `pattern` with `*` and `?` matched against `text`.
+fn wildcard(pattern: &[u8], text: &[u8]) -> bool {
+    match (pattern.split_first(), text.split_first()) {
+        (None, None) => true,
+        (Some((b'*', rest)), _) => {
+            wildcard(rest, text) || (!text.is_empty() && wildcard(pattern, &text[1..]))
+        }
+        (Some((b'?', rest)), Some((_, trest))) => wildcard(rest, trest),
+        (Some((p, rest)), Some((t, trest))) if p == t => wildcard(rest, trest),
+        _ => false,
+    }
+}
+
+/// The existing paths an absolute `entry` names, `*` and `?` in any component expanded (in
+/// name order); an entry without them as itself.
+fn expand(entry: &Path) -> Vec<PathBuf> {
+    let mut found = vec![PathBuf::from("/")];
+    for comp in entry.components().skip(1) {
+        let name = comp.as_os_str();
+        let bytes = name.as_encoded_bytes();
+        if !bytes.contains(&b'*') && !bytes.contains(&b'?') {
+            found = found.into_iter().map(|p| p.join(name)).collect();
+            continue;
+        }
+        let mut next = Vec::new();
+        for dir in found {
+            let mut names: Vec<_> = std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name())
+                .filter(|n| wildcard(bytes, n.as_encoded_bytes()))
+                .collect();
+            names.sort();
+            next.extend(names.into_iter().map(|n| dir.join(n)));
+        }
+        found = next;
+    }
+    found
 }
 
 /// The entries of `[host_software].key` that exist here, as read-only binds; an entry that is not
@@ -73,36 +191,45 @@ pub fn slurm_binds(
 fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>, SlurmError> {
     let mut out = Vec::new();
     for entry in entries {
-        let (source, destination) = match entry.split_once(':') {
-            Some((s, d)) => (PathBuf::from(s), PathBuf::from(d)),
-            None => (PathBuf::from(entry), PathBuf::from(entry)),
+        let pairs = match entry.split_once(':') {
+            Some((s, d)) => vec![(PathBuf::from(s), PathBuf::from(d))],
+            None => expand(Path::new(entry))
+                .into_iter()
+                .map(|p| (p.clone(), p))
+                .collect(),
         };
-        if !source.is_absolute() || !destination.is_absolute() {
+        let absolute = entry.starts_with('/')
+            && entry
+                .split_once(':')
+                .is_none_or(|(_, d)| d.starts_with('/'));
+        if !absolute {
             return Err(SlurmError::host(format!(
                 "host_software.{key}: '{entry}' is not an absolute PATH or SOURCE:DESTINATION: \
                  fix berth.toml"
             )));
         }
-        let Ok(meta) = std::fs::metadata(&source) else {
-            tracing::debug!(
-                "host_software.{key}: {} is missing: skipped",
-                source.display()
-            );
-            continue;
-        };
-        if let Some(secret) = secret_in(&source, meta.is_dir()) {
-            return Err(SlurmError::host(format!(
-                "host_software.{key}: {} holds {}, which no container may see: name the \
-                 client files themselves (or a directory without it) in berth.toml",
-                source.display(),
-                secret.display()
-            )));
+        for (source, destination) in pairs {
+            let Ok(meta) = std::fs::metadata(&source) else {
+                tracing::debug!(
+                    "host_software.{key}: {} is missing: skipped",
+                    source.display()
+                );
+                continue;
+            };
+            if let Some(secret) = secret_in(&source, meta.is_dir()) {
+                return Err(SlurmError::host(format!(
+                    "host_software.{key}: {} holds {}, which no container may see: name the \
+                 files themselves (or a directory without it) in berth.toml",
+                    source.display(),
+                    secret.display()
+                )));
+            }
+            out.push(BindMount {
+                source,
+                destination,
+                readonly: true,
+            });
         }
-        out.push(BindMount {
-            source,
-            destination,
-            readonly: true,
-        });
     }
     Ok(out)
 }
@@ -154,23 +281,23 @@ const LIBC_PATHS: [&str; 6] = [
 
 /// Refuses an image whose glibc is older than the host's (or that has none): the host's
 /// binaries would fail inside with "GLIBC_2.x not found", long after the container started.
-fn check_glibc(lowers: &[PathBuf], what: &str) -> Result<(), SlurmError> {
+fn check_glibc(lowers: &[PathBuf], what: &str, needs: &str) -> Result<(), SlurmError> {
     let host = glibc_version(&[PathBuf::from("/")]).ok_or_else(|| {
         SlurmError::host(format!(
-            "{what}: this node's glibc version is unknown (no libc.so.6 in {}): the host's Slurm \
-             client cannot be brought into containers here",
+            "{what}: this node's glibc version is unknown (no libc.so.6 in {}): {needs} cannot \
+             be brought into containers here",
             LIBC_PATHS[0]
         ))
     })?;
     match glibc_version(lowers) {
         Some(image) if image >= host => Ok(()),
         Some(image) => Err(SlurmError::input(format!(
-            "{what}: the image's glibc {}.{} is older than this node's {}.{}, which the host's \
-             Slurm commands need: use an image with glibc {}.{} or newer, or drop {what}",
+            "{what}: the image's glibc {}.{} is older than this node's {}.{}, which {needs} \
+             need: use an image with glibc {}.{} or newer, or drop {what}",
             image.0, image.1, host.0, host.1, host.0, host.1
         ))),
         None => Err(SlurmError::input(format!(
-            "{what}: the image has no glibc (libc.so.6), which the host's Slurm commands need \
+            "{what}: the image has no glibc (libc.so.6), which {needs} need \
              ({}.{} or newer): use a glibc image (Debian, Ubuntu, RHEL), or drop {what}",
             host.0, host.1
         ))),
@@ -228,11 +355,11 @@ mod tests {
         let lib = image.path().join("usr/lib64");
         std::fs::create_dir_all(&lib).unwrap();
         let what = "--container-slurm";
-        let e = check_glibc(&[image.path().to_path_buf()], what).unwrap_err();
+        let e = check_glibc(&[image.path().to_path_buf()], what, "x").unwrap_err();
         assert!(e.to_string().contains("the image has no glibc"), "{e}");
         let old = format!("release version {}.{}.", host.0, host.1 - 1);
         std::fs::write(lib.join("libc.so.6"), old).unwrap();
-        let e = check_glibc(&[image.path().to_path_buf()], what).unwrap_err();
+        let e = check_glibc(&[image.path().to_path_buf()], what, "x").unwrap_err();
         assert!(e.to_string().contains("is older than this node's"), "{e}");
         assert_eq!(e.to_string().lines().count(), 1);
         std::fs::write(
@@ -240,12 +367,53 @@ mod tests {
             format!("release version {}.{}.", host.0, host.1),
         )
         .unwrap();
-        check_glibc(&[image.path().to_path_buf()], what).unwrap();
+        check_glibc(&[image.path().to_path_buf()], what, "x").unwrap();
         // A symlink in the image is not followed to the host's file.
         std::fs::remove_file(lib.join("libc.so.6")).unwrap();
         std::os::unix::fs::symlink("/usr/lib/x86_64-linux-gnu/libc.so.6", lib.join("libc.so.6"))
             .unwrap();
-        assert!(check_glibc(&[image.path().to_path_buf()], what).is_err());
+        assert!(check_glibc(&[image.path().to_path_buf()], what, "x").is_err());
+    }
+
+    #[test]
+    fn wildcards_expand_to_existing_paths_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["x86_64-linux-gnu", "aarch64-linux-gnu", "other"] {
+            std::fs::create_dir_all(dir.path().join(d)).unwrap();
+            std::fs::write(dir.path().join(d).join("liblua5.3.so.0"), "").unwrap();
+        }
+        let pattern = dir.path().join("*-linux-gnu/liblua5.3*.so*");
+        let found = expand(&pattern);
+        assert_eq!(
+            found,
+            [
+                dir.path().join("aarch64-linux-gnu/liblua5.3.so.0"),
+                dir.path().join("x86_64-linux-gnu/liblua5.3.so.0"),
+            ]
+        );
+        assert!(wildcard(b"a?c*", b"abcdef"));
+        assert!(!wildcard(b"a?c", b"ac"));
+    }
+
+    #[test]
+    fn lmods_state_is_carried_and_nothing_else() {
+        let vars = [
+            ("MODULEPATH", "/m"),
+            ("LMOD_CMD", "/l"),
+            ("_ModuleTable001_", "x"),
+            ("BASH_ENV", "/usr/share/lmod/lmod/init/bash"),
+            ("HOME", "/h"),
+            ("PATH", "/bin"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let names: Vec<String> = module_env(vars.into_iter())
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(
+            names,
+            ["MODULEPATH", "LMOD_CMD", "_ModuleTable001_", "BASH_ENV"]
+        );
     }
 
     #[test]

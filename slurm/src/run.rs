@@ -41,6 +41,8 @@ pub struct Flags {
     pub remap_root: bool,
     /// `--slurm` / `--no-slurm`; unset: `host_software.slurm`.
     pub slurm: Option<bool>,
+    /// `--modules` / `--no-modules`; unset: `host_software.modules`.
+    pub modules: Option<bool>,
 }
 
 /// A container request and the image it stacks (whose in-use mark lives as long as it).
@@ -112,6 +114,10 @@ pub fn prepare(
         // srun inside needs the job's SLURM_* (SLURM_JOB_ID, SLURM_CONF) as srun outside does.
         env.extend(std::env::vars().filter(|(k, _)| k.starts_with("SLURM_")));
     }
+    let modules = flags.modules.unwrap_or(config.host_software.modules);
+    if modules {
+        env.extend(crate::hostsw::module_env(std::env::vars()));
+    }
     env.extend(flags.env);
     env_limits
         .check(
@@ -145,6 +151,13 @@ pub fn prepare(
             config,
             &image.lowers,
             "--slurm",
+        )?);
+    }
+    if modules {
+        mounts.extend(crate::hostsw::module_binds(
+            config,
+            &image.lowers,
+            "--modules",
         )?);
     }
     let request = Request {

@@ -96,6 +96,15 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         req.mounts
             .extend(crate::hostsw::slurm_binds(config, &image.lowers, what)?);
     }
+    if step
+        .options
+        .container_modules
+        .unwrap_or(config.host_software.modules)
+    {
+        let what = "--container-modules";
+        req.mounts
+            .extend(crate::hostsw::module_binds(config, &image.lowers, what)?);
+    }
     let mut spec = spec::build(&req).map_err(|e| SlurmError::input(e.to_string()))?;
     slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)?;
     let topo = StepTopology::discover(&step, config)?;

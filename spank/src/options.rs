@@ -34,10 +34,11 @@ pub enum Key {
     StageIn,
     StageOut,
     Slurm,
+    Modules,
 }
 
 impl Key {
-    pub const ALL: [Key; 16] = [
+    pub const ALL: [Key; 17] = [
         Key::Image,
         Key::Mounts,
         Key::Workdir,
@@ -54,6 +55,7 @@ impl Key {
         Key::StageIn,
         Key::StageOut,
         Key::Slurm,
+        Key::Modules,
     ];
 
     /// The flag name without dashes, which is also the key in the request's `options` object.
@@ -75,6 +77,7 @@ impl Key {
             Key::StageIn => "stage-in",
             Key::StageOut => "stage-out",
             Key::Slurm => "container-slurm",
+            Key::Modules => "container-modules",
         }
     }
 
@@ -97,6 +100,7 @@ impl Key {
             Key::StageIn => "STAGE_IN",
             Key::StageOut => "STAGE_OUT",
             Key::Slurm => "CONTAINER_SLURM",
+            Key::Modules => "CONTAINER_MODULES",
         }
     }
 
@@ -134,7 +138,7 @@ pub struct Flag {
 
 /// Every option, in `srun --help` order. The index of a row is the `val` Slurm passes back to
 /// the option callback.
-pub static FLAGS: [Flag; 21] = [
+pub static FLAGS: [Flag; 23] = [
     Flag {
         name: c"container-image",
         arginfo: Some(c"[USER@][REGISTRY#]IMAGE[:TAG]|PATH"),
@@ -283,6 +287,20 @@ pub static FLAGS: [Flag; 21] = [
         key: Key::Slurm,
         sets: false,
     },
+    Flag {
+        name: c"container-modules",
+        arginfo: None,
+        usage: c"[berth] Lmod's module command, the site's module trees and their software inside the container (host_software.module_paths in berth.toml, bound read-only), with your MODULEPATH and LMOD_* variables: module load works in bash -l and batch scripts",
+        key: Key::Modules,
+        sets: true,
+    },
+    Flag {
+        name: c"no-container-modules",
+        arginfo: None,
+        usage: c"[berth] no Lmod inside the container [default: host_software.modules in berth.toml]",
+        key: Key::Modules,
+        sets: false,
+    },
 ];
 
 /// Where a value came from, for error messages.
@@ -320,6 +338,7 @@ pub struct Options {
     pub stage_in: Vec<String>,
     pub stage_out: Vec<String>,
     pub slurm: Option<bool>,
+    pub modules: Option<bool>,
 }
 
 impl Options {
@@ -374,7 +393,8 @@ impl Options {
             | Key::Entrypoint
             | Key::EntrypointLog
             | Key::Writable
-            | Key::Slurm => {
+            | Key::Slurm
+            | Key::Modules => {
                 let b = parse_bool(value).ok_or_else(|| SpankError::NotBool {
                     var: var.to_string(),
                     value: shown(value),
@@ -403,6 +423,7 @@ impl Options {
             Key::StageIn => !self.stage_in.is_empty(),
             Key::StageOut => !self.stage_out.is_empty(),
             Key::Slurm => self.slurm.is_some(),
+            Key::Modules => self.modules.is_some(),
         }
     }
 
@@ -414,6 +435,7 @@ impl Options {
             Key::EntrypointLog => &mut self.entrypoint_log,
             Key::Writable => &mut self.writable,
             Key::Slurm => &mut self.slurm,
+            Key::Modules => &mut self.modules,
             _ => return Ok(()),
         };
         match *slot {
@@ -519,7 +541,8 @@ impl Options {
             | Key::Entrypoint
             | Key::EntrypointLog
             | Key::Writable
-            | Key::Slurm => Ok(()),
+            | Key::Slurm
+            | Key::Modules => Ok(()),
         }
     }
 
@@ -586,9 +609,10 @@ impl Options {
             (Key::RemapRoot, self.remap_root),
             (Key::Entrypoint, self.entrypoint),
             (Key::EntrypointLog, self.entrypoint_log),
+            (Key::Slurm, self.slurm),
+            (Key::Modules, self.modules),
         ] {
             if let Some(v) = v {
-            (Key::Slurm, self.slurm),
                 map.insert(key.flag().into(), Value::Bool(v));
             }
         }
@@ -1176,10 +1200,22 @@ mod tests {
         assert_eq!(parse_bool("2"), None);
         assert_eq!(parse_bool(""), None);
     }
-}
 
     #[test]
-    fn container_slurm_from_flag_or_pyxis_style_env_reaches_the_request() {
+    fn host_software_flags_from_flag_or_env_reach_the_request() {
+        let mut o = Options::default();
+        flag(&mut o, "container-modules", None).unwrap();
+        assert_eq!(
+            o.to_json().get("container-modules"),
+            Some(&Value::Bool(true))
+        );
+        let mut o = Options::default();
+        o.apply_env(env(&[("BERTH_CONTAINER_MODULES", "1")]))
+            .unwrap();
+        assert_eq!(
+            o.to_json().get("container-modules"),
+            Some(&Value::Bool(true))
+        );
         let mut o = Options::default();
         flag(&mut o, "container-slurm", None).unwrap();
         assert_eq!(o.to_json().get("container-slurm"), Some(&Value::Bool(true)));
@@ -1197,3 +1233,4 @@ mod tests {
             "unset: the site's host_software.slurm decides"
         );
     }
+}

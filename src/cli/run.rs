@@ -153,6 +153,16 @@ pub struct ContainerArgs {
     /// No host Slurm commands inside, whatever host_software.slurm says
     #[arg(long, conflicts_with = "slurm")]
     pub no_slurm: bool,
+
+    /// Lmod inside: Lmod and the module trees host_software.module_paths names, bound
+    /// read-only, and the caller's MODULEPATH, LMOD_* and BASH_ENV, so `module load` works in
+    /// bash [default: host_software.modules]
+    #[arg(long)]
+    pub modules: bool,
+
+    /// No Lmod inside, whatever host_software.modules says
+    #[arg(long, conflicts_with = "modules")]
+    pub no_modules: bool,
 }
 
 fn flag<T>(
@@ -253,6 +263,7 @@ pub fn request(
         readonly: args.readonly,
         remap_root: args.remap_root,
         slurm: (args.slurm || args.no_slurm).then_some(args.slurm),
+        modules: (args.modules || args.no_modules).then_some(args.modules),
     };
     Ok(crate::slurm::run::prepare(flags, command, config, hold)?)
 }
