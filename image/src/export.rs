@@ -609,6 +609,67 @@ fn parse_ldd(text: &str) -> Result<(Option<PathBuf>, Vec<PathBuf>), String> {
     Ok((interpreter, libraries))
 }
 
+/// The ELF interpreter (`PT_INTERP`) `elf` names, or `None` for a statically linked binary.
+fn elf_interpreter(elf: &[u8]) -> Result<Option<PathBuf>, String> {
+    if elf.get(..4) != Some(b"\x7fELF") {
+        return Err("not an ELF file".into());
+    }
+    let wide = match elf.get(4) {
+        Some(1) => false,
+        Some(2) => true,
+        _ => return Err("unknown ELF class".into()),
+    };
+    let little = match elf.get(5) {
+        Some(1) => true,
+        Some(2) => false,
+        _ => return Err("unknown ELF byte order".into()),
+    };
+    let num = |at: usize, len: usize| -> Result<u64, String> {
+        let b = elf.get(at..at + len).ok_or("a truncated ELF header")?;
+        let mut v = 0u64;
+        for i in 0..len {
+            let byte = if little { b[len - 1 - i] } else { b[i] };
+            v = (v << 8) | u64::from(byte);
+        }
+        Ok(v)
+    };
+    let size = |v: u64| usize::try_from(v).map_err(|_| "an ELF offset out of range".to_string());
+    // (e_phoff, e_phentsize, e_phnum) and, in a program header, (p_offset, p_filesz).
+    let (phoff, phentsize, phnum) = if wide {
+        (num(0x20, 8)?, num(0x36, 2)?, num(0x38, 2)?)
+    } else {
+        (num(0x1c, 4)?, num(0x2a, 2)?, num(0x2c, 2)?)
+    };
+    let (phoff, phentsize) = (size(phoff)?, size(phentsize)?);
+    for i in 0..size(phnum)? {
+        let ph = phoff
+            .checked_add(
+                i.checked_mul(phentsize)
+                    .ok_or("an ELF offset out of range")?,
+            )
+            .ok_or("an ELF offset out of range")?;
+        const PT_INTERP: u64 = 3;
+        if num(ph, 4)? != PT_INTERP {
+            continue;
+        }
+        let (offset, len) = if wide {
+            (num(ph + 8, 8)?, num(ph + 0x20, 8)?)
+        } else {
+            (num(ph + 4, 4)?, num(ph + 0x10, 4)?)
+        };
+        let (offset, len) = (size(offset)?, size(len)?);
+        let raw = offset
+            .checked_add(len)
+            .and_then(|end| elf.get(offset..end))
+            .ok_or("a truncated ELF interpreter name")?;
+        let name = raw.split(|b| *b == 0).next().unwrap_or_default();
+        return Ok(Some(PathBuf::from(std::ffi::OsStr::from_bytes(name))));
+    }
+    Ok(None)
+}
+
+/// mksquashfs's files: its interpreter lists what it loads (`ld.so --list`, what ldd runs; ldd
+/// itself, a bash script, is missing from minimal systems such as an initramfs).
 fn tool(binary: &Path) -> Result<Tool, ImageError> {
     let fail = |why: String| {
         ImageError::ExportInvalid(format!(
@@ -616,17 +677,36 @@ fn tool(binary: &Path) -> Result<Tool, ImageError> {
             binary.display()
         ))
     };
-    let ldd = find_program("ldd").ok_or_else(|| fail("ldd not found (libc-bin)".into()))?;
-    let o = Command::new(ldd)
+    // The program headers sit at the start of the file; 64 KiB holds them with room to spare.
+    let mut head = Vec::new();
+    File::open(binary)
+        .and_then(|f| f.take(64 * 1024).read_to_end(&mut head))
+        .map_err(|e| fail(e.to_string()))?;
+    let Some(interpreter) = elf_interpreter(&head).map_err(fail)? else {
+        return Ok(Tool {
+            binary: binary.to_path_buf(),
+            interpreter: None,
+            libraries: Vec::new(),
+        });
+    };
+    let o = Command::new(&interpreter)
+        .arg("--list")
         .arg(binary)
         .env_clear()
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| fail(e.to_string()))?;
-    let text = String::from_utf8_lossy(&o.stdout);
-    let (interpreter, mut libraries) = parse_ldd(&text).map_err(fail)?;
-    // glibc loads libgcc_s at run time (dlopen, so ldd does not list it) to unwind a thread
-    // that exits: mksquashfs's threads do.
+        .map_err(|e| fail(format!("running {} --list: {e}", interpreter.display())))?;
+    if !o.status.success() {
+        let why = String::from_utf8_lossy(&o.stderr);
+        return Err(fail(format!(
+            "{} --list: {}",
+            interpreter.display(),
+            why.trim().chars().take(200).collect::<String>()
+        )));
+    }
+    let (_, mut libraries) = parse_ldd(&String::from_utf8_lossy(&o.stdout)).map_err(fail)?;
+    // glibc loads libgcc_s at run time (dlopen, so the list does not hold it) to unwind a
+    // thread that exits: mksquashfs's threads do.
     if let Some(dir) = libraries
         .iter()
         .find(|l| l.file_name().is_some_and(|n| n == "libc.so.6"))
@@ -637,16 +717,9 @@ fn tool(binary: &Path) -> Result<Tool, ImageError> {
             libraries.push(gcc);
         }
     }
-    if !o.status.success() && interpreter.is_none() && libraries.is_empty() {
-        // ldd exits 1 for a static binary, which needs nothing else.
-        let why = String::from_utf8_lossy(&o.stderr);
-        if !text.contains("not a dynamic") && !why.contains("not a dynamic") {
-            return Err(fail(why.trim().chars().take(200).collect()));
-        }
-    }
     Ok(Tool {
         binary: binary.to_path_buf(),
-        interpreter,
+        interpreter: Some(interpreter),
         libraries,
     })
 }
@@ -1015,6 +1088,45 @@ mod tests {
         );
         let err = parse_ldd("\tliblzo2.so.2 => not found\n").unwrap_err();
         assert!(err.contains("liblzo2.so.2"), "{err}");
+    }
+
+    #[test]
+    fn the_interpreter_is_read_from_the_elf_program_headers() {
+        // A minimal little-endian ELF64 with one PT_INTERP program header.
+        let mut elf = vec![0u8; 0x40 + 0x38];
+        elf[..4].copy_from_slice(b"\x7fELF");
+        elf[4] = 2;
+        elf[5] = 1;
+        elf[0x20..0x28].copy_from_slice(&0x40u64.to_le_bytes());
+        elf[0x36..0x38].copy_from_slice(&0x38u16.to_le_bytes());
+        elf[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        let name = b"/lib64/ld-test.so.2\0";
+        let at = u64::try_from(elf.len()).unwrap();
+        elf[0x40..0x44].copy_from_slice(&3u32.to_le_bytes());
+        elf[0x48..0x50].copy_from_slice(&at.to_le_bytes());
+        elf[0x60..0x68].copy_from_slice(&u64::try_from(name.len()).unwrap().to_le_bytes());
+        elf.extend_from_slice(name);
+        assert_eq!(
+            elf_interpreter(&elf).unwrap(),
+            Some(PathBuf::from("/lib64/ld-test.so.2"))
+        );
+        // No PT_INTERP: static.
+        elf[0x40..0x44].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(elf_interpreter(&elf).unwrap(), None);
+        // Lies are refused, not followed.
+        elf[0x40..0x44].copy_from_slice(&3u32.to_le_bytes());
+        elf[0x60..0x68].copy_from_slice(&u64::MAX.to_le_bytes());
+        let err = elf_interpreter(&elf).unwrap_err();
+        assert!(err.contains("truncated"), "{err}");
+        assert_eq!(elf_interpreter(b"#!/bin/sh\n").unwrap_err(), "not an ELF file");
+        // This machine's mksquashfs, when installed, names its interpreter as ldd does.
+        if let Ok(m) = find_mksquashfs() {
+            let head = std::fs::read(&m).unwrap();
+            let interp = elf_interpreter(&head)
+                .unwrap()
+                .expect("a dynamic mksquashfs");
+            assert!(interp.is_absolute(), "{}", interp.display());
+        }
     }
 
     #[test]
