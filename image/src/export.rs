@@ -1118,7 +1118,10 @@ mod tests {
         elf[0x60..0x68].copy_from_slice(&u64::MAX.to_le_bytes());
         let err = elf_interpreter(&elf).unwrap_err();
         assert!(err.contains("truncated"), "{err}");
-        assert_eq!(elf_interpreter(b"#!/bin/sh\n").unwrap_err(), "not an ELF file");
+        assert_eq!(
+            elf_interpreter(b"#!/bin/sh\n").unwrap_err(),
+            "not an ELF file"
+        );
         // This machine's mksquashfs, when installed, names its interpreter as ldd does.
         if let Ok(m) = find_mksquashfs() {
             let head = std::fs::read(&m).unwrap();
