@@ -169,12 +169,38 @@ impl Cluster {
             c.start_agent(i);
         }
         let want = nodes;
-        wait_for("every agent in the catalog", 60, || {
-            c.catalog().is_some_and(|v| {
-                v.as_array()
-                    .is_some_and(|a| a.iter().filter(|n| n["peer"].is_string()).count() == want)
-            })
-        });
+        // Generous: one CI run waited 60 s for the first agent (cause unknown; the logs below
+        // say it the next time).
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut last = None;
+        loop {
+            last = c.catalog().or(last);
+            let listed = last
+                .as_ref()
+                .and_then(Value::as_array)
+                .map_or(0, |a| a.iter().filter(|n| n["peer"].is_string()).count());
+            if listed == want {
+                break;
+            }
+            if Instant::now() > deadline {
+                // What the controller and the agents said, to tell why from a CI log.
+                let log = |name: &str| {
+                    let text = std::fs::read_to_string(c.path().join(name)).unwrap_or_default();
+                    let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                    format!(
+                        "--- {name}:\n{}",
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    )
+                };
+                let mut logs = vec![log("controller.log")];
+                logs.extend(c.agents.iter().map(|(n, _, _)| log(&format!("{n}.log"))));
+                panic!(
+                    "{listed} of {want} agents in the catalog after 120 s; last catalog: {last:?}\n{}",
+                    logs.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         c
     }
 
