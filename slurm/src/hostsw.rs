@@ -307,13 +307,22 @@ fn check_glibc(lowers: &[PathBuf], what: &str, needs: &str) -> Result<(), SlurmE
 /// The glibc version of the first of `roots` (image layers, topmost first) that has one, read
 /// from libc.so.6's "release version X.Y" banner. Each layer's file is opened beneath it,
 /// following none of the image's symlinks, so an image cannot steer root to a host file.
+/// The most bytes of a libc.so.6 read for its version banner.
+const LIBC_MAX: u64 = 16 << 20;
+
 fn glibc_version(roots: &[PathBuf]) -> Option<(u32, u32)> {
     roots.iter().find_map(|root| {
         let dir = std::fs::File::open(root).ok()?;
         LIBC_PATHS.iter().find_map(|rel| {
-            let fd = berth_runtime::mounts::path_beneath(&dir, Path::new(rel)).ok()?;
-            let path = berth_sys::privfs::fd_path(&fd);
-            let bytes = std::fs::read(path).ok()?;
+            // Non-blocking and regular files only (a FIFO there must not hold a step's start),
+            // and bounded (glibc's libc.so.6 is ~2 MiB; an image's may be anything).
+            let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK;
+            let fd = berth_sys::privfs::open_beneath(&dir, Path::new(rel), flags, 0, false).ok()?;
+            let mut file = std::fs::File::from(fd);
+            if !file.metadata().ok()?.is_file() {
+                return None;
+            }
+            let bytes = berth_sys::privfs::read_bounded(&mut file, LIBC_MAX).ok()?;
             release_version(&bytes)
         })
     })
@@ -373,6 +382,11 @@ mod tests {
         std::os::unix::fs::symlink("/usr/lib/x86_64-linux-gnu/libc.so.6", lib.join("libc.so.6"))
             .unwrap();
         assert!(check_glibc(&[image.path().to_path_buf()], what, "x").is_err());
+        // A FIFO in its place is not read (the check would otherwise block the step's start).
+        std::fs::remove_file(lib.join("libc.so.6")).unwrap();
+        nix::unistd::mkfifo(&lib.join("libc.so.6"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let e = check_glibc(&[image.path().to_path_buf()], what, "x").unwrap_err();
+        assert!(e.to_string().contains("the image has no glibc"), "{e}");
     }
 
     #[test]
