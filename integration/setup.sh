@@ -37,6 +37,7 @@ PACKAGES=(
   openssh-server  # tests/root_pam.rs: the sshd that loads pam_berth.so (pam/ needs no PAM
                   #   headers: it declares libpam's few calls itself)
   openssh-client  #   (ssh, ssh-keygen)
+  libpam-slurm-adopt # bench/ssh-login: Slurm's pam_slurm_adopt, the arm pam_berth is compared with
   openmpi-bin     # Slurm MPI tests: mpirun, an MPI runtime
   libopenmpi-dev  #   (mpicc for the test program)
   libpmix-dev     #   (libpmix.so, which Slurm's mpi/pmix plugin loads; install before slurmd starts)
