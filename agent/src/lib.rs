@@ -1,14 +1,15 @@
 //! `berth agent` and the fleet operations around it: the node's rounds of health and Slurm
 //! daemon checks and its heartbeats to the cluster controller ([`node`], [`daemons`]), the
 //! controllers' client ([`client`]), the blob server and catalog lookups that let nodes fetch
-//! image blobs from each other ([`peer`]), and `berth cluster prewarm`'s tree of warms
-//! ([`prewarm`]).
+//! image blobs from each other ([`peer`]), `berth cluster prewarm`'s tree of warms
+//! ([`prewarm`]), and the rollout steps the controller orders a node to run ([`rollout`]).
 
 pub mod client;
 pub mod daemons;
 pub mod node;
 pub mod peer;
 pub mod prewarm;
+pub mod rollout;
 
 /// What the agent's workflows can fail at, by kind (the binary maps kinds to exit statuses).
 #[derive(Debug, thiserror::Error)]

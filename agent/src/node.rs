@@ -96,8 +96,10 @@ fn small_file(path: &Path) -> Option<String> {
     Some(s.trim().to_string())
 }
 
-fn boot_id() -> String {
-    small_file(Path::new("/proc/sys/kernel/random/boot_id")).unwrap_or_default()
+/// The boot id (`agent.boot_id_file`), read every round: a rollout's reboot step waits for a
+/// new one.
+fn boot_id(config: &Config) -> String {
+    small_file(&config.agent.boot_id_file).unwrap_or_default()
 }
 
 /// What a heartbeat says besides the checks, gathered in the same timed round.
@@ -509,8 +511,8 @@ pub fn run(
         raise_nofile_limit();
         crate::peer::serve(&config, &node)?;
     }
-    let boot = boot_id();
     let mut st = Rounds::new(&config);
+    let mut steps = crate::rollout::Steps::default();
     loop {
         let started = Instant::now();
         let results = st.check(&config);
@@ -522,7 +524,9 @@ pub fn run(
             .sent_statuses
             .as_ref()
             .is_some_and(|s| *s != now_statuses);
-        if once || changed || Instant::now() >= st.next_beat {
+        let step_due = steps.due();
+        if once || changed || step_due || Instant::now() >= st.next_beat {
+            let boot = boot_id(&config);
             let hb = Heartbeat {
                 node: node.clone(),
                 boot_id: boot.clone(),
@@ -535,10 +539,14 @@ pub fn run(
                 daemons: st.last_daemons.clone(),
                 peer: crate::peer::advertise(&config),
                 refs: st.inv.refs.clone(),
+                step_report: steps.report(&config.agent, &node, &boot),
             };
             let sent = send(&mut client, &hb, &metrics);
             match &sent {
-                Ok(()) => {
+                Ok(order) => {
+                    if !once {
+                        steps.order(order.clone(), &config.agent, &node, &boot);
+                    }
                     st.sent_statuses = Some(now_statuses);
                     if changed {
                         metrics.changes.fetch_add(1, Ordering::Relaxed);
@@ -548,7 +556,7 @@ pub fn run(
             }
             if once {
                 return match sent {
-                    Ok(()) => Ok(0),
+                    Ok(_) => Ok(0),
                     Err(e) => Err(AgentError::host(format!("berth agent: heartbeat: {e}"))),
                 };
             }
@@ -681,16 +689,22 @@ impl Rounds {
     }
 }
 
-/// Posts one heartbeat; counts it in the metrics.
-fn send(client: &mut Client, hb: &Heartbeat, metrics: &Metrics) -> Result<(), AgentError> {
+/// Posts one heartbeat; counts it in the metrics. Returns the rollout step the leader
+/// ordered, if any.
+fn send(
+    client: &mut Client,
+    hb: &Heartbeat,
+    metrics: &Metrics,
+) -> Result<Option<berth_api::StepOrder>, AgentError> {
     let body = serde_json::to_vec(hb).expect("a heartbeat serializes");
     let sent = match client.request("/v1/heartbeat", Some(&body), true) {
-        Ok((_, 200, bytes)) => {
-            if let Ok(r) = serde_json::from_slice::<HeartbeatReply>(&bytes) {
+        Ok((_, 200, bytes)) => match serde_json::from_slice::<HeartbeatReply>(&bytes) {
+            Ok(r) => {
                 metrics.term.store(r.term, Ordering::Relaxed);
+                Ok(r.step)
             }
-            Ok(())
-        }
+            Err(_) => Ok(None),
+        },
         Ok((addr, status, bytes)) => Err(AgentError::Host(format!(
             "{addr}: HTTP {status}: {}",
             String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).trim()
@@ -698,7 +712,7 @@ fn send(client: &mut Client, hb: &Heartbeat, metrics: &Metrics) -> Result<(), Ag
         Err(e) => Err(e),
     };
     match &sent {
-        Ok(()) => {
+        Ok(_) => {
             metrics.sent.fetch_add(1, Ordering::Relaxed);
             let now = SystemTime::now()
                 .duration_since(UNIX_EPOCH)

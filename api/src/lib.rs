@@ -118,6 +118,56 @@ pub struct Heartbeat {
     /// The node's stored registry images: canonical reference → manifest digest.
     #[serde(default)]
     pub refs: std::collections::BTreeMap<String, String>,
+    /// Where the rollout step the leader ordered stands (issue 31); agents before it send none.
+    #[serde(default)]
+    pub step_report: Option<StepReport>,
+}
+
+/// The most bytes of a step's output an agent reports and the controller keeps (its tail).
+pub const STEP_OUTPUT_MAX: usize = 4096;
+
+/// What a rollout step does on its node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum StepAction {
+    /// `sh -c COMMAND` as root.
+    Command { command: String },
+    /// The agent's reboot command (`agent.reboot_command`); done once a new boot id is seen.
+    Reboot,
+}
+
+/// The leader's order to a node's agent, repeated in every heartbeat answer until the agent
+/// reports the step ended. The agent runs a step at most once (its record, `agent.rollout_dir`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepOrder {
+    pub rollout: u64,
+    pub action: StepAction,
+    /// The command is killed after this long (a reboot must show a new boot id by then).
+    pub timeout_s: u64,
+}
+
+/// Where a step stands on its node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepState {
+    Running,
+    Ok,
+    Failed,
+}
+
+/// The agent's account of the step it was ordered, from its record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepReport {
+    pub rollout: u64,
+    pub state: StepState,
+    /// Why it failed (or how it ended), one line.
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub exit: Option<i32>,
+    /// The last [`STEP_OUTPUT_MAX`] bytes of its stdout and stderr.
+    #[serde(default)]
+    pub output: String,
 }
 
 /// One node in the image catalog (`GET /v1/catalog`, the leader's memory of heartbeats).
@@ -156,6 +206,9 @@ pub struct HeartbeatReply {
     pub term: u64,
     /// The node's desired state after this heartbeat: `up` or `drained`.
     pub desired: String,
+    /// A rollout step for this node to run (or report on); controllers before issue 31 send none.
+    #[serde(default)]
+    pub step: Option<StepOrder>,
 }
 
 /// A follower's answer to a request only the leader serves.
@@ -273,6 +326,82 @@ pub struct ClusterStatus {
     pub suppressed: u64,
     /// A hash of the replicated state, equal on replicas that applied the same entries.
     pub state_hash: String,
+}
+
+/// `POST /v1/rollout/start` (`berth cluster rollout start|dry-run`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutRequest {
+    /// A Slurm hostlist (`gpu[001-064]`); with `partition` unset too: every node.
+    pub nodes: Option<String>,
+    pub partition: Option<String>,
+    /// Run `sh -c COMMAND` as root on each node; `None` with `reboot`.
+    pub command: Option<String>,
+    pub reboot: bool,
+    /// Per node: the command is killed after this long; a reboot, and the health gate after
+    /// it, must pass within it too.
+    pub timeout_s: u64,
+    /// At most this many nodes out of service at once: `N` or `P%` of the rollout's nodes.
+    pub max_unavailable: String,
+    /// `None`: wait for a node's jobs to end, however long. `Some(s)`: a node still running jobs
+    /// `s` seconds after its drain is skipped (resumed, left for a later rollout).
+    pub deadline_s: Option<u64>,
+    /// Heartbeats in a row with every check passing and the daemons up before a node resumes.
+    pub gate_passes: u32,
+    /// Failed nodes that stop the rollout.
+    pub failure_threshold: u32,
+    /// Include nodes drained (by an admin or by health) before the rollout.
+    pub include_drained: bool,
+    /// Only plan: answer the batches, commit nothing.
+    pub dry_run: bool,
+}
+
+/// `POST /v1/rollout/{pause,resume,abort}`: the rollout in progress, or `id`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutControl {
+    pub id: Option<u64>,
+}
+
+/// One node's step in a rollout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutStepView {
+    pub node: String,
+    /// `waiting`, `draining` (waiting for its jobs), `running`, `gating`, `done`, `failed`,
+    /// `skipped`.
+    pub phase: String,
+    /// When it entered that phase, when its action started and when it ended (Unix ms).
+    pub since_unix_ms: u64,
+    pub started_unix_ms: Option<u64>,
+    pub ended_unix_ms: Option<u64>,
+    pub reason: Option<String>,
+    pub exit: Option<i32>,
+    /// Its output's tail: only in `GET /v1/rollout?node=NODE`.
+    #[serde(default)]
+    pub output: Option<String>,
+}
+
+/// A rollout as the controller keeps it (`GET /v1/rollout`, the last one) or plans it (a dry
+/// run: `batches` filled, nothing committed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutView {
+    pub id: u64,
+    /// `running`, `paused`, `aborted`, `failed`, `done`, or `dry-run`.
+    pub state: String,
+    /// What each node runs, in words.
+    pub action: String,
+    pub selection: String,
+    pub max_unavailable: u32,
+    pub deadline_s: Option<u64>,
+    pub gate_passes: u32,
+    pub failures: u32,
+    pub failure_threshold: u32,
+    /// Why it stopped (failed or aborted).
+    pub stopped: Option<String>,
+    pub created_unix_ms: u64,
+    pub ended_unix_ms: Option<u64>,
+    pub steps: Vec<RolloutStepView>,
+    /// The planned batches in order (a dry run).
+    #[serde(default)]
+    pub batches: Vec<Vec<String>>,
 }
 
 /// An error answer: one line.

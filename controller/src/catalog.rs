@@ -161,6 +161,7 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            step_report: None,
         }
     }
 

@@ -8,6 +8,7 @@ mod catalog;
 mod error;
 mod listen;
 mod network;
+mod rollout;
 mod server;
 mod sim;
 mod state;

@@ -47,6 +47,7 @@ pub(crate) struct Beat {
 }
 
 mod metrics;
+mod rollout;
 use self::metrics::metrics;
 
 pub struct App {
@@ -72,6 +73,8 @@ pub struct App {
     pub(crate) takeovers_run: AtomicU64,
     /// Which nodes hold which images, from heartbeats (the leader's memory).
     pub catalog: crate::catalog::Catalog,
+    /// Rollout gate passes counted from heartbeats (server/rollout.rs).
+    rollout_gate: rollout::Gate,
 }
 
 type Shared = Arc<App>;
@@ -100,10 +103,12 @@ pub async fn serve(
         scontrol_failures: AtomicU64::new(0),
         change_beats: AtomicU64::new(0),
         catalog: crate::catalog::Catalog::default(),
+        rollout_gate: rollout::Gate::default(),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
     tokio::spawn(crate::watch::run(app.clone()));
+    tokio::spawn(rollout::run(app.clone()));
     let router = Router::new()
         .route("/raft/append", post(raft_append))
         .route("/raft/vote", post(raft_vote))
@@ -116,6 +121,11 @@ pub async fn serve(
         .route("/v1/breaker/reset", post(breaker_reset))
         .route("/v1/slurm", get(slurm))
         .route("/v1/catalog", get(crate::catalog::get))
+        .route("/v1/rollout", get(rollout::get))
+        .route("/v1/rollout/start", post(rollout::start))
+        .route("/v1/rollout/pause", post(rollout::pause))
+        .route("/v1/rollout/resume", post(rollout::resume))
+        .route("/v1/rollout/abort", post(rollout::abort))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app);
@@ -328,6 +338,10 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             return r;
         }
     }
+    let step = match rollout::on_heartbeat(&app, &hb).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
     let cmd = Command::Verdict {
         node: hb.node.clone(),
         checks: hb.checks,
@@ -352,6 +366,7 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
     Json(HeartbeatReply {
         term: app.raft.metrics().borrow().current_term,
         desired,
+        step,
     })
     .into_response()
 }
@@ -408,6 +423,7 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
                     Some(match by {
                         DrainedBy::Berth => "berth".to_string(),
                         DrainedBy::Admin => "admin".to_string(),
+                        DrainedBy::Rollout => "rollout".to_string(),
                     }),
                 ),
             };
@@ -555,6 +571,12 @@ enum Action {
     Resume(String),
 }
 
+/// Whether berth made a drain of this reason: a health drain (`berth: …`) or a rollout's
+/// (`berth rollout <id>…`).
+fn ours(reason: &str) -> bool {
+    reason.starts_with(PREFIX) || reason.starts_with(crate::rollout::PREFIX)
+}
+
 /// What to change in Slurm: berth's drains not yet there, and berth's (or an admin's lifted
 /// through berth) drains to lift. A drain berth did not make is never touched.
 fn plan(state: &State, slurm: &BTreeMap<String, SlurmNode>) -> Vec<Action> {
@@ -563,15 +585,14 @@ fn plan(state: &State, slurm: &BTreeMap<String, SlurmNode>) -> Vec<Action> {
         let Some(sn) = slurm.get(name) else { continue };
         match &n.desired {
             Desired::Drained { reason, .. } => {
-                let ours = sn.reason.starts_with(PREFIX);
+                let ours = ours(&sn.reason);
                 if !sn.drained || (ours && &sn.reason != reason) {
                     out.push(Action::Drain(name.clone(), reason.clone()));
                 }
             }
             Desired::Up => {
                 if sn.drained
-                    && (sn.reason.starts_with(PREFIX)
-                        || n.resume_reason.as_deref() == Some(sn.reason.as_str()))
+                    && (ours(&sn.reason) || n.resume_reason.as_deref() == Some(sn.reason.as_str()))
                 {
                     out.push(Action::Resume(name.clone()));
                 }

@@ -220,5 +220,6 @@ fn heartbeat(a: usize, failing: bool) -> Heartbeat {
         cause: None,
         peer: None,
         refs: Default::default(),
+        step_report: None,
     }
 }

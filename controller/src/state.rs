@@ -83,6 +83,8 @@ pub enum Command {
     Takeover(crate::takeover::Decided),
     /// What `scontrol takeover` answered, for the takeover decided last.
     TakeoverOutcome { outcome: String },
+    /// A rolling maintenance's plan or one node's move through it (rollout.rs).
+    Rollout(crate::rollout::Cmd),
 }
 
 /// What a node should be in Slurm.
@@ -96,6 +98,8 @@ pub enum Desired {
 pub enum DrainedBy {
     Berth,
     Admin,
+    /// A rollout's drain (issue 31): only the rollout, or an admin, lifts it.
+    Rollout,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,7 +132,7 @@ pub struct NodeState {
 }
 
 impl NodeState {
-    fn new(boot_id: String, version: String) -> Self {
+    pub(crate) fn new(boot_id: String, version: String) -> Self {
         Self {
             boot_id,
             version,
@@ -168,6 +172,9 @@ pub struct State {
     /// The slurmctld takeovers decided (a state written before issue 17 has none).
     #[serde(default)]
     pub takeovers: crate::takeover::Record,
+    /// Rolling maintenance (issue 31; a state written before it has none).
+    #[serde(default)]
+    pub rollouts: crate::rollout::Rollouts,
 }
 
 /// What applying a command answers the proposer.
@@ -175,6 +182,9 @@ pub struct State {
 pub struct Reply {
     /// The node's desired state afterwards: `up` or `drained`.
     pub desired: String,
+    /// The rollout a rollout command applied to (0: none).
+    #[serde(default)]
+    pub rollout: u64,
 }
 
 impl Desired {
@@ -276,6 +286,10 @@ impl State {
                 self.takeovers.outcome(outcome);
                 Reply::default()
             }
+            Command::Rollout(c) => Reply {
+                rollout: crate::rollout::apply(self, c),
+                ..Reply::default()
+            },
         }
     }
 
@@ -286,6 +300,7 @@ impl State {
                 .get(node)
                 .map_or("up", |n| n.desired.word())
                 .to_string(),
+            rollout: 0,
         }
     }
 
@@ -370,7 +385,7 @@ fn verdict(
     let all_pass = n.checks.values().all(|s| s.status == Status::Ok);
     match &n.desired {
         Desired::Drained {
-            by: DrainedBy::Admin,
+            by: DrainedBy::Admin | DrainedBy::Rollout,
             ..
         } => {}
         Desired::Drained {

@@ -189,6 +189,12 @@ pub struct AgentConfig {
     pub check_munge: bool,
     /// munged's socket for that round trip; empty: munge's default.
     pub munge_socket: PathBuf,
+    /// Where the agent records the rollout steps it started (root only): a step is run once.
+    pub rollout_dir: PathBuf,
+    /// What a rollout's reboot step runs (`sh -c`).
+    pub reboot_command: String,
+    /// The boot id a heartbeat reports (a new one is a reboot).
+    pub boot_id_file: PathBuf,
 }
 
 impl Default for AgentConfig {
@@ -205,6 +211,9 @@ impl Default for AgentConfig {
             slurmd_pid_file: PathBuf::from("/run/slurmd.pid"),
             check_munge: true,
             munge_socket: PathBuf::new(),
+            rollout_dir: PathBuf::from("/var/lib/berth/rollout"),
+            reboot_command: "systemctl reboot".into(),
+            boot_id_file: PathBuf::from("/proc/sys/kernel/random/boot_id"),
         }
     }
 }

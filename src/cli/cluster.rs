@@ -9,7 +9,7 @@ use super::Failure;
 use crate::config::Config;
 use berth_agent::client::Client;
 
-/// Ask the cluster controller: status, nodes, drain, resume, breaker reset
+/// Ask the cluster controller: status, nodes, drain, resume, breaker reset, rollouts
 #[derive(Debug, Args)]
 pub struct ClusterArgs {
     /// Print the controller's answer as JSON
@@ -43,6 +43,96 @@ pub enum ClusterCommand {
         #[command(subcommand)]
         command: BreakerCommand,
     },
+    /// Rolling maintenance: run a command (or reboot) node by node, draining each first and
+    /// resuming it once healthy
+    Rollout {
+        #[command(subcommand)]
+        command: RolloutCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RolloutCommand {
+    /// Start a rollout
+    Start(RolloutPlan),
+    /// Print the batches a rollout would make; start nothing
+    DryRun(RolloutPlan),
+    /// The last rollout (or --id): each node's phase with times; --node: its output
+    Status {
+        #[arg(long)]
+        id: Option<u64>,
+        /// Only this node's step, with the tail of its command's output
+        #[arg(long)]
+        node: Option<String>,
+    },
+    /// Start no more nodes (those in progress finish)
+    Pause {
+        #[arg(long)]
+        id: Option<u64>,
+    },
+    /// Go on after a pause
+    Resume {
+        #[arg(long)]
+        id: Option<u64>,
+    },
+    /// Stop: nodes not started stay as they are, draining ones are resumed, running ones finish
+    Abort {
+        #[arg(long)]
+        id: Option<u64>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RolloutPlan {
+    /// The nodes: a Slurm hostlist (gpu[001-064]) [default: every node]
+    #[arg(long, conflicts_with = "partition")]
+    pub nodes: Option<String>,
+    /// The nodes of a partition
+    #[arg(long)]
+    pub partition: Option<String>,
+    /// What each node's agent runs as root (sh -c)
+    #[arg(long, required_unless_present = "reboot", conflicts_with = "reboot")]
+    pub command: Option<String>,
+    /// Reboot each node (agent.reboot_command), done when it is back with a new boot id
+    #[arg(long)]
+    pub reboot: bool,
+    /// Per node: the command's limit, and the reboot's and health gate's
+    #[arg(long, default_value_t = 1800)]
+    pub timeout_s: u64,
+    /// Nodes out of service at once: a count or a percentage (10%)
+    #[arg(long, default_value = "1")]
+    pub max_unavailable: String,
+    /// Skip (resume) a node whose jobs still run this many seconds after its drain
+    /// [default: wait for its jobs, however long]
+    #[arg(long)]
+    pub deadline_s: Option<u64>,
+    /// Heartbeats in a row with every check passing and slurmd/munge up before a resume
+    #[arg(long, default_value_t = 3)]
+    pub gate_passes: u32,
+    /// Failed nodes that stop the rollout
+    #[arg(long, default_value_t = 1)]
+    pub failure_threshold: u32,
+    /// Include nodes drained before the rollout (by an admin or by health)
+    #[arg(long)]
+    pub include_drained: bool,
+}
+
+impl RolloutPlan {
+    fn request(&self, dry_run: bool) -> berth_api::RolloutRequest {
+        berth_api::RolloutRequest {
+            nodes: self.nodes.clone(),
+            partition: self.partition.clone(),
+            command: self.command.clone(),
+            reboot: self.reboot,
+            timeout_s: self.timeout_s,
+            max_unavailable: self.max_unavailable.clone(),
+            deadline_s: self.deadline_s,
+            gate_passes: self.gate_passes,
+            failure_threshold: self.failure_threshold,
+            include_drained: self.include_drained,
+            dry_run,
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -100,6 +190,31 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
             done(args.json, &bytes, &format!("{node}: resumed"));
         }
         ClusterCommand::Prewarm(_) => unreachable!("handled above"),
+        ClusterCommand::Rollout { command } => {
+            use berth_agent::rollout::Admin;
+            let op = match command {
+                RolloutCommand::Start(p) => Admin::Start(p.request(false)),
+                RolloutCommand::DryRun(p) => Admin::Start(p.request(true)),
+                RolloutCommand::Status { id, node } => Admin::Status {
+                    id: *id,
+                    node: node.clone(),
+                },
+                RolloutCommand::Pause { id } => Admin::Pause(*id),
+                RolloutCommand::Resume { id } => Admin::Resume(*id),
+                RolloutCommand::Abort { id } => Admin::Abort(*id),
+            };
+            let view = berth_agent::rollout::admin(&mut client, &op)?;
+            if args.json {
+                outln!(
+                    "{}",
+                    json_of(&serde_json::to_value(&view).expect("serializes"))
+                );
+            } else {
+                for l in berth_agent::rollout::lines(&view) {
+                    outln!("{l}");
+                }
+            }
+        }
         ClusterCommand::Breaker {
             command: BreakerCommand::Reset,
         } => {
