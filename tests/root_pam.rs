@@ -7,7 +7,8 @@
 //! `cargo test --test root_pam -- --ignored --test-threads=1`.
 //!
 //! `BERTH_TEST_PAM=none` puts pam_permit.so where the module goes, to show each test failing
-//! without it.
+//! without it; `BERTH_TEST_PAM=/path/libpam_berth.so` loads another build of the module (an older
+//! one, to show a test failing without the change it covers).
 
 mod common;
 
@@ -185,9 +186,13 @@ fn start_sshd(state: &Path, conf: &Path, node: &str, profile_dir: &Path) -> (u16
     }
     let module = match std::env::var("BERTH_TEST_PAM").as_deref() {
         Ok("none") => "pam_permit.so".to_string(),
-        _ => format!(
+        module => format!(
             "{} nodename={node} slurm_conf={} state_dir={} timeout_ms={SLURM_TIMEOUT_MS}",
-            profile_dir.join("libpam_berth.so").display(),
+            match module {
+                Ok(path) if path.starts_with('/') => PathBuf::from(path),
+                _ => profile_dir.join("libpam_berth.so"),
+            }
+            .display(),
             conf.display(),
             state.join("berth/state").display()
         ),
@@ -643,4 +648,79 @@ fn another_users_container_is_never_entered() {
         theirs.id
     );
     assert!(text.contains(&mine.extern_step()), "{text}");
+}
+
+/// The test's client key as a file of `user`'s own (ssh refuses a key others can read), for an ssh
+/// client that runs as that user.
+fn key_of(user: &str) -> PathBuf {
+    let c = cluster();
+    let key = c.state.join(format!("ssh/key.{user}"));
+    std::fs::copy(&c.key, &key).unwrap();
+    let out = Command::new("chown").arg(user).arg(&key).output().unwrap();
+    assert!(out.status.success(), "chown: {}", stderr(&out));
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    key
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn two_jobs_the_one_the_ssh_client_runs_in_else_the_newest() {
+    let c = cluster();
+    let _ = test_user();
+    let older = Job::start("berthtest");
+    let newer = Job::start("berthtest");
+    // From outside both (root's client, not in a job): the newest.
+    let out = ssh("berthtest", "cat /proc/self/cgroup");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains(&newer.extern_step()) && !text.contains(&older.extern_step()),
+        "not in the newest job {}: {text}",
+        newer.id
+    );
+    // The client runs in the older job (a step of it, as the user): the older job.
+    let key = key_of("berthtest");
+    let out = Command::new("runuser")
+        .args([
+            "-u",
+            "berthtest",
+            "--",
+            "srun",
+            "-Q",
+            "--overlap",
+            "--jobid",
+        ])
+        .arg(&older.id)
+        .args(["timeout", "60", "ssh", "-i"])
+        .arg(&key)
+        .args([
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "LogLevel=ERROR",
+            "-p",
+        ])
+        .arg(c.ssh_port.to_string())
+        .args(["berthtest@127.0.0.1", "cat /proc/self/cgroup"])
+        .env("SLURM_CONF", &c.conf)
+        .current_dir(&c.cwd)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running srun");
+    assert!(
+        out.status.success(),
+        "login from job {} refused: {}",
+        older.id,
+        stderr(&out)
+    );
+    let text = stdout(&out);
+    assert!(
+        text.contains(&older.extern_step()) && !text.contains(&newer.extern_step()),
+        "not in job {}, where the ssh client runs: {text}",
+        older.id
+    );
 }

@@ -42,6 +42,7 @@ unsafe extern "C" {
         ...
     ) -> c_int;
     fn pam_syslog(pamh: *const PamHandle, priority: c_int, fmt: *const c_char, ...);
+    fn pam_putenv(pamh: *mut PamHandle, name_value: *const c_char) -> c_int;
 }
 
 /// The module's view of one PAM handle, valid for one call from libpam.
@@ -121,6 +122,16 @@ impl Pam {
         };
         // SAFETY: the handle is live; "%s" with one C string argument.
         unsafe { pam_syslog(self.handle, libc::LOG_ERR, c"%s".as_ptr(), text.as_ptr()) };
+    }
+
+    /// Sets `NAME=value` in the PAM environment, which sshd gives the session's processes
+    /// (over its own defaults, PATH included).
+    pub fn putenv(&self, var: &str) -> bool {
+        let Ok(text) = CString::new(var) else {
+            return false;
+        };
+        // SAFETY: the handle is live; libpam copies the string.
+        unsafe { pam_putenv(self.handle, text.as_ptr()) == PAM_SUCCESS }
     }
 
     /// Keeps the account stage's job for the session stage of the same handle.

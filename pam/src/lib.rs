@@ -3,17 +3,19 @@
 //! it, confines it to the job's resources and ends it with the job.
 //!
 //! Stacks: `account` decides (root and `admin_groups` always pass; others need a running job
-//! here, from squeue with a deadline: see `jobs`); `session` moves sshd's process for the
-//! connection, and with it every process of the session, into the job's extern step cgroups
-//! (`adopt`), then, when the job has a berth container of the user's here, into its mount, UTS
-//! and IPC namespaces with no_new_privs (`container`). Only the service named by `service=`
-//! (sshd) is acted on: under any other the module returns PAM_IGNORE. Arguments: `options`;
+//! here, from squeue with a deadline: see `jobs`; of several, the one the ssh client runs in,
+//! see `callerid`); `session` moves sshd's process for the connection, and with it every process
+//! of the session, into the job's extern step cgroups (`adopt`), then, when the job has a berth
+//! container of the user's here, into its mount, UTS and IPC namespaces with no_new_privs
+//! (`container`). Only the service named by `service=` (sshd) is acted on: under any other the
+//! module returns PAM_IGNORE. Arguments: `options`;
 //! README, "Node access (ssh)".
 //!
 //! The pure parts are unit-tested; the libpam glue (`ffi`, the `pam_sm_*` entry points) is tested
 //! end to end with a real sshd on a real Slurm (tests/root_pam.rs).
 
 mod adopt;
+mod callerid;
 pub mod container;
 mod error;
 pub mod jobs;
@@ -128,10 +130,17 @@ mod entry {
             if !opts.container {
                 return Ok(None);
             }
-            let Some(c) = crate::container::find(&opts.state_dir, user.uid, job) else {
+            // Everything from the host's paths first: the container's mount namespace has none.
+            let want = crate::container::chosen_name(&user.home, user.uid, user.gid);
+            let Some(c) = crate::container::find(&opts.state_dir, user.uid, job, want.as_deref())
+            else {
                 return Ok(None);
             };
+            let env = crate::container::environment(&c);
             crate::container::join(&c)?;
+            for var in &env {
+                pam.putenv(var);
+            }
             Ok(Some(c))
         });
         match joined {

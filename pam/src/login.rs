@@ -2,6 +2,7 @@
 //! line the user reads when refused.
 
 use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
 
 use crate::jobs::{self, Pick};
 use crate::options::{Failure, NoJobs, Options};
@@ -25,6 +26,7 @@ pub struct User {
     pub name: String,
     pub uid: u32,
     pub gid: u32,
+    pub home: std::path::PathBuf,
 }
 
 /// `name`'s entry in the password database.
@@ -44,10 +46,21 @@ pub fn lookup_user(name: &str) -> Option<User> {
             &raw mut result,
         )
     };
-    (rc == 0 && !result.is_null()).then(|| User {
+    if rc != 0 || result.is_null() {
+        return None;
+    }
+    let home = if pw.pw_dir.is_null() {
+        std::path::PathBuf::from("/")
+    } else {
+        // SAFETY: pw_dir points into buf, NUL-terminated, filled by getpwnam_r.
+        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+        std::path::PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes()))
+    };
+    Some(User {
         name: name.to_string(),
         uid: pw.pw_uid,
         gid: pw.pw_gid,
+        home,
     })
 }
 
@@ -130,6 +143,16 @@ pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> V
     let callers = match (jobs.len(), rhost) {
         (2.., Some(host)) if !is_local(host) => {
             jobs::nodes_at(&opts.squeue, conf, host, opts.timeout)
+        }
+        (2.., _) => {
+            // From this node: the job whose processes hold the client's end of the connection.
+            let ids: Vec<u64> = jobs.iter().map(|j| j.id).collect();
+            if let Some(id) =
+                crate::callerid::local_caller_job(&opts.cgroup_mount, node, user.uid, &ids)
+            {
+                return Verdict::Allow(Some(id));
+            }
+            Vec::new()
         }
         _ => Vec::new(),
     };
