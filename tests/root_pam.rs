@@ -724,3 +724,186 @@ fn two_jobs_the_one_the_ssh_client_runs_in_else_the_newest() {
         older.id
     );
 }
+
+/// The mount namespace (`readlink /proc/PID/ns/mnt`) of the live container named `name` of `job`,
+/// from berth's state (root's), once its init runs; panics after 60 s.
+fn container_mnt_ns(job: &Job, name: &str) -> String {
+    let state = cluster().state.join("berth/state");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        for entry in std::fs::read_dir(&state).into_iter().flatten().flatten() {
+            let Ok(text) = std::fs::read_to_string(entry.path().join("state.json")) else {
+                continue;
+            };
+            let Ok(record) = serde_json::from_str::<serde_json::Value>(&text) else {
+                continue;
+            };
+            let labels = &record["labels"];
+            if labels["job"] != job.id.as_str() || labels["name"] != name {
+                continue;
+            }
+            let pid = record["init_pid"].as_i64().unwrap_or(0);
+            if let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) {
+                if pid > 0 {
+                    return ns.display().to_string();
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no live container {name} of job {} after 60 s",
+            job.id
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A step of `job` as `user` running `sleep 600` in a container of its own (`--container-name`),
+/// killed on drop.
+struct Step(Child);
+
+impl Step {
+    fn start(user: &str, job: &Job, options: &[&str]) -> Step {
+        let c = cluster();
+        let child = Command::new("runuser")
+            .args(["-u", user, "--", "srun", "-Q", "--overlap", "--jobid"])
+            .arg(&job.id)
+            .args(options)
+            .args(["sleep", "600"])
+            .env("SLURM_CONF", &c.conf)
+            .current_dir(&c.cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("running srun");
+        Step(child)
+    }
+}
+
+impl Drop for Step {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// berthtest's home with `~/.config/berth/ssh-container` holding `name`, the user's own; the
+/// home is removed on drop when this made it.
+struct Choice {
+    made: Option<PathBuf>,
+    file: PathBuf,
+}
+
+impl Choice {
+    fn write(name: &str) -> Choice {
+        let home = PathBuf::from("/home/berthtest");
+        let made = (!home.exists()).then(|| home.clone());
+        let dir = home.join(".config/berth");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("ssh-container");
+        std::fs::write(&file, format!("{name}\n")).unwrap();
+        let (uid, gid, _) = test_user();
+        for p in [&home, &home.join(".config"), &dir, &file] {
+            std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
+        }
+        Choice { made, file }
+    }
+}
+
+impl Drop for Choice {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.file);
+        if let Some(home) = &self.made {
+            let _ = std::fs::remove_dir_all(home);
+        }
+    }
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_container_of_the_job_is_chosen_by_its_name_in_the_users_config() {
+    let _ = test_user();
+    let image = format!("--container-image={}", rootfs().display());
+    let job = Job::start_with("berthtest", &[&image, "--container-name=dev"]);
+    let dev = container_mnt_ns(&job, "dev");
+    // A second container of the job, started later: the newest.
+    let _tools = Step::start("berthtest", &job, &[&image, "--container-name=tools"]);
+    let tools = container_mnt_ns(&job, "tools");
+    assert_ne!(dev, tools);
+    let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), tools, "not in the newest container");
+
+    let choice = Choice::write("dev");
+    let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    assert_eq!(
+        stdout(&out).trim(),
+        dev,
+        "not in the container named in ~/.config/berth/ssh-container (tools is {tools})"
+    );
+    // A name no container of the job has: the newest, as without a choice.
+    drop(choice);
+    let _choice = Choice::write("../dev");
+    let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
+    assert_eq!(stdout(&out).trim(), tools, "{}", stderr(&out));
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_session_in_a_container_has_the_containers_environment() {
+    let _ = test_user();
+    let image = format!("--container-image={}", rootfs().display());
+    // What the container's process gets from the job (a directory image has no variables).
+    let export = "--export=ALL,PATH=/opt/berth-image/bin:/usr/bin:/bin,BERTH_PAM_MARK=in-the-job";
+    let job = Job::start_with("berthtest", &[&image, "--container-name=envs", export]);
+    let _ = container_mnt_ns(&job, "envs");
+    let out = ssh(
+        "berthtest",
+        "echo \"PATH=$PATH\"; echo \"MARK=$BERTH_PAM_MARK\"; echo \"HOME=$HOME\"; \
+         echo \"USER=$USER\"; cat /etc/os-release",
+    );
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains(IMAGE_OS), "not in the container: {text}");
+    assert!(
+        text.contains("PATH=/opt/berth-image/bin:/usr/bin:/bin\n"),
+        "not the container's PATH: {text}"
+    );
+    assert!(text.contains("MARK=in-the-job\n"), "{text}");
+    // The login's own: the user's, not the container's (the job's HOME, root's here).
+    assert!(text.contains("HOME=/home/berthtest\n"), "{text}");
+    assert!(text.contains("USER=berthtest\n"), "{text}");
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn sftp_lists_the_images_files_through_internal_sftp() {
+    let _ = test_user();
+    let only = "berth-pam-image-only";
+    let marker = rootfs().join(only);
+    if !marker.exists() {
+        std::fs::write(&marker, "in the image\n").unwrap();
+    }
+    assert!(!Path::new("/").join(only).exists());
+    let image = format!("--container-image={}", rootfs().display());
+    let job = Job::start_with("berthtest", &[&image, "--container-name=files"]);
+    let _ = container_mnt_ns(&job, "files");
+    let dir = cluster().state.join("sftp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let batch = dir.join("ls-batch");
+    std::fs::write(&batch, "ls -1 /\n").unwrap();
+    let out = client("sftp", "-P")
+        .arg("-b")
+        .arg(&batch)
+        .arg("berthtest@127.0.0.1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "sftp: {}", stderr(&out));
+    assert!(
+        stdout(&out).lines().any(|l| l.trim() == format!("/{only}")),
+        "the image's file is not listed: {}",
+        stdout(&out)
+    );
+}
