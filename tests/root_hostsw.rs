@@ -1,7 +1,9 @@
 //! Root tier: the host's software inside containers (issue 29): the host's Slurm client in a
 //! step's container (`--container-slurm`) and in `berth run --slurm`; the host's Lmod (Debian's
 //! `lmod`, integration/setup.sh) with a module tree made here (`--container-modules`, `berth run
-//! --modules`), on a real one-host Slurm
+//! --modules`); the host's Open MPI under the image's MPI program (`--container-mpi=host`,
+//! `berth run --mpi=host`) and its ABI and glibc refusals (images made here with the host's cc),
+//! on a real one-host Slurm
 //! of this file's own (integration/slurm/start.sh with its own state directory and free ports,
 //! started once per test binary, stopped at exit), as a non-root user, in the Debian image of
 //! integration/slurm/mpi-image.sh. Run as root:
@@ -448,4 +450,199 @@ fn an_image_without_bash_gets_a_one_line_refusal_and_berth_run_modules_works() {
         "{}",
         show(&o)
     );
+}
+
+/// `srun --mpi=pmix` of the image's `mpiwhich` as the test user, with `extra` options.
+fn mpiwhich(ranks: &str, extra: &[&str]) -> Output {
+    let img = format!("--container-image={}", debian_image());
+    // --overcommit: 4 ranks on a 2-CPU node.
+    let mut args = vec!["--mpi=pmix", "--overcommit", "-n", ranks, img.as_str()];
+    args.extend(extra);
+    args.push("/usr/local/bin/mpiwhich");
+    output(slurm_as_user("srun", &args))
+}
+
+/// The file each rank's libmpi.so was mapped from, checked to be the same for every rank, and
+/// the ranks' sum right.
+fn mapped_libmpi(o: &Output, ranks: usize) -> String {
+    assert!(o.status.success(), "{}", show(o));
+    let out = stdout(o);
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("rank ")).collect();
+    let sum = ranks * (ranks + 1) / 2;
+    assert_eq!(lines.len(), ranks, "{}", show(o));
+    let paths: Vec<&str> = lines
+        .iter()
+        .map(|l| {
+            assert!(l.contains(&format!(": sum {sum} ")), "{}", show(o));
+            l.split(" libmpi ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap_or("")
+        })
+        .collect();
+    assert!(paths.iter().all(|p| *p == paths[0]), "{}", show(o));
+    assert!(
+        lines.iter().all(|l| l.contains("version Open MPI v")),
+        "{}",
+        show(o)
+    );
+    paths[0].to_string()
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn container_mpi_host_runs_the_images_program_on_the_hosts_libmpi() {
+    // The image's own Open MPI without the option.
+    let o = mpiwhich("4", &[]);
+    let own = mapped_libmpi(&o, 4);
+    assert!(
+        own.starts_with("/usr/lib/x86_64-linux-gnu/libmpi.so.40")
+            || own.starts_with("/usr/lib/aarch64-linux-gnu/libmpi.so.40"),
+        "{own}: {}",
+        show(&o)
+    );
+    let host = "/usr/lib/berth/host-mpi/libmpi.so.40";
+    let o = mpiwhich("4", &["--container-mpi=host"]);
+    assert_eq!(mapped_libmpi(&o, 4), host, "{}", show(&o));
+    // PYXIS-style, in a read-only container.
+    let img = format!("--container-image={}", debian_image());
+    let mut cmd = slurm_as_user(
+        "srun",
+        &[
+            "--mpi=pmix",
+            "-n",
+            "2",
+            &img,
+            "--container-readonly",
+            "/usr/local/bin/mpiwhich",
+        ],
+    );
+    cmd.env("PYXIS_CONTAINER_MPI", "host");
+    let o = output(cmd);
+    assert_eq!(mapped_libmpi(&o, 2), host, "{}", show(&o));
+    // Remapped to root, the loader finds the host's libraries first (not MPI_Init: Slurm's PMIx
+    // server refuses a client in a user namespace, whichever MPI it runs on).
+    let o = output(slurm_as_user(
+        "srun",
+        &[
+            &img,
+            "--container-remap-root",
+            "--container-mpi=host",
+            "sh",
+            "-c",
+            "id -u; ldd /usr/local/bin/mpiwhich",
+        ],
+    ));
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        stdout(&o).starts_with("0\n") && stdout(&o).contains(&format!("libmpi.so.40 => {host}")),
+        "{}",
+        show(&o)
+    );
+    // berth run --mpi=host: the loader finds the host's libraries first.
+    let mut cmd = Command::new(berth_bin());
+    cmd.arg("--config")
+        .arg(&cluster().berth_config)
+        .args(["run", "--image", debian_image(), "--user", test_user_name()])
+        .args(["--mpi=host", "--", "sh", "-c"])
+        .arg("ldd /usr/local/bin/mpiwhich; echo LD_LIBRARY_PATH=$LD_LIBRARY_PATH")
+        .stdin(Stdio::null());
+    let o = output(cmd);
+    assert!(o.status.success(), "{}", show(&o));
+    let out = stdout(&o);
+    for needle in [
+        format!("libmpi.so.40 => {host}"),
+        "libopen-pal.so.40 => /usr/lib/berth/host-mpi/".to_string(),
+        "LD_LIBRARY_PATH=/usr/lib/berth/host-mpi".to_string(),
+    ] {
+        assert!(out.contains(&needle), "{needle} missing: {}", show(&o));
+    }
+}
+
+/// A directory image holding a shared library `file` with the ELF SONAME `soname` (made by the
+/// host's cc) in its library directory, and a libc.so.6 whose version banner says `glibc`.
+fn fake_mpi_image(name: &str, file: &str, soname: &str, glibc: &str) -> PathBuf {
+    let root = cluster().state.join(name);
+    let lib = root.join(format!("usr/lib/{}-linux-gnu", std::env::consts::ARCH));
+    std::fs::create_dir_all(&lib).unwrap();
+    let src = root.join("mpi.c");
+    std::fs::write(&src, "int MPI_Init(int *c, char ***v) { return 0; }\n").unwrap();
+    let out = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(lib.join(file))
+        .arg(format!("-Wl,-soname,{soname}"))
+        .arg(&src)
+        .output()
+        .expect("running cc");
+    assert!(out.status.success(), "cc: {}", stderr(&out));
+    std::fs::write(
+        lib.join("libc.so.6"),
+        format!("GNU C Library (fake) stable release version {glibc}.\n"),
+    )
+    .unwrap();
+    for dir in [
+        root.as_path(),
+        root.join("usr").as_path(),
+        root.join("usr/lib").as_path(),
+    ] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    root
+}
+
+/// The one stderr line of `o` naming `--container-mpi=host`.
+fn mpi_refusal(o: &Output) -> String {
+    assert!(!o.status.success(), "{}", show(o));
+    let err = stderr(o);
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("--container-mpi=host"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{}", show(o));
+    eprintln!("refusal: {}", lines[0]);
+    lines[0].to_string()
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn container_mpi_host_refuses_an_mpich_image_and_one_too_old_for_the_hosts_libraries() {
+    let mpich = fake_mpi_image("mpich-image", "libmpi.so.12", "libmpi.so.12", "2.36");
+    let img = format!("--container-image={}", mpich.display());
+    let o = output(slurm_as_user(
+        "srun",
+        &["-n1", &img, "--container-mpi=host", "true"],
+    ));
+    let line = mpi_refusal(&o);
+    for needle in [
+        "the image's MPI is MPICH ABI (libmpi.so.12)",
+        "this node's is Open MPI (libmpi.so.40.",
+        "use an image built with Open MPI (libmpi.so.40)",
+    ] {
+        assert!(line.contains(needle), "{needle} missing: {line}");
+    }
+    // An Open MPI image whose glibc is older than what the host's libraries need.
+    let old = fake_mpi_image(
+        "old-glibc-image",
+        "libmpi.so.40.30.4",
+        "libmpi.so.40",
+        "2.17",
+    );
+    let img = format!("--container-image={}", old.display());
+    let o = output(slurm_as_user(
+        "srun",
+        &["-n1", &img, "--container-mpi=host", "true"],
+    ));
+    let line = mpi_refusal(&o);
+    assert!(
+        line.contains("the image's glibc 2.17 is older than the 2.")
+            && line.contains("this node's MPI libraries need (GLIBC_2."),
+        "{line}"
+    );
+    // The same image with the image's MPI chosen: no check, the step is only refused later for
+    // having no programs at all (the fake image has no /bin/true).
+    let o = output(slurm_as_user(
+        "srun",
+        &["-n1", &img, "--container-mpi=image", "true"],
+    ));
+    assert!(!stderr(&o).contains("--container-mpi"), "{}", show(&o));
 }

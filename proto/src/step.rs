@@ -76,6 +76,9 @@ pub struct Options {
     /// `host_software.modules`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_modules: Option<bool>,
+    /// `host` (the node's MPI bound in) or `image`; unset: `host_software.mpi`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_mpi: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]

@@ -50,6 +50,15 @@ pub struct HostSoftwareConfig {
     /// the module trees and the software their modules point to. `*` and `?` match in any
     /// component of a PATH.
     pub module_paths: Vec<String>,
+    /// Every step gets the host's MPI unless it says `--container-mpi=image`.
+    pub mpi: bool,
+    /// The host's MPI libraries and the libraries they load, each bound read-only under its
+    /// own name into the container's crate::mpi::LIB_DIR (first in LD_LIBRARY_PATH); `PATH`
+    /// with `*` and `?` as `slurm_paths`.
+    pub mpi_libraries: Vec<String>,
+    /// What else the host's MPI needs, bound read-only at its own path (as `slurm_paths`): its
+    /// plugin trees, configuration files and help texts.
+    pub mpi_paths: Vec<String>,
 }
 
 impl Default for HostSoftwareConfig {
@@ -59,6 +68,9 @@ impl Default for HostSoftwareConfig {
             slurm_paths: crate::hostsw::default_slurm_paths(),
             modules: false,
             module_paths: crate::hostsw::default_module_paths(),
+            mpi: false,
+            mpi_libraries: crate::mpi::default_mpi_libraries(),
+            mpi_paths: crate::mpi::default_mpi_paths(),
         }
     }
 }
@@ -93,6 +105,10 @@ pub struct RuntimeConfig {
     /// Bind a block device of the host that a user names as a mount source (and may open). Off:
     /// refused in one line; a character device the user may open is always bound.
     pub mount_block_devices: bool,
+    /// A container of a user (not root) made without remap-root runs in a user namespace that
+    /// maps the user and their groups to themselves, as Pyxis's do (`/proc/self/uid_map` is
+    /// `UID UID 1`; root's files show as nobody's). Off: the host's user namespace.
+    pub user_namespace: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -103,6 +119,7 @@ impl Default for RuntimeConfig {
             entrypoint_timeout_s: 60,
             step_unshare: Vec::new(),
             mount_block_devices: false,
+            user_namespace: true,
         }
     }
 }

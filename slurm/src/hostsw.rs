@@ -2,7 +2,8 @@
 //! the host's Slurm client (`--container-slurm`, `berth run --slurm`), so that `srun`, `sbatch`
 //! and `squeue` work from inside a job's container as from the host; and Lmod with the site's
 //! module trees and software (`--container-modules`, `berth run --modules`), so that `module
-//! load` works in the container's `bash -l` and in batch scripts (BASH_ENV).
+//! load` works in the container's `bash -l` and in batch scripts (BASH_ENV). The host's MPI
+//! (`--container-mpi=host`) is crate::mpi's, on the helpers here.
 //!
 //! Only what the configuration names is bound, read-only, at the path the configuration gives:
 //! a user chooses whether, never what. The host's binaries run on the image's C library (they
@@ -188,7 +189,7 @@ fn expand(entry: &Path) -> Vec<PathBuf> {
 
 /// The entries of `[host_software].key` that exist here, as read-only binds; an entry that is not
 /// absolute, or that is or holds a secret, is the configuration's error.
-fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>, SlurmError> {
+pub(crate) fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>, SlurmError> {
     let mut out = Vec::new();
     for entry in entries {
         let pairs = match entry.split_once(':') {
@@ -310,7 +311,7 @@ fn check_glibc(lowers: &[PathBuf], what: &str, needs: &str) -> Result<(), SlurmE
 /// The most bytes of a libc.so.6 read for its version banner.
 const LIBC_MAX: u64 = 16 << 20;
 
-fn glibc_version(roots: &[PathBuf]) -> Option<(u32, u32)> {
+pub(crate) fn glibc_version(roots: &[PathBuf]) -> Option<(u32, u32)> {
     roots.iter().find_map(|root| {
         let dir = std::fs::File::open(root).ok()?;
         LIBC_PATHS.iter().find_map(|rel| {

@@ -1,10 +1,10 @@
 //! The workflows of a berth node: the container of a Slurm job step from the SPANK plugin's
 //! request ([`step`]), the job's Prolog and Epilog ([`job`]), the node's health ([`health`]),
 //! what every container needs before the runtime makes it ([`container`]: the image, host
-//! files, options), the host's own software a container asks for ([`hostsw`]), the node's
-//! topology source ([`node`]), and the Pyxis-shaped request turned into a container request
-//! ([`request`], [`env`], [`cgroup`]). The node's configuration, `/etc/berth/berth.toml`, is
-//! [`config`].
+//! files, options), the host's own software a container asks for ([`hostsw`], its MPI
+//! [`mpi`]), the node's topology source ([`node`]), and the Pyxis-shaped request turned into a
+//! container request ([`request`], [`env`], [`cgroup`]). The node's configuration,
+//! `/etc/berth/berth.toml`, is [`config`].
 
 pub mod cgroup;
 pub mod config;
@@ -15,6 +15,7 @@ pub mod export;
 pub mod health;
 pub mod hostsw;
 pub mod job;
+pub mod mpi;
 pub use berth_proto::mounts;
 pub mod node;
 pub mod request;

@@ -43,6 +43,8 @@ pub struct Flags {
     pub slurm: Option<bool>,
     /// `--modules` / `--no-modules`; unset: `host_software.modules`.
     pub modules: Option<bool>,
+    /// `--mpi=host` (true) / `--mpi=image`; unset: `host_software.mpi`.
+    pub mpi: Option<bool>,
 }
 
 /// A container request and the image it stacks (whose in-use mark lives as long as it).
@@ -119,6 +121,10 @@ pub fn prepare(
         env.extend(crate::hostsw::module_env(std::env::vars()));
     }
     env.extend(flags.env);
+    let mpi = flags.mpi.unwrap_or(config.host_software.mpi);
+    if mpi {
+        crate::mpi::with_library_path(&mut env);
+    }
     env_limits
         .check(
             "the container's environment (the image's Env and --env)",
@@ -159,6 +165,9 @@ pub fn prepare(
             &image.lowers,
             "--modules",
         )?);
+    }
+    if mpi {
+        mounts.extend(crate::mpi::mpi_binds(config, &image.lowers, "--mpi=host")?);
     }
     let request = Request {
         rootfs: image.lowers[0].clone(),

@@ -105,6 +105,16 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         req.mounts
             .extend(crate::hostsw::module_binds(config, &image.lowers, what)?);
     }
+    let mpi = match step.options.container_mpi.as_deref() {
+        Some(choice) => crate::mpi::parse_choice(choice, "--container-mpi")?,
+        None => config.host_software.mpi,
+    };
+    if mpi {
+        let what = "--container-mpi=host";
+        req.mounts
+            .extend(crate::mpi::mpi_binds(config, &image.lowers, what)?);
+        crate::mpi::with_library_path(&mut req.env);
+    }
     let mut spec = spec::build(&req).map_err(|e| SlurmError::input(e.to_string()))?;
     slurm_step::adjust_spec(&step, &mut spec, &config.runtime.step_unshare)?;
     let topo = StepTopology::discover(&step, config)?;

@@ -35,10 +35,11 @@ pub enum Key {
     StageOut,
     Slurm,
     Modules,
+    Mpi,
 }
 
 impl Key {
-    pub const ALL: [Key; 17] = [
+    pub const ALL: [Key; 18] = [
         Key::Image,
         Key::Mounts,
         Key::Workdir,
@@ -56,6 +57,7 @@ impl Key {
         Key::StageOut,
         Key::Slurm,
         Key::Modules,
+        Key::Mpi,
     ];
 
     /// The flag name without dashes, which is also the key in the request's `options` object.
@@ -78,6 +80,7 @@ impl Key {
             Key::StageOut => "stage-out",
             Key::Slurm => "container-slurm",
             Key::Modules => "container-modules",
+            Key::Mpi => "container-mpi",
         }
     }
 
@@ -101,6 +104,7 @@ impl Key {
             Key::StageOut => "STAGE_OUT",
             Key::Slurm => "CONTAINER_SLURM",
             Key::Modules => "CONTAINER_MODULES",
+            Key::Mpi => "CONTAINER_MPI",
         }
     }
 
@@ -138,7 +142,7 @@ pub struct Flag {
 
 /// Every option, in `srun --help` order. The index of a row is the `val` Slurm passes back to
 /// the option callback.
-pub static FLAGS: [Flag; 23] = [
+pub static FLAGS: [Flag; 24] = [
     Flag {
         name: c"container-image",
         arginfo: Some(c"[USER@][REGISTRY#]IMAGE[:TAG]|PATH"),
@@ -301,6 +305,13 @@ pub static FLAGS: [Flag; 23] = [
         key: Key::Modules,
         sets: false,
     },
+    Flag {
+        name: c"container-mpi",
+        arginfo: Some(c"host|image"),
+        usage: c"[berth] host: the node's MPI (host_software.mpi_libraries and mpi_paths in berth.toml, bound read-only, first in LD_LIBRARY_PATH) runs the container's MPI programs, after an ABI and glibc check; image: the image's own [default: host_software.mpi in berth.toml]",
+        key: Key::Mpi,
+        sets: false,
+    },
 ];
 
 /// Where a value came from, for error messages.
@@ -339,6 +350,7 @@ pub struct Options {
     pub stage_out: Vec<String>,
     pub slurm: Option<bool>,
     pub modules: Option<bool>,
+    pub mpi: Option<String>,
 }
 
 impl Options {
@@ -424,6 +436,7 @@ impl Options {
             Key::StageOut => !self.stage_out.is_empty(),
             Key::Slurm => self.slurm.is_some(),
             Key::Modules => self.modules.is_some(),
+            Key::Mpi => self.mpi.is_some(),
         }
     }
 
@@ -522,6 +535,12 @@ impl Options {
                 }
                 set_once(&mut self.bind, flag, value)
             }
+            Key::Mpi => {
+                if !matches!(value, "host" | "image") {
+                    return Err(invalid("use host or image"));
+                }
+                set_once(&mut self.mpi, flag, value)
+            }
             Key::StageIn => {
                 for entry in value.split(',') {
                     check_stage_in(entry).map_err(invalid)?;
@@ -595,6 +614,7 @@ impl Options {
         put_str(Key::Name, &self.name);
         put_str(Key::Save, &self.save);
         put_str(Key::Bind, &self.bind);
+        put_str(Key::Mpi, &self.mpi);
         for (key, list) in [
             (Key::Mounts, &self.mounts),
             (Key::Env, &self.env),
@@ -815,6 +835,7 @@ mod tests {
             "container-env",
             "container-unshare",
             "container-bind",
+            "container-mpi",
             "stage-in",
             "stage-out",
         ] {
@@ -1216,6 +1237,15 @@ mod tests {
             o.to_json().get("container-modules"),
             Some(&Value::Bool(true))
         );
+        let mut o = Options::default();
+        flag(&mut o, "container-mpi", Some("host")).unwrap();
+        assert_eq!(o.to_json()["container-mpi"], "host");
+        let e = flag(&mut Options::default(), "container-mpi", Some("mpich")).unwrap_err();
+        assert!(e.to_string().contains("use host or image"), "{e}");
+        let mut o = Options::default();
+        o.apply_env(env(&[("PYXIS_CONTAINER_MPI", "host")]))
+            .unwrap();
+        assert_eq!(o.to_json()["container-mpi"], "host");
         let mut o = Options::default();
         flag(&mut o, "container-slurm", None).unwrap();
         assert_eq!(o.to_json().get("container-slurm"), Some(&Value::Bool(true)));

@@ -163,6 +163,12 @@ pub struct ContainerArgs {
     /// No Lmod inside, whatever host_software.modules says
     #[arg(long, conflicts_with = "modules")]
     pub no_modules: bool,
+
+    /// Whose MPI the container's programs run on: host binds the node's MPI
+    /// (host_software.mpi_libraries and mpi_paths, read-only, first in LD_LIBRARY_PATH) after
+    /// an ABI and glibc check; image keeps the image's [default: host_software.mpi]
+    #[arg(long, value_name = "host|image", value_parser = ["host", "image"])]
+    pub mpi: Option<String>,
 }
 
 fn flag<T>(
@@ -264,6 +270,7 @@ pub fn request(
         remap_root: args.remap_root,
         slurm: (args.slurm || args.no_slurm).then_some(args.slurm),
         modules: (args.modules || args.no_modules).then_some(args.modules),
+        mpi: args.mpi.as_deref().map(|m| m == "host"),
     };
     Ok(crate::slurm::run::prepare(flags, command, config, hold)?)
 }

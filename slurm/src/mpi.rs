@@ -1,0 +1,566 @@
+//! The host's MPI in a container (`--container-mpi=host`, `berth run --mpi=host`): the site's
+//! MPI libraries and the libraries they load (`[host_software].mpi_libraries`) are bound
+//! read-only, each under its own name, into one directory of the container, [`LIB_DIR`], which
+//! is put first in the container's LD_LIBRARY_PATH; the MPI's plugin trees and configuration
+//! files (`mpi_paths`) are bound at their own paths, where the host's libraries look for them.
+//! The image's files are never written: its libmpi stays where it is, found after LD_LIBRARY_PATH.
+//!
+//! Before anything is bound the pairing is checked as Sarus checks it: the image's libmpi
+//! (found from its library files, opened beneath each layer without following a symlink, read
+//! with bounded reads) has the host's ABI (the SONAME's major: `libmpi.so.12` of the MPICH ABI,
+//! `libmpi.so.40` of Open MPI) and a minor no newer than the host's; the image's glibc is at
+//! least the newest `GLIBC_x.y` the host's libraries need (their ELF version needs, not the
+//! host's glibc version: an image older than the host still takes an MPI built for older
+//! systems); and every library the host's libraries need is either bound too or in the image.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use berth_spec::BindMount;
+
+use crate::SlurmError;
+use crate::config::Config;
+
+/// Where the host's MPI libraries appear in the container, first in its LD_LIBRARY_PATH.
+pub const LIB_DIR: &str = "/usr/lib/berth/host-mpi";
+
+/// The host's Open MPI as Debian/Ubuntu install it (openmpi-bin, libopenmpi3), with the PMIx,
+/// hwloc, libevent, UCX, libfabric and verbs libraries it loads; missing ones are skipped.
+pub fn default_mpi_libraries() -> Vec<String> {
+    [
+        "libmpi.so.40*",
+        "libopen-pal.so.40*",
+        "libopen-rte.so.40*",
+        "libmca_common_*.so.40*",
+        "libpmix.so.2*",
+        "libmunge.so.2*",
+        "libhwloc.so.15*",
+        "libevent_core-2.1.so.7*",
+        "libevent_pthreads-2.1.so.7*",
+        "libucp.so.0*",
+        "libuct.so.0*",
+        "libucs.so.0*",
+        "libucm.so.0*",
+        "libucs_signal.so.0*",
+        "libfabric.so.1*",
+        "libibverbs.so.1*",
+        "librdmacm.so.1*",
+        "libefa.so.1*",
+        "libpsm2.so.2*",
+        "libpsm_infinipath.so.1*",
+        "libnl-3.so.200*",
+        "libnl-route-3.so.200*",
+    ]
+    .iter()
+    .map(|l| format!("/usr/lib/*-linux-gnu/{l}"))
+    .collect()
+}
+
+/// Open MPI's, PMIx's, UCX's, hwloc's and verbs' plugin trees (looked up at the paths they were
+/// built with), Open MPI's configuration and help texts, the verbs drivers' configuration.
+pub fn default_mpi_paths() -> Vec<String> {
+    [
+        "/usr/lib/*-linux-gnu/openmpi",
+        "/usr/lib/*-linux-gnu/pmix2",
+        "/usr/lib/*-linux-gnu/ucx",
+        "/usr/lib/*-linux-gnu/hwloc",
+        "/usr/lib/*-linux-gnu/libibverbs",
+        "/usr/lib/*-linux-gnu/libfabric",
+        "/etc/openmpi",
+        "/usr/share/openmpi",
+        "/etc/libibverbs.d",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// What `--container-mpi` asks for: `host` or `image` (the image's own MPI, nothing bound).
+pub fn parse_choice(value: &str, what: &str) -> Result<bool, SlurmError> {
+    match value {
+        "host" => Ok(true),
+        "image" | "none" => Ok(false),
+        other => Err(SlurmError::input(format!(
+            "{what}={other}: unknown MPI choice: use host (the node's MPI) or image (the \
+             image's own)"
+        ))),
+    }
+}
+
+/// Puts [`LIB_DIR`] first in `env`'s LD_LIBRARY_PATH (the last entry of the name, which is the
+/// one the container gets), keeping what the job or image had after it.
+pub fn with_library_path(env: &mut Vec<(String, String)>) {
+    match env.iter_mut().rev().find(|(k, _)| k == "LD_LIBRARY_PATH") {
+        Some((_, v)) if !v.is_empty() => *v = format!("{LIB_DIR}:{v}"),
+        Some((_, v)) => *v = LIB_DIR.to_string(),
+        None => env.push(("LD_LIBRARY_PATH".into(), LIB_DIR.into())),
+    }
+}
+
+/// An MPI library's ABI: its SONAME's major and the minor of its file's name (`libmpi.so.40.30.4`:
+/// 40, 30; `None` when the file is named by its SONAME only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Abi {
+    file: String,
+    major: u32,
+    minor: Option<u32>,
+}
+
+impl Abi {
+    fn family(&self) -> &'static str {
+        match self.major {
+            12 => "MPICH ABI",
+            40 => "Open MPI",
+            _ => "an MPI",
+        }
+    }
+
+    /// The family and the library's file, whose name carries the version
+    /// (`Open MPI (libmpi.so.40.30.4)`).
+    fn shown(&self) -> String {
+        format!("{} ({})", self.family(), self.file)
+    }
+}
+
+/// The read-only binds of the host's MPI for a container on `lowers` (image layers, topmost
+/// first), after the ABI, glibc and dependency checks; `what` names the request in errors.
+pub fn mpi_binds(
+    config: &Config,
+    lowers: &[PathBuf],
+    what: &str,
+) -> Result<Vec<BindMount>, SlurmError> {
+    let hs = &config.host_software;
+    let libs = crate::hostsw::configured(&hs.mpi_libraries, "mpi_libraries")?;
+    let mut names = BTreeSet::new();
+    let mut binds = Vec::new();
+    let mut host_mpi = None;
+    let mut needs_glibc = None;
+    let mut needed = BTreeSet::new();
+    for lib in libs {
+        let Some(name) = lib.destination.file_name().map(|n| n.to_os_string()) else {
+            continue;
+        };
+        // Of two files of one name (two architectures' directories), the first listed wins.
+        if !names.insert(name.clone()) {
+            continue;
+        }
+        let info = elf_info_host(&lib.source).map_err(|e| {
+            SlurmError::host(format!(
+                "{what}: reading the host's {}: {e}: fix host_software.mpi_libraries",
+                lib.source.display()
+            ))
+        })?;
+        needs_glibc = needs_glibc.max(info.glibc);
+        needed.extend(info.needed);
+        let text = name.to_string_lossy();
+        if host_mpi.is_none() && text.starts_with("libmpi.so.") && lib.source.is_file() {
+            let real = std::fs::canonicalize(&lib.source).unwrap_or(lib.source.clone());
+            let real_name = real.file_name().map(|n| n.to_string_lossy().into_owned());
+            host_mpi = info
+                .soname
+                .as_deref()
+                .and_then(|s| abi(s, real_name.as_deref().unwrap_or(&text)));
+        }
+        binds.push(BindMount {
+            source: lib.source,
+            destination: Path::new(LIB_DIR).join(name),
+            readonly: true,
+        });
+    }
+    let host = host_mpi.ok_or_else(|| {
+        SlurmError::host(format!(
+            "{what}: no libmpi.so of this node among host_software.mpi_libraries: ask the site \
+             to name its MPI in berth.toml, or use the image's MPI ({what} left out)"
+        ))
+    })?;
+    let image = Image::read(lowers);
+    let theirs = image.mpi.clone().ok_or_else(|| {
+        SlurmError::input(format!(
+            "{what}: the image has no MPI library (libmpi.so or libmpich.so in its library \
+             directories) for {} to replace: use an image whose programs link libmpi, or drop \
+             {what}",
+            host.shown()
+        ))
+    })?;
+    if theirs.major != host.major {
+        return Err(SlurmError::input(format!(
+            "{what}: the image's MPI is {}, this node's is {}: their ABIs differ; use an image \
+             built with {} (libmpi.so.{}), or drop {what}",
+            theirs.shown(),
+            host.shown(),
+            host.family(),
+            host.major
+        )));
+    }
+    if let (Some(mine), Some(its)) = (host.minor, theirs.minor)
+        && its > mine
+    {
+        return Err(SlurmError::input(format!(
+            "{what}: the image's MPI is {}, newer than this node's {}: programs built on it may \
+             call what the node's lacks; use an image with libmpi.so.{}.{mine} or older, or drop \
+             {what}",
+            theirs.shown(),
+            host.shown(),
+            host.major
+        )));
+    }
+    if let Some(need) = needs_glibc {
+        match image.glibc {
+            Some(have) if have >= need => {}
+            Some(have) => {
+                return Err(SlurmError::input(format!(
+                    "{what}: the image's glibc {}.{} is older than the {}.{} this node's MPI \
+                     libraries need (GLIBC_{}.{}): use an image with glibc {}.{} or newer, or \
+                     drop {what}",
+                    have.0, have.1, need.0, need.1, need.0, need.1, need.0, need.1
+                )));
+            }
+            None => {
+                return Err(SlurmError::input(format!(
+                    "{what}: the image has no glibc (libc.so.6), which this node's MPI libraries \
+                     need ({}.{} or newer): use a glibc image, or drop {what}",
+                    need.0, need.1
+                )));
+            }
+        }
+    }
+    let missing: Vec<String> = needed
+        .iter()
+        .filter(|n| !names.contains(std::ffi::OsStr::new(n.as_str())) && !image.has(n))
+        .cloned()
+        .collect();
+    if !missing.is_empty() {
+        return Err(SlurmError::input(format!(
+            "{what}: this node's MPI libraries need {}, which neither the image nor \
+             host_software.mpi_libraries has: ask the site to add them to \
+             host_software.mpi_libraries, or use an image that has them",
+            missing.join(", ")
+        )));
+    }
+    binds.extend(crate::hostsw::configured(&hs.mpi_paths, "mpi_paths")?);
+    Ok(binds)
+}
+
+/// The ABI of an MPI library whose SONAME is `soname` and whose file is `file`.
+fn abi(soname: &str, file: &str) -> Option<Abi> {
+    let rest = soname
+        .strip_prefix("libmpi.so.")
+        .or_else(|| soname.strip_prefix("libmpich.so."))?;
+    let major = rest.split('.').next()?.parse().ok()?;
+    let minor = file
+        .strip_prefix(soname)
+        .and_then(|r| r.strip_prefix('.'))
+        .and_then(|r| r.split('.').next())
+        .and_then(|m| m.parse().ok());
+    Some(Abi {
+        file: file.to_string(),
+        major,
+        minor,
+    })
+}
+
+/// The library directories of the usual layouts, relative to an image's root.
+const LIB_DIRS: [&str; 8] = [
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "usr/lib",
+    "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
+    "lib64",
+    "usr/local/lib",
+];
+
+/// The most bytes of one ELF structure (headers, dynamic section, string table) read.
+const ELF_PART_MAX: u64 = 4 << 20;
+
+/// What the check needs of an image: the names in its library directories, its MPI, its glibc.
+struct Image {
+    names: BTreeSet<String>,
+    mpi: Option<Abi>,
+    glibc: Option<(u32, u32)>,
+}
+
+impl Image {
+    fn read(lowers: &[PathBuf]) -> Image {
+        let mut names = BTreeSet::new();
+        let mut mpi: Option<Abi> = None;
+        for layer in lowers {
+            let Ok(root) = File::open(layer) else {
+                continue;
+            };
+            for rel in LIB_DIRS {
+                let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY;
+                let Ok(fd) =
+                    berth_sys::privfs::open_beneath(&root, Path::new(rel), flags, 0, false)
+                else {
+                    continue;
+                };
+                let Ok(mut dir) = nix::dir::Dir::from_fd(fd) else {
+                    continue;
+                };
+                let here: Vec<String> = dir
+                    .iter()
+                    .flatten()
+                    .filter_map(|e| e.file_name().to_str().ok().map(String::from))
+                    .collect();
+                if mpi.is_none() {
+                    mpi = here
+                        .iter()
+                        .filter(|n| n.starts_with("libmpi.so.") || n.starts_with("libmpich.so."))
+                        .filter_map(|n| image_mpi(&root, &Path::new(rel).join(n), n))
+                        .max_by_key(|a| (a.major == 40 || a.major == 12, a.minor));
+                }
+                names.extend(here);
+            }
+        }
+        Image {
+            names,
+            mpi,
+            glibc: crate::hostsw::glibc_version(lowers),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.names.contains(name)
+    }
+}
+
+/// The ABI of the image's MPI library at `rel` beneath `root`: a regular file only (a symlink
+/// is not followed; the file it names is listed too), non-blocking, its SONAME read bounded.
+fn image_mpi(root: &File, rel: &Path, name: &str) -> Option<Abi> {
+    let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK;
+    let fd = berth_sys::privfs::open_beneath(root, rel, flags, 0, false).ok()?;
+    let file = File::from(fd);
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let info = elf_info(&file).ok()?;
+    abi(info.soname.as_deref()?, name)
+}
+
+/// What the checks read of an ELF shared library.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ElfInfo {
+    soname: Option<String>,
+    needed: Vec<String>,
+    /// The newest `GLIBC_x.y` among its version needs.
+    glibc: Option<(u32, u32)>,
+}
+
+fn elf_info_host(path: &Path) -> Result<ElfInfo, String> {
+    let file = File::open(path).map_err(|e| e.to_string())?;
+    elf_info(&file)
+}
+
+fn bytes_at(file: &File, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+    if len > ELF_PART_MAX {
+        return Err(format!("an ELF part of {len} bytes (over {ELF_PART_MAX})"));
+    }
+    let mut buf = vec![0; usize::try_from(len).map_err(|e| e.to_string())?];
+    file.read_exact_at(&mut buf, offset)
+        .map_err(|e| format!("reading {len} bytes at {offset}: {e}"))?;
+    Ok(buf)
+}
+
+fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+fn c_str(b: &[u8], at: u64) -> Option<String> {
+    let rest = b.get(usize::try_from(at).ok()?..)?;
+    let end = rest.iter().position(|c| *c == 0)?;
+    String::from_utf8(rest[..end].to_vec()).ok()
+}
+
+/// Reads a little-endian ELF64 library's SONAME, DT_NEEDED and GLIBC version needs from its
+/// program headers and dynamic section (the section headers may be stripped).
+fn elf_info(file: &File) -> Result<ElfInfo, String> {
+    let bad = |what: &str| format!("not a little-endian ELF64 library ({what})");
+    let header = bytes_at(file, 0, 64)?;
+    if header.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
+        return Err(bad("header"));
+    }
+    let phoff = u64_at(&header, 0x20).ok_or_else(|| bad("e_phoff"))?;
+    let phentsize = u16_at(&header, 0x36).ok_or_else(|| bad("e_phentsize"))?;
+    let phnum = u16_at(&header, 0x38).ok_or_else(|| bad("e_phnum"))?;
+    if phentsize < 56 {
+        return Err(bad("e_phentsize"));
+    }
+    let phdrs = bytes_at(file, phoff, u64::from(phentsize) * u64::from(phnum))?;
+    // (p_type, p_offset, p_vaddr, p_filesz)
+    let headers: Vec<(u32, u64, u64, u64)> = phdrs
+        .chunks_exact(usize::from(phentsize))
+        .filter_map(|p| Some((u32_at(p, 0)?, u64_at(p, 8)?, u64_at(p, 16)?, u64_at(p, 32)?)))
+        .collect();
+    let to_offset = |vaddr: u64| {
+        headers
+            .iter()
+            .find(|(t, _, va, sz)| *t == 1 && *va <= vaddr && vaddr - va < *sz)
+            .map(|(_, off, va, _)| off + (vaddr - va))
+    };
+    let Some(&(_, dyn_off, _, dyn_size)) = headers.iter().find(|(t, ..)| *t == 2) else {
+        return Ok(ElfInfo::default()); // static: no dynamic section
+    };
+    let dynamic = bytes_at(file, dyn_off, dyn_size)?;
+    let entries: Vec<(u64, u64)> = dynamic
+        .chunks_exact(16)
+        .filter_map(|e| Some((u64_at(e, 0)?, u64_at(e, 8)?)))
+        .take_while(|(tag, _)| *tag != 0)
+        .collect();
+    let tag = |t: u64| entries.iter().find(|(k, _)| *k == t).map(|(_, v)| *v);
+    const DT_NEEDED: u64 = 1;
+    const DT_STRTAB: u64 = 5;
+    const DT_STRSZ: u64 = 10;
+    const DT_SONAME: u64 = 14;
+    const DT_VERNEED: u64 = 0x6fff_fffe;
+    const DT_VERNEEDNUM: u64 = 0x6fff_ffff;
+    let strtab_at = tag(DT_STRTAB)
+        .and_then(to_offset)
+        .ok_or_else(|| bad("DT_STRTAB"))?;
+    let strtab = bytes_at(
+        file,
+        strtab_at,
+        tag(DT_STRSZ).ok_or_else(|| bad("DT_STRSZ"))?,
+    )?;
+    let mut info = ElfInfo {
+        soname: tag(DT_SONAME).and_then(|o| c_str(&strtab, o)),
+        needed: entries
+            .iter()
+            .filter(|(k, _)| *k == DT_NEEDED)
+            .filter_map(|(_, o)| c_str(&strtab, *o))
+            .collect(),
+        glibc: None,
+    };
+    if let (Some(at), Some(count)) = (tag(DT_VERNEED).and_then(to_offset), tag(DT_VERNEEDNUM)) {
+        let mut at = at;
+        // Each Elf64_Verneed (16 bytes) heads a chain of Elf64_Vernaux (16 bytes); bounded by
+        // the counts the file gives and by a sane maximum.
+        for _ in 0..count.min(256) {
+            let need = bytes_at(file, at, 16)?;
+            let cnt = u16_at(&need, 2).ok_or_else(|| bad("vn_cnt"))?;
+            let mut aux_at = at + u64::from(u32_at(&need, 8).ok_or_else(|| bad("vn_aux"))?);
+            for _ in 0..cnt.min(256) {
+                let aux = bytes_at(file, aux_at, 16)?;
+                let name = c_str(
+                    &strtab,
+                    u64::from(u32_at(&aux, 8).ok_or_else(|| bad("vna"))?),
+                );
+                if let Some(v) = name.as_deref().and_then(glibc_version_name) {
+                    info.glibc = info.glibc.max(Some(v));
+                }
+                let next = u32_at(&aux, 12).ok_or_else(|| bad("vna_next"))?;
+                if next == 0 {
+                    break;
+                }
+                aux_at += u64::from(next);
+            }
+            let next = u32_at(&need, 12).ok_or_else(|| bad("vn_next"))?;
+            if next == 0 {
+                break;
+            }
+            at += u64::from(next);
+        }
+    }
+    Ok(info)
+}
+
+/// `(2, 34)` of `GLIBC_2.34` (and of `GLIBC_2.2.5`).
+fn glibc_version_name(name: &str) -> Option<(u32, u32)> {
+    let mut parts = name.strip_prefix("GLIBC_")?.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    /// A shared library compiled here with `soname`, which calls `call` from libc.
+    fn library(dir: &Path, file: &str, soname: &str, call: &str) -> PathBuf {
+        let src = dir.join(format!("{file}.c"));
+        std::fs::write(&src, format!("#include <string.h>\n#include <stdio.h>\nint f(const char *s) {{ return (int){call}; }}\n")).unwrap();
+        let out = dir.join(file);
+        let st = Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&out)
+            .arg(format!("-Wl,-soname,{soname}"))
+            .arg(&src)
+            .status()
+            .expect("cc runs");
+        assert!(st.success());
+        out
+    }
+
+    #[test]
+    fn sonames_needs_and_glibc_versions_are_read_from_the_library() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = library(dir.path(), "libmpi.so.12.1.8", "libmpi.so.12", "strlen(s)");
+        let info = elf_info(&File::open(&lib).unwrap()).unwrap();
+        assert_eq!(info.soname.as_deref(), Some("libmpi.so.12"));
+        assert!(info.needed.iter().any(|n| n == "libc.so.6"), "{info:?}");
+        assert!(info.glibc.is_some_and(|v| v >= (2, 2)), "{info:?}");
+        assert_eq!(
+            abi("libmpi.so.12", "libmpi.so.12.1.8"),
+            Some(Abi {
+                file: "libmpi.so.12.1.8".into(),
+                major: 12,
+                minor: Some(1)
+            })
+        );
+        assert_eq!(abi("libmpi.so.40", "libmpi.so.40").unwrap().minor, None);
+        assert_eq!(abi("libfoo.so.1", "libfoo.so.1"), None);
+        assert_eq!(glibc_version_name("GLIBC_2.2.5"), Some((2, 2)));
+        assert_eq!(glibc_version_name("GLIBC_PRIVATE"), None);
+        std::fs::write(dir.path().join("text"), [b'x'; 100]).unwrap();
+        let e = elf_info(&File::open(dir.path().join("text")).unwrap()).unwrap_err();
+        assert!(e.contains("not a little-endian ELF64 library"), "{e}");
+    }
+
+    #[test]
+    fn the_images_mpi_is_found_without_following_its_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let libdir = dir.path().join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&libdir).unwrap();
+        library(&libdir, "libmpich.so.12.3.0", "libmpich.so.12", "strlen(s)");
+        std::os::unix::fs::symlink("libmpich.so.12.3.0", libdir.join("libmpi.so.12")).unwrap();
+        let image = Image::read(&[dir.path().to_path_buf()]);
+        let mpi = image.mpi.clone().unwrap();
+        assert_eq!((mpi.major, mpi.minor), (12, Some(3)));
+        assert!(image.has("libmpi.so.12"));
+        // A symlink out of the image is listed, never opened.
+        let other = tempfile::tempdir().unwrap();
+        let outside = library(
+            other.path(),
+            "libmpi.so.40.30.4",
+            "libmpi.so.40",
+            "strlen(s)",
+        );
+        std::fs::remove_file(libdir.join("libmpich.so.12.3.0")).unwrap();
+        std::os::unix::fs::symlink(&outside, libdir.join("libmpi.so.40.30.4")).unwrap();
+        assert_eq!(Image::read(&[dir.path().to_path_buf()]).mpi, None);
+    }
+
+    #[test]
+    fn ld_library_path_gets_the_host_mpi_first() {
+        let mut env = vec![("LD_LIBRARY_PATH".to_string(), "/opt/x".to_string())];
+        with_library_path(&mut env);
+        assert_eq!(env[0].1, format!("{LIB_DIR}:/opt/x"));
+        let mut env = Vec::new();
+        with_library_path(&mut env);
+        assert_eq!(env, [("LD_LIBRARY_PATH".to_string(), LIB_DIR.to_string())]);
+        assert!(parse_choice("host", "--mpi").unwrap());
+        assert!(!parse_choice("image", "--mpi").unwrap());
+        let e = parse_choice("hots", "--mpi").unwrap_err().to_string();
+        assert!(e.contains("use host") && e.lines().count() == 1, "{e}");
+    }
+}
