@@ -39,6 +39,10 @@ pub struct Record {
     pub reason: Option<String>,
     pub exit: Option<i32>,
     pub output: String,
+    /// The command's process group and its leader's start time (/proc/PID/stat field 22):
+    /// what a restarted agent kills of a command it finds left running.
+    #[serde(default)]
+    pub pgid: Option<(i32, u64)>,
 }
 
 impl Record {
@@ -162,9 +166,23 @@ struct Ended {
     output: String,
 }
 
+/// The start time of process `pid` (field 22 of /proc/PID/stat), to tell it from a later
+/// process given the same pid.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// Runs `sh -c command` as this (root) process, in a process group of its own, at most
-/// `timeout` (then the whole group is killed); stdout and stderr's last bytes kept.
-fn run_command(command: &str, timeout: Duration, env: &[(&str, String)]) -> Result<Ended, String> {
+/// `timeout` (then the whole group is killed); stdout and stderr's last bytes kept. `started`
+/// gets the group's id once it runs.
+fn run_command(
+    command: &str,
+    timeout: Duration,
+    env: &[(&str, String)],
+    started: &dyn Fn(i32),
+) -> Result<Ended, String> {
     let (mut reader, writer) = std::io::pipe().map_err(|e| format!("a pipe: {e}"))?;
     let writer2 = writer.try_clone().map_err(|e| format!("a pipe: {e}"))?;
     let mut cmd = Command::new("sh");
@@ -178,6 +196,7 @@ fn run_command(command: &str, timeout: Duration, env: &[(&str, String)]) -> Resu
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().map_err(|e| format!("running sh -c: {e}"))?;
+    started(i32::try_from(child.id()).unwrap_or(-1));
     // The pipe's write ends live on in the child only: the reader sees EOF when it (and its
     // children) closed them.
     drop(cmd);
@@ -276,6 +295,7 @@ impl Steps {
             reason: None,
             exit: None,
             output: String::new(),
+            pgid: None,
         };
         match create_record(&path, &rec) {
             Ok(true) => {}
@@ -300,7 +320,15 @@ impl Steps {
         let timeout = Duration::from_secs(order.timeout_s.max(1));
         std::thread::spawn(move || {
             let mut r = rec;
-            match run_command(&command, timeout, &env) {
+            let noted = |pgid: i32| {
+                let mut with = r.clone();
+                with.pgid = start_time(pgid).map(|t| (pgid, t));
+                if let Err(e) = finish_record(&path, &with) {
+                    tracing::warn!("{e}");
+                }
+            };
+            let ran = run_command(&command, timeout, &env, &noted);
+            match ran {
                 Err(why) => {
                     r.state = StepState::Failed;
                     r.reason = Some(why);
@@ -378,11 +406,25 @@ impl Steps {
                 r.state = StepState::Ok;
                 r.reason = Some(format!("rebooted: boot id {} -> {boot}", r.boot_id));
             } else {
+                // What is left of it must not go on unseen: its process group is killed.
+                let killed = r.pgid.is_some_and(|(pgid, t)| {
+                    start_time(pgid) == Some(t)
+                        && nix::sys::signal::killpg(
+                            nix::unistd::Pid::from_raw(pgid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        )
+                        .is_ok()
+                });
                 r.state = StepState::Failed;
                 r.reason = Some(format!(
                     "killed midway: it started {} s ago and its agent restarted before it ended \
-                     (not run again)",
-                    now_unix().saturating_sub(r.started_unix)
+                     (not run again{})",
+                    now_unix().saturating_sub(r.started_unix),
+                    if killed {
+                        "; what was left of it killed"
+                    } else {
+                        ""
+                    }
                 ));
             }
             if let Err(e) = finish_record(&path, &r) {
@@ -602,7 +644,14 @@ mod tests {
     fn a_record_left_running_is_a_command_killed_midway_and_a_reboot_needs_a_new_boot() {
         let dir = tempfile::tempdir().unwrap();
         let c = cfg(dir.path());
-        // What an agent killed while its command ran leaves behind.
+        // What an agent killed while its command ran leaves behind: a record saying running,
+        // and the command's process group still there.
+        let mut left = std::process::Command::new("sleep")
+            .arg("100")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = i32::try_from(left.id()).unwrap();
         let rec = Record {
             rollout: 3,
             node: "n1".into(),
@@ -615,6 +664,7 @@ mod tests {
             reason: None,
             exit: None,
             output: String::new(),
+            pgid: Some((pgid, start_time(pgid).unwrap())),
         };
         assert!(create_record(&record_path(&c.rollout_dir, 3, "n1"), &rec).unwrap());
         let mut s = Steps::default();
@@ -622,6 +672,12 @@ mod tests {
         let r = s.report(&c, "n1", "b1").unwrap();
         assert_eq!(r.state, StepState::Failed);
         assert!(r.reason.unwrap().contains("killed midway"));
+        // The leftover command was killed.
+        let status = left.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(9)
+        );
 
         let mut s = Steps::default();
         let reboot = StepOrder {
@@ -650,6 +706,7 @@ mod tests {
             "sleep 30 & sleep 30; echo never",
             Duration::from_millis(300),
             &[],
+            &|_| {},
         )
         .unwrap();
         assert!(e.timed_out);
@@ -658,6 +715,7 @@ mod tests {
             "head -c 10000 /dev/zero | tr '\\0' a; echo END",
             Duration::from_secs(5),
             &[],
+            &|_| {},
         )
         .unwrap();
         assert_eq!(big.output.len(), STEP_OUTPUT_MAX);
