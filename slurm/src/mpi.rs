@@ -550,6 +550,107 @@ mod tests {
         assert_eq!(Image::read(&[dir.path().to_path_buf()]).mpi, None);
     }
 
+    /// A host MPI of `libmpi.so.40.30.4` (and `libdep.so.1`, which it needs) under `host`, and
+    /// the configuration naming them.
+    fn host_mpi(host: &Path) -> Config {
+        let dep = library(host, "libdep.so.1", "libdep.so.1", "strlen(s)");
+        let src = host.join("mpi.c");
+        std::fs::write(
+            &src,
+            "int f(const char *s); int MPI_Init(void) { return f(\"x\"); }\n",
+        )
+        .unwrap();
+        let st = Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(host.join("libmpi.so.40.30.4"))
+            .arg("-Wl,-soname,libmpi.so.40")
+            .arg(&src)
+            .arg(&dep)
+            .status()
+            .expect("cc runs");
+        assert!(st.success());
+        std::os::unix::fs::symlink("libmpi.so.40.30.4", host.join("libmpi.so.40")).unwrap();
+        let mut config = Config::default();
+        config.host_software.mpi_libraries = vec![
+            format!("{}/libmpi.so.40*", host.display()),
+            format!("{}/nothing.so", host.display()),
+        ];
+        config.host_software.mpi_paths = vec![format!("{}/mpi.c", host.display())];
+        config
+    }
+
+    /// An image whose library directory holds an Open MPI `libmpi.so.40.{minor}.0`, and a
+    /// libc.so.6 of `glibc`.
+    fn image_with(minor: u32, glibc: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("usr/lib64");
+        std::fs::create_dir_all(&lib).unwrap();
+        library(
+            &lib,
+            &format!("libmpi.so.40.{minor}.0"),
+            "libmpi.so.40",
+            "strlen(s)",
+        );
+        std::fs::write(lib.join("libc.so.6"), format!("release version {glibc}.")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_hosts_mpi_is_bound_only_when_abi_minor_glibc_and_dependencies_fit() {
+        let host = tempfile::tempdir().unwrap();
+        let mut config = host_mpi(host.path());
+        let what = "--container-mpi=host";
+        // libdep.so.1 is in neither the image nor the configuration.
+        let image = image_with(30, "2.99");
+        let lowers = [image.path().to_path_buf()];
+        let e = mpi_binds(&config, &lowers, what).unwrap_err().to_string();
+        assert!(
+            e.contains("need libdep.so.1, which neither the image"),
+            "{e}"
+        );
+        config
+            .host_software
+            .mpi_libraries
+            .push(format!("{}/libdep.so.1", host.path().display()));
+        let binds = mpi_binds(&config, &lowers, what).unwrap();
+        let dests: Vec<_> = binds.iter().map(|b| b.destination.clone()).collect();
+        assert_eq!(
+            dests,
+            [
+                Path::new(LIB_DIR).join("libmpi.so.40"),
+                Path::new(LIB_DIR).join("libmpi.so.40.30.4"),
+                Path::new(LIB_DIR).join("libdep.so.1"),
+                host.path().join("mpi.c"),
+            ]
+        );
+        assert!(binds.iter().all(|b| b.readonly));
+        // An image built on a newer Open MPI than the host's.
+        let newer = image_with(31, "2.99");
+        let e = mpi_binds(&config, &[newer.path().to_path_buf()], what)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the image's MPI is Open MPI (libmpi.so.40.31.0), newer than this node's Open MPI (libmpi.so.40.30.4)"),
+            "{e}"
+        );
+        // An image whose glibc is older than what the host's libraries need.
+        let old = image_with(30, "2.1");
+        let e = mpi_binds(&config, &[old.path().to_path_buf()], what)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the image's glibc 2.1 is older than the 2."),
+            "{e}"
+        );
+        assert_eq!(e.lines().count(), 1);
+        // No MPI in the image at all.
+        let none = tempfile::tempdir().unwrap();
+        let e = mpi_binds(&config, &[none.path().to_path_buf()], what)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the image has no MPI library"), "{e}");
+    }
+
     #[test]
     fn ld_library_path_gets_the_host_mpi_first() {
         let mut env = vec![("LD_LIBRARY_PATH".to_string(), "/opt/x".to_string())];
