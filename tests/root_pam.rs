@@ -52,7 +52,8 @@ struct Cluster {
     key: PathBuf,
 }
 
-static SSHD_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+/// The sshd listeners this process started, stopped at exit.
+static SSHD_PIDS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -108,18 +109,20 @@ fn cluster() -> &'static Cluster {
         )
         .unwrap();
         extern "C" fn stop_all() {
-            let pid = SSHD_PID.load(std::sync::atomic::Ordering::Relaxed);
-            if pid > 0 {
-                // SAFETY: killing the sshd listener this process started.
-                unsafe { libc::kill(i32::try_from(pid).unwrap(), libc::SIGTERM) };
+            let pids = SSHD_PIDS.lock().map(|p| p.clone()).unwrap_or_default();
+            for pid in pids {
+                // SAFETY: killing an sshd listener this process started.
+                unsafe { libc::kill(i32::try_from(pid).unwrap_or(0), libc::SIGTERM) };
             }
-            let _ = Command::new("bash")
-                .arg(repo().join("integration/slurm/stop.sh"))
-                .arg("--state")
-                .arg(state_path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
+            for state in [state_path(), two_nodes_state()] {
+                let _ = Command::new("bash")
+                    .arg(repo().join("integration/slurm/stop.sh"))
+                    .arg("--state")
+                    .arg(state)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status();
+            }
         }
         // SAFETY: registering a plain function to run at process exit.
         unsafe { libc::atexit(stop_all) };
@@ -153,7 +156,15 @@ fn cluster() -> &'static Cluster {
         let cwd = state.join("cwd");
         std::fs::create_dir_all(&cwd).unwrap();
         std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        let (ssh_port, key) = start_sshd(&state, &conf, &node, &profile_dir);
+        let module = module_line(
+            &profile_dir,
+            &format!(
+                "nodename={node} slurm_conf={} state_dir={} timeout_ms={SLURM_TIMEOUT_MS}",
+                conf.display(),
+                state.join("berth/state").display()
+            ),
+        );
+        let (ssh_port, key) = start_sshd(&state.join("ssh"), &module);
         Cluster {
             state,
             conf,
@@ -165,13 +176,23 @@ fn cluster() -> &'static Cluster {
     })
 }
 
-/// sshd on a free loopback port, with the test's PAM stack bound over /etc/pam.d/sshd in a
-/// mount namespace of its own. Returns the port and the client's key.
-fn start_sshd(state: &Path, conf: &Path, node: &str, profile_dir: &Path) -> (u16, PathBuf) {
-    let dir = state.join("ssh");
+/// The module's PAM line with `args`: this build's, `BERTH_TEST_PAM`'s, or pam_permit.so.
+fn module_line(profile_dir: &Path, args: &str) -> String {
+    match std::env::var("BERTH_TEST_PAM").as_deref() {
+        Ok("none") => "pam_permit.so".to_string(),
+        Ok(path) if path.starts_with('/') => format!("{path} {args}"),
+        _ => format!("{} {args}", profile_dir.join("libpam_berth.so").display()),
+    }
+}
+
+/// sshd on a free loopback port, with a PAM stack of `module` in the account and session stacks
+/// bound over /etc/pam.d/sshd in a mount namespace of its own; its files in `dir`. Returns the
+/// port and the client's key.
+fn start_sshd(dir: &Path, module: &str) -> (u16, PathBuf) {
     let keys = dir.join("keys");
     std::fs::create_dir_all(&keys).unwrap();
     for name in ["host_key", "client_key"] {
+        let _ = std::fs::remove_file(dir.join(name));
         let out = Command::new("ssh-keygen")
             .args(["-q", "-t", "ed25519", "-N", ""])
             .arg("-f")
@@ -184,19 +205,6 @@ fn start_sshd(state: &Path, conf: &Path, node: &str, profile_dir: &Path) -> (u16
     for user in ["root", "berthtest", OTHER] {
         std::fs::write(keys.join(user), &public).unwrap();
     }
-    let module = match std::env::var("BERTH_TEST_PAM").as_deref() {
-        Ok("none") => "pam_permit.so".to_string(),
-        module => format!(
-            "{} nodename={node} slurm_conf={} state_dir={} timeout_ms={SLURM_TIMEOUT_MS}",
-            match module {
-                Ok(path) if path.starts_with('/') => PathBuf::from(path),
-                _ => profile_dir.join("libpam_berth.so"),
-            }
-            .display(),
-            conf.display(),
-            state.join("berth/state").display()
-        ),
-    };
     let pam = dir.join("pam");
     std::fs::write(
         &pam,
@@ -232,7 +240,7 @@ fn start_sshd(state: &Path, conf: &Path, node: &str, profile_dir: &Path) -> (u16
         .stderr(log)
         .spawn()
         .expect("starting sshd (apt-get install openssh-server)");
-    SSHD_PID.store(child.id(), std::sync::atomic::Ordering::Relaxed);
+    SSHD_PIDS.lock().unwrap().push(child.id());
     // Runs until the atexit handler stops it; the test binary's exit reaps it.
     std::mem::forget(child);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -280,10 +288,15 @@ fn ssh_command(user: &str, cmd: &str) -> Command {
 /// `program` (ssh or sftp) with the test key and options, ending with `port_flag PORT`.
 fn client(program: &str, port_flag: &str) -> Command {
     let c = cluster();
+    client_to(program, port_flag, c.ssh_port, &c.key)
+}
+
+/// `program` to the sshd on `port` with `key`.
+fn client_to(program: &str, port_flag: &str, port: u16, key: &Path) -> Command {
     let mut command = Command::new("timeout");
     command
         .args(["60", program, "-i"])
-        .arg(&c.key)
+        .arg(key)
         .args([
             "-o",
             "StrictHostKeyChecking=no",
@@ -295,7 +308,7 @@ fn client(program: &str, port_flag: &str) -> Command {
             "ConnectTimeout=20",
             port_flag,
         ])
-        .arg(c.ssh_port.to_string())
+        .arg(port.to_string())
         .stdin(Stdio::null());
     command
 }
@@ -905,5 +918,199 @@ fn sftp_lists_the_images_files_through_internal_sftp() {
         stdout(&out).lines().any(|l| l.trim() == format!("/{only}")),
         "the image's file is not listed: {}",
         stdout(&out)
+    );
+}
+
+fn two_nodes_state() -> PathBuf {
+    PathBuf::from(format!("{}-2n", state_path().display()))
+}
+
+/// A second cluster of this file: two slurmd on this host (start.sh --nodes 2, nodes n1 and n2 of
+/// one host name), and three sshd standing for them: told `nodename=` n1, n2, and not told. Its
+/// slurmd track processes without cgroups (start.sh: two slurmd's cgroup v1 trees would meet), so
+/// there is no extern step cgroup to join: every stack says action_adopt_failure=allow, and what
+/// the tests see is the account decision.
+struct TwoNodes {
+    conf: PathBuf,
+    nodes: [String; 2],
+    /// sshd ports: told n1, told n2, not told.
+    ports: [u16; 3],
+    keys: [PathBuf; 3],
+}
+
+/// `n` consecutive free TCP ports (slurmctld's and each slurmd's).
+fn free_port_run(n: u16) -> u16 {
+    for _ in 0..50 {
+        let p = free_port();
+        if p < 65000 && (1..n).all(|i| std::net::TcpListener::bind(("0.0.0.0", p + i)).is_ok()) {
+            return p;
+        }
+    }
+    panic!("no {n} consecutive free ports found");
+}
+
+fn two_nodes() -> &'static TwoNodes {
+    static TWO: OnceLock<TwoNodes> = OnceLock::new();
+    TWO.get_or_init(|| {
+        // The first cluster's set-up builds the plugin and the module and registers the stop.
+        let _ = cluster();
+        let profile_dir = Path::new(BERTH).parent().unwrap().to_path_buf();
+        let state = two_nodes_state();
+        let berth_config = PathBuf::from(format!("{}.toml", state.display()));
+        std::fs::write(
+            &berth_config,
+            format!(
+                "[cgroup]\nroot = \"{}-pam2\"\n[runtime]\nstate_dir = \"{s}/berth/state\"\n\
+                 [squashfs]\nmount_dir = \"{s}/berth/images\"\n\
+                 [scratch]\nroot = \"{s}/berth/scratch\"\n",
+                cgroup_root(),
+                s = state.display(),
+            ),
+        )
+        .unwrap();
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .args(["--nodes", "2", "--contain"])
+            .arg("--plugin")
+            .arg(profile_dir.join("libspank_berth.so"))
+            .arg("--berth")
+            .arg(berth_bin())
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .env("BERTH_SLURM_PORT", free_port_run(3).to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh --nodes 2 failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        let conf = state.join("etc/slurm.conf");
+        let names: Vec<String> = std::fs::read_to_string(&conf)
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("# nodes: "))
+            .expect("slurm.conf names its nodes")
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        let nodes: [String; 2] = names.try_into().expect("two nodes");
+        let args = |nodename: &str| {
+            module_line(
+                &profile_dir,
+                &format!(
+                    "{nodename} slurm_conf={} state_dir={} timeout_ms={SLURM_TIMEOUT_MS} \
+                     action_adopt_failure=allow",
+                    conf.display(),
+                    state.join("berth/state").display()
+                ),
+            )
+        };
+        let told1 = start_sshd(
+            &state.join("ssh-n1"),
+            &args(&format!("nodename={}", nodes[0])),
+        );
+        let told2 = start_sshd(
+            &state.join("ssh-n2"),
+            &args(&format!("nodename={}", nodes[1])),
+        );
+        let host = start_sshd(&state.join("ssh-host"), &args(""));
+        TwoNodes {
+            conf,
+            nodes,
+            ports: [told1.0, told2.0, host.0],
+            keys: [told1.1, told2.1, host.1],
+        }
+    })
+}
+
+#[test]
+#[ignore = "root tier: run by integration/test.sh"]
+fn a_job_on_one_node_does_not_open_another_node_of_the_same_host() {
+    let t = two_nodes();
+    let _ = test_user();
+    let cwd = cluster().cwd.clone();
+    let out = Command::new("runuser")
+        .args(["-u", "berthtest", "--", "sbatch", "--parsable", "-w"])
+        .arg(&t.nodes[0])
+        .args(["--wrap", "sleep 600"])
+        .env("SLURM_CONF", &t.conf)
+        .current_dir(&cwd)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running sbatch");
+    assert!(out.status.success(), "sbatch: {}", stderr(&out));
+    let id = stdout(&out).trim().to_string();
+    struct Cancel<'a>(&'a str, &'a Path);
+    impl Drop for Cancel<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("scancel")
+                .arg(self.0)
+                .env("SLURM_CONF", self.1)
+                .status();
+        }
+    }
+    let _cancel = Cancel(&id, &t.conf);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stdout(
+        &Command::new("squeue")
+            .args(["-h", "-o", "%T", "-j", &id])
+            .env("SLURM_CONF", &t.conf)
+            .output()
+            .unwrap(),
+    )
+    .trim()
+        != "RUNNING"
+    {
+        assert!(Instant::now() < deadline, "job {id} not running after 60 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let login = |i: usize| {
+        client_to("ssh", "-p", t.ports[i], &t.keys[i])
+            .args(["berthtest@127.0.0.1", "echo in"])
+            .output()
+            .unwrap()
+    };
+    // The node of the job: in.
+    let out = login(0);
+    assert!(
+        out.status.success() && stdout(&out).contains("in"),
+        "refused on {}, the node of job {id}: {}",
+        t.nodes[0],
+        stderr(&out)
+    );
+    // The other node of the same host: refused, naming it.
+    let out = login(1);
+    assert!(
+        !out.status.success() && !stdout(&out).contains("in"),
+        "let in on {} by job {id} on {}: {}",
+        t.nodes[1],
+        t.nodes[0],
+        stdout(&out)
+    );
+    assert!(
+        stderr(&out).contains(&format!(
+            "berth: access denied: you have no running job on {}",
+            t.nodes[1]
+        )),
+        "{}",
+        stderr(&out)
+    );
+    // Not told which node it is, on a host of two: it cannot tell, and refuses.
+    let out = login(2);
+    assert!(
+        !out.status.success() && !stdout(&out).contains("in"),
+        "let in on a host of two nodes without nodename= (job {id} on {}): {}",
+        t.nodes[0],
+        stdout(&out)
+    );
+    assert!(
+        stderr(&out).contains("berth: access denied: cannot tell whether you have a job on"),
+        "{}",
+        stderr(&out)
     );
 }

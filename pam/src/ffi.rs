@@ -3,6 +3,8 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
+use crate::login::Joined;
+
 /// libpam's `pam_handle_t`, opaque.
 #[repr(C)]
 #[derive(Debug)]
@@ -135,11 +137,11 @@ impl Pam {
     }
 
     /// Keeps the account stage's job for the session stage of the same handle.
-    pub fn set_job(&self, job: Option<u64>) {
+    pub fn set_job(&self, job: Option<Joined>) {
         unsafe extern "C" fn free(_: *mut PamHandle, data: *mut c_void, _: c_int) {
             if !data.is_null() {
                 // SAFETY: data is the Box leaked by set_job, freed once by libpam.
-                drop(unsafe { Box::from_raw(data.cast::<Option<u64>>()) });
+                drop(unsafe { Box::from_raw(data.cast::<Option<Joined>>()) });
             }
         }
         let data = Box::into_raw(Box::new(job));
@@ -152,15 +154,15 @@ impl Pam {
     }
 
     /// The account stage's job: None when that stage did not run on this handle.
-    pub fn job(&self) -> Option<Option<u64>> {
+    pub fn job(&self) -> Option<Option<Joined>> {
         let mut p: *const c_void = std::ptr::null();
         // SAFETY: the handle is live; libpam writes one pointer.
         let rc = unsafe { pam_get_data(self.handle, JOB_KEY.as_ptr(), &raw mut p) };
         if rc != PAM_SUCCESS || p.is_null() {
             return None;
         }
-        // SAFETY: set_job stored an Option<u64> under this key, alive until the handle ends.
-        Some(unsafe { *p.cast::<Option<u64>>() })
+        // SAFETY: set_job stored an Option<Joined> under this key, alive until the handle ends.
+        Some(unsafe { &*p.cast::<Option<Joined>>() }.clone())
     }
 }
 

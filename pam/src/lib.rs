@@ -107,14 +107,14 @@ mod entry {
     }
 
     fn open_session(pam: &Pam, args: &[&str]) -> c_int {
-        let (opts, user, node) = match start(pam, args) {
+        let (opts, user, host_node) = match start(pam, args) {
             Start::Done(rc) => return rc,
             Start::Go(go) => *go,
         };
         let job = match pam.job() {
             Some(job) => job,
             // The account stage did not run on this handle (a stack without it): decide now.
-            None => match login::decide(&opts, &user, &node, pam.rhost()) {
+            None => match login::decide(&opts, &user, &host_node, pam.rhost()) {
                 Verdict::Allow(job) => job,
                 Verdict::Ignore => return ffi::PAM_IGNORE,
                 Verdict::Deny(line) | Verdict::Fail { log: line, .. } => {
@@ -123,7 +123,7 @@ mod entry {
                 }
             },
         };
-        let Some(job) = job else {
+        let Some(login::Joined { job, node }) = job else {
             return ffi::PAM_SUCCESS;
         };
         let joined = login::adopt(&opts, &user, &node, job, std::process::id()).and_then(|()| {

@@ -7,11 +7,18 @@ use std::os::unix::ffi::OsStrExt;
 use crate::jobs::{self, Pick};
 use crate::options::{Failure, NoJobs, Options};
 
+/// The job a login joins and the Slurm name of this node it runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Joined {
+    pub job: u64,
+    pub node: String,
+}
+
 /// The outcome of the account check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
     /// In, into this job (None: in without a job: exempt, or `action_unknown=allow`).
-    Allow(Option<u64>),
+    Allow(Option<Joined>),
     /// Out, with the one line the user reads.
     Deny(String),
     /// PAM_IGNORE: the stack's other modules decide.
@@ -121,24 +128,61 @@ pub fn short_hostname() -> String {
     name.split('.').next().unwrap_or("").to_string()
 }
 
-/// The account decision for `user` (not root, not an admin) logging in from `rhost`.
+/// `action_generic_failure` for a failure berth logs as `log`.
+fn cannot_tell(opts: &Options, node: &str, log: String, why: &str) -> Verdict {
+    match opts.action_generic_failure {
+        Failure::Allow => Verdict::Allow(None),
+        Failure::Ignore => Verdict::Ignore,
+        Failure::Deny => Verdict::Fail {
+            log,
+            user: format!(
+                "berth: access denied: cannot tell whether you have a job on {node} ({why})"
+            ),
+        },
+    }
+}
+
+/// The account decision for `user` (not root, not an admin) logging in from `rhost`. `node` is
+/// `nodename=`, else this host's short name.
 pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> Verdict {
     let conf = opts.slurm_conf.as_deref();
-    let jobs = match jobs::running_jobs(&opts.squeue, conf, user.uid, node, opts.timeout) {
+    let mut jobs = match jobs::running_jobs(&opts.squeue, conf, user.uid, node, opts.timeout) {
         Ok(jobs) => jobs,
         Err(e) => {
-            return match opts.action_generic_failure {
-                Failure::Allow => Verdict::Allow(None),
-                Failure::Ignore => Verdict::Ignore,
-                Failure::Deny => Verdict::Fail {
-                    log: e.to_string(),
-                    user: format!(
-                        "berth: access denied: cannot tell whether you have a job on {node} \
-                         (Slurm did not answer); try again later"
-                    ),
-                },
-            };
+            return cannot_tell(
+                opts,
+                node,
+                e.to_string(),
+                "Slurm did not answer; try again later",
+            );
         }
+    };
+    let mut node = node.to_string();
+    // squeue takes a host name for every Slurm node on that host: when a job's nodes do not
+    // name this host itself, which node this is must come from Slurm (or nodename=).
+    if opts.nodename.is_none() && jobs.iter().any(|j| !j.nodes.contains(&node)) {
+        let here = jobs::nodes_at(&opts.squeue, conf, &node, opts.timeout);
+        match here.as_slice() {
+            [one] => node.clone_from(one),
+            [] => {}
+            several => {
+                let log = format!(
+                    "pam_berth: Slurm nodes {} run on this host ({node}): set nodename= on the \
+                     module's PAM lines",
+                    several.join(", ")
+                );
+                let why = "several Slurm nodes run on this host; tell your administrator";
+                return cannot_tell(opts, &node, log, why);
+            }
+        }
+        jobs.retain(|j| j.nodes.contains(&node));
+    }
+    let node = node.as_str();
+    let joined = |job: u64| {
+        Verdict::Allow(Some(Joined {
+            job,
+            node: node.to_string(),
+        }))
     };
     let callers = match (jobs.len(), rhost) {
         (2.., Some(host)) if !is_local(host) => {
@@ -150,14 +194,14 @@ pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> V
             if let Some(id) =
                 crate::callerid::local_caller_job(&opts.cgroup_mount, node, user.uid, &ids)
             {
-                return Verdict::Allow(Some(id));
+                return joined(id);
             }
             Vec::new()
         }
         _ => Vec::new(),
     };
     match jobs::pick(&jobs, &callers, opts.action_unknown) {
-        Pick::Job(id) => Verdict::Allow(Some(id)),
+        Pick::Job(id) => joined(id),
         Pick::AllowUnadopted => Verdict::Allow(None),
         Pick::NoJobs => match opts.action_no_jobs {
             NoJobs::Deny => Verdict::Deny(no_job_line(node)),
@@ -214,6 +258,55 @@ mod tests {
         ));
         opts.action_generic_failure = Failure::Ignore;
         assert_eq!(decide(&opts, &user, "n1", None), Verdict::Ignore);
+    }
+
+    /// A squeue and an sinfo that print `squeue` and `sinfo`, in a directory of their own.
+    fn fake_slurm(tag: &str, squeue: &str, sinfo: &str) -> std::path::PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("pam-berth-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text) in [("squeue", squeue), ("sinfo", sinfo)] {
+            let path = dir.join(name);
+            std::fs::write(&path, format!("#!/bin/sh\nprintf '{text}'\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn a_host_with_several_slurm_nodes_needs_nodename() {
+        let user = lookup_user("root").unwrap();
+        let job = "5 2026-01-01T10:00:00 n1\\n";
+        let two = fake_slurm("two", job, "n1 127.0.0.1 vm\\nn2 127.0.0.1 vm\\n");
+        let opts =
+            Options::parse([format!("squeue={}", two.join("squeue").display()).as_str()]).unwrap();
+        match decide(&opts, &user, "vm", None) {
+            Verdict::Fail { log, .. } => assert!(log.contains("nodename="), "{log}"),
+            other => panic!("let in on a host of two nodes: {other:?}"),
+        }
+        // Told which node it is, the module asks for that node only (the fake answers anyway).
+        let mut told = opts.clone();
+        told.nodename = Some("n1".into());
+        assert_eq!(
+            decide(&told, &user, "n1", None),
+            Verdict::Allow(Some(Joined {
+                job: 5,
+                node: "n1".into()
+            }))
+        );
+        let one = fake_slurm("one", job, "n1 127.0.0.1 vm\\n");
+        let opts =
+            Options::parse([format!("squeue={}", one.join("squeue").display()).as_str()]).unwrap();
+        assert_eq!(
+            decide(&opts, &user, "vm", None),
+            Verdict::Allow(Some(Joined {
+                job: 5,
+                node: "n1".into()
+            }))
+        );
+        std::fs::remove_dir_all(two).unwrap();
+        std::fs::remove_dir_all(one).unwrap();
     }
 
     #[test]
