@@ -756,10 +756,8 @@ fn container_mnt_ns(job: &Job, name: &str) -> String {
                 continue;
             }
             let pid = record["init_pid"].as_i64().unwrap_or(0);
-            if let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) {
-                if pid > 0 {
-                    return ns.display().to_string();
-                }
+            if let (true, Ok(ns)) = (pid > 0, std::fs::read_link(format!("/proc/{pid}/ns/mnt"))) {
+                return ns.display().to_string();
             }
         }
         assert!(
