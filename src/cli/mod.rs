@@ -26,6 +26,8 @@ pub mod cdi;
 pub mod cluster;
 pub mod cluster_slurm;
 pub mod container;
+#[cfg(test)]
+mod doc_check;
 pub mod exit;
 pub mod export;
 pub mod gc;
