@@ -646,3 +646,83 @@ fn container_mpi_host_refuses_an_mpich_image_and_one_too_old_for_the_hosts_libra
     ));
     assert!(!stderr(&o).contains("--container-mpi"), "{}", show(&o));
 }
+
+/// Where the two-node cluster keeps its state.
+fn two_node_state() -> PathBuf {
+    PathBuf::from(format!("{}-2nodes", state_path().display()))
+}
+
+/// A second cluster, of two slurmd on this host (start.sh --nodes 2, with berth's test
+/// configuration: host_software's defaults, Debian's Open MPI), for `-N2` steps; started on
+/// first use, stopped at exit. Its slurm.conf.
+fn two_node_conf() -> &'static Path {
+    static CONF: OnceLock<PathBuf> = OnceLock::new();
+    CONF.get_or_init(|| {
+        // The first cluster builds the plugin.
+        let _ = cluster();
+        let plugin = std::env::var_os("BERTH_TEST_PLUGIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(BERTH).parent().unwrap().join("libspank_berth.so"));
+        extern "C" fn stop_two() {
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(two_node_state())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_two) };
+        // slurmctld's port and one per slurmd, consecutive.
+        let port = (0..50)
+            .map(|_| free_port_pair())
+            .find(|p| std::net::TcpListener::bind(("0.0.0.0", p + 2)).is_ok())
+            .expect("three consecutive free ports");
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(two_node_state())
+            .args(["--nodes", "2"])
+            .arg("--plugin")
+            .arg(&plugin)
+            .arg("--berth")
+            .arg(berth_bin())
+            .env("BERTH_SLURM_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh --nodes 2");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh --nodes 2 failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        two_node_state().join("etc/slurm.conf")
+    })
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn container_mpi_host_spans_two_nodes() {
+    let img = format!("--container-image={}", debian_image());
+    let mut cmd = slurm_as_user(
+        "srun",
+        &[
+            "--mpi=pmix",
+            "-N2",
+            "-n2",
+            &img,
+            "--container-mpi=host",
+            "/usr/local/bin/mpiwhich",
+        ],
+    );
+    cmd.env("SLURM_CONF", two_node_conf());
+    let o = output(cmd);
+    assert_eq!(
+        mapped_libmpi(&o, 2),
+        "/usr/lib/berth/host-mpi/libmpi.so.40",
+        "{}",
+        show(&o)
+    );
+}
