@@ -397,12 +397,12 @@ fn lazy_refuses_what_is_not_a_lazy_image() {
         "{e}"
     );
 
-    // A container that outlives berth's process cannot have the FUSE server that process runs.
+    // Nor is one started for it by berth create.
     let out = f.berth(&["create", "--image", &image]);
     assert!(!out.status.success());
     let e = stderr(&out);
     assert!(
-        e.contains("serves berth run only") && e.lines().count() == 1,
+        e.contains("not a lazy image") && e.lines().count() == 1,
         "{e}"
     );
 
@@ -538,4 +538,73 @@ fn sigterm_to_a_lazy_run_ends_its_container_and_leaves_no_mount() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(143), "{status:?}");
     f.unmounted();
+}
+
+/// The pids of the lazy image servers (`berth … lazy serve …`) of `reference`.
+fn servers_of(reference: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let words: Vec<&[u8]> = cmd.split(|b| *b == 0).filter(|w| !w.is_empty()).collect();
+        if words.windows(2).any(|w| w == [&b"lazy"[..], &b"serve"[..]])
+            && words.last() == Some(&reference.as_bytes())
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[test]
+#[ignore = "root tier"]
+fn berth_create_uses_the_nodes_server_which_gc_stops_after_rm() {
+    let f = Fixture::new();
+    f.publish("1");
+    let reference = format!("docker://{}/t/lazy:1", f.proxy.host());
+    let image = format!("lazy:{reference}");
+    let id = ok(f.berth(&["create", "--image", &image]))
+        .trim()
+        .to_string();
+    struct Rm<'a>(&'a Fixture, String);
+    impl Drop for Rm<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.berth(&["rm", &self.1]);
+            let _ = self.0.berth(&["gc"]);
+        }
+    }
+    let rm = Rm(&f, id.clone());
+    // Outlives berth create: the image comes from the node's server, not that process.
+    let out = f.berth(&["exec", &id, "--", "cat", "/hello.txt"]);
+    assert_eq!(stdout(&out), "lazy hello\n", "{}", stderr(&out));
+    let first = servers_of(&reference);
+    assert_eq!(first.len(), 1, "{first:?}");
+    // A second container of the image: the same server.
+    let second = ok(f.berth(&["create", "--image", &image]))
+        .trim()
+        .to_string();
+    let rm2 = Rm(&f, second.clone());
+    assert_eq!(servers_of(&reference), first);
+    // In use: gc leaves it.
+    let gc = ok(f.berth(&["gc"]));
+    assert!(!gc.contains("lazy image server"), "{gc}");
+    assert_eq!(servers_of(&reference), first);
+    ok(f.berth(&["rm", &id]));
+    let gc = ok(f.berth(&["gc"]));
+    assert!(!gc.contains("lazy image server"), "{gc}");
+    let out = f.berth(&["exec", &second, "--", "md5sum", "/big.bin"]);
+    assert!(stdout(&out).starts_with(&f.big_md5), "{}", stderr(&out));
+    ok(f.berth(&["rm", &second]));
+    let gc = ok(f.berth(&["gc"]));
+    assert!(
+        gc.contains("stopped the lazy image server of index sha256:"),
+        "{gc}"
+    );
+    assert!(servers_of(&reference).is_empty());
+    f.unmounted();
+    drop((rm, rm2));
 }

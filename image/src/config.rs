@@ -60,6 +60,9 @@ pub struct RegistryConfig {
     /// seconds never trips `read_timeout_s`); 0: no minimum.
     pub min_rate_bytes_per_s: u64,
     pub min_rate_window_s: u64,
+    /// Seconds one chunk fetch of a lazy image (`lazy:REF`) may take, retries included: past
+    /// it the container's read fails with EIO (a registry that stalls never hangs a reader).
+    pub lazy_read_deadline_s: u64,
     /// Set by the Prolog (never read from berth.toml): `prolog_import_deadline_s` applies.
     #[serde(skip)]
     pub in_prolog: bool,
@@ -103,6 +106,7 @@ impl Default for RegistryConfig {
             prolog_import_deadline_s: 300,
             min_rate_bytes_per_s: 4096,
             min_rate_window_s: 30,
+            lazy_read_deadline_s: 30,
             in_prolog: false,
         }
     }

@@ -37,8 +37,12 @@ pub enum Held {
     Image(InUse),
     /// A directory image, attached where root alone reaches it.
     Directory(berth_image::mount::DirectoryMount),
-    /// A lazily loaded image (`lazy:REF`): its FUSE and squashfs mounts, this process's own.
+    /// A lazily loaded image (`lazy:REF`) of `berth run`: its FUSE and squashfs mounts, this
+    /// process's own.
     Lazy(Box<berth_image::lazy::LazyMount>),
+    /// A lazily loaded image served by the node's server of it: the use the container's init
+    /// inherits (image::lazy::server).
+    LazyShared(Box<berth_image::lazy::server::Attached>),
 }
 
 /// Resolves an image for `user`. A directory is used as the root filesystem itself (berth's
@@ -83,13 +87,8 @@ pub fn resolve(
             Err(_) => {}
         }
     }
-    if text.starts_with("lazy:") {
-        return Err(SlurmError::input(format!(
-            "image {}: a lazy image serves berth run only (its FUSE server lives in that process; \
-             this container would outlive it): use berth run --image lazy:…, or the image \
-             without lazy:",
-            berth_sys::text::elide(text)
-        )));
+    if let Some(rest) = text.strip_prefix("lazy:") {
+        return resolve_lazy_shared(rest, config, user);
     }
     let reference = reference::parse(text).map_err(SlurmError::Image)?;
     let opened = if store::is_local_path(&reference) {
@@ -129,7 +128,7 @@ pub fn resolve(
 
 /// `lazy:REF` (`text` is REF): the lazy form `berth lazy publish` made of an image, mounted for
 /// this process with `user`'s credentials (image::lazy); its chunks come as the container reads
-/// them. For `berth run` alone: the mounts last as long as this process.
+/// them. For `berth run`: the mounts last as long as this process.
 pub fn resolve_lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resolved, SlurmError> {
     let r = match reference::parse(text).map_err(SlurmError::Image)? {
         berth_image::Reference::Registry(r) => r,
@@ -148,6 +147,47 @@ pub fn resolve_lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resol
         digest: Some(mount.digest.clone()),
         in_use: Some(Held::Lazy(Box::new(mount))),
     })
+}
+
+/// `lazy:REF` for a container that outlives this process (`berth create`, a Slurm step): the
+/// node's server of the image, started if none runs, after `user`'s credentials fetched its
+/// manifest and index (image::lazy::server).
+pub fn resolve_lazy_shared(
+    text: &str,
+    config: &Config,
+    user: &UserIds,
+) -> Result<Resolved, SlurmError> {
+    let r = match reference::parse(text).map_err(SlurmError::Image)? {
+        berth_image::Reference::Registry(r) => r,
+        _ => {
+            return Err(SlurmError::input(format!(
+                "image lazy:{text}: lazy: names a registry image (lazy:docker://REGISTRY/REPO:TAG)"
+            )));
+        }
+    };
+    let attached = berth_image::lazy::server::attach(
+        text,
+        &r,
+        &config.image(),
+        user.uid,
+        user.home.as_deref(),
+        &lazy_node(config),
+    )
+    .map_err(SlurmError::Image)?;
+    Ok(Resolved {
+        lowers: vec![attached.root.clone()],
+        defaults: ImageDefaults::from_config(&attached.config),
+        digest: Some(attached.digest.clone()),
+        in_use: Some(Held::LazyShared(Box::new(attached))),
+    })
+}
+
+/// Where this node's lazy image servers keep their files, and the cgroup they run in.
+pub fn lazy_node(config: &Config) -> berth_image::lazy::server::Node {
+    berth_image::lazy::server::Node {
+        run_dir: config.runtime.state_dir.join("lazy"),
+        cgroup: Some(config.cgroup.root()),
+    }
 }
 
 /// A detached copy (`open_tree` OPEN_TREE_CLONE) of the mount at the open directory `dir`, rooted

@@ -158,6 +158,12 @@ pub fn epilog(config: &Config, say: Say<'_>) -> Result<Verdict, SlurmError> {
         );
     }
     berth_image::mount::release_unused(&config.image());
+    for line in berth_image::lazy::server::stop_unused(
+        &config.image(),
+        &crate::container::lazy_node(config),
+    ) {
+        tracing::info!("job {job}: {line}");
+    }
     let root = &config.scratch.root;
     let mut keep_scratch = false;
     let stage_in_failed = berth_stage::scratch::failure(root, &job).is_some();

@@ -311,11 +311,8 @@ fn image(
                 None => caller.clone(),
             };
             match text.strip_prefix("lazy:") {
-                Some(_) if hold => {
-                    return Err(SlurmError::input(
-                        "a lazy image (lazy:REF) serves berth run only: its FUSE server lives in \
-                         that process, and a held container outlives it",
-                    ));
+                Some(rest) if hold => {
+                    crate::container::resolve_lazy_shared(rest, config, &reader)?
                 }
                 Some(rest) => crate::container::resolve_lazy(rest, config, &reader)?,
                 None => resolve(text, config, &reader, flags.arch.clone())?,

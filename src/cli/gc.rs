@@ -1,6 +1,6 @@
 //! `berth gc`: reclaims containers whose berth process died (cgroups and state directories),
-//! the scratch of jobs that ended without an Epilog, and expired retained scratch. The image
-//! store's garbage is `berth images gc`'s (images.rs).
+//! the lazy image servers no container uses, the scratch of jobs that ended without an Epilog,
+//! and expired retained scratch. The image store's garbage is `berth images gc`'s (images.rs).
 
 use std::time::Duration;
 
@@ -13,8 +13,9 @@ use crate::runtime::state;
 /// Clean up after containers and jobs: killed containers, unused image mounts, old scratch
 ///
 /// Reclaims the leftovers of berth processes that were killed (their cgroups and state),
-/// unmounts squashfs/SIF images no container uses, removes the scratch of jobs Slurm no longer
-/// runs and retained scratch past scratch.retention_days. It never removes an image: the image
+/// unmounts squashfs/SIF images no container uses, stops the lazy image servers no container
+/// uses, removes the scratch of jobs Slurm no longer runs and retained scratch past
+/// scratch.retention_days. It never removes an image: the image
 /// store is cleaned by `berth images gc` (least recently used images, unused layers). Needs
 /// root; berth-gc.timer runs it hourly.
 #[derive(Debug, Args)]
@@ -43,6 +44,13 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
             }
             Err(e) => eprintln!("berth: {e}"),
         }
+    }
+    // A lazy image's server stays for the next container of the image until then.
+    for line in crate::image::lazy::server::stop_unused(
+        &config.image(),
+        &crate::slurm::container::lazy_node(config),
+    ) {
+        outln!("{line}");
     }
     for line in super::prolog::housekeeping(config) {
         outln!("{line}");

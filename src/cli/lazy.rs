@@ -1,5 +1,6 @@
 //! `berth lazy`: publishes an image's lazy form (image::lazy), which `berth run --image
-//! lazy:REF` then runs before the image is on the node.
+//! lazy:REF` (and `berth create`, Slurm's `--container-image=lazy:REF`) then runs before the
+//! image is on the node; `berth lazy serve` (hidden) is lazy_serve.rs.
 
 use std::path::PathBuf;
 
@@ -26,6 +27,8 @@ pub struct LazyArgs {
 pub enum LazyCommand {
     /// Push FILE.sqsh as the lazy image REF (docker://REGISTRY/REPO:TAG)
     Publish(PublishArgs),
+    #[command(hide = true)]
+    Serve(super::lazy_serve::ServeArgs),
 }
 
 #[derive(Debug, Args)]
@@ -44,6 +47,7 @@ pub struct PublishArgs {
 pub fn execute(args: &LazyArgs, config: &Config) -> Result<i32, Failure> {
     match &args.command {
         LazyCommand::Publish(p) => publish(p, config),
+        LazyCommand::Serve(s) => super::lazy_serve::execute(s, config),
     }
 }
 

@@ -35,6 +35,7 @@ pub mod health;
 pub mod images;
 pub mod import;
 pub mod lazy;
+pub mod lazy_serve;
 pub mod prewarm;
 pub mod prolog;
 pub mod run;
@@ -151,6 +152,10 @@ impl Cli {
             (None, Some(p)) => (PathBuf::from(p), true),
             (None, None) => (PathBuf::from(config::DEFAULT_PATH), false),
         };
+        // The lazy image servers a container starts (from /) read the same file.
+        if explicit && let Ok(abs) = std::path::absolute(&path) {
+            let _ = crate::image::lazy::server::CONFIG_PATH.set(abs);
+        }
         Config::load(&path, explicit).map_err(|e| Failure::input(e.to_string()))
     }
 
@@ -259,6 +264,9 @@ pub fn needs_root(command: &Command, uid: u32) -> Option<String> {
             "it writes the node's specs into topology.cdi_dirs: run it with sudo, or give \
              --dir DIR or --stdout",
         ),
+        Command::Lazy(lazy::LazyArgs {
+            command: lazy::LazyCommand::Serve(_),
+        }) => ("lazy serve".into(), "berth starts it for a node's containers"),
         Command::Prolog(_) => ("prolog".into(), "Slurm runs it as root (Prolog=)"),
         Command::Epilog(_) => ("epilog".into(), "Slurm runs it as root (Epilog=)"),
         _ => return None,

@@ -27,6 +27,7 @@
 //! caches no run holds (`store::gc`).
 
 pub mod fuse;
+pub mod server;
 
 use std::fs::File;
 use std::io::Read;
@@ -294,6 +295,12 @@ struct Chunks {
     failure: Mutex<Option<String>>,
     /// Whether `failure` was returned as the mount's error (then the drop does not say it).
     reported: std::sync::atomic::AtomicBool,
+    /// Until when a missing chunk fails at once, without asking the registry, after a fetch
+    /// failed (`registry.lazy_read_deadline_s` from that failure), with that failure's line: a
+    /// reader walking a file asks chunk after chunk, and waiting out the deadline on each would
+    /// hold it (in the kernel, unkillable) for the whole file.
+    down: Mutex<Option<(std::time::Instant, String)>>,
+    down_for: std::time::Duration,
 }
 
 impl std::fmt::Debug for Chunks {
@@ -462,10 +469,20 @@ impl Chunks {
     fn fetch_run(&self, a: u64, b: u64) -> Result<(), ImageError> {
         let (start, _) = self.range(a);
         let (_, end) = self.range(b);
+        if let Some((until, said)) = self.down.lock().expect("down").as_ref()
+            && std::time::Instant::now() < *until
+        {
+            return Err(lazy_err(said.clone()));
+        }
         let bytes = self
             .client
             .lazy_range(&self.source, &self.index.blob, start, end - start)
-            .map_err(|e| self.fail(e.to_string()))?;
+            .map_err(|e| {
+                let said = e.to_string();
+                *self.down.lock().expect("down") =
+                    Some((std::time::Instant::now() + self.down_for, said.clone()));
+                self.fail(said)
+            })?;
         self.fetched.fetch_add(end - start, Ordering::Relaxed);
         for i in a..=b {
             let (s, e) = self.range(i);
@@ -534,30 +551,27 @@ impl fuse::Backing for Chunks {
     }
 }
 
-/// A lazy image mounted for one run: dropping it unmounts the squashfs and the FUSE file
-/// system (the chunk cache stays).
-#[derive(Debug)]
-pub struct LazyMount {
-    /// The squashfs's mount point: the container's overlay lower.
-    pub root: PathBuf,
-    /// The squashfs blob's digest.
-    pub digest: String,
-    pub config: oci_spec::image::ImageConfiguration,
-    dir: PathBuf,
-    chunks: Arc<Chunks>,
+/// A lazy image's manifest and index, fetched with a user's credentials and checked: the index
+/// blob matches the digest the manifest names, is within [`INDEX_LIMIT`] and whole, and
+/// describes the manifest's squashfs blob.
+pub(crate) struct Verified {
+    pub(crate) image: String,
+    client: Client,
+    source: LazySource,
+    index: Index,
+    /// The sha256 of the index blob, in hex: what names the chunk cache and the node's server.
+    pub(crate) index_hex: String,
 }
 
-/// The per-run directory names: unique in this process.
-static MOUNTS: AtomicU64 = AtomicU64::new(0);
-
-impl LazyMount {
-    /// Mounts the lazy image `r` for the user `uid` (whose home is `home`): see the module doc.
-    pub fn open(
+impl Verified {
+    /// Fetches `r`'s manifest and index as the user `uid` (whose home is `home`): a user who
+    /// may not pull `r` gets the pull's error here.
+    pub(crate) fn fetch(
         r: &RegistryRef,
         config: &Settings<'_>,
         uid: u32,
         home: Option<&Path>,
-    ) -> Result<LazyMount, ImageError> {
+    ) -> Result<Verified, ImageError> {
         let image = r.image_name();
         let client = Client::for_uid(config.registry, uid, home)?;
         let (source, raw) = client.lazy_manifest(r, OCI_MANIFEST)?;
@@ -609,24 +623,77 @@ impl LazyMount {
                 index.blob, index.size, sqsh.digest, sqsh.size
             )));
         }
-        // The manifest and index came within the import's deadline; each chunk fetch, for as
-        // long as the container runs, gets one of its own.
-        client.deadline_per_request();
-        let chunks = Arc::new(open_cache(
-            &image,
+        Ok(Verified {
+            image,
             client,
             source,
             index,
-            &index_hex,
+            index_hex,
+        })
+    }
+
+    /// Opens (making it when missing) the chunk cache of this index; each chunk fetch from now
+    /// on gets `registry.lazy_read_deadline_s` of its own.
+    fn open_cache(self, config: &Settings<'_>) -> Result<Chunks, ImageError> {
+        // The manifest and index came within the import's deadline; each chunk fetch, for as
+        // long as the container runs, gets one of its own.
+        self.client.deadline_per_request();
+        let mut chunks = open_cache(
+            &self.image,
+            self.client,
+            self.source,
+            self.index,
+            &self.index_hex,
             config.store.root.as_path(),
             config.store.reserve_bytes,
-        )?);
-        let digest = chunks.index.blob.clone();
+        )?;
+        chunks.down_for = std::time::Duration::from_secs(config.registry.lazy_read_deadline_s);
+        Ok(chunks)
+    }
+}
 
-        let parent = config.squashfs.mount_dir.join("lazy");
+/// A lazy image mounted for one run: dropping it unmounts the squashfs and the FUSE file
+/// system (the chunk cache stays).
+#[derive(Debug)]
+pub struct LazyMount {
+    /// The squashfs's mount point: the container's overlay lower.
+    pub root: PathBuf,
+    /// The squashfs blob's digest.
+    pub digest: String,
+    pub config: oci_spec::image::ImageConfiguration,
+    dir: PathBuf,
+    chunks: Arc<Chunks>,
+}
+
+/// The per-run directory names: unique in this process.
+static MOUNTS: AtomicU64 = AtomicU64::new(0);
+
+impl LazyMount {
+    /// Mounts the lazy image `r` for the user `uid` (whose home is `home`): see the module doc.
+    pub fn open(
+        r: &RegistryRef,
+        config: &Settings<'_>,
+        uid: u32,
+        home: Option<&Path>,
+    ) -> Result<LazyMount, ImageError> {
+        let v = Verified::fetch(r, config, uid, home)?;
         let n = MOUNTS.fetch_add(1, Ordering::Relaxed);
-        let dir = parent.join(format!("{}-{n}", std::process::id()));
+        Self::open_at(v, config, &format!("{}-{n}", std::process::id()))
+    }
+
+    /// Mounts the verified image `v` at `<squashfs.mount_dir>/lazy/<name>/`, which must not
+    /// exist.
+    pub(crate) fn open_at(
+        v: Verified,
+        config: &Settings<'_>,
+        name: &str,
+    ) -> Result<LazyMount, ImageError> {
+        let image = v.image.clone();
+        let chunks = Arc::new(v.open_cache(config)?);
+        let digest = chunks.index.blob.clone();
+        let parent = config.squashfs.mount_dir.join("lazy");
         berth_sys::privfs::root_dir(&parent, 0o700).map_err(|e| lazy_err(e.to_string()))?;
+        let dir = parent.join(name);
         let mount = LazyMount {
             root: dir.join("root"),
             digest,
@@ -890,6 +957,8 @@ fn open_cache(
         read_bytes: AtomicU64::new(0),
         failure: Mutex::new(None),
         reported: std::sync::atomic::AtomicBool::new(false),
+        down: Mutex::new(None),
+        down_for: std::time::Duration::ZERO,
     })
 }
 

@@ -84,9 +84,9 @@ impl Client {
         }))
     }
 
-    /// Gives each later request the whole import deadline (`registry.import_deadline_s`) from
-    /// when it is sent, rather than from this client's start: a lazy image's chunks are fetched
-    /// for as long as its container runs.
+    /// Gives each later request `registry.lazy_read_deadline_s` from when it is sent, rather
+    /// than what is left of the import's deadline: a lazy image's chunks are fetched for as long
+    /// as its container runs, and a reader waits on each one (a stall becomes EIO in that time).
     pub fn deadline_per_request(&self) {
         self.transport.limits.per_request();
     }

@@ -11,7 +11,7 @@
 //!
 //! A client normally serves one import, so its deadline runs from its creation; a lazy image's
 //! client serves chunk fetches for as long as its container runs, and each of those requests
-//! gets a deadline of its own ([`Limits::per_request`]).
+//! gets a deadline of its own, `registry.lazy_read_deadline_s` ([`Limits::per_request`]).
 
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +23,7 @@ use crate::config::RegistryConfig;
 /// The config keys named when a limit is hit.
 const DEADLINE_KEY: &str = "registry.import_deadline_s";
 const PROLOG_DEADLINE_KEY: &str = "registry.prolog_import_deadline_s";
+const LAZY_DEADLINE_KEY: &str = "registry.lazy_read_deadline_s";
 const RATE_KEY: &str = "registry.min_rate_bytes_per_s";
 
 /// The deadline and minimum rate of one client's imports.
@@ -34,8 +35,9 @@ pub struct Limits {
     deadline: Duration,
     /// Which key set `deadline`.
     deadline_key: &'static str,
-    /// Each request gets the whole `deadline` from when it is sent (a lazy image's chunks).
+    /// Each request gets `lazy_deadline` from when it is sent (a lazy image's chunks).
     per_request: AtomicBool,
+    lazy_deadline: Duration,
     /// Bytes per second a transfer must average over each window; 0: no minimum.
     min_rate: u64,
     window: Duration,
@@ -58,27 +60,28 @@ impl Limits {
             deadline: Duration::from_secs(secs.max(1)),
             deadline_key: key,
             per_request: AtomicBool::new(false),
+            lazy_deadline: Duration::from_secs(config.lazy_read_deadline_s.max(1)),
             min_rate: config.min_rate_bytes_per_s,
             window: Duration::from_secs(config.min_rate_window_s.max(1)),
         }
     }
 
-    /// From now on each request has the whole deadline from when it is sent.
+    /// From now on each request has `registry.lazy_read_deadline_s` from when it is sent.
     pub fn per_request(&self) {
         self.per_request.store(true, Ordering::Relaxed);
     }
 
     /// The deadline of a request sent now.
     pub fn deadline(&self) -> Deadline {
-        let from = if self.per_request.load(Ordering::Relaxed) {
-            Instant::now()
+        let (from, len, key) = if self.per_request.load(Ordering::Relaxed) {
+            (Instant::now(), self.lazy_deadline, LAZY_DEADLINE_KEY)
         } else {
-            self.start
+            (self.start, self.deadline, self.deadline_key)
         };
         Deadline {
-            at: from + self.deadline,
-            secs: self.deadline.as_secs(),
-            key: self.deadline_key,
+            at: from + len,
+            secs: len.as_secs(),
+            key,
         }
     }
 
@@ -346,6 +349,9 @@ mod tests {
         assert!(old.deadline().remaining().is_none());
         old.per_request();
         assert!(old.deadline().remaining().is_some());
+        // ... and that is registry.lazy_read_deadline_s, named in its failure.
+        assert_eq!(old.deadline().secs, 30);
+        assert_eq!(old.deadline().key, LAZY_DEADLINE_KEY);
         // The Prolog's deadline is the smaller one, and named by its own key.
         let prolog = Limits::new(&RegistryConfig {
             in_prolog: true,

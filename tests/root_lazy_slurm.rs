@@ -1,0 +1,581 @@
+//! Root tier: lazily loaded images in Slurm steps (issue 30) — `srun --container-image=lazy:REF`
+//! on a real one-host Slurm of this file's own (integration/slurm/start.sh, its own state
+//! directory and ports) against the loopback registry, through a proxy of this file's that can
+//! stall. The node's lazy image server (image::lazy::server): one process and one mount shared
+//! by the steps of two users, kept for the other when one step is cancelled, stopped by `berth
+//! gc` once no container uses it; named containers and `--container-save` on a lazy image; a
+//! registry that stalls mid-read gives the reader EIO within `registry.lazy_read_deadline_s`.
+//! Run as root: `cargo test --test root_lazy_slurm -- --ignored --test-threads=1`
+//! (`BERTH_TEST_BIN`, `BERTH_TEST_PLUGIN`: an older berth and SPANK plugin).
+
+mod common;
+#[path = "../integration/registry/harness.rs"]
+mod harness;
+
+use std::io::{BufRead, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The stall test's bound (`registry.lazy_read_deadline_s` of this cluster's berth).
+const READ_DEADLINE_S: u64 = 3;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn state_path() -> PathBuf {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&(env!("CARGO_MANIFEST_DIR"), "root_lazy_slurm"), &mut h);
+    let hash = std::hash::Hasher::finish(&h) & u64::from(u32::MAX);
+    PathBuf::from(format!("/tmp/berth-root-lazy-slurm-{hash:08x}"))
+}
+
+/// A proxy to the registry that, while `stalled`, forwards nothing more on any connection (new
+/// or kept alive) and keeps it open: a registry gone silent mid-transfer.
+struct Stall {
+    port: u16,
+    stalled: Arc<AtomicBool>,
+}
+
+impl Stall {
+    fn start(upstream: u16) -> Stall {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stalled = Arc::new(AtomicBool::new(false));
+        let flag = stalled.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    let flag = flag.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            while flag.load(Ordering::Relaxed) {
+                                std::thread::sleep(Duration::from_millis(100));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Stall { port, stalled }
+    }
+
+    fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+struct Cluster {
+    conf: PathBuf,
+    cwd: PathBuf,
+    berth_config: PathBuf,
+    mount_dir: PathBuf,
+    /// `lazy:docker://…/t/lazy:1` through the stalling proxy.
+    image: String,
+    /// Another image (other noise, its own index and cache) for the stall.
+    stall_image: String,
+    stall: Stall,
+    big_md5: String,
+}
+
+static REGISTRY_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn free_port_pair() -> u16 {
+    for _ in 0..50 {
+        let p = harness::free_port();
+        if p < 65000 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports found");
+}
+
+/// A squashfs of busybox, `hello.txt` and 24 MiB of noise (`seed`); returns it and the noise's md5.
+fn squashfs(dir: &Path, name: &str, seed: u64) -> (PathBuf, String) {
+    let tree = dir.join(format!("{name}-tree"));
+    let _ = std::fs::remove_dir_all(&tree);
+    assert!(
+        Command::new("cp")
+            .arg("-a")
+            .arg(rootfs())
+            .arg(&tree)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::write(tree.join("hello.txt"), "lazy hello\n").unwrap();
+    std::fs::write(tree.join("big.bin"), harness::noise(24 << 20, seed)).unwrap();
+    let md5 = Command::new("md5sum")
+        .arg(tree.join("big.bin"))
+        .output()
+        .unwrap();
+    let md5 = stdout(&md5).split(' ').next().unwrap().to_string();
+    let sqsh = dir.join(format!("{name}.sqsh"));
+    let o = Command::new("mksquashfs")
+        .arg(&tree)
+        .arg(&sqsh)
+        .args(["-noappend", "-quiet", "-no-progress"])
+        .output()
+        .expect("mksquashfs");
+    assert!(o.status.success(), "{}", stderr(&o));
+    (sqsh, md5)
+}
+
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let berth = PathBuf::from(berth_bin());
+        let built = PathBuf::from(BERTH);
+        let profile_dir = built.parent().unwrap();
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "berth-spank"])
+            .current_dir(repo())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("running cargo");
+        assert!(status.success(), "building the SPANK plugin failed");
+        let plugin = std::env::var_os("BERTH_TEST_PLUGIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| profile_dir.join("libspank_berth.so"));
+
+        let state = state_path();
+        let work = PathBuf::from(format!("{}-work", state.display()));
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).unwrap();
+        let registry = harness::Registry::start(
+            &harness::Mode::Plain,
+            &work.join("registry/storage"),
+            &work.join("registry"),
+        );
+        let stall = Stall::start(registry.port);
+        let mount_dir = state.join("berth/images");
+        let berth_config = PathBuf::from(format!("{}.toml", state.display()));
+        // An older berth (BERTH_TEST_BIN) knows no such key and would refuse the whole config;
+        // without it, what it says is its refusal of the lazy image itself.
+        let deadline = if std::env::var_os("BERTH_TEST_BIN").is_some() {
+            String::new()
+        } else {
+            format!("lazy_read_deadline_s = {READ_DEADLINE_S}\n")
+        };
+        std::fs::write(
+            &berth_config,
+            format!(
+                "[cgroup]\nroot = \"{}-lazy-slurm\"\n[runtime]\nstate_dir = \"{s}/berth/state\"\n\
+                 [store]\nroot = \"{s}/berth/store\"\n[squashfs]\nmount_dir = \"{}\"\n\
+                 [scratch]\nroot = \"{s}/berth/scratch\"\n\
+                 [registry]\ninsecure = [\"{}\", \"{}\"]\n{deadline}",
+                cgroup_root(),
+                mount_dir.display(),
+                registry.host(),
+                stall.host(),
+                s = state.display(),
+            ),
+        )
+        .unwrap();
+        let publish = |sqsh: &Path, tag: &str| {
+            let reference = format!("docker://{}/t/lazy:{tag}", registry.host());
+            ok(Command::new(&berth)
+                .arg("--config")
+                .arg(&berth_config)
+                .args(["lazy", "publish", sqsh.to_str().unwrap(), &reference])
+                .output()
+                .unwrap());
+        };
+        let (sqsh, big_md5) = squashfs(&work, "image", 7);
+        publish(&sqsh, "1");
+        let (sqsh, _) = squashfs(&work, "stall", 8);
+        publish(&sqsh, "stall");
+        REGISTRY_PID.store(registry.pid().unwrap_or(0), Ordering::Relaxed);
+        std::mem::forget(registry);
+        extern "C" fn stop_cluster() {
+            let pid = REGISTRY_PID.load(Ordering::Relaxed);
+            if pid > 0 {
+                // SAFETY: killing the registry this process started.
+                unsafe { libc::kill(i32::try_from(pid).unwrap(), libc::SIGKILL) };
+            }
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(state_path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_cluster) };
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .arg("--plugin")
+            .arg(&plugin)
+            .arg("--berth")
+            .arg(&berth)
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .env("BERTH_SLURM_PORT", free_port_pair().to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        let cwd = state.join("cwd");
+        std::fs::create_dir_all(&cwd).unwrap();
+        std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        Cluster {
+            conf: state.join("etc/slurm.conf"),
+            cwd,
+            berth_config,
+            mount_dir,
+            image: format!("lazy:docker://{}/t/lazy:1", stall.host()),
+            stall_image: format!("lazy:docker://{}/t/lazy:stall", stall.host()),
+            stall,
+            big_md5,
+        }
+    })
+}
+
+/// A user of these tests (made once), without a home of their own.
+fn user(name: &str) -> String {
+    if !Command::new("id")
+        .arg(name)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+    {
+        let out = Command::new("useradd")
+            .args(["-M", "-s", "/bin/sh", "-d", "/nonexistent", name])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "useradd: {}", stderr(&out));
+    }
+    name.to_string()
+}
+
+/// A Slurm client command as `who` (runuser keeps SLURM_CONF), from the shared directory.
+fn slurm_as(who: &str, cmd: &str, args: &[&str]) -> Command {
+    let c = cluster();
+    let mut command = Command::new("runuser");
+    command
+        .args(["-u", &user(who), "--", cmd])
+        .args(args)
+        .env("SLURM_CONF", &c.conf)
+        .env_remove("BERTH_CONTAINER_IMAGE")
+        .env_remove("PYXIS_CONTAINER_IMAGE")
+        .env("PWD", &c.cwd)
+        .current_dir(&c.cwd)
+        .stdin(Stdio::null());
+    command
+}
+
+fn slurm_root(cmd: &str, args: &[&str]) -> Output {
+    Command::new(cmd)
+        .args(args)
+        .env("SLURM_CONF", &cluster().conf)
+        .output()
+        .unwrap()
+}
+
+fn berth_root(args: &[&str]) -> Output {
+    Command::new(berth_bin())
+        .arg("--config")
+        .arg(&cluster().berth_config)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// A step started in the background, its stdout lines read as they come.
+struct Step {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Step {
+    fn start(who: &str, args: &[&str]) -> Step {
+        Step::start_with(who, "srun", args)
+    }
+
+    /// Waits (at most `secs`) for a line containing `text`.
+    fn wait_for(&mut self, text: &str, secs: u64) {
+        let until = Instant::now() + Duration::from_secs(secs);
+        while !self.seen.iter().any(|l| l.contains(text)) {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!("no '{text}' within {secs} s; saw {:?}", self.seen),
+            }
+        }
+    }
+
+    /// Waits (at most `secs`) for srun to end; returns every line it printed.
+    fn finish(mut self, secs: u64) -> Vec<String> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        while self.child.try_wait().unwrap().is_none() {
+            if Instant::now() > until {
+                let _ = self.child.kill();
+                panic!("srun did not end within {secs} s; saw {:?}", self.seen);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(2)) {
+            self.seen.push(l);
+        }
+        std::mem::take(&mut self.seen)
+    }
+}
+
+impl Drop for Step {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The pids of the node's lazy image servers of `t/lazy:1` (`berth … lazy serve …`).
+fn servers() -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let words: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        if words.windows(2).any(|w| w == [&b"lazy"[..], &b"serve"[..]])
+            && words.iter().any(|w| w.windows(7).any(|x| x == b"t/lazy:"))
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The mounts of the servers (`<mount_dir>/lazy/<hex>/{fuse,root}`) in this namespace (the
+/// stall test's server has none left when its step has ended: see its end).
+fn server_mounts() -> Vec<String> {
+    let lazy = cluster().mount_dir.join("lazy");
+    host_mounts_with(lazy.to_str().unwrap())
+}
+
+fn job_of(who: &str) -> Vec<String> {
+    let o = slurm_root("squeue", &["-h", "-u", who, "-o", "%i"]);
+    stdout(&o).split_whitespace().map(str::to_string).collect()
+}
+
+/// Waits (at most `secs`) until `cond` holds.
+fn eventually(secs: u64, what: &str, cond: impl Fn() -> bool) {
+    let until = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < until, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+#[ignore = "root tier"]
+fn steps_of_two_users_share_one_server_which_a_cancel_leaves_and_gc_stops() {
+    let c = cluster();
+    let img = format!("--container-image={}", c.image);
+    // A: holds its container until cancelled.
+    let mut a = Step::start(
+        "berthlazy",
+        &[&img, "sh", "-c", "cat /hello.txt; exec sleep 300"],
+    );
+    a.wait_for("lazy hello", 120);
+    let first = servers();
+    assert_eq!(first.len(), 1, "{first:?}");
+    // B, another user: the same server; its read of the whole image comes after A is gone.
+    let go = c.cwd.join("lazy-b-go");
+    let _ = std::fs::remove_file(&go);
+    let mounts = format!("--container-mounts={}", c.cwd.display());
+    let script = format!(
+        "cat /hello.txt; while [ ! -e {g} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.2; done; \
+         md5sum /big.bin",
+        g = go.display()
+    );
+    let mut b = Step::start("berthlazy2", &[&img, &mounts, "sh", "-c", &script]);
+    b.wait_for("lazy hello", 120);
+    assert_eq!(servers(), first, "a second server for the same image");
+    let mounts = server_mounts();
+    assert_eq!(
+        mounts.len(),
+        2,
+        "one FUSE and one squashfs mount: {mounts:#?}"
+    );
+
+    let jobs = job_of("berthlazy");
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    assert!(slurm_root("scancel", &[&jobs[0]]).status.success());
+    a.finish(60);
+    // A's Epilog has run by the time its job has left the queue.
+    eventually(60, "the cancelled job to leave the queue", || {
+        job_of("berthlazy").is_empty()
+    });
+    assert_eq!(
+        servers(),
+        first,
+        "cancelling A's step ended the server B uses"
+    );
+    std::fs::write(&go, "").unwrap();
+    let said = b.finish(120);
+    assert!(
+        said.iter().any(|l| l.starts_with(&c.big_md5)),
+        "B read the image wrong after A's cancel: {said:?}"
+    );
+
+    // A step ended inside a job that still runs: its server stays until berth gc.
+    let marker = c.cwd.join("lazy-gc-go");
+    let _ = std::fs::remove_file(&marker);
+    let script = format!(
+        "srun {img} cat /hello.txt; echo step-done; while [ ! -e {m} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.2; done",
+        m = marker.display()
+    );
+    let mut job = Step::start_with("berthlazy", "salloc", &["-n1", "sh", "-c", &script]);
+    job.wait_for("step-done", 120);
+    let now = servers();
+    assert_eq!(now.len(), 1, "{now:?}");
+    let gc = berth_root(&["gc"]);
+    assert!(gc.status.success(), "{}", stderr(&gc));
+    assert!(
+        stdout(&gc).contains("stopped the lazy image server of index sha256:"),
+        "{}",
+        stdout(&gc)
+    );
+    assert!(servers().is_empty(), "{:?}", servers());
+    assert!(server_mounts().is_empty(), "{:#?}", server_mounts());
+    std::fs::write(&marker, "").unwrap();
+    job.finish(60);
+}
+
+impl Step {
+    fn start_with(who: &str, cmd: &str, args: &[&str]) -> Step {
+        let mut child = slurm_as(who, cmd, args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Step {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_lazy_image_serves_named_containers_across_steps_and_container_save() {
+    let c = cluster();
+    let img = format!("--container-image={}", c.image);
+    let saved = c.cwd.join("lazy-saved.sqsh");
+    let _ = std::fs::remove_file(&saved);
+    let script = format!(
+        "srun {img} --container-name=lz sh -c 'echo kept > /kept'\n\
+         srun --container-name=lz sh -c 'cat /kept /hello.txt'\n\
+         srun {img} --container-save={s} sh -c 'echo saved > /saved'\n\
+         srun --container-image={s} sh -c 'cat /saved /hello.txt'\n",
+        s = saved.display()
+    );
+    let out = slurm_as("berthlazy", "salloc", &["-n1", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert_eq!(
+        text,
+        "kept\nlazy hello\nsaved\nlazy hello\n",
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_registry_that_stalls_mid_read_gives_eio_within_the_bound() {
+    let c = cluster();
+    let img = format!("--container-image={}", c.stall_image);
+    let go = c.cwd.join("lazy-stall-go");
+    let _ = std::fs::remove_file(&go);
+    // Mounted and started; then the registry goes silent before the big file is read.
+    let script = format!(
+        "cat /hello.txt; while [ ! -e {g} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.1; done; \
+         s=$(date +%s); md5sum /big.bin; echo \"rc=$? took=$(( $(date +%s) - s ))\"",
+        g = go.display()
+    );
+    let mut step = Step::start(
+        "berthlazy",
+        &[
+            &img,
+            &format!("--container-mounts={}", c.cwd.display()),
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    step.wait_for("lazy hello", 120);
+    c.stall.stalled.store(true, Ordering::Relaxed);
+    struct Unstall<'a>(&'a AtomicBool);
+    impl Drop for Unstall<'_> {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::Relaxed);
+        }
+    }
+    let _unstall = Unstall(&c.stall.stalled);
+    std::fs::write(&go, "").unwrap();
+    let said = step.finish(120);
+    let last = said.last().cloned().unwrap_or_default();
+    let (rc, took) = last
+        .strip_prefix("rc=")
+        .and_then(|r| r.split_once(" took="))
+        .unwrap_or_else(|| panic!("{said:?}"));
+    assert_ne!(
+        rc, "0",
+        "the read succeeded with the registry stalled: {said:?}"
+    );
+    let took: u64 = took.parse().unwrap();
+    // The kernel may ask a few chunks in turn, each failing after the deadline: bounded.
+    assert!(
+        took < 10 * READ_DEADLINE_S,
+        "the reader waited {took} s (registry.lazy_read_deadline_s = {READ_DEADLINE_S}): {said:?}"
+    );
+    assert!(!said.iter().any(|l| l.starts_with(&c.big_md5)), "{said:?}");
+}
