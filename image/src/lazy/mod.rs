@@ -21,10 +21,15 @@
 //! into a slot its map marks missing, and a marked chunk that does not verify fails the read
 //! rather than being fetched and written again.
 //!
-//! Lifetime: the FUSE server is threads of the `berth run` process that mounted it; the mounts
-//! are that run's own (`<squashfs.mount_dir>/lazy/<pid>-<n>/`) and go when it ends. The chunk
-//! cache stays, shared-locked while a run uses it; `berth images gc --unused-for` removes the
-//! caches no run holds (`store::gc`).
+//! Lifetime: for `berth run`, the FUSE server is threads of the `berth run` process that
+//! mounted it; the mounts are that run's own (`<squashfs.mount_dir>/lazy/<pid>-<n>/`) and go when
+//! it ends. Containers that outlive the process that made them (`berth create`, Slurm steps) use
+//! the node's server of the image instead ([`server`]: one root process per index, mounted at
+//! `<squashfs.mount_dir>/lazy/<index hex>/`, stopped by `berth gc` once no container uses it).
+//! The chunk cache stays, shared-locked while a mount uses it; `berth images gc --unused-for`
+//! removes the caches no one holds (`store::gc`). A chunk fetch has
+//! `registry.lazy_read_deadline_s`; after one fails, missing chunks fail at once for that long,
+//! so a reader of a stalled registry gets EIO within a bound rather than a deadline per chunk.
 
 pub mod fuse;
 pub mod server;
