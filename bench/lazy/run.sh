@@ -4,32 +4,42 @@
 # then `berth run`, same registry, same content, page cache dropped before each arm.
 # See bench/README.md ("Lazy loading").
 #
-# Usage: sudo bench/lazy/run.sh [--gib N] [--rounds N] [--work DIR] [--keep]
+# Usage: sudo bench/lazy/run.sh [--gib N] [--rounds N] [--work DIR] [--keep] [--srun]
 #
 #   --gib N       image size in GiB (default 5): busybox + small files + N GiB of data files,
 #                 half random, half repetitive, as bench/import's (gzip ~ 55 %)
 #   --rounds N    run the arms N times, interleaved (default 1); every figure is printed
 #   --work DIR    where the trees, registry storage and store go (default
 #                 /var/tmp/berth-bench-lazy); all of it is removed at exit unless --keep
+#   --srun        also the Slurm arms (issue 30), on a one-host Slurm of the run's own
+#                 (integration/slurm/start.sh under DIR/slurm, BERTH_SLURM_PORT or a free port)
 #   BERTH=PATH    berth binary (default: cargo build --release, honouring CARGO_TARGET_DIR)
+#   PLUGIN=PATH   the SPANK plugin for --srun (default: libspank_berth.so beside BERTH, built
+#                 with cargo build -p berth-spank of BERTH's profile when missing)
 #
 # The arms:
 #   import+run  an empty store: berth import REF, then berth run --image REF -- /bin/true
 #   lazy cold   an empty chunk cache: berth run --image lazy:LAZYREF -- /bin/true
 #   lazy warm   the same again, its chunks now in the node's cache (the page cache dropped)
+# With --srun, the time to first exec through Slurm (srun's wall time, the job's Prolog included:
+# it pre-imports the job's image, which the step waits for):
+#   srun full   an empty store: srun --container-image=REF /bin/true
+#   srun lazy   no server, an empty chunk cache: srun --container-image=lazy:LAZYREF /bin/true
 set -euo pipefail
 
 gib=5
 rounds=1
 work=/var/tmp/berth-bench-lazy
 keep=0
+srun_arms=0
 while [ $# -gt 0 ]; do
   case $1 in
     --gib) [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: $1 needs a count" >&2; exit 2; }; gib=$2; shift 2 ;;
     --rounds) [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: $1 needs a count" >&2; exit 2; }; rounds=$2; shift 2 ;;
     --work) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; work=$2; shift 2 ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '6,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --srun) srun_arms=1; shift ;;
+    -h | --help) sed -n '6,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -56,6 +66,10 @@ avail=$(df -k --output=avail "$work" | tail -1)
 [ "$avail" -gt "$need" ] || die "$work has $((avail / 1024 / 1024)) GiB free; this needs ~$((gib * 3 + 2)) GiB (--gib, --work)"
 
 cleanup() {
+  if [ "$srun_arms" -eq 1 ]; then
+    bash "$repo/integration/slurm/stop.sh" --state "$work/slurm" >/dev/null 2>&1 || true
+    "${BERTH:-berth}" --config "$work/berth.toml" gc >/dev/null 2>&1 || true
+  fi
   bash "$registry_sh" stop "$work/registry" >/dev/null 2>&1 || true
   [ "$keep" -eq 1 ] || rm -rf "$work"
 }
@@ -126,14 +140,34 @@ printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.
 # --- the registry: the image, and its lazy form ---------------------------------------------
 host=$(bash "$registry_sh" start "$work/registry")
 cfg=$work/berth.toml
-printf '[store]\nroot = "%s"\n[squashfs]\nmount_dir = "%s"\n[registry]\ninsecure = ["%s"]\n' \
-  "$work/store" "$work/images" "$host" >"$cfg"
+printf '[store]\nroot = "%s"\n[squashfs]\nmount_dir = "%s"\n[runtime]\nstate_dir = "%s"\n[scratch]\nroot = "%s"\n[registry]\ninsecure = ["%s"]\n' \
+  "$work/store" "$work/images" "$work/state" "$work/scratch" "$host" >"$cfg"
 say "registry on $host; pushing bench/lazy:1 ($((lsize / 1048576)) MiB gzip) and its lazy form"
 skopeo copy --quiet --dest-tls-verify=false "oci:$layout:1" "docker://$host/bench/lazy:1"
 rm -rf "$layout"
 "$BERTH" --config "$cfg" lazy publish "$sqsh" "docker://$host/bench/lazy:lazy" >&2
 ssize=$(stat -c %s "$sqsh")
 rm -f "$sqsh"
+
+if [ "$srun_arms" -eq 1 ]; then
+  plugin=${PLUGIN:-$(dirname "$BERTH")/libspank_berth.so}
+  if [ ! -e "$plugin" ]; then
+    profile=()
+    [ "$(basename "$(dirname "$BERTH")")" = release ] && profile=(--release)
+    (cd "$repo" && cargo build --quiet "${profile[@]}" -p berth-spank)
+  fi
+  port=${BERTH_SLURM_PORT:-$(python3 -c 'import socket
+for p in range(27000, 28000, 2):
+    try:
+        for q in (p, p + 1):
+            s = socket.socket(); s.bind(("0.0.0.0", q)); s.close()
+        print(p); break
+    except OSError:
+        pass')}
+  say "starting a one-host Slurm (port $port)"
+  BERTH_SLURM_PORT=$port bash "$repo/integration/slurm/start.sh" --state "$work/slurm" \
+    --plugin "$plugin" --berth "$BERTH" --berth-config "$cfg" >&2 </dev/null
+fi
 
 # --- arms ------------------------------------------------------------------------------------
 declare -A t
@@ -152,8 +186,22 @@ import_run() {
     "$BERTH" --config "$cfg" run --image "docker://$host/bench/lazy:1" -- /bin/true
 }
 lazy_run() { "$BERTH" -v --config "$cfg" run --image "lazy:docker://$host/bench/lazy:lazy" -- /bin/true; }
+srun_as() { SLURM_CONF=$work/slurm/etc/slurm.conf srun -n1 --container-image="$1" /bin/true; }
+srun_full() { srun_as "docker://$host/bench/lazy:1"; }
+srun_lazy() { srun_as "lazy:docker://$host/bench/lazy:lazy"; }
 fetched=()
 for r in $(seq 1 "$rounds"); do
+  if [ "$srun_arms" -eq 1 ]; then
+    # No lazy server left from an earlier arm (the Epilog stops it; gc again to be sure).
+    "$BERTH" --config "$cfg" gc >/dev/null
+    rm -rf "$work/store"
+    settle
+    timed srun_full srun_full
+    "$BERTH" --config "$cfg" gc >/dev/null
+    rm -rf "$work/store"
+    settle
+    timed srun_lazy srun_lazy
+  fi
   rm -rf "$work/store"
   settle
   timed import_run import_run
@@ -175,3 +223,10 @@ echo "import + run (cold):      $(secs "$mi") s   [all: $(for x in ${t[import_ru
 echo "lazy run, cold cache:     $(secs "$mc") s   [all: $(for x in ${t[lazy_cold]}; do printf '%s ' "$(secs "$x")"; done)]; ${fetched[*]}"
 echo "lazy run, warm cache:     $(secs "$mw") s   [all: $(for x in ${t[lazy_warm]}; do printf '%s ' "$(secs "$x")"; done)]"
 awk -v a="$mi" -v b="$mc" 'BEGIN { printf "ratio import+run / lazy cold: %.1fx\n", a / b }'
+if [ "$srun_arms" -eq 1 ]; then
+  sf=$(echo "${t[srun_full]}" | median)
+  sl=$(echo "${t[srun_lazy]}" | median)
+  echo "srun, full import (cold): $(secs "$sf") s   [all: $(for x in ${t[srun_full]}; do printf '%s ' "$(secs "$x")"; done)]"
+  echo "srun, lazy (cold cache):  $(secs "$sl") s   [all: $(for x in ${t[srun_lazy]}; do printf '%s ' "$(secs "$x")"; done)]"
+  awk -v a="$sf" -v b="$sl" 'BEGIN { printf "ratio srun lazy / srun full: %.3f (srun full / lazy: %.1fx)\n", b / a, a / b }'
+fi
