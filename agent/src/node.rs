@@ -542,10 +542,13 @@ pub fn run(
                 step_report: steps.report(&config.agent, &node, &boot),
             };
             let sent = send(&mut client, &hb, &metrics);
+            let mut hint = None;
             match &sent {
-                Ok(order) => {
+                Ok(reply) => {
                     if !once {
-                        steps.order(order.clone(), &config.agent, &node, &boot);
+                        let order = reply.as_ref().and_then(|r| r.step.clone());
+                        steps.order(order, &config.agent, &node, &boot);
+                        hint = reply.as_ref().and_then(|r| r.next_beat_ms);
                     }
                     st.sent_statuses = Some(now_statuses);
                     if changed {
@@ -561,6 +564,12 @@ pub fn run(
                 };
             }
             st.schedule_beat(&config);
+            // A node in a rollout step beats sooner when the leader asks (its order, its gate).
+            if let Some(ms) = hint {
+                st.next_beat = st
+                    .next_beat
+                    .min(Instant::now() + Duration::from_millis(ms.max(100)));
+            }
         }
         let every = Duration::from_millis(
             config
@@ -689,19 +698,19 @@ impl Rounds {
     }
 }
 
-/// Posts one heartbeat; counts it in the metrics. Returns the rollout step the leader
-/// ordered, if any.
+/// Posts one heartbeat; counts it in the metrics. Returns the leader's answer (a rollout step
+/// it orders, how soon to beat again), when it parses.
 fn send(
     client: &mut Client,
     hb: &Heartbeat,
     metrics: &Metrics,
-) -> Result<Option<berth_api::StepOrder>, AgentError> {
+) -> Result<Option<HeartbeatReply>, AgentError> {
     let body = serde_json::to_vec(hb).expect("a heartbeat serializes");
     let sent = match client.request("/v1/heartbeat", Some(&body), true) {
         Ok((_, 200, bytes)) => match serde_json::from_slice::<HeartbeatReply>(&bytes) {
             Ok(r) => {
                 metrics.term.store(r.term, Ordering::Relaxed);
-                Ok(r.step)
+                Ok(Some(r))
             }
             Err(_) => Ok(None),
         },

@@ -209,6 +209,10 @@ pub struct HeartbeatReply {
     /// A rollout step for this node to run (or report on); controllers before issue 31 send none.
     #[serde(default)]
     pub step: Option<StepOrder>,
+    /// Send the next heartbeat within this many milliseconds (a node in a rollout step: its
+    /// order and its health gate do not wait a whole interval).
+    #[serde(default)]
+    pub next_beat_ms: Option<u64>,
 }
 
 /// A follower's answer to a request only the leader serves.

@@ -217,6 +217,16 @@ struct SimArgs {
     /// Seconds after the start when the failing share starts failing (each sends at once)
     #[arg(long, default_value_t = 0)]
     fail_after_s: u64,
+    /// Drive a rollout over every agent's node instead, each step taking this long (the
+    /// controllers must know the agents' nodes in their sinfo)
+    #[arg(long)]
+    rollout_per_node_ms: Option<u64>,
+    /// The rollout's max unavailable (a count or a percentage)
+    #[arg(long, default_value = "10%")]
+    rollout_max_unavailable: String,
+    /// The rollout's health gate (passing heartbeats in a row)
+    #[arg(long, default_value_t = 1)]
+    rollout_gate_passes: u32,
 }
 
 #[derive(Debug, clap::Args)]
@@ -340,6 +350,11 @@ fn main() {
                 duration: std::time::Duration::from_secs(args.duration_s),
                 threads: args.threads,
                 fail_after: std::time::Duration::from_secs(args.fail_after_s),
+                rollout: args.rollout_per_node_ms.map(|ms| sim::RolloutSim {
+                    per_node: std::time::Duration::from_millis(ms),
+                    max_unavailable: args.rollout_max_unavailable,
+                    gate_passes: args.rollout_gate_passes,
+                }),
             });
             println!("{summary}");
         }),

@@ -539,6 +539,8 @@ pub struct SlurmNow {
     pub state: String,
     /// Whether squeue lists a job on it (asked only for nodes draining).
     pub jobs: bool,
+    /// sinfo's `%E`, the drain reason.
+    pub reason: String,
 }
 
 impl SlurmNow {
@@ -656,7 +658,19 @@ pub fn decide(
         }
     }
     if r.status == Status::Running {
-        let out_now = r.steps.values().filter(|s| s.phase.in_flight()).count();
+        // A node done but not yet resumed in Slurm is still out of service.
+        let resuming = r
+            .steps
+            .iter()
+            .filter(|(n, s)| {
+                matches!(s.phase, Phase::Done | Phase::Skipped)
+                    && s.drained_by_us
+                    && slurm
+                        .get(*n)
+                        .is_some_and(|x| x.state.contains("drain") && x.reason == r.reason())
+            })
+            .count();
+        let out_now = r.steps.values().filter(|s| s.phase.in_flight()).count() + resuming;
         let room = usize::try_from(r.plan.max_unavailable.max(1))
             .unwrap_or(usize::MAX)
             .saturating_sub(out_now);
@@ -796,6 +810,7 @@ mod tests {
                     SlurmNow {
                         state: "idle".into(),
                         jobs: false,
+                        reason: String::new(),
                     },
                 )
             })
@@ -901,6 +916,10 @@ mod tests {
             },
         );
         assert_eq!(s, before);
+        // n1 is out of service until Slurm shows it resumed: nothing starts before.
+        slurm.get_mut("n1").unwrap().reason = "berth rollout 1".into();
+        assert!(decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 8).is_empty());
+        slurm.insert("n1".into(), idle(&["n1"]).remove("n1").unwrap());
         // n2 next, then n3; n0 last, and only once its job ended.
         let cmds = decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 8);
         assert!(matches!(&cmds[..], [Cmd::Drain { nodes, .. }] if nodes == &["n2"]));

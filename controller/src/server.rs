@@ -75,6 +75,8 @@ pub struct App {
     pub catalog: crate::catalog::Catalog,
     /// Rollout gate passes counted from heartbeats (server/rollout.rs).
     rollout_gate: rollout::Gate,
+    /// Wakes the reconciler before its interval (a rollout's drain or resume).
+    reconcile_now: tokio::sync::Notify,
 }
 
 type Shared = Arc<App>;
@@ -104,6 +106,7 @@ pub async fn serve(
         change_beats: AtomicU64::new(0),
         catalog: crate::catalog::Catalog::default(),
         rollout_gate: rollout::Gate::default(),
+        reconcile_now: tokio::sync::Notify::new(),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
@@ -338,7 +341,7 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
             return r;
         }
     }
-    let step = match rollout::on_heartbeat(&app, &hb).await {
+    let (step, next_beat_ms) = match rollout::on_heartbeat(&app, &hb).await {
         Ok(s) => s,
         Err(r) => return r,
     };
@@ -367,6 +370,7 @@ async fn heartbeat(AxState(app): AxState<Shared>, Json(hb): Json<Heartbeat>) -> 
         term: app.raft.metrics().borrow().current_term,
         desired,
         step,
+        next_beat_ms,
     })
     .into_response()
 }
@@ -640,7 +644,7 @@ async fn run_tool(
 async fn reconcile_loop(app: Shared) {
     let every = Duration::from_millis(app.s.reconcile_interval_ms.max(50));
     loop {
-        tokio::time::sleep(every).await;
+        let _ = tokio::time::timeout(every, app.reconcile_now.notified()).await;
         if !app.is_leader_now() {
             continue;
         }

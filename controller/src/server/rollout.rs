@@ -47,6 +47,10 @@ impl Gate {
     }
 }
 
+/// How soon a node in a rollout step beats again (HeartbeatReply::next_beat_ms): its order and
+/// its gate passes do not wait a whole heartbeat interval.
+const FAST_BEAT_MS: u64 = 250;
+
 /// What a heartbeat needs of the node's step in the live rollout.
 struct Mine {
     id: u64,
@@ -80,13 +84,22 @@ pub fn gate_ok(hb: &Heartbeat, boot_before: &str, action: &StepAction) -> bool {
 }
 
 /// The heartbeat's part: commits the agent's outcome of a running step, counts gate passes,
-/// and answers the order while the step runs.
+/// and answers the order while the step runs, with how soon to beat again while in a step.
 // The error is the HTTP answer itself, built once and returned as is.
 #[allow(clippy::result_large_err)]
-pub async fn on_heartbeat(app: &App, hb: &Heartbeat) -> Result<Option<StepOrder>, Response> {
+pub async fn on_heartbeat(
+    app: &App,
+    hb: &Heartbeat,
+) -> Result<(Option<StepOrder>, Option<u64>), Response> {
     let Some(m) = mine(&app.store.lock().state, &hb.node) else {
-        return Ok(None);
+        return Ok((None, None));
     };
+    let fast = m.phase.in_flight().then_some(FAST_BEAT_MS);
+    step(app, hb, m).await.map(|o| (o, fast))
+}
+
+#[allow(clippy::result_large_err)]
+async fn step(app: &App, hb: &Heartbeat, m: Mine) -> Result<Option<StepOrder>, Response> {
     match m.phase {
         Phase::Running => {
             if let Some(rep) = &hb.step_report
@@ -100,6 +113,7 @@ pub async fn on_heartbeat(app: &App, hb: &Heartbeat) -> Result<Option<StepOrder>
                     now_ms: now_ms(),
                 };
                 app.write(Command::Rollout(cmd)).await?;
+                app.reconcile_now.notify_one();
                 return Ok(None);
             }
             Ok(Some(StepOrder {
@@ -394,7 +408,16 @@ async fn round(app: &App) -> Result<(), String> {
     };
     let mut slurm: BTreeMap<String, SlurmNow> = states
         .into_iter()
-        .map(|(n, (state, _))| (n, SlurmNow { state, jobs: false }))
+        .map(|(n, (state, reason))| {
+            (
+                n,
+                SlurmNow {
+                    state,
+                    jobs: false,
+                    reason,
+                },
+            )
+        })
         .collect();
     // squeue, the belt to sinfo's braces: asked for the draining nodes Slurm calls drained.
     let ready: Vec<String> = r
@@ -433,14 +456,33 @@ async fn round(app: &App) -> Result<(), String> {
             }
         }
     }
-    let passes = app.rollout_gate.of(r.id);
-    let cmds = {
-        let st = app.store.lock();
-        rollout::decide(&r, &st.state.nodes, &slurm, &passes, now_ms())
-    };
-    for c in cmds {
-        if let Err(resp) = app.write(Command::Rollout(c)).await {
-            return Err(format!("committing a step: HTTP {}", resp.status()));
+    // A node that ended makes room: decided again at once, not a round later.
+    for _ in 0..2 {
+        let passes = app.rollout_gate.of(r.id);
+        let cmds = {
+            let st = app.store.lock();
+            let Some(r) = st.state.rollouts.get(r.id) else {
+                return Ok(());
+            };
+            rollout::decide(r, &st.state.nodes, &slurm, &passes, now_ms())
+        };
+        let again = cmds
+            .iter()
+            .any(|c| matches!(c, Cmd::Pass { .. } | Cmd::Skip { .. } | Cmd::Fail { .. }));
+        let slurm_too = cmds
+            .iter()
+            .any(|c| !matches!(c, Cmd::Run { .. } | Cmd::Report { .. }));
+        for c in cmds {
+            if let Err(resp) = app.write(Command::Rollout(c)).await {
+                return Err(format!("committing a step: HTTP {}", resp.status()));
+            }
+        }
+        // A drain or resume goes to Slurm now, not at the next reconcile round.
+        if slurm_too {
+            app.reconcile_now.notify_one();
+        }
+        if !again {
+            break;
         }
     }
     Ok(())
