@@ -154,6 +154,7 @@ fn options() -> runtime::Options {
         timeout: Some(Duration::from_secs(30)),
         kill_timeout: Duration::from_secs(10),
         block_device_mounts: false,
+        user_namespace: true,
     }
 }
 

@@ -126,11 +126,12 @@ fn a_users_writable_container_owns_the_images_root_files_and_nothing_of_the_host
     for needle in ["top-ok", "lib-ok", "etc-ok"] {
         assert!(has(needle), "{needle} missing: {out}");
     }
-    // Nothing bound from the host is idmapped: root's host files stay root's and unwritable.
+    // Nothing bound from the host is idmapped: root's host files stay root's and unwritable
+    // (inside, nobody's: the container's user namespace maps the user alone, as Pyxis's).
     assert!(!out.contains("hostfile-writable"), "{out}");
     assert!(!out.contains("hostdir-writable"), "{out}");
-    assert!(has("hostfile 0") && has("hostdir 0"), "{out}");
-    assert!(has("dev 0 proc 0"), "{out}");
+    assert!(has("hostfile 65534") && has("hostdir 65534"), "{out}");
+    assert!(has("dev 65534 proc 65534"), "{out}");
     assert_eq!(
         std::fs::read_to_string(&file).unwrap(),
         "root's host file\n"
@@ -158,7 +159,8 @@ fn a_users_writable_container_owns_the_images_root_files_and_nothing_of_the_host
         "stat -c 'other %u' /opt/other; echo x >> /opt/other 2>/dev/null && echo other-writable",
     );
     let text = stdout(&out);
-    assert!(text.contains("other 4242"), "{text}{}", stderr(&out));
+    // (4242 is outside the container's user namespace: nobody's inside, never the user's.)
+    assert!(text.contains("other 65534"), "{text}{}", stderr(&out));
     assert!(!text.contains("other-writable"), "{text}");
 }
 
@@ -170,9 +172,10 @@ fn read_only_and_root_containers_keep_the_images_owners() {
         "stat -c %u / /etc /bin/busybox; touch /newfile 2>/dev/null && echo top-writable",
     );
     let text = stdout(&out);
+    // Root's, so nobody's in the user's namespace (which maps the user alone), not the user's.
     assert_eq!(
         text.lines().collect::<Vec<_>>(),
-        ["0", "0", "0"],
+        ["65534", "65534", "65534"],
         "{text}{}",
         stderr(&out)
     );
@@ -321,9 +324,10 @@ fn where_layers_cannot_be_idmapped_the_container_starts_with_the_images_owners()
     .unwrap();
     let text = stdout(&out);
     assert!(out.status.success(), "{text}{}", stderr(&out));
+    // Root's (nobody's in the user's namespace), not the user's.
     assert_eq!(
         text.lines().collect::<Vec<_>>(),
-        ["0", "0", "tmp-ok"],
+        ["65534", "65534", "tmp-ok"],
         "{text}"
     );
     assert!(

@@ -55,6 +55,9 @@ pub struct InitArgs<'a> {
     pub hold: bool,
     /// The user namespaces of a remapped container.
     pub remap: Option<&'a Remap>,
+    /// The user namespace of a container that is not remapped (`runtime::own_user_namespace`),
+    /// joined last as a remapped container's is.
+    pub own_userns: Option<&'a OwnedFd>,
 }
 
 /// A remapped container's user namespaces (`runtime::userns`).
@@ -148,6 +151,9 @@ fn run(args: &InitArgs<'_>) -> Result<i32, SetupError> {
         // Last: everything above needed the host's privileges, which count in this namespace
         // too but no longer in the host's once we are in it.
         nix::sched::setns(&remap.join, CloneFlags::CLONE_NEWUSER)
+            .map_err(|e| SetupError::new(format!("joining the container's user namespace: {e}")))?;
+    } else if let Some(own) = args.own_userns {
+        nix::sched::setns(own, CloneFlags::CLONE_NEWUSER)
             .map_err(|e| SetupError::new(format!("joining the container's user namespace: {e}")))?;
     }
     drop_privileges(process)?;

@@ -342,10 +342,13 @@ fn enter(
     if let Err(e) = init::drop_privileges(process) {
         return e;
     }
-    // A remapped container's processes get its seccomp filter, as its command does (init.rs).
+    // A remapped container's processes get its seccomp filter, as its command does (init.rs):
+    // those that joined its user namespace as its root (not those of a container whose user
+    // namespace maps the user to themselves).
     if namespaces
         .iter()
         .any(|(_, f)| *f == CloneFlags::CLONE_NEWUSER)
+        && nix::unistd::geteuid().is_root()
         && let Err(e) = init::fake_id_calls()
     {
         return e;

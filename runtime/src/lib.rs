@@ -100,6 +100,9 @@ pub struct Options {
     /// Bind a block device the user names as a mount source (the config's
     /// `runtime.mount_block_devices`); off, such a source is refused in one line.
     pub block_device_mounts: bool,
+    /// Run a non-root user's container that is not remapped in a user namespace mapping the
+    /// user and their groups to themselves (`runtime.user_namespace`), as Pyxis does.
+    pub user_namespace: bool,
 }
 
 /// How the command ended.
@@ -214,6 +217,10 @@ fn start(
 
     let flags = namespace_flags(spec);
     let remap = remap_namespaces(linux)?;
+    let own_userns = match &remap {
+        None if opts.user_namespace => own_user_namespace(spec),
+        _ => None,
+    };
     let layers = match &remap {
         // A directory image the user unpacked as themselves is already theirs, and so the
         // remapped root's: through the idmapping its files (the user's own id, which the mapping
@@ -253,6 +260,7 @@ fn start(
                 report: report_w,
                 hold: mode == Mode::Hold,
                 remap: remap.as_ref(),
+                own_userns: own_userns.as_ref(),
             })
         }
         clone::Forked::Parent { pid, in_cgroup } => (pid, in_cgroup),
@@ -503,6 +511,33 @@ fn remap_namespaces(linux: &oci_spec::runtime::Linux) -> Result<Option<init::Rem
         join: userns::create(&uids, &gids).map_err(setup)?,
         layers: userns::create(&userns::layer_map(uid), &userns::layer_map(gid)).map_err(setup)?,
     }))
+}
+
+/// The user namespace a container that is not remapped runs in: its user and groups mapped to
+/// themselves (`userns::self_map`), as Pyxis's containers are (`/proc/self/uid_map` is `1000
+/// 1000 1`), so the container's processes see only their own ids and root's files as nobody's.
+/// It grants nothing: the command holds no capability in it (or anywhere), and every other
+/// namespace of the container, made before it, stays the host's user namespace's. Where the
+/// kernel makes none (user namespaces off, `user.max_user_namespaces` reached) or the user is in
+/// more groups than a gid_map holds, the container runs in the host's, with a warning.
+fn own_user_namespace(spec: &Spec) -> Option<std::os::fd::OwnedFd> {
+    let user = spec.process().as_ref()?.user();
+    let groups = user.additional_gids().clone().unwrap_or_default();
+    let Some((uids, gids)) = userns::self_map(user.uid(), user.gid(), &groups) else {
+        if user.uid() != 0 {
+            tracing::warn!(
+                "uid {} is in more groups than a user namespace maps: the container runs in \
+                 the host's user namespace",
+                user.uid()
+            );
+        }
+        return None;
+    };
+    userns::create(&uids, &gids)
+        .inspect_err(|e| {
+            tracing::warn!("the container runs in the host's user namespace: {e}");
+        })
+        .ok()
 }
 
 /// The image layers of a container without a user namespace: idmapped so that the image's root

@@ -19,7 +19,8 @@ pub use berth_sys::userns::*;
 /// Read-only containers keep the image's owners. Enroot shows every file of an unpacked image as
 /// the user's there too, but nothing can be written in them, so the idmap would only widen what
 /// a user reads (an image's root-only files: /root, /etc/shadow) and make every container need
-/// idmapped mounts, for no gain; Pyxis users of read-only containers see root's system files.
+/// idmapped mounts, for no gain: a read-only container's root files stay root's (nobody's in its
+/// user namespace, which maps the user alone).
 pub fn user_layer_ids(spec: &oci_spec::runtime::Spec) -> Option<(u32, u32)> {
     use oci_spec::runtime::LinuxNamespaceType;
     if spec.root().as_ref().and_then(|r| r.readonly()) == Some(true) {

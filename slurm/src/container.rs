@@ -227,6 +227,7 @@ pub fn options(config: &Config, timeout: Option<Duration>) -> berth_runtime::Opt
         timeout,
         kill_timeout: Duration::from_secs(config.runtime.kill_timeout_s),
         block_device_mounts: config.runtime.mount_block_devices,
+        user_namespace: config.runtime.user_namespace,
     }
 }
 

@@ -90,10 +90,12 @@ pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), SpankError> {
         }
         // A remapped container's tasks get berth's filter, as Pyxis installs Enroot's here;
         // after no_new_privs, which it needs (see berth-sys's seccomp module for why it grants
-        // nothing).
+        // nothing). Remapped: the joined user namespace makes the task root; one that maps the
+        // user to themselves (a container made without remap-root) gets no filter.
         if namespaces
             .iter()
             .any(|(ns, _)| matches!(ns, Namespace::User))
+            && is_root()
         {
             berth_sys::seccomp::install().map_err(SpankError::Seccomp)?;
         }
@@ -102,6 +104,11 @@ pub fn enter(namespaces: &[(Namespace, OwnedFd)]) -> Result<(), SpankError> {
     let cleared = drop_all_caps();
     result?;
     cleared.map_err(SpankError::Caps)
+}
+
+fn is_root() -> bool {
+    // SAFETY: getuid takes no arguments and cannot fail.
+    unsafe { libc::getuid() == 0 }
 }
 
 /// Drops every capability from the bounding set (needs CAP_SETPCAP in the effective set).

@@ -1,5 +1,6 @@
-//! User namespaces with a given mapping, for containers whose user is remapped to root: the one
-//! the container's processes live in, and the one its image layers are idmapped through.
+//! User namespaces with a given mapping: a remapped container's (root is the user), the one its
+//! image layers are idmapped through, and the one every other user's container runs in (the user
+//! and their groups mapped to themselves, as under Pyxis and Enroot).
 
 use std::os::fd::{FromRawFd, OwnedFd};
 
@@ -59,18 +60,62 @@ pub fn layer_map(host: u32) -> Vec<Range> {
     ranges
 }
 
+/// The most lines a uid_map or gid_map takes (Linux 4.15 and later).
+const MAX_EXTENTS: usize = 340;
+
+/// The mappings of a container whose user keeps their own ids (no remap-root): the user's uid to
+/// itself, and each of their groups to itself (consecutive gids in one line), so `setgroups`
+/// keeps every group inside. Every other id, root's included, is unmapped: it shows as the
+/// overflow id (nobody) and no process inside can become it. `None` for root (its containers
+/// keep the host's namespace) and for a user in more groups than a gid_map can hold.
+pub fn self_map(uid: u32, gid: u32, groups: &[u32]) -> Option<(Vec<Range>, Vec<Range>)> {
+    if uid == 0 {
+        return None;
+    }
+    let mut ids: Vec<u32> = groups.iter().copied().chain([gid]).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut gids: Vec<Range> = Vec::new();
+    for id in ids {
+        match gids.last_mut() {
+            Some(r) if u64::from(r.inside) + u64::from(r.size) == u64::from(id) => r.size += 1,
+            _ => gids.push(Range {
+                inside: id,
+                outside: id,
+                size: 1,
+            }),
+        }
+    }
+    let uids = vec![Range {
+        inside: uid,
+        outside: uid,
+        size: 1,
+    }];
+    (gids.len() <= MAX_EXTENTS).then_some((uids, gids))
+}
+
+/// Whether `pid`'s user namespace maps id 0 to another host id (a remapped container).
+fn maps_root_elsewhere(pid: i32) -> Option<bool> {
+    let mut map = std::fs::File::open(format!("/proc/{pid}/uid_map")).ok()?;
+    let map = crate::privfs::read_bounded(&mut map, 64 << 10).ok()?;
+    Some(String::from_utf8_lossy(&map).lines().any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        f.len() == 3 && f[0] == "0" && f[1] != "0"
+    }))
+}
+
 /// For `berth export` and `--container-save` of a running container: the (uid, gid) its image
 /// layers were idmapped to by [`user_layer_ids`], so the export reads its files through the
 /// inverse mapping and the saved image keeps the image's root files root's (files the user made
 /// or changed are saved as root's too, as Enroot's export writes every file as root's). Told by
-/// the kernel, not by a record: init (`pid`) is in this process's user namespace and runs as a
-/// uid other than 0, and the container's `/` belongs to that uid, which berth makes it only when
-/// it idmapped the layers (a user cannot give a file away, and a read-only container's or one
-/// whose layers could not be idmapped keeps root's).
+/// the kernel, not by a record: init (`pid`) is not remapped (its user namespace, the host's or one
+/// of [`self_map`], maps no one to root), runs as a uid other than 0, and the container's `/`
+/// belongs to that uid, which berth makes it only when it idmapped the layers (a user cannot
+/// give a file away, and a read-only container's or one whose layers could not be idmapped keeps
+/// root's).
 pub fn idmapped_user_of(pid: i32) -> Option<(u32, u32)> {
     use std::os::unix::fs::MetadataExt;
-    let ns = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    if ns(&format!("/proc/{pid}/ns/user"))? != ns("/proc/self/ns/user")? {
+    if maps_root_elsewhere(pid)? {
         return None;
     }
     let mut status = std::fs::File::open(format!("/proc/{pid}/status")).ok()?;
@@ -170,5 +215,23 @@ mod tests {
         );
         assert_eq!(map_text(&layer_map(1)), "0 1 1\n2 2 4294967293\n");
         assert_eq!(layer_map(0).len(), 1);
+    }
+
+    #[test]
+    fn a_users_own_map_keeps_the_user_and_each_group_and_nothing_else() {
+        let (uids, gids) = self_map(1000, 1000, &[27, 1000, 1001, 1002, 4294967294]).unwrap();
+        assert_eq!(map_text(&uids), "1000 1000 1\n");
+        assert_eq!(
+            map_text(&gids),
+            "27 27 1\n1000 1000 3\n4294967294 4294967294 1\n"
+        );
+        assert!(
+            self_map(0, 0, &[]).is_none(),
+            "root keeps the host's namespace"
+        );
+        // One line per group that has no neighbour: past the kernel's 340, no namespace.
+        let sparse: Vec<u32> = (0..341).map(|g| 2000 + 2 * g).collect();
+        assert!(self_map(1000, 1000, &sparse).is_none());
+        assert!(self_map(1000, 1000, &sparse[..339]).is_some());
     }
 }
