@@ -836,17 +836,17 @@ impl Drop for Choice {
 fn a_container_of_the_job_is_chosen_by_its_name_in_the_users_config() {
     let _ = test_user();
     let image = format!("--container-image={}", rootfs().display());
-    let job = Job::start_with("berthtest", &[&image, "--container-name=dev"]);
-    let dev = container_mnt_ns(&job, "dev");
+    let job = Job::start_with("berthtest", &[&image, "--container-name=pick-dev"]);
+    let dev = container_mnt_ns(&job, "pick-dev");
     // A second container of the job, started later: the newest.
-    let _tools = Step::start("berthtest", &job, &[&image, "--container-name=tools"]);
-    let tools = container_mnt_ns(&job, "tools");
+    let _tools = Step::start("berthtest", &job, &[&image, "--container-name=pick-tools"]);
+    let tools = container_mnt_ns(&job, "pick-tools");
     assert_ne!(dev, tools);
     let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
     assert!(out.status.success(), "login refused: {}", stderr(&out));
     assert_eq!(stdout(&out).trim(), tools, "not in the newest container");
 
-    let choice = Choice::write("dev");
+    let choice = Choice::write("pick-dev");
     let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
     assert!(out.status.success(), "login refused: {}", stderr(&out));
     assert_eq!(
@@ -856,7 +856,7 @@ fn a_container_of_the_job_is_chosen_by_its_name_in_the_users_config() {
     );
     // A name no container of the job has: the newest, as without a choice.
     drop(choice);
-    let _choice = Choice::write("../dev");
+    let _choice = Choice::write("../pick-dev");
     let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
     assert_eq!(stdout(&out).trim(), tools, "{}", stderr(&out));
 }

@@ -23,8 +23,16 @@ pub struct Job {
     pub id: u64,
     /// squeue's `%S`, ISO 8601 local time: compares in time order as text.
     pub start: String,
-    /// Every node the job runs on, expanded.
-    pub nodes: Vec<String>,
+    /// squeue's `%N`: the job's nodes as a Slurm host list (`n[1-3,7],gpu01`), never expanded (a
+    /// user's many big jobs must not cost memory).
+    pub nodelist: String,
+}
+
+impl Job {
+    /// Whether `node` is one of the job's nodes.
+    pub fn runs_on(&self, node: &str) -> bool {
+        hostlist_contains(&self.nodelist, node)
+    }
 }
 
 /// The job a login joins, or why none.
@@ -48,7 +56,7 @@ pub fn pick(jobs: &[Job], caller_nodes: &[String], unknown: Unknown) -> Pick {
     }
     let mut callers = jobs
         .iter()
-        .filter(|j| j.nodes.iter().any(|n| caller_nodes.contains(n)));
+        .filter(|j| caller_nodes.iter().any(|n| j.runs_on(n)));
     if let (Some(job), None) = (callers.next(), callers.next()) {
         return Pick::Job(job.id);
     }
@@ -62,47 +70,43 @@ pub fn pick(jobs: &[Job], caller_nodes: &[String], unknown: Unknown) -> Pick {
     }
 }
 
-/// Expands a Slurm host list (`n[1-3,7],gpu01`), at most `limit` names.
-pub fn expand_hostlist(list: &str, limit: usize) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = list;
-    while !rest.is_empty() && out.len() < limit {
-        // A comma inside brackets separates ranges, not hosts.
-        let mut depth = 0u32;
-        let end = rest
-            .char_indices()
-            .find(|&(_, c)| {
-                match c {
-                    '[' => depth += 1,
-                    ']' => depth = depth.saturating_sub(1),
-                    _ => {}
-                }
-                c == ',' && depth == 0
-            })
-            .map_or(rest.len(), |(i, _)| i);
-        let host = &rest[..end];
-        rest = rest.get(end + 1..).unwrap_or("");
-        match (host.find('['), host.strip_suffix(']')) {
-            (Some(open), Some(inner)) => {
-                let prefix = &host[..open];
-                for range in inner[open + 1..].split(',') {
-                    let (lo, hi) = range.split_once('-').unwrap_or((range, range));
-                    let (Ok(a), Ok(b)) = (lo.parse::<u64>(), hi.parse::<u64>()) else {
-                        continue;
-                    };
-                    for n in a..=b {
-                        if out.len() >= limit {
-                            break;
-                        }
-                        out.push(format!("{prefix}{n:0width$}", width = lo.len()));
-                    }
-                }
-            }
-            _ if !host.is_empty() => out.push(host.to_string()),
+/// The host expressions of a Slurm host list: split at the commas outside brackets.
+fn host_expressions(list: &str) -> impl Iterator<Item = &str> {
+    let mut depth = 0u32;
+    list.split(move |c| {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
             _ => {}
         }
-    }
-    out
+        c == ',' && depth == 0
+    })
+    .filter(|h| !h.is_empty())
+}
+
+/// Whether Slurm host list `list` (`n[1-3,07],gpu01`) names `name`, without expanding it.
+pub fn hostlist_contains(list: &str, name: &str) -> bool {
+    host_expressions(list).any(|host| match (host.find('['), host.strip_suffix(']')) {
+        (Some(open), Some(inner)) => {
+            let Some(digits) = name.strip_prefix(&host[..open]) else {
+                return false;
+            };
+            let Ok(n) = digits.parse::<u64>() else {
+                return false;
+            };
+            if !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return false;
+            }
+            inner[open + 1..].split(',').any(|range| {
+                let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+                let (Ok(a), Ok(b)) = (lo.parse::<u64>(), hi.parse::<u64>()) else {
+                    return false;
+                };
+                (a..=b).contains(&n) && format!("{n:0width$}", width = lo.len()) == digits
+            })
+        }
+        _ => host == name,
+    })
 }
 
 /// squeue's lines `JOBID START NODELIST` as jobs.
@@ -124,7 +128,7 @@ pub fn parse_squeue(program: &Path, text: &str) -> Result<Vec<Job>, PamError> {
         jobs.push(Job {
             id,
             start: start.to_string(),
-            nodes: expand_hostlist(nodes, 4096),
+            nodelist: nodes.to_string(),
         });
     }
     Ok(jobs)
@@ -244,18 +248,18 @@ fn slurm_command(program: &Path, slurm_conf: Option<&Path>) -> Command {
     cmd
 }
 
-/// The running jobs of `uid` on `node`, from the controller.
+/// The running jobs of `uid` on any node, from the controller. Not `--nodelist`: it makes
+/// squeue load every node's record from the controller too (a second RPC, a third of a login's
+/// cost); the caller keeps the jobs of its node.
 pub fn running_jobs(
     squeue: &Path,
     slurm_conf: Option<&Path>,
     uid: u32,
-    node: &str,
     timeout: Duration,
 ) -> Result<Vec<Job>, PamError> {
     let mut cmd = slurm_command(squeue, slurm_conf);
     cmd.args(["--noheader", "--states=RUNNING", "--format=%A %S %N"])
-        .arg(format!("--user={uid}"))
-        .arg(format!("--nodelist={node}"));
+        .arg(format!("--user={uid}"));
     let (out, _) = run_bounded(cmd, timeout)?;
     parse_squeue(squeue, &out)
 }
@@ -299,18 +303,23 @@ mod tests {
         Job {
             id,
             start: start.into(),
-            nodes: expand_hostlist(nodes, 100),
+            nodelist: nodes.into(),
         }
     }
 
     #[test]
-    fn hostlists_expand() {
-        assert_eq!(
-            expand_hostlist("n[1-3,07],gpu01", 100),
-            ["n1", "n2", "n3", "n07", "gpu01"]
-        );
-        assert_eq!(expand_hostlist("a,b", 1), ["a"]);
-        assert_eq!(expand_hostlist("x[9-10]", 100), ["x9", "x10"]);
+    fn host_lists_are_searched_without_expanding() {
+        let list = "n[1-3,07],gpu01,x[9-10],big[1-100000000]";
+        for name in ["n1", "n3", "n07", "gpu01", "x9", "x10", "big99999999"] {
+            assert!(hostlist_contains(list, name), "{name}");
+        }
+        for name in [
+            "n4", "n7", "n01", "gpu1", "x", "x11", "n", "n+1", "gpu01,n1", "big0",
+        ] {
+            assert!(!hostlist_contains(list, name), "{name}");
+        }
+        assert!(hostlist_contains("a,b", "b"));
+        assert!(!hostlist_contains("", ""));
     }
 
     #[test]
@@ -321,7 +330,7 @@ mod tests {
             "12 2026-01-01T10:00:00 n[1-2]\n\n7 2026-01-01T09:00:00 n1\n",
         )
         .unwrap();
-        assert_eq!(jobs[0], job(12, "2026-01-01T10:00:00", "n1,n2"));
+        assert_eq!(jobs[0], job(12, "2026-01-01T10:00:00", "n[1-2]"));
         assert_eq!(jobs[1].id, 7);
         assert!(matches!(
             parse_squeue(

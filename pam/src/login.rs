@@ -146,7 +146,7 @@ fn cannot_tell(opts: &Options, node: &str, log: String, why: &str) -> Verdict {
 /// `nodename=`, else this host's short name.
 pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> Verdict {
     let conf = opts.slurm_conf.as_deref();
-    let mut jobs = match jobs::running_jobs(&opts.squeue, conf, user.uid, node, opts.timeout) {
+    let mut jobs = match jobs::running_jobs(&opts.squeue, conf, user.uid, opts.timeout) {
         Ok(jobs) => jobs,
         Err(e) => {
             return cannot_tell(
@@ -158,9 +158,9 @@ pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> V
         }
     };
     let mut node = node.to_string();
-    // squeue takes a host name for every Slurm node on that host: when a job's nodes do not
-    // name this host itself, which node this is must come from Slurm (or nodename=).
-    if opts.nodename.is_none() && jobs.iter().any(|j| !j.nodes.contains(&node)) {
+    // This host's name need not be a node name (NodeHostname=): when the user has jobs but none
+    // names this host, which node (or nodes: several slurmd) this host is comes from Slurm.
+    if opts.nodename.is_none() && !jobs.is_empty() && !jobs.iter().any(|j| j.runs_on(&node)) {
         let here = jobs::nodes_at(&opts.squeue, conf, &node, opts.timeout);
         match here.as_slice() {
             [one] => node.clone_from(one),
@@ -175,8 +175,8 @@ pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> V
                 return cannot_tell(opts, &node, log, why);
             }
         }
-        jobs.retain(|j| j.nodes.contains(&node));
     }
+    jobs.retain(|j| j.runs_on(&node));
     let node = node.as_str();
     let joined = |job: u64| {
         Verdict::Allow(Some(Joined {
