@@ -726,3 +726,39 @@ fn container_mpi_host_spans_two_nodes() {
         show(&o)
     );
 }
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn sbatch_wrap_from_inside_a_container_slurm_step_submits_a_job_that_runs() {
+    let c = cluster();
+    let img = format!("--container-image={}", debian_image());
+    let dir = c.cwd.display().to_string();
+    let script = format!(
+        "sbatch --parsable -D {dir} -o {dir}/wrapped-%j.out --wrap 'echo wrapped ran as $(id -un)'"
+    );
+    let o = output(slurm_as_user(
+        "srun",
+        &[&img, "--container-slurm", "bash", "-c", &script],
+    ));
+    assert!(o.status.success(), "{}", show(&o));
+    let job = stdout(&o).trim().to_string();
+    assert!(
+        !job.is_empty() && job.chars().all(|ch| ch.is_ascii_digit()),
+        "{}",
+        show(&o)
+    );
+    let out = c.cwd.join(format!("wrapped-{job}.out"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let text = loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if text.contains("wrapped ran") || std::time::Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(
+        text.trim(),
+        format!("wrapped ran as {}", test_user_name()),
+        "job {job}"
+    );
+}
