@@ -5,7 +5,7 @@
 # - Runs `apt-get update` only when this script has not done so in the last 6 hours (or when apt
 #   has no package lists at all), then installs whatever in PACKAGES is missing.
 # - Then installs cargo-afl from crates.io (the fuzz step) unless the pinned version is present.
-# - Then cargo-machete (test.sh's deps step), likewise pinned.
+# - Then cargo-machete and cargo-deny (test.sh's deps step), likewise pinned.
 # - Then runs integration/vm/prepare.sh (the VM tier's kernel), if that file exists, unless
 #   BERTH_SETUP_NO_VM is set (integration/demo.sh needs no VM).
 # To add a package, add it to PACKAGES below with a comment saying what needs it.
@@ -154,10 +154,12 @@ case $afl_version in
     ;;
 esac
 
-# cargo-machete (test.sh's deps step): unused dependencies. From crates.io, pinned so a new
-# release cannot fail a run that changed nothing. cargo-deny (deny.toml) is not installed here:
-# building it takes longer on a 2-CPU test machine than the rest of the setup (see deny.toml).
+# cargo-machete (unused dependencies) and cargo-deny (licences, bans, sources: deny.toml), test.sh's
+# deps step. From crates.io, pinned so a new release cannot fail a run that changed nothing.
+# Building cargo-deny on a fresh 2-CPU machine takes about 4 minutes (3m36s of CPU, measured),
+# once per machine.
 CARGO_MACHETE_VERSION=0.9.2
+CARGO_DENY_VERSION=0.20.2
 lint_tool() { # NAME VERSION: installs cargo-NAME VERSION unless `cargo NAME --version` shows it
   case $("$cargo_bin" "$1" --version 2>/dev/null || true) in
     "$2" | "cargo-$1 $2") say "cargo-$1 $2 present" ;;
@@ -169,6 +171,7 @@ lint_tool() { # NAME VERSION: installs cargo-NAME VERSION unless `cargo NAME --v
   esac
 }
 lint_tool machete "$CARGO_MACHETE_VERSION"
+lint_tool deny "$CARGO_DENY_VERSION"
 
 if [ -n "${BERTH_SETUP_NO_VM:-}" ]; then
   say "BERTH_SETUP_NO_VM set: no VM kernel fetched"

@@ -10,7 +10,7 @@
 #   setup   integration/setup.sh (Debian packages, VM kernel)
 #   fmt     cargo fmt --all -- --check
 #   clippy  cargo clippy --workspace --all-targets -- -D warnings
-#   deps    cargo machete (unused dependencies)
+#   deps    cargo machete (unused dependencies); cargo deny check licenses bans sources (deny.toml)
 #   build   cargo build --workspace --all-targets
 #   unit    cargo test --workspace --lib --bins
 #   fuzz    bench/fuzz/run.sh 7: AFL++ on each fuzz target for 7 s (fails on a crash or hang)
@@ -146,8 +146,9 @@ cargo_test() {
 step_setup() { bash integration/setup.sh; }
 step_fmt() { cargo fmt --all -- --check; }
 step_clippy() { cargo clippy --workspace --all-targets -- -D warnings; }
-# Both read the manifests and Cargo.lock, not the build; setup installed them. No advisories:
-step_deps() { cargo machete; }
+# Both read the manifests and Cargo.lock, not the build; setup installed them. No advisories: the
+# RustSec database is cloned from GitHub, which the test machines do not reach (deny.toml).
+step_deps() { cargo machete && cargo deny --workspace check licenses bans sources; }
 step_build() { cargo build --workspace --all-targets; }
 step_unit() { cargo_test unit --workspace --lib --bins; }
 
