@@ -77,6 +77,8 @@ pub struct App {
     rollout_gate: rollout::Gate,
     /// Wakes the reconciler before its interval (a rollout's drain or resume).
     reconcile_now: tokio::sync::Notify,
+    /// Wakes the rollout driver before its interval (Slurm changed, a gate passed).
+    rollout_now: tokio::sync::Notify,
 }
 
 type Shared = Arc<App>;
@@ -107,6 +109,7 @@ pub async fn serve(
         catalog: crate::catalog::Catalog::default(),
         rollout_gate: rollout::Gate::default(),
         reconcile_now: tokio::sync::Notify::new(),
+        rollout_now: tokio::sync::Notify::new(),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
@@ -774,6 +777,8 @@ async fn reconcile(app: &App) -> Result<(), ControllerError> {
             app.scontrol_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("{e}");
         }
+        // A rollout waiting for this drain or resume looks again now.
+        app.rollout_now.notify_one();
     }
     Ok(())
 }

@@ -380,7 +380,16 @@ mod rollout {
         for h in handles {
             let _ = h.join();
         }
-        let all = tally.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all = tally.lock().unwrap_or_else(|p| p.into_inner());
+        all.latencies_us.sort_unstable();
+        let pct = |permille: usize| -> f64 {
+            let n = all.latencies_us.len();
+            if n == 0 {
+                return 0.0;
+            }
+            Duration::from_micros(all.latencies_us[((n - 1) * permille + 500) / 1000]).as_secs_f64()
+                * 1000.0
+        };
         let nodes = last.steps.len();
         let batches = nodes.div_ceil(usize::try_from(last.max_unavailable.max(1)).unwrap_or(1));
         let wall = last
@@ -412,6 +421,8 @@ mod rollout {
             "step_overhead_s": run_overhead,
             "interval_ms": u64::try_from(o.interval.as_millis()).unwrap_or(u64::MAX),
             "heartbeats": all.latencies_us.len(),
+            "latency_ms_p50": pct(500),
+            "latency_ms_p99": pct(990),
             "failed": all.failed,
         })
     }

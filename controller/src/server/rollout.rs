@@ -58,6 +58,7 @@ struct Mine {
     action: StepAction,
     timeout_s: u64,
     boot_before: String,
+    gate_passes: u32,
 }
 
 fn mine(state: &State, node: &str) -> Option<Mine> {
@@ -69,6 +70,7 @@ fn mine(state: &State, node: &str) -> Option<Mine> {
         action: r.plan.action.clone(),
         timeout_s: r.plan.timeout_s,
         boot_before: s.boot_before.clone(),
+        gate_passes: r.plan.gate_passes,
     })
 }
 
@@ -113,7 +115,6 @@ async fn step(app: &App, hb: &Heartbeat, m: Mine) -> Result<Option<StepOrder>, R
                     now_ms: now_ms(),
                 };
                 app.write(Command::Rollout(cmd)).await?;
-                app.reconcile_now.notify_one();
                 return Ok(None);
             }
             Ok(Some(StepOrder {
@@ -130,6 +131,9 @@ async fn step(app: &App, hb: &Heartbeat, m: Mine) -> Result<Option<StepOrder>, R
                 *e = (m.id, 0);
             }
             e.1 = if ok { e.1.saturating_add(1) } else { 0 };
+            if e.1 >= m.gate_passes {
+                app.rollout_now.notify_one();
+            }
             Ok(None)
         }
         _ => Ok(None),
@@ -387,7 +391,7 @@ pub async fn get(AxState(app): AxState<Shared>, uri: Uri) -> Response {
 pub async fn run(app: Arc<App>) {
     let every = Duration::from_millis(app.s.reconcile_interval_ms.clamp(50, 500));
     loop {
-        tokio::time::sleep(every).await;
+        let _ = tokio::time::timeout(every, app.rollout_now.notified()).await;
         if !app.is_leader_now() {
             app.rollout_gate.clear();
             continue;
