@@ -188,6 +188,15 @@ import_run() {
 lazy_run() { "$BERTH" -v --config "$cfg" run --image "lazy:docker://$host/bench/lazy:lazy" -- /bin/true; }
 srun_as() { SLURM_CONF=$work/slurm/etc/slurm.conf srun -n1 --container-image="$1" /bin/true; }
 srun_full() { srun_as "docker://$host/bench/lazy:1"; }
+# Until the job has left the queue: its Epilog opens the store, which must not be removed
+# under it.
+jobs_done() {
+  for _ in $(seq 1 1500); do
+    [ -z "$(SLURM_CONF=$work/slurm/etc/slurm.conf squeue -h 2>/dev/null)" ] && return 0
+    sleep 0.2
+  done
+  die "the benchmark's job did not leave the queue within 300 s"
+}
 srun_lazy() { srun_as "lazy:docker://$host/bench/lazy:lazy"; }
 fetched=()
 for r in $(seq 1 "$rounds"); do
@@ -197,10 +206,12 @@ for r in $(seq 1 "$rounds"); do
     rm -rf "$work/store"
     settle
     timed srun_full srun_full
+    jobs_done
     "$BERTH" --config "$cfg" gc >/dev/null
     rm -rf "$work/store"
     settle
     timed srun_lazy srun_lazy
+    jobs_done
   fi
   rm -rf "$work/store"
   settle

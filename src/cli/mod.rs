@@ -723,6 +723,10 @@ mod tests {
             ),
             (&["health", "--job-end"][..], "health --job-end needs root"),
             (&["cdi", "generate"][..], "cdi generate needs root"),
+            (
+                &["lazy", "serve", "--index", "ab", "--uid", "1000", "docker://r/a:1"][..],
+                "lazy serve needs root",
+            ),
         ] {
             let line = refused(args).unwrap_or_else(|| panic!("{args:?} allowed"));
             assert!(line.starts_with(verb), "{line}");
