@@ -69,15 +69,27 @@ state_dir = "$state/berth/state"
 [squashfs]
 mount_dir = "$state/berth/images"
 EOF
-BERTH_SLURM_PORT=${BERTH_SLURM_PORT:-17917} bash integration/slurm/start.sh --state "$state" \
+# Two free consecutive ports (slurmctld's, slurmd's): a fixed one may be another cluster's here.
+free_pair() {
+  python3 -c 'import socket
+for _ in range(100):
+    s = socket.socket(); s.bind(("0.0.0.0", 0)); p = s.getsockname()[1]
+    t = socket.socket()
+    try:
+        t.bind(("0.0.0.0", p + 1)); print(p); break
+    except OSError:
+        pass'
+}
+BERTH_SLURM_PORT=${BERTH_SLURM_PORT:-$(free_pair)} bash integration/slurm/start.sh --state "$state" \
   --contain --berth-config "$work/berth.toml" >/dev/null || die "integration/slurm/start.sh failed"
 export SLURM_CONF=$state/etc/slurm.conf
 node=$(sed -n 's/^# nodes: //p' "$SLURM_CONF")
 
 cwd=$work/cwd
+rm -rf "$cwd"
 mkdir -p "$cwd"
 chmod 1777 "$cwd"
-job=$(cd "$cwd" && runuser -u "$user" -- sbatch --parsable \
+job=$(cd "$cwd" && runuser -u "$user" -- sbatch --parsable --output=/dev/null \
   --container-image="$target/bench/busybox-rootfs" --container-name=bench --wrap 'sleep 3600') ||
   die "sbatch failed"
 for _ in $(seq 600); do
@@ -90,6 +102,8 @@ for _ in $(seq 300); do
   grep -qs "\"job\":\"$job\"" "$state"/berth/state/*/state.json && break
   sleep 0.1
 done
+grep -qs "\"job\":\"$job\"" "$state"/berth/state/*/state.json ||
+  die "job $job has no berth container after 30 s: see $state/log/"
 
 d=$work/ssh
 ssh-keygen -q -t ed25519 -N '' -f "$d/host_key"
@@ -141,13 +155,17 @@ client() {
     "$d/client_key" "$1" "$user"
 }
 # Each arm once, untimed, where it must land: b and c in the job's extern step on the host,
-# d in the container, a neither.
+# d in the container, a neither. Up to 20 tries each: on a loaded machine the job's extern step
+# may not be registered with its slurmstepd yet when squeue already says RUNNING.
 check() {
-  local arm=$1 out
-  out=$(timeout 60 ssh -i "$d/client_key" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null \
-    -o BatchMode=yes -o LogLevel=ERROR -p "${port[$arm]}" "$user@127.0.0.1" \
-    'cat /proc/self/cgroup /etc/os-release' 2>&1) ||
-    die "arm $arm: the login failed: $out (sshd log: $d/sshd.$arm.log)"
+  local arm=$1 out try
+  for try in $(seq 20); do
+    out=$(timeout 60 ssh -i "$d/client_key" -o StrictHostKeyChecking=no \
+      -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR -p "${port[$arm]}" \
+      "$user@127.0.0.1" 'cat /proc/self/cgroup /etc/os-release' 2>&1) && break
+    [ "$try" -lt 20 ] || die "arm $arm: the login failed: $out (sshd log: $d/sshd.$arm.log)"
+    sleep 0.5
+  done
   local in_step=0 in_image=0
   grep -q "job_$job/step_extern" <<<"$out" && in_step=1
   grep -q 'berth test image' <<<"$out" && in_image=1
