@@ -501,9 +501,10 @@ fn container_mpi_host_runs_the_images_program_on_the_hosts_libmpi() {
         "{own}: {}",
         show(&o)
     );
+    // The SONAME's name in the host's directory is a symlink to the file the maps show.
     let host = "/usr/lib/berth/host-mpi/libmpi.so.40";
     let o = mpiwhich("4", &["--container-mpi=host"]);
-    assert_eq!(mapped_libmpi(&o, 4), host, "{}", show(&o));
+    assert!(mapped_libmpi(&o, 4).starts_with(host), "{}", show(&o));
     // PYXIS-style, in a read-only container.
     let img = format!("--container-image={}", debian_image());
     let mut cmd = slurm_as_user(
@@ -519,7 +520,7 @@ fn container_mpi_host_runs_the_images_program_on_the_hosts_libmpi() {
     );
     cmd.env("PYXIS_CONTAINER_MPI", "host");
     let o = output(cmd);
-    assert_eq!(mapped_libmpi(&o, 2), host, "{}", show(&o));
+    assert!(mapped_libmpi(&o, 2).starts_with(host), "{}", show(&o));
     // Remapped to root, the loader finds the host's libraries first (not MPI_Init: Slurm's PMIx
     // server refuses a client in a user namespace, whichever MPI it runs on).
     let o = output(slurm_as_user(
@@ -719,9 +720,8 @@ fn container_mpi_host_spans_two_nodes() {
     );
     cmd.env("SLURM_CONF", two_node_conf());
     let o = output(cmd);
-    assert_eq!(
-        mapped_libmpi(&o, 2),
-        "/usr/lib/berth/host-mpi/libmpi.so.40",
+    assert!(
+        mapped_libmpi(&o, 2).starts_with("/usr/lib/berth/host-mpi/libmpi.so.40"),
         "{}",
         show(&o)
     );

@@ -1,9 +1,10 @@
 //! The host's MPI in a container (`--container-mpi=host`, `berth run --mpi=host`): the site's
-//! MPI libraries and the libraries they load (`[host_software].mpi_libraries`) are bound
-//! read-only, each under its own name, into one directory of the container, [`LIB_DIR`], which
-//! is put first in the container's LD_LIBRARY_PATH; the MPI's plugin trees and configuration
-//! files (`mpi_paths`) are bound at their own paths, where the host's libraries look for them.
-//! The image's files are never written: its libmpi stays where it is, found after LD_LIBRARY_PATH.
+//! MPI libraries and the libraries they load (`[host_software].mpi_libraries`), gathered once
+//! per node into a directory of the state directory (copies, each under its own names), are
+//! bound read-only as one directory of the container, [`LIB_DIR`], which is put first in the
+//! container's LD_LIBRARY_PATH; the MPI's plugin trees and configuration files (`mpi_paths`)
+//! are bound at their own paths, where the host's libraries look for them. The image's files
+//! are never written: its libmpi stays where it is, found after LD_LIBRARY_PATH.
 //!
 //! Before anything is bound the pairing is checked as Sarus checks it: the image's libmpi
 //! (found from its library files, opened beneath each layer without following a symlink, read
@@ -238,8 +239,92 @@ pub fn mpi_binds(
             missing.join(", ")
         )));
     }
+    // One bind of a directory instead of one per library: each bind costs the step's start
+    // about a millisecond, and a site's MPI is tens of files.
+    let mut binds = match staged(&config.runtime.state_dir, &binds) {
+        Ok(dir) => vec![BindMount {
+            source: dir,
+            destination: PathBuf::from(LIB_DIR),
+            readonly: true,
+        }],
+        Err(e) => {
+            tracing::warn!(
+                "{what}: gathering the host's MPI libraries under {}: {e}: binding each",
+                config.runtime.state_dir.join("host-mpi").display()
+            );
+            binds
+        }
+    };
     binds.extend(crate::hostsw::configured(&hs.mpi_paths, "mpi_paths")?);
     Ok(binds)
+}
+
+/// A directory of the state directory holding copies of the libraries `libs` bind (each real
+/// file once, under its own name, and a relative symlink for each other name of it, which
+/// resolves inside the container too), made once per set of host files: named by a hash of
+/// their paths, inodes, sizes and mtimes, so an upgrade of the host's MPI makes a new one and a
+/// running container keeps the one it has (old ones go with the state directory's tmpfs).
+fn staged(state_dir: &Path, libs: &[BindMount]) -> std::io::Result<PathBuf> {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let mut hash = std::collections::hash_map::DefaultHasher::new();
+    let mut files = Vec::with_capacity(libs.len());
+    for lib in libs {
+        let real = std::fs::canonicalize(&lib.source)?;
+        let meta = std::fs::metadata(&real)?;
+        let (Some(name), Some(real_name)) = (lib.destination.file_name(), real.file_name()) else {
+            continue;
+        };
+        (name, &real, meta.dev(), meta.ino(), meta.len()).hash(&mut hash);
+        (meta.mtime(), meta.mtime_nsec()).hash(&mut hash);
+        files.push((name.to_os_string(), real_name.to_os_string(), real));
+    }
+    let base = state_dir.join("host-mpi");
+    match std::fs::DirBuilder::new().mode(0o755).create(&base) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&base)?;
+    if !meta.is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() || meta.mode() & 0o022 != 0 {
+        return Err(std::io::Error::other(
+            "not a directory of berth's that only berth writes",
+        ));
+    }
+    let key = format!("{:016x}", hash.finish());
+    let dir = base.join(&key);
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let tmp = base.join(format!(".{key}.{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::DirBuilder::new().mode(0o755).create(&tmp)?;
+    let filled = (|| {
+        for (name, real_name, real) in &files {
+            let copy = tmp.join(real_name);
+            if copy.symlink_metadata().is_err() {
+                std::fs::copy(real, &copy)?;
+                std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644))?;
+            }
+            let alias = tmp.join(name);
+            if name != real_name && alias.symlink_metadata().is_err() {
+                std::os::unix::fs::symlink(real_name, &alias)?;
+            }
+        }
+        std::fs::rename(&tmp, &dir)
+    })();
+    match filled {
+        Ok(()) => Ok(dir),
+        // Another step made it meanwhile.
+        Err(_) if dir.is_dir() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
+    }
 }
 
 /// The ABI of an MPI library whose SONAME is `soname` and whose file is `file`.
@@ -612,17 +697,26 @@ mod tests {
             .host_software
             .mpi_libraries
             .push(format!("{}/libdep.so.1", host.path().display()));
+        let state = tempfile::tempdir().unwrap();
+        config.runtime.state_dir = state.path().to_path_buf();
         let binds = mpi_binds(&config, &lowers, what).unwrap();
         let dests: Vec<_> = binds.iter().map(|b| b.destination.clone()).collect();
+        assert_eq!(dests, [PathBuf::from(LIB_DIR), host.path().join("mpi.c")]);
+        // One directory of copies, the SONAME's name a symlink inside it.
+        let staged = &binds[0].source;
+        assert!(staged.starts_with(state.path().join("host-mpi")));
         assert_eq!(
-            dests,
-            [
-                Path::new(LIB_DIR).join("libmpi.so.40"),
-                Path::new(LIB_DIR).join("libmpi.so.40.30.4"),
-                Path::new(LIB_DIR).join("libdep.so.1"),
-                host.path().join("mpi.c"),
-            ]
+            std::fs::read_link(staged.join("libmpi.so.40")).unwrap(),
+            Path::new("libmpi.so.40.30.4")
         );
+        for file in ["libmpi.so.40.30.4", "libdep.so.1"] {
+            assert_eq!(
+                std::fs::read(staged.join(file)).unwrap(),
+                std::fs::read(host.path().join(file)).unwrap()
+            );
+        }
+        let again = mpi_binds(&config, &lowers, what).unwrap();
+        assert_eq!(&again[0].source, staged, "made once");
         assert!(binds.iter().all(|b| b.readonly));
         // An image built on a newer Open MPI than the host's.
         let newer = image_with(31, "2.99");
