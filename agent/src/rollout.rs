@@ -26,6 +26,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::AgentError;
 
+/// This agent's version, recorded with each step it starts.
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// A step as the agent recorded it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
@@ -43,6 +46,10 @@ pub struct Record {
     /// what a restarted agent kills of a command it finds left running.
     #[serde(default)]
     pub pgid: Option<(i32, u64)>,
+    /// The agent's version when it started the step: a restart on another version mid-step is
+    /// the step's own upgrade of berth taking effect.
+    #[serde(default)]
+    pub agent_version: String,
 }
 
 impl Record {
@@ -296,6 +303,7 @@ impl Steps {
             exit: None,
             output: String::new(),
             pgid: None,
+            agent_version: VERSION.to_string(),
         };
         match create_record(&path, &rec) {
             Ok(true) => {}
@@ -405,6 +413,14 @@ impl Steps {
             if r.action == StepAction::Reboot && r.boot_id != boot {
                 r.state = StepState::Ok;
                 r.reason = Some(format!("rebooted: boot id {} -> {boot}", r.boot_id));
+            } else if !r.agent_version.is_empty() && r.agent_version != VERSION {
+                // The step upgraded berth and restarted its agent (the unit's KillMode=process
+                // left the command to finish): what it was for happened; the gate judges the rest.
+                r.state = StepState::Ok;
+                r.reason = Some(format!(
+                    "the agent restarted on berth {VERSION} (was {}) while the step ran",
+                    r.agent_version
+                ));
             } else {
                 // What is left of it must not go on unseen: its process group is killed.
                 let killed = r.pgid.is_some_and(|(pgid, t)| {
@@ -665,6 +681,7 @@ mod tests {
             exit: None,
             output: String::new(),
             pgid: Some((pgid, start_time(pgid).unwrap())),
+            agent_version: VERSION.to_string(),
         };
         assert!(create_record(&record_path(&c.rollout_dir, 3, "n1"), &rec).unwrap());
         let mut s = Steps::default();
@@ -678,6 +695,19 @@ mod tests {
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(9)
         );
+        // Left running by an agent of another version: the step's own upgrade of berth.
+        let upgraded = Record {
+            rollout: 5,
+            pgid: None,
+            agent_version: "0.0.1-old".into(),
+            ..rec
+        };
+        assert!(create_record(&record_path(&c.rollout_dir, 5, "n1"), &upgraded).unwrap());
+        let mut s = Steps::default();
+        s.order(Some(order(5, "apt-get install berth")), &c, "n1", "b1");
+        let r = s.report(&c, "n1", "b1").unwrap();
+        assert_eq!(r.state, StepState::Ok);
+        assert!(r.reason.unwrap().contains("was 0.0.1-old"));
 
         let mut s = Steps::default();
         let reboot = StepOrder {
