@@ -1,8 +1,10 @@
 //! Root tier: node access through pam_berth.so (issue 28), with a real OpenSSH server on a real
 //! one-host Slurm of this file's own (integration/slurm/start.sh --contain, its own state
-//! directory and ports, started once per test binary, stopped at exit). sshd runs on a free
-//! loopback port with its own host key and configuration, in a private mount namespace where the
-//! test's PAM stack is bound over /etc/pam.d/sshd: the host's PAM files are never touched.
+//! directory and ports, started once per test binary, stopped at exit), and for the node-name
+//! test a second one with two slurmd on this host (start.sh --nodes 2) and an sshd per node. sshd
+//! runs on a free loopback port with its own host key and configuration, in a private mount
+//! namespace where the test's PAM stack is bound over /etc/pam.d/sshd: the host's PAM files are
+//! never touched.
 //! Run by integration/test.sh as root:
 //! `cargo test --test root_pam -- --ignored --test-threads=1`.
 //!
