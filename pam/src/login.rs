@@ -184,16 +184,24 @@ pub fn decide(opts: &Options, user: &User, node: &str, rhost: Option<&str>) -> V
             node: node.to_string(),
         }))
     };
+    // From this node (loopback, or an address of this node's): the job whose processes hold the
+    // client's end of the connection.
+    let local_caller = || {
+        let ids: Vec<u64> = jobs.iter().map(|j| j.id).collect();
+        crate::callerid::local_caller_job(&opts.cgroup_mount, node, user.uid, &ids)
+    };
     let callers = match (jobs.len(), rhost) {
         (2.., Some(host)) if !is_local(host) => {
-            jobs::nodes_at(&opts.squeue, conf, host, opts.timeout)
+            let callers = jobs::nodes_at(&opts.squeue, conf, host, opts.timeout);
+            if callers.iter().any(|n| n == node)
+                && let Some(id) = local_caller()
+            {
+                return joined(id);
+            }
+            callers
         }
         (2.., _) => {
-            // From this node: the job whose processes hold the client's end of the connection.
-            let ids: Vec<u64> = jobs.iter().map(|j| j.id).collect();
-            if let Some(id) =
-                crate::callerid::local_caller_job(&opts.cgroup_mount, node, user.uid, &ids)
-            {
+            if let Some(id) = local_caller() {
                 return joined(id);
             }
             Vec::new()
