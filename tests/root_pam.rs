@@ -858,8 +858,18 @@ fn a_container_of_the_job_is_chosen_by_its_name_in_the_users_config() {
     );
     // A name no container of the job has: the newest, as without a choice.
     drop(choice);
-    let _choice = Choice::write("../pick-dev");
+    let choice = Choice::write("../pick-dev");
     let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
+    assert_eq!(stdout(&out).trim(), tools, "{}", stderr(&out));
+    // Another user's container by its name: never; the user's own newest.
+    drop(choice);
+    other_user();
+    let theirs_job = Job::start_with(OTHER, &[&image, "--container-name=pick-theirs"]);
+    let theirs = container_mnt_ns(&theirs_job, "pick-theirs");
+    let _choice = Choice::write("pick-theirs");
+    let out = ssh("berthtest", "readlink /proc/self/ns/mnt");
+    assert!(out.status.success(), "login refused: {}", stderr(&out));
+    assert_ne!(stdout(&out).trim(), theirs, "in {OTHER}'s container");
     assert_eq!(stdout(&out).trim(), tools, "{}", stderr(&out));
 }
 
