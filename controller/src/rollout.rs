@@ -30,6 +30,9 @@ pub const PREFIX: &str = "berth rollout ";
 const KEEP: usize = 20;
 /// The most characters of a failed node's drain reason.
 const REASON_MAX: usize = 80;
+/// How long past its timeout a running step may take to report: the agent kills the command at
+/// the timeout and says so; only an agent that says nothing is failed for it.
+const REPORT_GRACE_MS: u64 = 30_000;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {
@@ -599,21 +602,23 @@ pub fn decide(
                     });
                 }
             }
-            Phase::Running if waited > timeout_ms => out.push(Cmd::Fail {
-                id,
-                node: node.clone(),
-                reason: match r.plan.action {
-                    StepAction::Reboot => format!(
-                        "did not come back with a new boot id within {} s",
-                        r.plan.timeout_s
-                    ),
-                    StepAction::Command { .. } => format!(
-                        "no outcome from its agent within {} s (agent down?)",
-                        r.plan.timeout_s
-                    ),
-                },
-                now_ms,
-            }),
+            Phase::Running if waited > timeout_ms.saturating_add(REPORT_GRACE_MS) => {
+                out.push(Cmd::Fail {
+                    id,
+                    node: node.clone(),
+                    reason: match r.plan.action {
+                        StepAction::Reboot => format!(
+                            "did not come back with a new boot id within {} s",
+                            r.plan.timeout_s
+                        ),
+                        StepAction::Command { .. } => format!(
+                            "no outcome from its agent within {} s (agent down?)",
+                            r.plan.timeout_s
+                        ),
+                    },
+                    now_ms,
+                });
+            }
             Phase::Gating => {
                 let rebooted = match r.plan.action {
                     StepAction::Reboot => {
@@ -1070,14 +1075,16 @@ mod tests {
         for c in decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 10_007) {
             run(&mut s, c);
         }
-        let cmds = decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 80_000);
+        // Past the timeout, within the grace for the agent's own report: nothing yet.
+        assert!(decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 80_000).is_empty());
+        let cmds = decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 100_100);
         assert!(matches!(&cmds[..], [Cmd::Fail { reason, .. }] if reason.contains("no outcome")));
         for c in cmds {
             run(&mut s, c);
         }
         // Below the threshold (2): the rollout goes on with n2; abort puts it back.
         assert_eq!(live(&s).status, Status::Running);
-        for c in decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 80_001) {
+        for c in decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 100_101) {
             run(&mut s, c);
         }
         assert_eq!(live(&s).steps["n2"].phase, Phase::Draining);
@@ -1086,7 +1093,7 @@ mod tests {
             Cmd::Control {
                 id: 1,
                 op: Op::Abort,
-                now_ms: 80_002,
+                now_ms: 100_102,
             },
         );
         let r = s.rollouts.get(1).unwrap();
