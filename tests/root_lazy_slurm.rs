@@ -98,6 +98,9 @@ struct Cluster {
     stall_image: String,
     stall: Stall,
     big_md5: String,
+    /// The squashfs published as `t/lazy:1`, and the registry's `HOST:PORT`.
+    sqsh: PathBuf,
+    registry: String,
 }
 
 static REGISTRY_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -206,8 +209,9 @@ fn cluster() -> &'static Cluster {
         };
         let (sqsh, big_md5) = squashfs(&work, "image", 7);
         publish(&sqsh, "1");
-        let (sqsh, _) = squashfs(&work, "stall", 8);
-        publish(&sqsh, "stall");
+        let (stall_sqsh, _) = squashfs(&work, "stall", 8);
+        publish(&stall_sqsh, "stall");
+        let registry_host = registry.host();
         REGISTRY_PID.store(registry.pid().unwrap_or(0), Ordering::Relaxed);
         std::mem::forget(registry);
         extern "C" fn stop_cluster() {
@@ -258,6 +262,8 @@ fn cluster() -> &'static Cluster {
             stall_image: format!("lazy:docker://{}/t/lazy:stall", stall.host()),
             stall,
             big_md5,
+            sqsh,
+            registry: registry_host,
         }
     })
 }
@@ -374,7 +380,7 @@ fn servers() -> Vec<u32> {
         };
         let words: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
         if words.windows(2).any(|w| w == [&b"lazy"[..], &b"serve"[..]])
-            && words.iter().any(|w| w.windows(7).any(|x| x == b"t/lazy:"))
+            && words.iter().any(|w| w.ends_with(b"/t/lazy:1"))
         {
             pids.push(pid);
         }
@@ -580,4 +586,84 @@ fn a_registry_that_stalls_mid_read_gives_eio_within_the_bound() {
         "the reader waited {took} s (registry.lazy_read_deadline_s = {READ_DEADLINE_S}): {said:?}"
     );
     assert!(!said.iter().any(|l| l.starts_with(&c.big_md5)), "{said:?}");
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_second_index_of_the_same_blob_does_not_change_what_a_running_container_reads() {
+    use berth::image::lazy;
+    let c = cluster();
+    // Another index of t/lazy:1's squashfs blob, one chunk in the middle of big.bin claimed to
+    // be other bytes: published by anyone who may push to the repository, as t/lazy:evil.
+    let mut file = std::fs::File::open(&c.sqsh).unwrap();
+    let mut index = lazy::Index::of(&mut file, lazy::DEFAULT_CHUNK).unwrap();
+    let k = index.chunks.len() / 2;
+    index.chunks[k] = harness::sha256(b"someone else's bytes")
+        .trim_start_matches("sha256:")
+        .to_string();
+    let up = harness::Uploader::new(&c.registry, None);
+    let index_json = serde_json::to_vec(&index).unwrap();
+    let index_digest = up.blob("t/lazy", &index_json);
+    let empty = up.blob("t/lazy", b"{}");
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": lazy::ARTIFACT_TYPE,
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": empty, "size": 2},
+        "layers": [
+            {"mediaType": lazy::SQUASHFS_TYPE, "digest": index.blob, "size": index.size},
+            {"mediaType": lazy::INDEX_TYPE, "digest": index_digest, "size": index_json.len()},
+        ],
+    });
+    up.manifest(
+        "t/lazy",
+        "evil",
+        "application/vnd.oci.image.manifest.v1+json",
+        &serde_json::to_vec(&manifest).unwrap(),
+    );
+
+    // A runs t/lazy:1 and reads the whole of big.bin only after the other index was served.
+    let go = c.cwd.join("lazy-evil-go");
+    let _ = std::fs::remove_file(&go);
+    let mounts = format!("--container-mounts={}", c.cwd.display());
+    let script = format!(
+        "cat /hello.txt; while [ ! -e {g} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.2; done; \
+         md5sum /big.bin",
+        g = go.display()
+    );
+    let img = format!("--container-image={}", c.image);
+    let mut a = Step::start("berthlazy", &[&img, &mounts, "sh", "-c", &script]);
+    a.wait_for("lazy hello", 120);
+    let evil = format!(
+        "--container-image={}",
+        c.image.strip_suffix(":1").unwrap().to_string() + ":evil"
+    );
+    let b = slurm_as(
+        "berthlazy2",
+        "srun",
+        &[&evil, "sh", "-c", "cat /hello.txt; md5sum /big.bin"],
+    )
+    .output()
+    .unwrap();
+    // The other index's own server and cache: its claim about chunk k reaches no one, its
+    // reader included (the registry's bytes do not match it).
+    assert_eq!(stdout(&b), "lazy hello\n", "{}", stderr(&b));
+    assert!(!b.status.success());
+    let now = servers();
+    let ps = |pids: &[u32]| {
+        let list: Vec<String> = pids.iter().map(u32::to_string).collect();
+        stdout(
+            &Command::new("ps")
+                .args(["-o", "pid,ppid,lstart,args", "-p", &list.join(",")])
+                .output()
+                .unwrap(),
+        )
+    };
+    assert_eq!(now.len(), 1, "{}", ps(&now));
+    std::fs::write(&go, "").unwrap();
+    let said = a.finish(120);
+    assert!(
+        said.iter().any(|l| l.starts_with(&c.big_md5)),
+        "A's read changed after another index of its blob was served: {said:?}"
+    );
 }
