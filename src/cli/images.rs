@@ -8,7 +8,6 @@ use super::Failure;
 use super::import::{open_store, parse_reference};
 use crate::config::Config;
 use crate::image::store::{self, Entry, GcPolicy, LayerCheck, Removed, Store, VerifyReport};
-use crate::spec::parse;
 
 /// List, inspect and remove the images in the node's store, or collect its garbage
 ///
@@ -59,11 +58,11 @@ pub enum ImagesCommand {
     Gc {
         /// Remove least recently used images until the store holds at most SIZE (e.g. 50G)
         #[arg(long, value_name = "SIZE", value_parser = super::values::size)]
-        max_size: Option<String>,
+        max_size: Option<u64>,
         /// Remove images, and lazy images' chunk caches, not used for DURATION (e.g. 30m, 12h,
         /// 7d)
         #[arg(long, value_name = "DURATION", value_parser = super::values::duration)]
-        unused_for: Option<String>,
+        unused_for: Option<std::time::Duration>,
     },
 }
 
@@ -385,17 +384,8 @@ pub fn execute(args: &ImagesArgs, config: &Config) -> Result<i32, Failure> {
             unused_for,
         } => {
             let policy = GcPolicy {
-                max_size: max_size
-                    .as_deref()
-                    .map(|s| parse::size(s).map_err(|e| Failure::input(format!("--max-size: {e}"))))
-                    .transpose()?,
-                unused_for: unused_for
-                    .as_deref()
-                    .map(|s| {
-                        store::parse_duration(s)
-                            .map_err(|e| Failure::input(format!("--unused-for: {e}")))
-                    })
-                    .transpose()?,
+                max_size: *max_size,
+                unused_for: *unused_for,
             };
             let report = store.gc(&policy).map_err(Failure::from)?;
             for (digest, refs, size) in &report.removed {

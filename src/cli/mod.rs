@@ -266,7 +266,10 @@ pub fn needs_root(command: &Command, uid: u32) -> Option<String> {
         ),
         Command::Lazy(lazy::LazyArgs {
             command: lazy::LazyCommand::Serve(_),
-        }) => ("lazy serve".into(), "berth starts it for a node's containers"),
+        }) => (
+            "lazy serve".into(),
+            "berth starts it for a node's containers",
+        ),
         Command::Prolog(_) => ("prolog".into(), "Slurm runs it as root (Prolog=)"),
         Command::Epilog(_) => ("epilog".into(), "Slurm runs it as root (Epilog=)"),
         _ => return None,
@@ -290,24 +293,18 @@ pub mod values {
     use crate::spec::{self, parse};
 
     /// A byte size: `--memory`, `--memory-swap`, `images gc --max-size`.
-    pub fn size(text: &str) -> Result<String, String> {
-        parse::size(text)
-            .map(|_| text.to_string())
-            .map_err(|e| e.to_string())
+    pub fn size(text: &str) -> Result<u64, String> {
+        parse::size(text).map_err(|e| e.to_string())
     }
 
     /// A CPU count: `--cpus 0.5`.
-    pub fn cpus(text: &str) -> Result<String, String> {
-        parse::cpus(text, spec::CPU_PERIOD_US)
-            .map(|_| text.to_string())
-            .map_err(|e| e.to_string())
+    pub fn cpus(text: &str) -> Result<i64, String> {
+        parse::cpus(text, spec::CPU_PERIOD_US).map_err(|e| e.to_string())
     }
 
     /// A cgroup CPU list: `--cpuset 0-3,8`.
     pub fn cpu_list(text: &str) -> Result<String, String> {
-        parse::cpu_list(text)
-            .map(|_| text.to_string())
-            .map_err(|e| e.to_string())
+        parse::cpu_list(text).map_err(|e| e.to_string())
     }
 
     /// A kernel CPU list with strides (`topo --cpus 0-15:2`).
@@ -318,9 +315,9 @@ pub mod values {
     }
 
     /// A positive number of tasks: `--pids`.
-    pub fn pids(text: &str) -> Result<String, String> {
+    pub fn pids(text: &str) -> Result<i64, String> {
         match text.parse::<i64>() {
-            Ok(n) if n > 0 => Ok(text.to_string()),
+            Ok(n) if n > 0 => Ok(n),
             _ => Err(format!(
                 "--pids {}: use a positive number of tasks",
                 super::elide(text)
@@ -329,12 +326,11 @@ pub mod values {
     }
 
     /// A positive number of seconds: `--timeout`.
-    pub fn seconds(text: &str) -> Result<String, String> {
+    pub fn seconds(text: &str) -> Result<std::time::Duration, String> {
         text.trim()
             .parse::<f64>()
             .ok()
             .and_then(crate::time::duration_from_secs)
-            .map(|_| text.to_string())
             .ok_or_else(|| {
                 format!(
                     "--timeout {}: use a positive number of seconds",
@@ -344,9 +340,8 @@ pub mod values {
     }
 
     /// A duration with a unit: `images gc --unused-for 7d`.
-    pub fn duration(text: &str) -> Result<String, String> {
+    pub fn duration(text: &str) -> Result<std::time::Duration, String> {
         crate::image::store::parse_duration(text)
-            .map(|_| text.to_string())
             .map_err(|e| e.to_string().replace(text, &super::elide(text)))
     }
 
@@ -682,8 +677,12 @@ mod tests {
             "nvidia.com/gpu=0",
             "img",
         ]);
-        assert_eq!(a.container.memory.as_deref(), Some("512M"));
+        // Parsed once, by clap: the verb gets the values, not the text to check again.
+        assert_eq!(a.container.memory, Some(512 << 20));
+        assert_eq!(a.container.cpus, Some(50_000));
         assert_eq!(a.container.cpuset.as_deref(), Some("0-3,8"));
+        assert_eq!(a.container.pids, Some(64));
+        assert_eq!(a.timeout, Some(std::time::Duration::from_millis(1500)));
         assert_eq!(a.container.env, ["K=V", "HOME"]);
         // A value may hold newlines (a certificate, an exported shell function); a name may hold
         // any printable character.
@@ -724,7 +723,15 @@ mod tests {
             (&["health", "--job-end"][..], "health --job-end needs root"),
             (&["cdi", "generate"][..], "cdi generate needs root"),
             (
-                &["lazy", "serve", "--index", "ab", "--uid", "1000", "docker://r/a:1"][..],
+                &[
+                    "lazy",
+                    "serve",
+                    "--index",
+                    "ab",
+                    "--uid",
+                    "1000",
+                    "docker://r/a:1",
+                ][..],
                 "lazy serve needs root",
             ),
         ] {

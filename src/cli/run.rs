@@ -11,7 +11,7 @@ use crate::image::store::human_size;
 use crate::runtime::{Exit, Outcome};
 use crate::slurm::run::Flags;
 pub use crate::slurm::run::Prepared;
-use crate::spec::{self, Limits, Net, parse};
+use crate::spec::{Limits, Net, parse};
 
 /// Run a command in a new container
 ///
@@ -34,7 +34,7 @@ pub struct RunArgs {
 
     /// Kill the container after this many seconds and exit 124
     #[arg(long, value_name = "SECONDS", value_parser = super::values::seconds)]
-    pub timeout: Option<String>,
+    pub timeout: Option<Duration>,
 
     /// IMAGE when neither --image nor --rootfs is given (any REF --image takes), then the
     /// command and its arguments [default with an image: the image's Entrypoint + Cmd]
@@ -104,15 +104,15 @@ pub struct ContainerArgs {
 
     /// Memory limit (memory.max), e.g. 512M or 4G
     #[arg(short, long, value_name = "SIZE", value_parser = super::values::size)]
-    pub memory: Option<String>,
+    pub memory: Option<u64>,
 
     /// Swap allowed on top of --memory (memory.swap.max)
     #[arg(long, value_name = "SIZE", value_parser = super::values::size)]
-    pub memory_swap: Option<String>,
+    pub memory_swap: Option<u64>,
 
     /// CPU time limit in CPUs, e.g. 0.5 (cpu.max)
     #[arg(long, value_name = "N", value_parser = super::values::cpus)]
-    pub cpus: Option<String>,
+    pub cpus: Option<i64>,
 
     /// CPUs the container may run on, e.g. 0-3,8 (cpuset.cpus)
     #[arg(long, value_name = "LIST", value_parser = super::values::cpu_list)]
@@ -125,7 +125,7 @@ pub struct ContainerArgs {
         allow_negative_numbers = true,
         value_parser = super::values::pids
     )]
-    pub pids: Option<String>,
+    pub pids: Option<i64>,
 
     /// Expose a host device node (under /dev) and allow it in the device filter, or apply a CDI
     /// device (`vendor.com/class=name`, from the specs in topology.cdi_dirs)
@@ -171,17 +171,6 @@ pub struct ContainerArgs {
     pub mpi: Option<String>,
 }
 
-fn flag<T>(
-    name: &str,
-    value: &Option<String>,
-    f: impl Fn(&str) -> Result<T, spec::SpecError>,
-) -> Result<Option<T>, Failure> {
-    value
-        .as_deref()
-        .map(|v| f(v).map_err(|e| Failure::input(format!("--{name}: {e}"))))
-        .transpose()
-}
-
 /// `--env KEY=VALUE`, or `--env KEY` for the caller's value of KEY.
 fn env_flags(flags: &[String]) -> Result<Vec<(String, String)>, Failure> {
     let mut cli_env = Vec::new();
@@ -203,26 +192,15 @@ fn env_flags(flags: &[String]) -> Result<Vec<(String, String)>, Failure> {
     Ok(cli_env)
 }
 
-/// `--memory`, `--memory-swap`, `--cpus`, `--cpuset` and `--pids`.
-fn resource_limits(args: &ContainerArgs) -> Result<Limits, Failure> {
-    Ok(Limits {
-        memory: flag("memory", &args.memory, parse::size)?,
-        memory_swap: flag("memory-swap", &args.memory_swap, parse::size)?,
-        cpu_quota: flag("cpus", &args.cpus, |v| parse::cpus(v, spec::CPU_PERIOD_US))?,
-        cpuset: flag("cpuset", &args.cpuset, parse::cpu_list)?,
-        pids: flag("pids", &args.pids, |v| {
-            v.parse::<i64>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| spec::SpecError::Size(v.to_string()))
-        })
-        .map_err(|_| {
-            Failure::input(format!(
-                "--pids {}: use a positive number of tasks",
-                super::elide(args.pids.as_deref().unwrap_or_default())
-            ))
-        })?,
-    })
+/// `--memory`, `--memory-swap`, `--cpus`, `--cpuset` and `--pids`, as clap parsed them.
+fn resource_limits(args: &ContainerArgs) -> Limits {
+    Limits {
+        memory: args.memory,
+        memory_swap: args.memory_swap,
+        cpu_quota: args.cpus,
+        cpuset: args.cpuset.clone(),
+        pids: args.pids,
+    }
 }
 
 /// Parses the flags and hands them to the library, which checks them against the host, resolves
@@ -244,14 +222,6 @@ pub fn request(
         mounts.push((text.clone(), m));
     }
     let env = env_flags(&args.env)?;
-    if let Some(dir) = &args.workdir
-        && (!dir.is_absolute() || dir.as_os_str().len() >= libc::PATH_MAX as usize)
-    {
-        return Err(Failure::input(format!(
-            "--workdir {}: must be an absolute path, shorter than PATH_MAX",
-            super::elide(&dir.to_string_lossy())
-        )));
-    }
     let flags = Flags {
         rootfs: args.rootfs.clone(),
         image: args.image.clone(),
@@ -261,8 +231,8 @@ pub fn request(
         mounts,
         env,
         workdir: args.workdir.clone(),
-        hostname: flag("hostname", &args.hostname, parse::hostname)?,
-        limits: resource_limits(args)?,
+        hostname: args.hostname.clone(),
+        limits: resource_limits(args),
         devices: args.devices.clone(),
         gpus: args.gpus.clone(),
         net: args.net,
@@ -275,28 +245,8 @@ pub fn request(
     Ok(crate::slurm::run::prepare(flags, command, config, hold)?)
 }
 
-/// `--timeout SECONDS`: a positive number; one too large for the clock is the farthest deadline
-/// it can hold (no deadline in practice), never a panic.
-fn parse_timeout(text: &Option<String>) -> Result<Option<Duration>, Failure> {
-    text.as_deref()
-        .map(|t| {
-            t.trim()
-                .parse::<f64>()
-                .ok()
-                .and_then(crate::time::duration_from_secs)
-                .ok_or_else(|| {
-                    Failure::input(format!(
-                        "--timeout {}: use a positive number of seconds",
-                        super::elide(t)
-                    ))
-                })
-        })
-        .transpose()
-}
-
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
-    // Checked before the image is resolved: a bad value costs nothing.
-    let timeout = parse_timeout(&args.timeout)?;
+    let timeout = args.timeout;
     if args.container.rootfs.is_some() && args.command.is_empty() {
         return Err(Failure::input(
             "no command given: a --rootfs directory needs one (berth run --rootfs DIR -- CMD)",
@@ -316,7 +266,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
         ),
         Exit::TimedOut => eprintln!(
             "berth: timed out after {} s: the container was killed (--timeout)",
-            super::elide(args.timeout.as_deref().unwrap_or("?"))
+            timeout.map_or(0.0, |t| t.as_secs_f64())
         ),
         _ => {}
     }
@@ -358,27 +308,25 @@ mod tests {
 
     #[test]
     fn timeouts() {
-        assert_eq!(
-            parse_timeout(&Some("1.5".into())).unwrap(),
-            Some(Duration::from_millis(1500))
-        );
-        parse_timeout(&Some("0".into())).unwrap_err();
-        parse_timeout(&Some("x".into())).unwrap_err();
+        use crate::cli::values::seconds;
+        assert_eq!(seconds("1.5").unwrap(), Duration::from_millis(1500));
+        seconds("0").unwrap_err();
+        seconds("x").unwrap_err();
         for huge in [
             "99999999999999999999999999",
             "18446744073709551616",
             "9223372036854775807",
             "1e308",
         ] {
-            assert!(parse_timeout(&Some(huge.into())).unwrap().is_some());
+            seconds(huge).unwrap();
         }
         for bad in ["inf", "NaN", "-1", "1e-300", ""] {
-            assert!(parse_timeout(&Some(bad.into())).is_err(), "{bad}");
+            assert!(seconds(bad).is_err(), "{bad}");
         }
         let long = "9".repeat(100_000) + "x";
-        let Err(e) = parse_timeout(&Some(long)) else {
+        let Err(e) = seconds(&long) else {
             panic!("a bad timeout was accepted")
         };
-        assert!(e.message.len() < 300, "{}", e.message);
+        assert!(e.len() < 300, "{e}");
     }
 }
