@@ -24,7 +24,9 @@
 //!
 //! Its chunk fetches go with the credentials of the user whose container started it; every
 //! other container's user fetched the same index with their own first, and every chunk is
-//! verified against that index before a byte is served (super, "chunk cache").
+//! verified against that index before a byte is served (super, "chunk cache"). So that user's
+//! logins going bad fails the server's later fetches (EIO) for every container of the image
+//! until it is started anew: what is read never changes, whether it can be read does.
 //!
 //! Limit: a server that dies (killed, or the node's OOM killer) cannot be replaced under the
 //! containers that use it: their squashfs reads from its FUSE connection, which ends with it
