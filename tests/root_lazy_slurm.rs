@@ -1,10 +1,12 @@
 //! Root tier: lazily loaded images in Slurm steps (issue 30) — `srun --container-image=lazy:REF`
 //! on a real one-host Slurm of this file's own (integration/slurm/start.sh, its own state
 //! directory and ports) against the loopback registry, through a proxy of this file's that can
-//! stall. The node's lazy image server (image::lazy::server): one process and one mount shared
-//! by the steps of two users, kept for the other when one step is cancelled, stopped by `berth
-//! gc` once no container uses it; named containers and `--container-save` on a lazy image; a
-//! registry that stalls mid-read gives the reader EIO within `registry.lazy_read_deadline_s`.
+//! stall. The node's lazy image server (image::lazy::server), started by the job's Prolog: one
+//! process and one mount shared by the steps of two users, kept for the other when one step is
+//! cancelled, stopped by `berth gc` once no container uses it; every task of a step, named
+//! containers and `--container-save` on a lazy image; a second index of the same blob changes
+//! nothing a running container reads; a registry that stalls mid-read gives the reader EIO
+//! within `registry.lazy_read_deadline_s`.
 //! Run as root: `cargo test --test root_lazy_slurm -- --ignored --test-threads=1`
 //! (`BERTH_TEST_BIN`, `BERTH_TEST_PLUGIN`: an older berth and SPANK plugin).
 
@@ -422,6 +424,14 @@ fn steps_of_two_users_share_one_server_which_a_cancel_leaves_and_gc_stops() {
     a.wait_for("lazy hello", 120);
     let first = servers();
     assert_eq!(first.len(), 1, "{first:?}");
+    // The job's Prolog pre-imported the image (srun passes it as SPANK_BERTH_IMAGE): it started
+    // the server, with its own environment, before the step's container was made.
+    let env = std::fs::read(format!("/proc/{}/environ", first[0])).unwrap();
+    assert!(
+        env.split(|b| *b == 0)
+            .any(|w| w == b"SLURM_SCRIPT_CONTEXT=prolog_slurmd"),
+        "the server was not started by the Prolog"
+    );
     // B, another user: the same server; its read of the whole image comes after A is gone.
     let go = c.cwd.join("lazy-b-go");
     let _ = std::fs::remove_file(&go);
