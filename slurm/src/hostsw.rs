@@ -159,9 +159,13 @@ fn wildcard(pattern: &[u8], text: &[u8]) -> bool {
     }
 }
 
+/// The names in each directory a pattern was matched in, read once for all the entries of a
+/// list (the default MPI libraries are 22 patterns in one directory of ~1,400 names).
+type Listings = std::collections::HashMap<PathBuf, Vec<std::ffi::OsString>>;
+
 /// The existing paths an absolute `entry` names, `*` and `?` in any component expanded (in
 /// name order); an entry without them as itself.
-fn expand(entry: &Path) -> Vec<PathBuf> {
+fn expand(entry: &Path, listings: &mut Listings) -> Vec<PathBuf> {
     let mut found = vec![PathBuf::from("/")];
     for comp in entry.components().skip(1) {
         let name = comp.as_os_str();
@@ -172,12 +176,18 @@ fn expand(entry: &Path) -> Vec<PathBuf> {
         }
         let mut next = Vec::new();
         for dir in found {
-            let mut names: Vec<_> = std::fs::read_dir(&dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| e.file_name())
+            let listing = listings.entry(dir.clone()).or_insert_with(|| {
+                std::fs::read_dir(&dir)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.file_name())
+                    .collect()
+            });
+            let mut names: Vec<_> = listing
+                .iter()
                 .filter(|n| wildcard(bytes, n.as_encoded_bytes()))
+                .cloned()
                 .collect();
             names.sort();
             next.extend(names.into_iter().map(|n| dir.join(n)));
@@ -191,10 +201,11 @@ fn expand(entry: &Path) -> Vec<PathBuf> {
 /// absolute, or that is or holds a secret, is the configuration's error.
 pub(crate) fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>, SlurmError> {
     let mut out = Vec::new();
+    let mut listings = Listings::new();
     for entry in entries {
         let pairs = match entry.split_once(':') {
             Some((s, d)) => vec![(PathBuf::from(s), PathBuf::from(d))],
-            None => expand(Path::new(entry))
+            None => expand(Path::new(entry), &mut listings)
                 .into_iter()
                 .map(|p| (p.clone(), p))
                 .collect(),
@@ -398,7 +409,7 @@ mod tests {
             std::fs::write(dir.path().join(d).join("liblua5.3.so.0"), "").unwrap();
         }
         let pattern = dir.path().join("*-linux-gnu/liblua5.3*.so*");
-        let found = expand(&pattern);
+        let found = expand(&pattern, &mut Listings::new());
         assert_eq!(
             found,
             [

@@ -132,43 +132,33 @@ pub fn mpi_binds(
     what: &str,
 ) -> Result<Vec<BindMount>, SlurmError> {
     let hs = &config.host_software;
-    let libs = crate::hostsw::configured(&hs.mpi_libraries, "mpi_libraries")?;
     let mut names = BTreeSet::new();
     let mut binds = Vec::new();
-    let mut host_mpi = None;
-    let mut needs_glibc = None;
-    let mut needed = BTreeSet::new();
-    for lib in libs {
+    for lib in crate::hostsw::configured(&hs.mpi_libraries, "mpi_libraries")? {
         let Some(name) = lib.destination.file_name().map(|n| n.to_os_string()) else {
             continue;
         };
         // Of two files of one name (two architectures' directories), the first listed wins.
-        if !names.insert(name.clone()) {
-            continue;
+        if names.insert(name.clone()) {
+            binds.push(BindMount {
+                source: lib.source,
+                destination: Path::new(LIB_DIR).join(name),
+                readonly: true,
+            });
         }
-        let info = elf_info_host(&lib.source).map_err(|e| {
-            SlurmError::host(format!(
-                "{what}: reading the host's {}: {e}: fix host_software.mpi_libraries",
-                lib.source.display()
-            ))
-        })?;
-        needs_glibc = needs_glibc.max(info.glibc);
-        needed.extend(info.needed);
-        let text = name.to_string_lossy();
-        if host_mpi.is_none() && text.starts_with("libmpi.so.") && lib.source.is_file() {
-            let real = std::fs::canonicalize(&lib.source).unwrap_or(lib.source.clone());
-            let real_name = real.file_name().map(|n| n.to_string_lossy().into_owned());
-            host_mpi = info
-                .soname
-                .as_deref()
-                .and_then(|s| abi(s, real_name.as_deref().unwrap_or(&text)));
-        }
-        binds.push(BindMount {
-            source: lib.source,
-            destination: Path::new(LIB_DIR).join(name),
-            readonly: true,
-        });
     }
+    // What the host's libraries are is read from them once per set of files (as their
+    // gathered copies are made), then from the facts file beside the copies.
+    let stage = Stage::new(&config.runtime.state_dir, &binds);
+    let facts = match stage.as_ref().ok().and_then(Stage::facts) {
+        Some(facts) => facts,
+        None => HostFacts::read(&binds, what)?,
+    };
+    let HostFacts {
+        mpi: host_mpi,
+        glibc: needs_glibc,
+        needed,
+    } = facts.clone();
     let host = host_mpi.ok_or_else(|| {
         SlurmError::host(format!(
             "{what}: no libmpi.so of this node among host_software.mpi_libraries: ask the site \
@@ -241,7 +231,7 @@ pub fn mpi_binds(
     }
     // One bind of a directory instead of one per library: each bind costs the step's start
     // about a millisecond, and a site's MPI is tens of files.
-    let mut binds = match staged(&config.runtime.state_dir, &binds) {
+    let mut binds = match stage.and_then(|st| st.make(&facts)) {
         Ok(dir) => vec![BindMount {
             source: dir,
             destination: PathBuf::from(LIB_DIR),
@@ -259,70 +249,197 @@ pub fn mpi_binds(
     Ok(binds)
 }
 
-/// A directory of the state directory holding copies of the libraries `libs` bind (each real
-/// file once, under its own name, and a relative symlink for each other name of it, which
-/// resolves inside the container too), made once per set of host files: named by a hash of
-/// their paths, inodes, sizes and mtimes, so an upgrade of the host's MPI makes a new one and a
-/// running container keeps the one it has (old ones go with the state directory's tmpfs).
-fn staged(state_dir: &Path, libs: &[BindMount]) -> std::io::Result<PathBuf> {
-    use std::hash::{Hash, Hasher};
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let mut hash = std::collections::hash_map::DefaultHasher::new();
-    let mut files = Vec::with_capacity(libs.len());
-    for lib in libs {
-        let real = std::fs::canonicalize(&lib.source)?;
-        let meta = std::fs::metadata(&real)?;
-        let (Some(name), Some(real_name)) = (lib.destination.file_name(), real.file_name()) else {
-            continue;
-        };
-        (name, &real, meta.dev(), meta.ino(), meta.len()).hash(&mut hash);
-        (meta.mtime(), meta.mtime_nsec()).hash(&mut hash);
-        files.push((name.to_os_string(), real_name.to_os_string(), real));
-    }
-    let base = state_dir.join("host-mpi");
-    match std::fs::DirBuilder::new().mode(0o755).create(&base) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
-    let meta = std::fs::symlink_metadata(&base)?;
-    if !meta.is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() || meta.mode() & 0o022 != 0 {
-        return Err(std::io::Error::other(
-            "not a directory of berth's that only berth writes",
-        ));
-    }
-    let key = format!("{:016x}", hash.finish());
-    let dir = base.join(&key);
-    if dir.is_dir() {
-        return Ok(dir);
-    }
-    let tmp = base.join(format!(".{key}.{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::DirBuilder::new().mode(0o755).create(&tmp)?;
-    let filled = (|| {
-        for (name, real_name, real) in &files {
-            let copy = tmp.join(real_name);
-            if copy.symlink_metadata().is_err() {
-                std::fs::copy(real, &copy)?;
-                std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644))?;
-            }
-            let alias = tmp.join(name);
-            if name != real_name && alias.symlink_metadata().is_err() {
-                std::os::unix::fs::symlink(real_name, &alias)?;
+/// What the checks need of the host's MPI libraries.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct HostFacts {
+    mpi: Option<Abi>,
+    /// The newest `GLIBC_x.y` they need.
+    glibc: Option<(u32, u32)>,
+    /// The libraries they need (DT_NEEDED).
+    needed: BTreeSet<String>,
+}
+
+impl HostFacts {
+    /// Reads the libraries `libs` bind.
+    fn read(libs: &[BindMount], what: &str) -> Result<HostFacts, SlurmError> {
+        let mut facts = HostFacts::default();
+        for lib in libs {
+            let info = elf_info_host(&lib.source).map_err(|e| {
+                SlurmError::host(format!(
+                    "{what}: reading the host's {}: {e}: fix host_software.mpi_libraries",
+                    lib.source.display()
+                ))
+            })?;
+            facts.glibc = facts.glibc.max(info.glibc);
+            facts.needed.extend(info.needed);
+            let text = lib
+                .destination
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if facts.mpi.is_none() && text.starts_with("libmpi.so.") && lib.source.is_file() {
+                let real = std::fs::canonicalize(&lib.source).unwrap_or(lib.source.clone());
+                let real_name = real.file_name().map(|n| n.to_string_lossy().into_owned());
+                facts.mpi = info
+                    .soname
+                    .as_deref()
+                    .and_then(|s| abi(s, real_name.as_deref().unwrap_or(&text)));
             }
         }
-        std::fs::rename(&tmp, &dir)
-    })();
-    match filled {
-        Ok(()) => Ok(dir),
-        // Another step made it meanwhile.
-        Err(_) if dir.is_dir() => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Ok(dir)
+        Ok(facts)
+    }
+
+    /// One line each: `mpi FILE MAJOR MINOR|-`, `glibc MAJOR MINOR`, `needed NAME`.
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        if let Some(a) = &self.mpi {
+            let minor = a.minor.map_or("-".to_string(), |m| m.to_string());
+            out.push_str(&format!("mpi {} {} {minor}\n", a.file, a.major));
         }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(e)
+        if let Some((major, minor)) = self.glibc {
+            out.push_str(&format!("glibc {major} {minor}\n"));
+        }
+        for n in &self.needed {
+            out.push_str(&format!("needed {n}\n"));
+        }
+        out
+    }
+
+    fn parse(text: &str) -> Option<HostFacts> {
+        let mut facts = HostFacts::default();
+        for line in text.lines() {
+            let words: Vec<&str> = line.split(' ').collect();
+            match words.as_slice() {
+                ["mpi", file, major, minor] => {
+                    facts.mpi = Some(Abi {
+                        file: (*file).to_string(),
+                        major: major.parse().ok()?,
+                        minor: if *minor == "-" {
+                            None
+                        } else {
+                            Some(minor.parse().ok()?)
+                        },
+                    });
+                }
+                ["glibc", major, minor] => {
+                    facts.glibc = Some((major.parse().ok()?, minor.parse().ok()?));
+                }
+                ["needed", name] => {
+                    facts.needed.insert((*name).to_string());
+                }
+                _ => return None,
+            }
+        }
+        Some(facts)
+    }
+}
+
+/// The directory of the state directory holding copies of the libraries a set of binds names
+/// (each real file once, under its own name, and a relative symlink for each other name of it,
+/// which resolves inside the container too), and beside it what they are ([`HostFacts`]);
+/// made once per set of host files: named by a hash of their paths, inodes, sizes and mtimes,
+/// so an upgrade of the host's MPI makes a new one and a running container keeps the one it
+/// has (old ones go with the state directory's tmpfs).
+struct Stage {
+    dir: PathBuf,
+    /// (name in the directory, the real file's name, the real file)
+    files: Vec<(std::ffi::OsString, std::ffi::OsString, PathBuf)>,
+}
+
+impl Stage {
+    fn new(state_dir: &Path, libs: &[BindMount]) -> std::io::Result<Stage> {
+        use std::hash::{Hash, Hasher};
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        let mut hash = std::collections::hash_map::DefaultHasher::new();
+        let mut files = Vec::with_capacity(libs.len());
+        for lib in libs {
+            let real = std::fs::canonicalize(&lib.source)?;
+            let meta = std::fs::metadata(&real)?;
+            let (Some(name), Some(real_name)) = (lib.destination.file_name(), real.file_name())
+            else {
+                continue;
+            };
+            (name, &real, meta.dev(), meta.ino(), meta.len()).hash(&mut hash);
+            (meta.mtime(), meta.mtime_nsec()).hash(&mut hash);
+            files.push((name.to_os_string(), real_name.to_os_string(), real));
+        }
+        let base = state_dir.join("host-mpi");
+        match std::fs::DirBuilder::new().mode(0o755).create(&base) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let meta = std::fs::symlink_metadata(&base)?;
+        if !meta.is_dir()
+            || meta.uid() != nix::unistd::geteuid().as_raw()
+            || meta.mode() & 0o022 != 0
+        {
+            return Err(std::io::Error::other(
+                "not a directory of berth's that only berth writes",
+            ));
+        }
+        Ok(Stage {
+            dir: base.join(format!("{:016x}", hash.finish())),
+            files,
+        })
+    }
+
+    fn facts_path(&self) -> PathBuf {
+        self.dir.with_extension("facts")
+    }
+
+    /// The facts of a directory made before (the facts file is written before the directory
+    /// is renamed into place).
+    fn facts(&self) -> Option<HostFacts> {
+        if !self.dir.is_dir() {
+            return None;
+        }
+        HostFacts::parse(&std::fs::read_to_string(self.facts_path()).ok()?)
+    }
+
+    /// The directory, made now unless it was.
+    fn make(self, facts: &HostFacts) -> std::io::Result<PathBuf> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        if self.dir.is_dir() && self.facts_path().is_file() {
+            return Ok(self.dir);
+        }
+        let tmp = self
+            .dir
+            .with_extension(format!("tmp{}", std::process::id()));
+        let facts_tmp = self
+            .dir
+            .with_extension(format!("facts.tmp{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::DirBuilder::new().mode(0o755).create(&tmp)?;
+        let filled = (|| {
+            for (name, real_name, real) in &self.files {
+                let copy = tmp.join(real_name);
+                if copy.symlink_metadata().is_err() {
+                    std::fs::copy(real, &copy)?;
+                    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644))?;
+                }
+                let alias = tmp.join(name);
+                if name != real_name && alias.symlink_metadata().is_err() {
+                    std::os::unix::fs::symlink(real_name, &alias)?;
+                }
+            }
+            std::fs::write(&facts_tmp, facts.to_text())?;
+            std::fs::rename(&facts_tmp, self.facts_path())?;
+            std::fs::rename(&tmp, &self.dir)
+        })();
+        match filled {
+            Ok(()) => Ok(self.dir),
+            // Another step made it meanwhile.
+            Err(_) if self.dir.is_dir() => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                let _ = std::fs::remove_file(&facts_tmp);
+                Ok(self.dir)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                let _ = std::fs::remove_file(&facts_tmp);
+                Err(e)
+            }
         }
     }
 }
@@ -717,6 +834,15 @@ mod tests {
         }
         let again = mpi_binds(&config, &lowers, what).unwrap();
         assert_eq!(&again[0].source, staged, "made once");
+        // What the host's libraries are is kept beside the copies, read back as it was.
+        let facts = std::fs::read_to_string(staged.with_extension("facts")).unwrap();
+        let parsed = HostFacts::parse(&facts).unwrap();
+        assert_eq!(
+            parsed.mpi.as_ref().map(|a| (a.major, a.minor)),
+            Some((40, Some(30)))
+        );
+        assert!(parsed.needed.contains("libdep.so.1"), "{facts}");
+        assert_eq!(parsed.to_text(), facts);
         assert!(binds.iter().all(|b| b.readonly));
         // An image built on a newer Open MPI than the host's.
         let newer = image_with(31, "2.99");
