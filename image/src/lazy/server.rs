@@ -433,7 +433,11 @@ pub fn stop_unused(config: &Settings<'_>, node: &Node) -> Vec<String> {
     let mut done = Vec::new();
     for hex in hexes {
         let step = || -> Result<Option<String>, ImageError> {
-            let _start = lock(&node.file(&hex, "lock"), true, true)?;
+            // A server being started is about to be used: left alone, and the Epilog does not
+            // wait for the start.
+            let Some(_start) = lock(&node.file(&hex, "lock"), true, false)? else {
+                return Ok(None);
+            };
             let Some(_unused) = lock(&node.file(&hex, "use"), true, false)? else {
                 return Ok(None);
             };
