@@ -311,9 +311,7 @@ fn image(
                 None => caller.clone(),
             };
             match text.strip_prefix("lazy:") {
-                Some(rest) if hold => {
-                    crate::container::resolve_lazy_shared(rest, config, &reader)?
-                }
+                Some(rest) if hold => crate::container::resolve_lazy_shared(rest, config, &reader)?,
                 Some(rest) => crate::container::resolve_lazy(rest, config, &reader)?,
                 None => resolve(text, config, &reader, flags.arch.clone())?,
             }
