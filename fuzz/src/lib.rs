@@ -14,28 +14,10 @@ use std::path::Path;
 use berth::image::registry::{auth, manifest};
 use berth::image::{archive, layer, reference, sif, squashfs};
 
-// The SPANK plugin is a cdylib that cannot be linked as a library: its pure modules are compiled
-// here from its sources, at the crate root where their `crate::` paths point; the mount syntax
-// they use comes from the protocol crate, as in the plugin.
-#[path = "../../spank/src/config.rs"]
-#[allow(dead_code)]
-mod config;
+// The SPANK plugin's parsers, from its rlib; the mount syntax it checks comes from the protocol
+// crate both sides share.
 use berth_proto::mounts;
-#[path = "../../spank/src/error.rs"]
-#[allow(dead_code)]
-mod error;
-use error::SpankError;
-#[path = "../../spank/src/options.rs"]
-#[allow(dead_code)]
-mod options;
-#[path = "../../spank/src/request.rs"]
-#[allow(dead_code)]
-mod request;
-
-/// The plugin's `io_text` (spank/src/lib.rs), which its modules call.
-pub(crate) fn io_text(e: &std::io::Error) -> String {
-    e.to_string()
-}
+use spank_berth::{config, options, request};
 
 /// One fuzz target: takes any bytes, must return.
 pub type Target = fn(&[u8]);

@@ -10,15 +10,15 @@
 //! subprocess runner, the capability handling) are unit-tested; the SPANK glue (`ffi`, `plugin`)
 //! needs Slurm's symbols and is tested end to end on a real Slurm (tests/root_slurm.rs).
 
-mod config;
-mod error;
+pub mod config;
+pub mod error;
 mod join;
 /// berth's own parser of `--container-mounts`, from the protocol crate both sides share: the
 /// plugin checks entries one by one and leaves the rest of it to berth.
 use berth_proto::mounts;
-mod options;
+pub mod options;
 mod pin;
-mod request;
+pub mod request;
 mod runner;
 
 #[cfg(not(test))]
@@ -26,7 +26,7 @@ mod ffi;
 #[cfg(not(test))]
 mod plugin;
 
-pub(crate) use error::SpankError;
+pub use error::SpankError;
 
 /// An I/O error as a user reads it: "No such file or directory", without Rust's
 /// " (os error 2)" suffix.
