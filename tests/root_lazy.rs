@@ -605,6 +605,12 @@ fn berth_create_uses_the_nodes_server_which_gc_stops_after_rm() {
         "{gc}"
     );
     assert!(servers_of(&reference).is_empty());
+    // Its cgroup goes with the last server: none is left beside the containers' (root_run).
+    assert!(
+        !std::path::Path::new(cgroup_root()).join("lazy").exists(),
+        "{:?}",
+        leftover_cgroups()
+    );
     f.unmounted();
     drop((rm, rm2));
 }

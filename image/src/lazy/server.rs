@@ -455,7 +455,24 @@ pub fn stop_unused(config: &Settings<'_>, node: &Node) -> Vec<String> {
             Err(e) => tracing::warn!("{e}"),
         }
     }
+    if let Some(cg) = &node.cgroup {
+        remove_cgroup(&cg.join("lazy"), !done.is_empty());
+    }
     done
+}
+
+/// Removes the servers' cgroup once none runs there, so that no empty cgroup is left beside
+/// the containers'. A server just stopped may still be exiting in it (EBUSY): waited for a
+/// little; one that serves keeps it.
+fn remove_cgroup(dir: &Path, stopped_any: bool) {
+    for _ in 0..40 {
+        match std::fs::remove_dir(dir) {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && stopped_any => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            _ => return,
+        }
+    }
 }
 
 #[cfg(test)]
