@@ -33,17 +33,26 @@ fn doc_files() -> Vec<PathBuf> {
     files
 }
 
-/// The `berth …` lines of fenced code blocks, with their line numbers, without a shell prompt,
-/// `sudo` or a trailing `# comment`.
+/// The `berth …` lines of fenced code blocks (a line ending in `\` joined with the next), with
+/// their line numbers, without a shell prompt, `sudo` or a trailing `# comment`.
 fn command_lines(text: &str) -> Vec<(usize, String)> {
     let mut fenced = false;
     let mut lines = Vec::new();
+    let mut joined: Option<(usize, String)> = None;
     for (n, line) in text.lines().enumerate() {
         if line.trim_start().starts_with("```") {
             fenced = !fenced;
             continue;
         }
         if !fenced {
+            continue;
+        }
+        let (n, line) = match joined.take() {
+            Some((first, head)) => (first, format!("{} {}", head.trim_end(), line.trim())),
+            None => (n, line.to_string()),
+        };
+        if let Some(head) = line.trim_end().strip_suffix('\\') {
+            joined = Some((n, head.to_string()));
             continue;
         }
         let mut l = line.trim();
@@ -262,6 +271,16 @@ fn the_checks_catch_drift() {
     std::fs::write(dir.path().join("b.md"), "").unwrap();
     let text = "[ok](b.md#x) [web](https://example.com) [gone](c.md) [self](#top)";
     assert_eq!(broken_links(&doc, text), ["c.md"]);
+    let block = "```\nberth run --rootfs /r \\\n  --pids 0 -- true\n```\n";
+    let lines = command_lines(block);
+    assert_eq!(
+        lines,
+        [(2, "berth run --rootfs /r --pids 0 -- true".to_string())]
+    );
+    assert!(
+        check_line(&lines[0].1).is_err(),
+        "a continued line is checked whole"
+    );
     assert_eq!(
         shell_words("a 'b c' \"d\\e\" f\\ g").unwrap(),
         ["a", "b c", "d\\e", "f g"]
