@@ -59,6 +59,9 @@ struct Mine {
     timeout_s: u64,
     boot_before: String,
     gate_passes: u32,
+    /// Waiting and among the next `max_unavailable` to start: its order will not wait a whole
+    /// heartbeat interval either.
+    next_in_line: bool,
 }
 
 fn mine(state: &State, node: &str) -> Option<Mine> {
@@ -71,6 +74,14 @@ fn mine(state: &State, node: &str) -> Option<Mine> {
         timeout_s: r.plan.timeout_s,
         boot_before: s.boot_before.clone(),
         gate_passes: r.plan.gate_passes,
+        next_in_line: s.phase == Phase::Waiting
+            && r.status == rollout::Status::Running
+            && r.plan
+                .nodes
+                .iter()
+                .filter(|n| r.steps.get(*n).is_some_and(|x| x.phase == Phase::Waiting))
+                .take(usize::try_from(r.plan.max_unavailable).unwrap_or(usize::MAX))
+                .any(|n| n == node),
     })
 }
 
@@ -96,7 +107,7 @@ pub async fn on_heartbeat(
     let Some(m) = mine(&app.store.lock().state, &hb.node) else {
         return Ok((None, None));
     };
-    let fast = m.phase.in_flight().then_some(FAST_BEAT_MS);
+    let fast = (m.phase.in_flight() || m.next_in_line).then_some(FAST_BEAT_MS);
     step(app, hb, m).await.map(|o| (o, fast))
 }
 
