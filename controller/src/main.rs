@@ -1,8 +1,8 @@
 //! `berth-controller`: berth's cluster controller. One instance (a single Raft voter) or three
 //! (two head nodes and a login node) keep a replicated record of the nodes, their health
-//! verdicts and the drain/resume decisions those lead to; the leader applies the decisions to
-//! Slurm with `scontrol`. Raft is openraft (0.9), its log and state machine in one redb file
-//! under the data directory. See README.md, "Cluster controller".
+//! verdicts and the drain/resume decisions those lead to, and the rolling maintenances
+//! (rollout.rs); the leader applies the decisions to Slurm with `scontrol`. Raft is openraft
+//! (0.9), its log and state machine in one redb file under the data directory. See README.md, "Cluster controller".
 
 mod catalog;
 mod error;

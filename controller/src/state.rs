@@ -1,5 +1,5 @@
 //! The replicated state machine: node registrations, check verdicts and the drain/resume
-//! decisions they lead to. Every replica applies the same committed [`Command`]s with
+//! decisions they lead to, and the rolling maintenances (`Command::Rollout`, rollout.rs). Every replica applies the same committed [`Command`]s with
 //! [`State::apply`] and so reaches the same state; the decision rules live here, as pure
 //! functions of the state and the command (time comes in the command, stamped by the leader
 //! that proposed it), so that they are the same on every replica and testable without Raft.
