@@ -2,8 +2,9 @@
 //! `topology.host_root`) every `agent.interval_ms` (jittered), posts each round as a heartbeat
 //! to the cluster controller, and serves its own `/metrics`. A rollout step the leader orders in
 //! a heartbeat answer is run (at most once) and reported by crate::rollout. Synchronous
-//! (`ureq`, threads): no async runtime on nodes. The controller is never in the job path: with it down, the agent
-//! keeps checking and retrying, and Slurm, the Prolog/Epilog and `berth gc` work as before.
+//! (`ureq`, threads): no async runtime on nodes. The controller is never in the job path: with
+//! it down, the agent keeps checking and retrying, and Slurm, the Prolog/Epilog and `berth gc`
+//! work as before.
 //!
 //! The configuration file is read again every round, so a changed threshold or expected GPU
 //! count takes effect without a restart (a file that no longer parses keeps the last one).
