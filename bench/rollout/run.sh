@@ -8,13 +8,13 @@
 # leader's CPU over the rollout, from /proc/<pid>/stat (utime + stime), as % of one core.
 # Goals (issue 31): wall <= 1.2 x ideal; leader < 50 % of a core.
 #
-#   bench/rollout/run.sh [AGENTS=1000] [MAX=10%] [PER_NODE_MS=20000] [INTERVAL_MS=2000]
+#   bench/rollout/run.sh [AGENTS=1000] [MAX=10%] [PER_NODE_MS=20000] [INTERVAL_MS=5000]
 # Needs: cargo build --release -p berth-controller (or BIN=path/to/berth-controller), python3.
 set -euo pipefail
 AGENTS=${1:-1000}
 MAX=${2:-10%}
 PER_NODE_MS=${3:-20000}
-INTERVAL_MS=${4:-2000}
+INTERVAL_MS=${4:-5000}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release/berth-controller}
 [ -x "$BIN" ] || { echo "run.sh: $BIN missing: cargo build --release -p berth-controller" >&2; exit 1; }
