@@ -342,8 +342,8 @@ impl HostFacts {
 /// has (old ones go with the state directory's tmpfs).
 struct Stage {
     dir: PathBuf,
-    /// (name in the directory, the real file's name, the real file)
-    files: Vec<(std::ffi::OsString, std::ffi::OsString, PathBuf)>,
+    /// (name in the directory, the host's file of that name)
+    files: Vec<(std::ffi::OsString, PathBuf)>,
 }
 
 impl Stage {
@@ -352,16 +352,16 @@ impl Stage {
         use std::os::unix::fs::{DirBuilderExt, MetadataExt};
         let mut hash = std::collections::hash_map::DefaultHasher::new();
         let mut files = Vec::with_capacity(libs.len());
+        // One stat each (of the file a symlink names): the step's start pays for this every
+        // time, the real paths are resolved only when the directory is made.
         for lib in libs {
-            let real = std::fs::canonicalize(&lib.source)?;
-            let meta = std::fs::metadata(&real)?;
-            let (Some(name), Some(real_name)) = (lib.destination.file_name(), real.file_name())
-            else {
+            let meta = std::fs::metadata(&lib.source)?;
+            let Some(name) = lib.destination.file_name() else {
                 continue;
             };
-            (name, &real, meta.dev(), meta.ino(), meta.len()).hash(&mut hash);
+            (name, &lib.source, meta.dev(), meta.ino(), meta.len()).hash(&mut hash);
             (meta.mtime(), meta.mtime_nsec()).hash(&mut hash);
-            files.push((name.to_os_string(), real_name.to_os_string(), real));
+            files.push((name.to_os_string(), lib.source.clone()));
         }
         let base = state_dir.join("host-mpi");
         match std::fs::DirBuilder::new().mode(0o755).create(&base) {
@@ -412,10 +412,14 @@ impl Stage {
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::DirBuilder::new().mode(0o755).create(&tmp)?;
         let filled = (|| {
-            for (name, real_name, real) in &self.files {
+            for (name, source) in &self.files {
+                let real = std::fs::canonicalize(source)?;
+                let Some(real_name) = real.file_name() else {
+                    continue;
+                };
                 let copy = tmp.join(real_name);
                 if copy.symlink_metadata().is_err() {
-                    std::fs::copy(real, &copy)?;
+                    std::fs::copy(&real, &copy)?;
                     std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644))?;
                 }
                 let alias = tmp.join(name);
