@@ -572,6 +572,25 @@ fn one_node_at_a_time_a_job_delays_only_its_node_and_an_admin_drain_is_skipped()
         dry.contains(&format!("skipped: {admin} (drained before the rollout")),
         "{dry}"
     );
+    // Four out at once overall makes one batch; one per partition (all are the harness's
+    // "debug") makes them one at a time again.
+    let wide: Vec<&str> = plan
+        .iter()
+        .map(|a| if *a == "1" { "4" } else { a })
+        .collect();
+    let mut args = vec!["rollout", "dry-run"];
+    args.extend(&wide);
+    let dry = rig.cli_ok(&args);
+    assert!(dry.contains(&format!("batch 1: {a},{b},{busy}\n")), "{dry}");
+    args.extend(["--max-unavailable-per-partition", "1"]);
+    let dry = rig.cli_ok(&args);
+    assert!(
+        dry.contains("at most out at once per partition: debug 1"),
+        "{dry}"
+    );
+    for (i, n) in [&a, &b, &busy].iter().enumerate() {
+        assert!(dry.contains(&format!("batch {}: {n}\n", i + 1)), "{dry}");
+    }
     assert!(
         rig.log().is_empty(),
         "a dry run ran something: {:?}",

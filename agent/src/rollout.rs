@@ -544,6 +544,17 @@ pub fn lines(v: &berth_api::RolloutView) -> Vec<String> {
             v.failure_threshold
         ),
     ];
+    if !v.partition_limits.is_empty() {
+        let limits: Vec<String> = v
+            .partition_limits
+            .iter()
+            .map(|(p, n)| format!("{p} {n}"))
+            .collect();
+        out.push(format!(
+            "at most out at once per partition: {}",
+            limits.join(", ")
+        ));
+    }
     if let Some(s) = &v.stopped {
         out.push(format!("stopped: {s}"));
     }

@@ -346,6 +346,10 @@ pub struct RolloutRequest {
     pub timeout_s: u64,
     /// At most this many nodes out of service at once: `N` or `P%` of the rollout's nodes.
     pub max_unavailable: String,
+    /// At most this many nodes of each partition out of service at once: `N`, or `P%` of the
+    /// rollout's nodes in that partition; `None`: only `max_unavailable`.
+    #[serde(default)]
+    pub max_unavailable_per_partition: Option<String>,
     /// `None`: wait for a node's jobs to end, however long. `Some(s)`: a node still running jobs
     /// `s` seconds after its drain is skipped (resumed, left for a later rollout).
     pub deadline_s: Option<u64>,
@@ -394,6 +398,9 @@ pub struct RolloutView {
     pub action: String,
     pub selection: String,
     pub max_unavailable: u32,
+    /// Per partition (`--max-unavailable-per-partition`); empty: none.
+    #[serde(default)]
+    pub partition_limits: std::collections::BTreeMap<String, u32>,
     pub deadline_s: Option<u64>,
     pub gate_passes: u32,
     pub failures: u32,

@@ -46,6 +46,33 @@ pub struct Plan {
     pub deadline_s: Option<u64>,
     pub gate_passes: u32,
     pub failure_threshold: u32,
+    /// Per partition, at most this many of its nodes out of service at once (on top of
+    /// `max_unavailable`); a node of several partitions counts in each.
+    #[serde(default)]
+    pub partition_limits: BTreeMap<String, u32>,
+    /// The partitions of each node, as Slurm listed them when the plan was made.
+    #[serde(default)]
+    pub partitions: BTreeMap<String, Vec<String>>,
+}
+
+impl Plan {
+    /// Whether `node` may leave service with `out` (partition → nodes out now) as it is.
+    fn partition_room(&self, node: &str, out: &BTreeMap<&str, u32>) -> bool {
+        self.partitions.get(node).is_none_or(|parts| {
+            parts.iter().all(|p| {
+                self.partition_limits
+                    .get(p)
+                    .is_none_or(|limit| out.get(p.as_str()).copied().unwrap_or(0) < *limit)
+            })
+        })
+    }
+
+    /// Counts `node` as out of service in each of its partitions.
+    fn count_out<'a>(&'a self, node: &str, out: &mut BTreeMap<&'a str, u32>) {
+        for p in self.partitions.get(node).into_iter().flatten() {
+            *out.entry(p.as_str()).or_insert(0) += 1;
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -664,21 +691,26 @@ pub fn decide(
     }
     if r.status == Status::Running {
         // A node done but not yet resumed in Slurm is still out of service.
-        let resuming = r
+        let out_nodes: Vec<&String> = r
             .steps
             .iter()
             .filter(|(n, s)| {
-                matches!(s.phase, Phase::Done | Phase::Skipped)
-                    && s.drained_by_us
-                    && slurm
-                        .get(*n)
-                        .is_some_and(|x| x.state.contains("drain") && x.reason == r.reason())
+                s.phase.in_flight()
+                    || (matches!(s.phase, Phase::Done | Phase::Skipped)
+                        && s.drained_by_us
+                        && slurm
+                            .get(*n)
+                            .is_some_and(|x| x.state.contains("drain") && x.reason == r.reason()))
             })
-            .count();
-        let out_now = r.steps.values().filter(|s| s.phase.in_flight()).count() + resuming;
+            .map(|(n, _)| n)
+            .collect();
+        let mut out_by_partition = BTreeMap::new();
+        for n in &out_nodes {
+            r.plan.count_out(n, &mut out_by_partition);
+        }
         let room = usize::try_from(r.plan.max_unavailable.max(1))
             .unwrap_or(usize::MAX)
-            .saturating_sub(out_now);
+            .saturating_sub(out_nodes.len());
         if room > 0 {
             let waiting: Vec<&String> = r
                 .plan
@@ -689,7 +721,16 @@ pub fn decide(
             let (idle, busy): (Vec<&String>, Vec<&String>) = waiting
                 .into_iter()
                 .partition(|n| slurm.get(*n).is_none_or(|s| !s.busy()));
-            let next: Vec<String> = idle.into_iter().chain(busy).take(room).cloned().collect();
+            let mut next: Vec<String> = Vec::new();
+            for n in idle.into_iter().chain(busy) {
+                if next.len() == room {
+                    break;
+                }
+                if r.plan.partition_room(n, &out_by_partition) {
+                    r.plan.count_out(n, &mut out_by_partition);
+                    next.push(n.clone());
+                }
+            }
             if !next.is_empty() {
                 out.push(Cmd::Drain {
                     id,
@@ -723,14 +764,32 @@ pub fn max_unavailable(spec: &str, total: usize) -> Result<u32, String> {
 }
 
 /// The batches a plan makes when every node takes as long: its nodes in order, idle ones
-/// first, `max` at a time.
-pub fn batches(nodes: &[String], busy: &[String], max: u32) -> Vec<Vec<String>> {
-    let (idle, b): (Vec<&String>, Vec<&String>) = nodes.iter().partition(|n| !busy.contains(n));
-    let order: Vec<String> = idle.into_iter().chain(b).cloned().collect();
-    order
-        .chunks(usize::try_from(max.max(1)).unwrap_or(usize::MAX))
-        .map(<[String]>::to_vec)
-        .collect()
+/// first, `max_unavailable` at a time and no more of a partition than its limit.
+pub fn batches(plan: &Plan, busy: &[String]) -> Vec<Vec<String>> {
+    let (idle, b): (Vec<&String>, Vec<&String>) =
+        plan.nodes.iter().partition(|n| !busy.contains(n));
+    let mut left: Vec<&String> = idle.into_iter().chain(b).collect();
+    let max = usize::try_from(plan.max_unavailable.max(1)).unwrap_or(usize::MAX);
+    let mut out = Vec::new();
+    while !left.is_empty() {
+        let mut batch: Vec<String> = Vec::new();
+        let mut counts = BTreeMap::new();
+        left.retain(|n| {
+            if batch.len() < max && plan.partition_room(n, &counts) {
+                plan.count_out(n, &mut counts);
+                batch.push((*n).clone());
+                false
+            } else {
+                true
+            }
+        });
+        if batch.is_empty() {
+            // A partition limit of 0 is refused when planning; never loop on one.
+            batch.push(left.remove(0).clone());
+        }
+        out.push(batch);
+    }
+    out
 }
 
 /// The API's view of a rollout; outputs only for `with_output`.
@@ -741,6 +800,7 @@ pub fn view(r: &Rollout, with_output: Option<&str>) -> berth_api::RolloutView {
         action: action_words(&r.plan.action),
         selection: r.plan.selection.clone(),
         max_unavailable: r.plan.max_unavailable,
+        partition_limits: r.plan.partition_limits.clone(),
         deadline_s: r.plan.deadline_s,
         gate_passes: r.plan.gate_passes,
         failures: r.failures,
@@ -791,6 +851,8 @@ mod tests {
             deadline_s: None,
             gate_passes: 2,
             failure_threshold: 1,
+            partition_limits: BTreeMap::new(),
+            partitions: BTreeMap::new(),
         }
     }
 
@@ -1155,8 +1217,8 @@ mod tests {
         assert!(max_unavailable("0", 4).unwrap_err().contains("a count"));
         assert!(max_unavailable("x%", 4).unwrap_err().contains("percentage"));
         assert!(max_unavailable("200%", 4).unwrap_err().contains("200%"));
-        let n: Vec<String> = (0..5).map(|i| format!("n{i}")).collect();
-        let b = batches(&n, &["n0".to_string()], 2);
+        let n: Vec<&str> = (0..5).map(|i| ["n0", "n1", "n2", "n3", "n4"][i]).collect();
+        let b = batches(&plan(&n, 2), &["n0".to_string()]);
         assert_eq!(
             b,
             vec![vec!["n1", "n2"], vec!["n3", "n4"], vec!["n0"]]
@@ -1166,5 +1228,53 @@ mod tests {
         );
         assert_eq!(tail("aé", 1), "");
         assert_eq!(tail("abc", 2), "bc");
+    }
+
+    /// gpu: g0-g3 (at most 1 out), cpu: c0-c1 (at most 1 out), with 3 out overall.
+    fn partitioned() -> (Plan, [&'static str; 6]) {
+        let names = ["g0", "g1", "g2", "g3", "c0", "c1"];
+        let mut p = plan(&names, 3);
+        p.partition_limits = BTreeMap::from([("gpu".to_string(), 1), ("cpu".to_string(), 1)]);
+        for n in names {
+            let part = if n.starts_with('g') { "gpu" } else { "cpu" };
+            p.partitions.insert(n.to_string(), vec![part.to_string()]);
+        }
+        (p, names)
+    }
+
+    #[test]
+    fn a_partitions_limit_holds_within_the_overall_one() {
+        let (p, names) = partitioned();
+        let b = batches(&p, &[]);
+        assert_eq!(
+            b,
+            [vec!["g0", "c0"], vec!["g1", "c1"], vec!["g2"], vec!["g3"]]
+                .map(|v| v.into_iter().map(String::from).collect::<Vec<_>>())
+        );
+        let mut s = cluster(&names);
+        run(
+            &mut s,
+            Cmd::Start {
+                plan: p,
+                skipped: vec![],
+                now_ms: 0,
+            },
+        );
+        let slurm = idle(&names);
+        let cmds = decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 1);
+        // Room for 3 overall, but one node of each partition.
+        assert_eq!(
+            cmds,
+            vec![Cmd::Drain {
+                id: 1,
+                nodes: vec!["g0".into(), "c0".into()],
+                now_ms: 1
+            }]
+        );
+        for c in cmds {
+            run(&mut s, c);
+        }
+        // While g0 and c0 are out, nothing else of either partition starts.
+        assert!(decide(live(&s), &s.nodes, &slurm, &HashMap::new(), 2).is_empty());
     }
 }

@@ -102,6 +102,10 @@ pub struct RolloutPlan {
     /// Nodes out of service at once: a count or a percentage (10%)
     #[arg(long, default_value = "1")]
     pub max_unavailable: String,
+    /// Also at most this many nodes of each partition out at once: a count, or a percentage
+    /// of the rollout's nodes in that partition
+    #[arg(long, value_name = "N|P%")]
+    pub max_unavailable_per_partition: Option<String>,
     /// Skip (resume) a node whose jobs still run this many seconds after its drain
     /// [default: wait for its jobs, however long]
     #[arg(long)]
@@ -126,6 +130,7 @@ impl RolloutPlan {
             reboot: self.reboot,
             timeout_s: self.timeout_s,
             max_unavailable: self.max_unavailable.clone(),
+            max_unavailable_per_partition: self.max_unavailable_per_partition.clone(),
             deadline_s: self.deadline_s,
             gate_passes: self.gate_passes,
             failure_threshold: self.failure_threshold,

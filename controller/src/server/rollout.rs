@@ -169,6 +169,51 @@ fn parse_states(text: &str) -> BTreeMap<String, (String, String)> {
         .collect()
 }
 
+/// `sinfo -h -N -o %N|%R` → node → its partitions (a node of several has a line for each).
+fn parse_partitions(text: &str) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for l in text.lines() {
+        if let Some((n, p)) = l.split_once('|')
+            && !n.trim().is_empty()
+            && !p.trim().is_empty()
+        {
+            let parts = out.entry(n.trim().to_string()).or_default();
+            if !parts.iter().any(|x| x == p.trim()) {
+                parts.push(p.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Each node's partitions and, per partition, its limit: `spec` of the plan's nodes in it.
+async fn partition_limits(
+    app: &App,
+    nodes: &[String],
+    spec: &str,
+) -> Result<(BTreeMap<String, u32>, BTreeMap<String, Vec<String>>), String> {
+    let term = app.raft.metrics().borrow().current_term;
+    let args: Vec<String> = ["-h", "-N", "-o", "%N|%R"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut partitions = run_tool(&app.s.sinfo, &args, term, app.s.id)
+        .await
+        .map(|t| parse_partitions(&t))
+        .map_err(|e| format!("{e}; retry"))?;
+    partitions.retain(|n, _| nodes.contains(n));
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for p in partitions.values().flatten() {
+        *counts.entry(p.clone()).or_insert(0) += 1;
+    }
+    let mut limits = BTreeMap::new();
+    for (p, n) in counts {
+        let limit = rollout::max_unavailable(spec, n).map_err(|e| format!("per partition: {e}"))?;
+        limits.insert(p, limit);
+    }
+    Ok((limits, partitions))
+}
+
 async fn sinfo(app: &App, extra: &[&str]) -> Result<BTreeMap<String, (String, String)>, String> {
     let mut args: Vec<String> = ["-h", "-N", "-o", "%N|%T|%E"]
         .iter()
@@ -270,7 +315,17 @@ pub async fn start(AxState(app): AxState<Shared>, body: Bytes) -> Response {
         Ok(m) => m,
         Err(e) => return bad(e),
     };
+    let (partition_limits, partitions) = match &req.max_unavailable_per_partition {
+        Some(spec) => match partition_limits(&app, &included, spec).await {
+            Ok(l) => l,
+            Err(e) if e.starts_with("per partition") => return bad(e),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e),
+        },
+        None => Default::default(),
+    };
     let plan = Plan {
+        partition_limits,
+        partitions,
         nodes: included,
         selection,
         action,
@@ -306,7 +361,7 @@ pub async fn start(AxState(app): AxState<Shared>, body: Bytes) -> Response {
         let mut v = rollout::view(r, None);
         v.id = state.rollouts.next_id + 1;
         v.state = "dry-run".into();
-        v.batches = rollout::batches(&plan.nodes, &busy, max);
+        v.batches = rollout::batches(&plan, &busy);
         return Json(v).into_response();
     }
     let cmd = Cmd::Start {
@@ -568,6 +623,14 @@ pub fn metrics(state: &State, reg: &mut Registry) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_of_several_partitions_is_in_each() {
+        let m = parse_partitions("g1|gpu\ng1|all\nc1|cpu\nc1|cpu\n|x\nbad\n");
+        assert_eq!(m["g1"], ["gpu", "all"]);
+        assert_eq!(m["c1"], ["cpu"]);
+        assert_eq!(m.len(), 2);
+    }
 
     #[test]
     fn sinfo_states_parse_and_the_gate_needs_all_passing_and_a_new_boot() {
