@@ -929,6 +929,49 @@ fn a_failure_stops_the_rollout_pause_resume_abort_a_killed_command_and_a_reboot(
         || rig.seen(),
     );
     assert_eq!(rig.slurm.state(&n1), "idle");
+
+    // 6. The admin's gate check: the node waits at its gate until the check exits 0.
+    let ok_file = rig.d().join("gate-ok");
+    let check = format!(
+        "echo waiting for the burn-in; test -e {}",
+        ok_file.display()
+    );
+    rig.cli_ok(&[
+        "rollout",
+        "start",
+        "--nodes",
+        &n1,
+        "--command",
+        "true",
+        "--gate-passes",
+        "2",
+        "--gate-command",
+        &check,
+    ]);
+    wait_for(
+        "the node at its gate",
+        60,
+        || {
+            rig.status()
+                .is_some_and(|s| step(&s, &n1)["phase"] == "gating")
+        },
+        || rig.seen(),
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    let st = rig.status().unwrap();
+    assert_eq!(
+        step(&st, &n1)["phase"],
+        "gating",
+        "resumed before the admin check passed: {st}"
+    );
+    assert!(
+        rig.cli_ok(&["rollout", "status"])
+            .contains(&format!("admin gate check: {check}")),
+        "{st}"
+    );
+    std::fs::write(&ok_file, "").unwrap();
+    let st = rig.wait_state("done", 60);
+    assert_eq!(step(&st, &n1)["phase"], "done", "{st}");
 }
 
 #[test]

@@ -60,6 +60,7 @@ impl Record {
             reason: self.reason.clone(),
             exit: self.exit,
             output: self.output.clone(),
+            gate: None,
         }
     }
 }
@@ -265,6 +266,68 @@ pub struct Steps {
     mine: Option<(u64, Arc<Mutex<Option<Record>>>)>,
     /// Set when a step ended: the next heartbeat goes at once.
     due: Arc<AtomicBool>,
+    /// The admin's gate check of the step at its gate, and its last result.
+    gate: Option<Gate>,
+}
+
+/// A rollout's admin gate check on this node: run again every [`GATE_EVERY`] while ordered,
+/// one run at a time, its last result reported with the step.
+#[derive(Debug)]
+struct Gate {
+    rollout: u64,
+    command: String,
+    last: Arc<Mutex<Option<berth_api::GateCheck>>>,
+    running: Arc<AtomicBool>,
+    started: Option<Instant>,
+}
+
+/// How often the admin gate check runs while the node waits at its gate.
+const GATE_EVERY: Duration = Duration::from_secs(2);
+/// How long one run of it may take.
+const GATE_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Gate {
+    /// Starts a run unless one runs or the last started less than GATE_EVERY ago.
+    fn kick(&mut self, node: &str) {
+        if self.running.load(Ordering::Relaxed)
+            || self.started.is_some_and(|t| t.elapsed() < GATE_EVERY)
+        {
+            return;
+        }
+        self.started = Some(Instant::now());
+        self.running.store(true, Ordering::Relaxed);
+        let (command, last, running) = (
+            self.command.clone(),
+            self.last.clone(),
+            self.running.clone(),
+        );
+        let env = vec![
+            ("BERTH_ROLLOUT", self.rollout.to_string()),
+            ("BERTH_NODE", node.to_string()),
+        ];
+        std::thread::spawn(move || {
+            let check = match run_command(&command, GATE_TIMEOUT, &env, &|_| {}) {
+                Err(why) => berth_api::GateCheck {
+                    ok: false,
+                    message: why,
+                },
+                Ok(e) => {
+                    let line = e.output.lines().last().unwrap_or_default().to_string();
+                    let how = match (e.timed_out, e.exit) {
+                        (true, _) => format!("timed out after {} s", GATE_TIMEOUT.as_secs()),
+                        (false, Some(c)) => format!("exit status {c}"),
+                        (false, None) => "killed by a signal".to_string(),
+                    };
+                    berth_api::GateCheck {
+                        ok: !e.timed_out && e.exit == Some(0),
+                        message: tail(format!("{how}: {line}").as_bytes(), 300),
+                    }
+                }
+            };
+            *last.lock().unwrap_or_else(|p| p.into_inner()) = Some(check);
+            running.store(false, Ordering::Relaxed);
+        });
+    }
 }
 
 impl Steps {
@@ -284,6 +347,24 @@ impl Steps {
             self.due.store(true, Ordering::Relaxed);
         }
         self.order = Some(order.clone());
+        match &order.gate_command {
+            Some(c)
+                if self
+                    .gate
+                    .as_ref()
+                    .is_none_or(|g| g.rollout != order.rollout || g.command != *c) =>
+            {
+                self.gate = Some(Gate {
+                    rollout: order.rollout,
+                    command: c.clone(),
+                    last: Arc::default(),
+                    running: Arc::default(),
+                    started: None,
+                });
+            }
+            Some(_) => {}
+            None => self.gate = None,
+        }
         if self
             .mine
             .as_ref()
@@ -375,8 +456,20 @@ impl Steps {
     }
 
     /// Where the ordered step stands, for the next heartbeat: from this process's step while it
-    /// runs, else from the record (finishing one this process never ran as killed midway).
+    /// runs, else from the record (finishing one this process never ran as killed midway);
+    /// at the gate, with the admin gate check's last result (a new run started when due).
     pub fn report(&mut self, cfg: &AgentConfig, node: &str, boot: &str) -> Option<StepReport> {
+        let mut report = self.step_report(cfg, node, boot)?;
+        if let Some(g) = self.gate.as_mut()
+            && g.rollout == report.rollout
+        {
+            g.kick(node);
+            report.gate = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        }
+        Some(report)
+    }
+
+    fn step_report(&mut self, cfg: &AgentConfig, node: &str, boot: &str) -> Option<StepReport> {
         let order = self.order.clone()?;
         let path = record_path(&cfg.rollout_dir, order.rollout, node);
         if let Some((id, outcome)) = &self.mine
@@ -394,6 +487,7 @@ impl Steps {
                     reason: None,
                     exit: None,
                     output: String::new(),
+                    gate: None,
                 });
             }
         }
@@ -406,6 +500,7 @@ impl Steps {
                     reason: Some(e.to_string()),
                     exit: None,
                     output: String::new(),
+                    gate: None,
                 });
             }
         };
@@ -544,6 +639,9 @@ pub fn lines(v: &berth_api::RolloutView) -> Vec<String> {
             v.failure_threshold
         ),
     ];
+    if let Some(c) = &v.gate_command {
+        out.push(format!("admin gate check: {c}"));
+    }
     if !v.partition_limits.is_empty() {
         let limits: Vec<String> = v
             .partition_limits
@@ -621,6 +719,7 @@ mod tests {
                 command: command.into(),
             },
             timeout_s: 5,
+            gate_command: None,
         }
     }
 
@@ -725,6 +824,7 @@ mod tests {
             rollout: 4,
             action: StepAction::Reboot,
             timeout_s: 5,
+            gate_command: None,
         };
         s.order(Some(reboot.clone()), &c, "n1", "b1");
         for _ in 0..100 {
@@ -739,6 +839,44 @@ mod tests {
         let r = s.report(&c, "n1", "b2").unwrap();
         assert_eq!(r.state, StepState::Ok);
         assert!(r.reason.unwrap().contains("b1 -> b2"));
+    }
+
+    #[test]
+    fn at_the_gate_the_admin_check_runs_again_until_it_passes_and_its_result_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(dir.path());
+        let mut s = Steps::default();
+        s.order(Some(order(9, "true")), &c, "n1", "b1");
+        assert_eq!(
+            settle(&mut s, &c, "b1").gate,
+            None,
+            "no check before the gate"
+        );
+        let flag = dir.path().join("healthy");
+        let check = format!("echo checking; test -e {}", flag.display());
+        let gated = StepOrder {
+            gate_command: Some(check),
+            ..order(9, "true")
+        };
+        let gate_after = |s: &mut Steps, want_ok: bool| {
+            for _ in 0..200 {
+                s.order(Some(gated.clone()), &c, "n1", "b1");
+                let r = s.report(&c, "n1", "b1").unwrap();
+                assert_eq!(r.state, StepState::Ok, "the step itself is not run again");
+                if let Some(g) = r.gate
+                    && g.ok == want_ok
+                {
+                    return g;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            panic!("no gate result ok={want_ok}");
+        };
+        let g = gate_after(&mut s, false);
+        assert_eq!(g.message, "exit status 1: checking");
+        std::fs::write(&flag, "").unwrap();
+        let g = gate_after(&mut s, true);
+        assert_eq!(g.message, "exit status 0: checking");
     }
 
     #[test]

@@ -144,6 +144,18 @@ pub struct StepOrder {
     pub action: StepAction,
     /// The command is killed after this long (a reboot must show a new boot id by then).
     pub timeout_s: u64,
+    /// Sent once the step is done and the node is at its health gate: the admin's check
+    /// (`sh -c`, as root), which must exit 0 too before the node resumes.
+    #[serde(default)]
+    pub gate_command: Option<String>,
+}
+
+/// The last run of a rollout's admin gate check on a node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GateCheck {
+    pub ok: bool,
+    /// How it ended and its output's last line, bounded.
+    pub message: String,
 }
 
 /// Where a step stands on its node.
@@ -168,6 +180,9 @@ pub struct StepReport {
     /// The last [`STEP_OUTPUT_MAX`] bytes of its stdout and stderr.
     #[serde(default)]
     pub output: String,
+    /// The admin gate check's last run, while the node is at its gate.
+    #[serde(default)]
+    pub gate: Option<GateCheck>,
 }
 
 /// One node in the image catalog (`GET /v1/catalog`, the leader's memory of heartbeats).
@@ -350,6 +365,10 @@ pub struct RolloutRequest {
     /// rollout's nodes in that partition; `None`: only `max_unavailable`.
     #[serde(default)]
     pub max_unavailable_per_partition: Option<String>,
+    /// The admin's own check for the health gate (`sh -c`, as root, on the node): the node
+    /// resumes only once it exits 0 too.
+    #[serde(default)]
+    pub gate_command: Option<String>,
     /// `None`: wait for a node's jobs to end, however long. `Some(s)`: a node still running jobs
     /// `s` seconds after its drain is skipped (resumed, left for a later rollout).
     pub deadline_s: Option<u64>,
@@ -401,6 +420,9 @@ pub struct RolloutView {
     /// Per partition (`--max-unavailable-per-partition`); empty: none.
     #[serde(default)]
     pub partition_limits: std::collections::BTreeMap<String, u32>,
+    /// The admin's gate check, if any.
+    #[serde(default)]
+    pub gate_command: Option<String>,
     pub deadline_s: Option<u64>,
     pub gate_passes: u32,
     pub failures: u32,

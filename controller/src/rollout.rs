@@ -53,6 +53,9 @@ pub struct Plan {
     /// The partitions of each node, as Slurm listed them when the plan was made.
     #[serde(default)]
     pub partitions: BTreeMap<String, Vec<String>>,
+    /// The admin's own gate check (`sh -c` on the node, as root): it must exit 0 too.
+    #[serde(default)]
+    pub gate_command: Option<String>,
 }
 
 impl Plan {
@@ -676,10 +679,13 @@ pub fn decide(
                         reason: format!(
                             "health gate not passed within {} s{}",
                             r.plan.timeout_s,
-                            if failing.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", failing.join("; "))
+                            match (failing.is_empty(), &r.plan.gate_command) {
+                                (false, _) => format!(" ({})", failing.join("; ")),
+                                (true, Some(c)) => format!(
+                                    " (the admin gate check `{c}` did not pass: its last \
+                                     result is in the controller's log)"
+                                ),
+                                (true, None) => String::new(),
                             }
                         ),
                         now_ms,
@@ -801,6 +807,7 @@ pub fn view(r: &Rollout, with_output: Option<&str>) -> berth_api::RolloutView {
         selection: r.plan.selection.clone(),
         max_unavailable: r.plan.max_unavailable,
         partition_limits: r.plan.partition_limits.clone(),
+        gate_command: r.plan.gate_command.clone(),
         deadline_s: r.plan.deadline_s,
         gate_passes: r.plan.gate_passes,
         failures: r.failures,
@@ -853,6 +860,7 @@ mod tests {
             failure_threshold: 1,
             partition_limits: BTreeMap::new(),
             partitions: BTreeMap::new(),
+            gate_command: None,
         }
     }
 
@@ -899,6 +907,7 @@ mod tests {
             reason: reason.map(str::to_string),
             exit: Some(i32::from(state == StepState::Failed)),
             output: "x".repeat(10_000),
+            gate: None,
         }
     }
 

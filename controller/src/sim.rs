@@ -483,6 +483,7 @@ mod rollout {
                     reason: None,
                     exit: ended.then_some(0),
                     output: String::new(),
+                    gate: None,
                 }
             });
             let ended_sent = hb

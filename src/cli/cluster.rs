@@ -106,6 +106,10 @@ pub struct RolloutPlan {
     /// of the rollout's nodes in that partition
     #[arg(long, value_name = "N|P%")]
     pub max_unavailable_per_partition: Option<String>,
+    /// The admin's own health gate check, run as root on the node (sh -c) after its step:
+    /// the node resumes only once it also exits 0
+    #[arg(long, value_name = "CMD")]
+    pub gate_command: Option<String>,
     /// Skip (resume) a node whose jobs still run this many seconds after its drain
     /// [default: wait for its jobs, however long]
     #[arg(long)]
@@ -131,6 +135,7 @@ impl RolloutPlan {
             timeout_s: self.timeout_s,
             max_unavailable: self.max_unavailable.clone(),
             max_unavailable_per_partition: self.max_unavailable_per_partition.clone(),
+            gate_command: self.gate_command.clone(),
             deadline_s: self.deadline_s,
             gate_passes: self.gate_passes,
             failure_threshold: self.failure_threshold,

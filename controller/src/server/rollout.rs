@@ -59,6 +59,7 @@ struct Mine {
     timeout_s: u64,
     boot_before: String,
     gate_passes: u32,
+    gate_command: Option<String>,
     /// Waiting and among the next `max_unavailable` to start: its order will not wait a whole
     /// heartbeat interval either.
     next_in_line: bool,
@@ -74,6 +75,7 @@ fn mine(state: &State, node: &str) -> Option<Mine> {
         timeout_s: r.plan.timeout_s,
         boot_before: s.boot_before.clone(),
         gate_passes: r.plan.gate_passes,
+        gate_command: r.plan.gate_command.clone(),
         next_in_line: s.phase == Phase::Waiting
             && r.status == rollout::Status::Running
             && r.plan
@@ -132,10 +134,28 @@ async fn step(app: &App, hb: &Heartbeat, m: Mine) -> Result<Option<StepOrder>, R
                 rollout: m.id,
                 action: m.action,
                 timeout_s: m.timeout_s,
+                gate_command: None,
             }))
         }
         Phase::Gating => {
-            let ok = gate_ok(hb, &m.boot_before, &m.action);
+            // The admin's check: its last run on the node, for this rollout, exited 0.
+            let admin = hb
+                .step_report
+                .as_ref()
+                .filter(|r| r.rollout == m.id)
+                .and_then(|r| r.gate.as_ref());
+            if let (Some(g), Some(_)) = (admin, &m.gate_command)
+                && !g.ok
+            {
+                tracing::info!(
+                    "rollout {}: {}'s admin gate check: {}",
+                    m.id,
+                    hb.node,
+                    g.message
+                );
+            }
+            let admin_ok = m.gate_command.is_none() || admin.is_some_and(|g| g.ok);
+            let ok = gate_ok(hb, &m.boot_before, &m.action) && admin_ok;
             let mut g = app.rollout_gate.lock();
             let e = g.entry(hb.node.clone()).or_insert((m.id, 0));
             if e.0 != m.id {
@@ -145,7 +165,13 @@ async fn step(app: &App, hb: &Heartbeat, m: Mine) -> Result<Option<StepOrder>, R
             if e.1 >= m.gate_passes {
                 app.rollout_now.notify_one();
             }
-            Ok(None)
+            // The agent runs the admin's check while this order stands.
+            Ok(m.gate_command.map(|c| StepOrder {
+                rollout: m.id,
+                action: m.action,
+                timeout_s: m.timeout_s,
+                gate_command: Some(c),
+            }))
         }
         _ => Ok(None),
     }
@@ -326,6 +352,7 @@ pub async fn start(AxState(app): AxState<Shared>, body: Bytes) -> Response {
     let plan = Plan {
         partition_limits,
         partitions,
+        gate_command: req.gate_command.clone().filter(|c| !c.trim().is_empty()),
         nodes: included,
         selection,
         action,
