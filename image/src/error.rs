@@ -7,6 +7,7 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::export::ExportError;
 use crate::layer::Bound;
 use crate::mount::MountError;
 use crate::sif::Fault;
@@ -354,32 +355,8 @@ pub enum ImageError {
     Mount(#[from] MountError),
 
     // ---- Exporting an image to a file (`export`).
-    #[error(
-        "writing {out}: no space left on device ({dir} has {free} free of {total}); free some space or export elsewhere with -o"
-    )]
-    ExportNoSpace {
-        out: PathBuf,
-        dir: PathBuf,
-        free: String,
-        total: String,
-    },
-    #[error("{what}: {source}")]
-    ExportIo { what: String, source: io::Error },
-    #[error(
-        "mksquashfs not found (looked for {0}); install squashfs-tools (apt-get install squashfs-tools)"
-    )]
-    NoMksquashfs(String),
-    #[error("mksquashfs failed writing {out}: {message}")]
-    Mksquashfs { out: PathBuf, message: String },
-    #[error(
-        "saving to {out} took longer than {secs} s and was stopped (a file in the container that \
-         never ends or blocks, such as a FIFO swapped in mid-save, or a very large container); \
-         raise squashfs.export_timeout_s if the container is that large"
-    )]
-    ExportTimeout { out: PathBuf, secs: u64 },
-    /// What to export is not an image berth can export (the user's input).
-    #[error("{0}")]
-    ExportInvalid(String),
+    #[error(transparent)]
+    Export(#[from] ExportError),
 
     /// A lazily loaded image (`lazy:`): its manifest, index, chunks or mounts, told in words.
     #[error("{0}")]
@@ -439,12 +416,7 @@ impl ImageError {
             | E::Squashfs(SquashfsError::Io { .. })
             | E::SifIo { .. } => Kind::Io,
             E::Squashfs(_) => Kind::Format,
-            E::ExportNoSpace { .. }
-            | E::ExportIo { .. }
-            | E::NoMksquashfs(_)
-            | E::Mksquashfs { .. }
-            | E::ExportTimeout { .. }
-            | E::ExportInvalid(_) => Kind::Export,
+            E::Export(_) => Kind::Export,
             E::Duration(_) | E::CompressionLevel { .. } => Kind::Config,
             E::Store(_)
             | E::LayerRead(_)

@@ -34,6 +34,40 @@ use super::sif::{self, FsType, ObjectKind, PartType, Partition};
 use super::squashfs::probe_squashfs_magic;
 use crate::config::{Compression, SquashfsConfig};
 
+/// Why an export failed: one line naming the output or the input, and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error(
+        "writing {out}: no space left on device ({dir} has {free} free of {total}); free some space or export elsewhere with -o"
+    )]
+    NoSpace {
+        out: PathBuf,
+        dir: PathBuf,
+        free: String,
+        total: String,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "mksquashfs not found (looked for {0}); install squashfs-tools (apt-get install squashfs-tools)"
+    )]
+    NoMksquashfs(String),
+    #[error("mksquashfs failed writing {out}: {message}")]
+    Mksquashfs { out: PathBuf, message: String },
+    #[error(
+        "saving to {out} took longer than {secs} s and was stopped (a file in the container that \
+         never ends or blocks, such as a FIFO swapped in mid-save, or a very large container); \
+         raise squashfs.export_timeout_s if the container is that large"
+    )]
+    Timeout { out: PathBuf, secs: u64 },
+    /// What to export is not an image berth can export (the user's input).
+    #[error("{0}")]
+    Invalid(String),
+}
+
 /// The file format written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -137,8 +171,12 @@ const PROGRAM_DIRS: [&str; 5] = ["/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr
 
 /// The mksquashfs binary.
 pub fn find_mksquashfs() -> Result<PathBuf, ImageError> {
-    find_program("mksquashfs")
-        .ok_or_else(|| ImageError::NoMksquashfs(format!("PATH, {}", PROGRAM_DIRS.join(", "))))
+    find_program("mksquashfs").ok_or_else(|| {
+        ImageError::Export(ExportError::NoMksquashfs(format!(
+            "PATH, {}",
+            PROGRAM_DIRS.join(", ")
+        )))
+    })
 }
 
 /// The partially written output: removed on drop unless committed.
@@ -201,12 +239,12 @@ fn space(dir: &Path) -> (String, String) {
 fn no_space(out: &Path) -> ImageError {
     let dir = out.parent().unwrap_or(Path::new("/")).to_path_buf();
     let (free, total) = space(&dir);
-    ImageError::ExportNoSpace {
+    ImageError::Export(ExportError::NoSpace {
         out: out.to_path_buf(),
         dir,
         free,
         total,
-    }
+    })
 }
 
 fn io_err(out: &Path, what: String) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
@@ -214,7 +252,7 @@ fn io_err(out: &Path, what: String) -> impl FnOnce(std::io::Error) -> ImageError
         if source.raw_os_error() == Some(libc::ENOSPC) {
             no_space(out)
         } else {
-            ImageError::ExportIo { what, source }
+            ImageError::Export(ExportError::Io { what, source })
         }
     }
 }
@@ -228,7 +266,7 @@ pub fn export(
 ) -> Result<Written, ImageError> {
     config
         .check()
-        .map_err(|e| ImageError::ExportInvalid(e.to_string()))?;
+        .map_err(|e| ExportError::Invalid(e.to_string()))?;
     let out = absolute(out)?;
     let mut tmp = TempOutput {
         path: temp_name(&out),
@@ -237,7 +275,7 @@ pub fn export(
     let _ = std::fs::remove_file(&tmp.path);
     let bytes = match write_temp(source, &tmp.path, &out, format, config) {
         Ok(bytes) => bytes,
-        Err(ImageError::ExportNoSpace { .. }) => {
+        Err(ImageError::Export(ExportError::NoSpace { .. })) => {
             // Report the space there is once the partial output is gone.
             drop(tmp);
             return Err(no_space(&out));
@@ -294,10 +332,10 @@ fn write_temp(
         .len();
     // Not even a superblock: nothing a reader could mount.
     if len < offset + 96 {
-        return Err(ImageError::ExportInvalid(format!(
+        return Err(ImageError::Export(ExportError::Invalid(format!(
             "{}: only {len} bytes were written, too few for a squashfs",
             tmp.display()
-        )));
+        ))));
     }
     if format == Format::Sif {
         let now = std::time::SystemTime::now()
@@ -325,24 +363,24 @@ fn write_temp(
 }
 
 fn absolute(out: &Path) -> Result<PathBuf, ImageError> {
-    let out = std::path::absolute(out).map_err(|source| ImageError::ExportIo {
+    let out = std::path::absolute(out).map_err(|source| ExportError::Io {
         what: format!("resolving {}", out.display()),
         source,
     })?;
     let dir = out.parent().unwrap_or(Path::new("/"));
     if !dir.is_dir() {
-        return Err(ImageError::ExportInvalid(format!(
+        return Err(ImageError::Export(ExportError::Invalid(format!(
             "{}: directory {} does not exist",
             out.display(),
             dir.display()
-        )));
+        ))));
     }
     if out.is_dir() {
-        return Err(ImageError::ExportInvalid(format!(
+        return Err(ImageError::Export(ExportError::Invalid(format!(
             "{} is a directory; give a file name such as {}/image.sqsh",
             out.display(),
             out.display()
-        )));
+        ))));
     }
     Ok(out)
 }
@@ -370,10 +408,10 @@ fn copy_range(
         format!("copying {} into {}", file.display(), tmp.display()),
     ))?;
     if copied != size {
-        return Err(ImageError::ExportInvalid(format!(
+        return Err(ImageError::Export(ExportError::Invalid(format!(
             "{}: expected {size} bytes at byte {at}, found {copied}",
             file.display()
-        )));
+        ))));
     }
     dst.flush()
         .map_err(io_err(out, format!("writing {}", tmp.display())))
@@ -381,7 +419,10 @@ fn copy_range(
 
 fn cstring(p: &Path) -> Result<CString, ImageError> {
     CString::new(p.as_os_str().as_bytes()).map_err(|_| {
-        ImageError::ExportInvalid(format!("{}: path contains a NUL byte", p.display()))
+        ImageError::Export(ExportError::Invalid(format!(
+            "{}: path contains a NUL byte",
+            p.display()
+        )))
     })
 }
 
@@ -408,7 +449,7 @@ fn run_mksquashfs(
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|source| ImageError::ExportIo {
+        .map_err(|source| ExportError::Io {
             what: format!("starting mksquashfs ({setup})"),
             source,
         })?;
@@ -433,13 +474,13 @@ fn run_mksquashfs(
             // SAFETY: kill(2) on the child this function started, not yet reaped (above).
             unsafe { libc::kill(pid, libc::SIGKILL) };
             let _ = finished.recv();
-            return Err(ImageError::ExportTimeout {
+            return Err(ImageError::Export(ExportError::Timeout {
                 out: out.to_path_buf(),
                 secs: config.export_timeout_s,
-            });
+            }));
         }
     };
-    let status = status.map_err(|source| ImageError::ExportIo {
+    let status = status.map_err(|source| ExportError::Io {
         what: "waiting for mksquashfs".into(),
         source,
     })?;
@@ -463,10 +504,10 @@ fn run_mksquashfs(
         .or_else(|| stderr.lines().map(str::trim).rfind(|l| !l.is_empty()))
         .map(str::to_string)
         .unwrap_or_else(|| format!("it exited with {status}"));
-    Err(ImageError::Mksquashfs {
+    Err(ImageError::Export(ExportError::Mksquashfs {
         out: out.to_path_buf(),
         message,
-    })
+    }))
 }
 
 /// Moves this process into a mount namespace of its own whose mounts propagate nowhere: what
@@ -498,22 +539,24 @@ fn squash_layers(
     out: &Path,
 ) -> Result<(), ImageError> {
     let Some(top) = layers.last() else {
-        return Err(ImageError::ExportInvalid("no layers to export".into()));
+        return Err(ImageError::Export(ExportError::Invalid(
+            "no layers to export".into(),
+        )));
     };
     for l in layers {
         if !l.is_dir() {
-            return Err(ImageError::ExportInvalid(format!(
+            return Err(ImageError::Export(ExportError::Invalid(format!(
                 "root file system {} is not a directory",
                 l.display()
-            )));
+            ))));
         }
     }
     let mksquashfs = find_mksquashfs()?;
     if !is_root() {
         if layers.len() > 1 {
-            return Err(ImageError::ExportInvalid(
+            return Err(ImageError::Export(ExportError::Invalid(
                 "exporting several layers needs root (it mounts an overlay)".into(),
-            ));
+            )));
         }
         let mut cmd = Command::new(&mksquashfs);
         cmd.args(mksquashfs_args(top, tmp, offset, config));
@@ -535,7 +578,7 @@ fn squash_layers(
         .map(|p| berth_sys::mount::overlay_escape(p))
         .collect();
     let data = CString::new(format!("lowerdir={}", lowerdir.join(":")))
-        .map_err(|_| ImageError::ExportInvalid("layer path contains a NUL byte".into()))?;
+        .map_err(|_| ExportError::Invalid("layer path contains a NUL byte".into()))?;
     let target = cstring(&merged)?;
     let mut cmd = Command::new(&mksquashfs);
     cmd.args(mksquashfs_args(&merged, tmp, offset, config));
@@ -672,7 +715,7 @@ fn elf_interpreter(elf: &[u8]) -> Result<Option<PathBuf>, String> {
 /// itself, a bash script, is missing from minimal systems such as an initramfs).
 fn tool(binary: &Path) -> Result<Tool, ImageError> {
     let fail = |why: String| {
-        ImageError::ExportInvalid(format!(
+        ExportError::Invalid(format!(
             "listing the libraries of {} for the save's empty root: {why}",
             binary.display()
         ))
@@ -702,7 +745,8 @@ fn tool(binary: &Path) -> Result<Tool, ImageError> {
             "{} --list: {}",
             interpreter.display(),
             why.trim().chars().take(200).collect::<String>()
-        )));
+        ))
+        .into());
     }
     let (_, mut libraries) = parse_ldd(&String::from_utf8_lossy(&o.stdout)).map_err(fail)?;
     // glibc loads libgcc_s at run time (dlopen, so the list does not hold it) to unwind a
@@ -775,7 +819,7 @@ fn detached_copy(fd: &OwnedFd, what: &Path) -> Result<OwnedFd, ImageError> {
             (libc::AT_EMPTY_PATH | OPEN_TREE_CLONE | libc::O_CLOEXEC) as libc::c_uint,
         ) as libc::c_int
     };
-    check(cloned).map_err(|source| ImageError::ExportIo {
+    check(cloned).map_err(|source| ExportError::Io {
         what: format!("cloning a mount of {}", what.display()),
         source,
     })?;
@@ -799,7 +843,7 @@ impl Jail {
                 nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC,
                 nix::sys::stat::Mode::empty(),
             )
-            .map_err(|e| ImageError::ExportIo {
+            .map_err(|e| ExportError::Io {
                 what: format!("opening {}", source.display()),
                 source: e.into(),
             })?;
@@ -840,10 +884,10 @@ fn squash_container(
     let tool = tool(&mksquashfs)?;
     let open = |path: String, flags: nix::fcntl::OFlag| -> Result<OwnedFd, ImageError> {
         nix::fcntl::open(path.as_str(), flags, nix::sys::stat::Mode::empty()).map_err(|e| {
-            ImageError::ExportIo {
+            ImageError::Export(ExportError::Io {
                 what: format!("opening {path}"),
                 source: e.into(),
-            }
+            })
         })
     };
     use nix::fcntl::OFlag;
@@ -885,7 +929,7 @@ fn squash_container(
             )
         })
         .transpose()
-        .map_err(|e| ImageError::ExportIo {
+        .map_err(|e| ExportError::Io {
             what: "reading the remapped container's files".into(),
             source: std::io::Error::other(e),
         })?;
@@ -1048,10 +1092,10 @@ pub fn can_export_containers() -> Result<(), ImageError> {
     if is_root() {
         Ok(())
     } else {
-        Err(ImageError::ExportInvalid(
+        Err(ImageError::Export(ExportError::Invalid(
             "exporting a running container needs root (it joins the container's mount namespace)"
                 .into(),
-        ))
+        )))
     }
 }
 

@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use super::Failure;
 use crate::config::Config;
 use crate::image::ImageError;
-use crate::image::export::{self, Format};
+use crate::image::export::{self, ExportError, Format};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FormatArg {
@@ -80,7 +80,7 @@ pub fn execute(args: &ExportArgs, config: &Config) -> Result<i32, Failure> {
     let started = std::time::Instant::now();
     let written =
         export::export(&source, &args.output, format, &config.squashfs).map_err(|e| match e {
-            ImageError::ExportInvalid(_) => Failure::input(e.to_string()),
+            ImageError::Export(ExportError::Invalid(_)) => Failure::input(e.to_string()),
             other => Failure::system(other.to_string()),
         })?;
     tracing::info!(
