@@ -16,7 +16,7 @@
 #   /usr/bin/berth, /usr/bin/berth-controller
 #   /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_berth.so  /  /usr/lib64/slurm/spank_berth.so
 #   /usr/lib/x86_64-linux-gnu/security/pam_berth.so  /  /usr/lib64/security/pam_berth.so
-#                                              sshd's node access (README, "Node access (ssh)")
+#                                              sshd's node access (docs/admin-guide.md, "Node access (ssh)")
 #   /usr/libexec/berth/{prolog,epilog}.sh      Slurm Prolog/Epilog wrappers (slurm.conf names them)
 #   /etc/berth/berth.toml                      conffile: every key, at its default
 #   /etc/slurm/plugstack.conf.d/berth.conf     conffile: the plugin line (plugstack.conf untouched)
@@ -24,7 +24,7 @@
 #                                              (berth-controller: enable it on the 1 or 3 controller hosts)
 #   /usr/lib/tmpfiles.d/berth.conf             /run/berth, root's, 0711
 #   bash, zsh and fish completions; man pages (berth(1), berth-VERB(1))
-#   /usr/share/doc/berth/                      LICENSE, README.md, Slurm config snippets
+#   /usr/share/doc/berth/                      LICENSE, README.md, docs/*.md, Slurm config snippets
 set -euo pipefail
 
 die() { echo "packaging/build.sh: $*" >&2; exit 1; }
@@ -131,6 +131,7 @@ stage() {
   done
   install -D -m 0644 LICENSE "$root/usr/share/doc/berth/LICENSE"
   install -D -m 0644 README.md "$root/usr/share/doc/berth/README.md"
+  for f in docs/*.md; do install -D -m 0644 "$f" "$root/usr/share/doc/berth/$f"; done
   for f in plugstack.conf slurm.conf cgroup.conf README.md; do
     install -D -m 0644 "configs/slurm/$f" "$root/usr/share/doc/berth/slurm/$f"
   done

@@ -2,7 +2,7 @@
 //! (two head nodes and a login node) keep a replicated record of the nodes, their health
 //! verdicts and the drain/resume decisions those lead to, and the rolling maintenances
 //! (rollout.rs); the leader applies the decisions to Slurm with `scontrol`. Raft is openraft
-//! (0.9), its log and state machine in one redb file under the data directory. See README.md, "Cluster controller".
+//! (0.9), its log and state machine in one redb file under the data directory. See docs/admin-guide.md, "Cluster controller".
 
 mod catalog;
 mod error;

@@ -9,7 +9,7 @@
 //! container of the user's here, into its mount, UTS and IPC namespaces with no_new_privs
 //! (`container`). Only the service named by `service=` (sshd) is acted on: under any other the
 //! module returns PAM_IGNORE. Arguments: `options`;
-//! README, "Node access (ssh)".
+//! docs/admin-guide.md, "Node access (ssh)".
 //!
 //! The pure parts are unit-tested; the libpam glue (`ffi`, the `pam_sm_*` entry points) is tested
 //! end to end with a real sshd on a real Slurm (tests/root_pam.rs).

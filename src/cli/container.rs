@@ -70,7 +70,7 @@ impl CreateArgs {
 #[derive(Debug, Args)]
 pub struct PsArgs {
     /// Print a JSON array, one object per container: id, uid, name, init_pid, owner_pid,
-    /// cgroup, labels (README: "JSON output")
+    /// cgroup, labels (docs/user-guide.md, "JSON output")
     #[arg(long)]
     pub json: bool,
 }

@@ -25,7 +25,7 @@ pub enum ImagesCommand {
     /// List stored images: reference, digest, size, last use
     Ls {
         /// Print a JSON array, one object per image: digest, references, size, last_used,
-        /// in_use, source (README: "JSON output")
+        /// in_use, source (docs/user-guide.md, "JSON output")
         #[arg(long)]
         json: bool,
     },
@@ -48,7 +48,7 @@ pub enum ImagesCommand {
         #[arg(value_name = "REF|DIGEST")]
         targets: Vec<String>,
         /// Print a JSON array, one object per image: digest, references, status, layers
-        /// (README: "JSON output"); the exit status is the same
+        /// (docs/user-guide.md, "JSON output"); the exit status is the same
         #[arg(long)]
         json: bool,
     },

@@ -39,7 +39,7 @@ pub enum StageCommand {
     Status {
         dir: PathBuf,
         /// Print one JSON object: dir, complete, and when complete source, files, bytes,
-        /// completed_at, verified (README: "JSON output")
+        /// completed_at, verified (docs/user-guide.md, "JSON output")
         #[arg(long)]
         json: bool,
     },
