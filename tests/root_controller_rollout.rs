@@ -218,16 +218,18 @@ fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool, why: impl Fn(
 }
 
 /// The test's cluster: Slurm, controllers, agents, the upgrade script and its log.
+// Fields drop in this order: the agents and controllers, then Slurm (stop.sh reads the pid
+// files under `dir`), then `dir` itself, last.
 struct Rig {
-    dir: tempfile::TempDir,
-    slurm: Slurm,
-    addrs: Vec<String>,
     controllers: Vec<Option<Proc>>,
     agents: BTreeMap<String, Proc>,
+    slurm: Slurm,
+    addrs: Vec<String>,
     /// Copies of the binaries under test: a build of the shared target directory replacing
     /// them meanwhile changes nothing here.
     berth: PathBuf,
     controller_bin: PathBuf,
+    dir: tempfile::TempDir,
 }
 
 impl Rig {
