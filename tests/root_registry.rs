@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use berth::config::RegistryConfig;
+use berth::image::registry::RegistryError;
 use berth::image::registry::{Client, ProgressMode, PullOptions, Pulled};
 use berth::image::store::Store;
 use berth::image::{ImageError, LayerSink, RegistryRef, StagedLayer, reference};
@@ -368,7 +369,7 @@ fn read(dir: &Path, rel: &str) -> String {
 
 /// What a user sees for `e` (via ImageError); it must be one line.
 fn one_line(e: &ImageError) -> String {
-    let text = ImageError::Registry(e.to_string()).to_string();
+    let text = RegistryError::Message(e.to_string()).to_string();
     assert!(!text.contains('\n'), "{text}");
     eprintln!("error seen: {text}");
     text
@@ -510,7 +511,10 @@ fn basic_auth_from_credentials_files() {
         .unwrap_err();
     let text = one_line(&err);
     assert!(
-        matches!(err, ImageError::CredentialsRequired { .. }),
+        matches!(
+            err,
+            ImageError::Registry(RegistryError::CredentialsRequired { .. })
+        ),
         "{text}"
     );
     assert!(text.contains(&format!("machine {}", r2.host())), "{text}");
@@ -546,7 +550,13 @@ fn basic_auth_from_credentials_files() {
         )
         .unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, ImageError::LoginRejected { .. }), "{text}");
+    assert!(
+        matches!(
+            err,
+            ImageError::Registry(RegistryError::LoginRejected { .. })
+        ),
+        "{text}"
+    );
     assert!(text.contains("'bob'"), "{text}");
     assert!(text.contains(&r2.host()), "{text}");
     assert!(
@@ -570,7 +580,10 @@ fn basic_auth_from_credentials_files() {
             &TestSink::new(),
         )
         .unwrap_err();
-    assert!(matches!(err, ImageError::NoSuchLogin { .. }), "{err}");
+    assert!(
+        matches!(err, ImageError::Registry(RegistryError::NoSuchLogin { .. })),
+        "{err}"
+    );
 
     // Enroot's credentials file ($ENROOT_CONFIG_PATH/.credentials), wrong password there.
     let enroot = home_with(
@@ -637,7 +650,10 @@ fn bearer_token_auth_with_a_token_server() {
     // Anonymous: the token server refuses; the error says to add a login.
     let err = pull(&insecure(&r.host()), &image, &TestSink::new()).unwrap_err();
     assert!(
-        matches!(err, ImageError::CredentialsRequired { .. }),
+        matches!(
+            err,
+            ImageError::Registry(RegistryError::CredentialsRequired { .. })
+        ),
         "{err}"
     );
 
@@ -692,7 +708,13 @@ fn bearer_token_auth_with_a_token_server() {
         .unwrap()
         .pull(&reference(&image), &quiet(), &TestSink::new())
         .unwrap_err();
-    assert!(matches!(err, ImageError::LoginRejected { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ImageError::Registry(RegistryError::LoginRejected { .. })
+        ),
+        "{err}"
+    );
 
     // An anonymous token server (no login required): the pull counts as anonymous.
     let open = TokenServer::start(ISSUER, SERVICE, &f.pki.token_cert, &f.pki.token_key, None);
@@ -722,7 +744,10 @@ fn tls_needs_the_ca_and_plain_http_must_be_listed() {
     let image = format!("{}#test/busybox:1", r.host());
     let err = pull(&config(), &image, &TestSink::new()).unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, ImageError::Tls { .. }), "{text}");
+    assert!(
+        matches!(err, ImageError::Registry(RegistryError::Tls { .. })),
+        "{text}"
+    );
     assert!(text.contains("registry.ca_files"), "{text}");
 
     let with_ca = RegistryConfig {
@@ -773,7 +798,10 @@ fn unknown_tag_and_repository_are_one_line() {
     )
     .unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, ImageError::NotFound { .. }), "{text}");
+    assert!(
+        matches!(err, ImageError::Registry(RegistryError::NotFound { .. })),
+        "{text}"
+    );
     assert!(text.contains("test/busybox:nope"), "{text}");
     assert!(text.contains("check the tag"), "{text}");
     let err = pull(
@@ -796,7 +824,10 @@ fn unknown_tag_and_repository_are_one_line() {
     .unwrap_err();
     let text = one_line(&err);
     assert!(
-        matches!(err, ImageError::Unreachable { attempts: 4, .. }),
+        matches!(
+            err,
+            ImageError::Registry(RegistryError::Unreachable { attempts: 4, .. })
+        ),
         "{text}"
     );
     // Backoff 100 + 200 + 400 ms between the four attempts.
@@ -836,7 +867,10 @@ fn corrupt_blob_is_a_digest_mismatch_and_nothing_is_published() {
     .unwrap_err();
     let text = one_line(&err);
     assert!(
-        matches!(err, ImageError::DigestMismatch { what: "layer", .. }),
+        matches!(
+            err,
+            ImageError::Registry(RegistryError::DigestMismatch { what: "layer", .. })
+        ),
         "{text}"
     );
     assert!(text.contains(&layer.digest), "{text}");
@@ -882,7 +916,10 @@ fn registry_killed_mid_pull_retries_then_fails_clearly() {
     r.kill();
     let err = handle.join().unwrap().unwrap_err();
     let text = one_line(&err);
-    assert!(matches!(err, ImageError::Unreachable { .. }), "{text}");
+    assert!(
+        matches!(err, ImageError::Registry(RegistryError::Unreachable { .. })),
+        "{text}"
+    );
     assert!(text.contains("unreachable after"), "{text}");
     // Backoff 250 + 500 + 1000 + 2000 ms before giving up.
     assert!(

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use crate::export::ExportError;
 use crate::layer::Bound;
 use crate::mount::MountError;
+use crate::registry::RegistryError;
 use crate::sif::Fault;
 use crate::squashfs::SquashfsError;
 
@@ -44,9 +45,6 @@ pub enum ImageError {
     /// whole reference.
     #[error("{0}")]
     ReferenceSyntax(String),
-    /// A registry failure told in words.
-    #[error("{0}")]
-    Registry(String),
     /// A store failure told in words.
     #[error("{0}")]
     Store(String),
@@ -61,143 +59,8 @@ pub enum ImageError {
     Detail(String),
 
     // ---- The registry client (`registry`).
-    #[error(
-        "pulling {image}: {registry} requires a login: add 'machine {host} login USER password \
-         PASS' to {files}"
-    )]
-    CredentialsRequired {
-        image: String,
-        registry: String,
-        host: String,
-        files: String,
-    },
-    #[error(
-        "pulling {image}: {registry} rejected the login '{login}' from {}: check the \
-         credentials in that file", file.display()
-    )]
-    LoginRejected {
-        image: String,
-        registry: String,
-        login: String,
-        file: PathBuf,
-    },
-    #[error(
-        "pulling {image}: no login '{user}' for {registry} in {files}: add one or drop '{user}@'"
-    )]
-    NoSuchLogin {
-        image: String,
-        registry: String,
-        user: String,
-        files: String,
-    },
-    #[error("image {image} not found: {detail}")]
-    NotFound { image: String, detail: String },
-    #[error("pulling {image}: {registry} has no blob {digest} that the manifest lists")]
-    BlobMissing {
-        image: String,
-        registry: String,
-        digest: String,
-    },
-    #[error("pulling {image}: TLS connection to {registry} failed: {detail}; {hint}")]
-    Tls {
-        image: String,
-        registry: String,
-        detail: String,
-        hint: String,
-    },
-    #[error(
-        "pulling {image}: {registry} unreachable after {attempts} attempt(s): {detail}; check \
-         the registry and network, then retry"
-    )]
-    Unreachable {
-        image: String,
-        registry: String,
-        attempts: u32,
-        detail: String,
-    },
-    /// The registry answered, with a server error (5xx) or 429, every time it was asked.
-    #[error(
-        "pulling {image}: {registry} answered {status}{said} to each of {attempts} attempt(s): \
-         the registry failed, not the network; retry later or ask its administrators"
-    )]
-    ServerError {
-        image: String,
-        registry: String,
-        attempts: u32,
-        status: String,
-        said: String,
-    },
-    #[error(
-        "pulling {image}: {what} {expected} from {registry} has sha256 {actual} ({size} bytes): \
-         the registry served corrupt data; nothing was stored"
-    )]
-    DigestMismatch {
-        image: String,
-        registry: String,
-        what: &'static str,
-        expected: String,
-        actual: String,
-        size: u64,
-    },
-    #[error("pulling {image}: unexpected answer from {registry}: {detail}")]
-    Protocol {
-        image: String,
-        registry: String,
-        detail: String,
-    },
-    #[error("pulling {image}: {detail}")]
-    Pull { image: String, detail: String },
-    #[error("image {image} has no {want} variant (it has {have}): choose one with --arch")]
-    NoPlatform {
-        image: String,
-        want: String,
-        have: String,
-    },
-    #[error("pulling {image}: storing layer {digest}: {source}")]
-    PullLayer {
-        image: String,
-        digest: String,
-        source: Box<ImageError>,
-    },
-    #[error("registry configuration: {detail}")]
-    RegistryConfig { detail: String },
-    /// The last source was a mirror and the registry itself is not to be tried.
-    #[error(
-        "{source} (registry mirror {mirror} of {origin}; registry.mirrors.\"{origin}\" has \
-         fallback = false, so {origin} itself was not tried)"
-    )]
-    Mirror {
-        mirror: String,
-        origin: String,
-        source: Box<ImageError>,
-    },
-    /// Another layer of the same pull failed first.
-    #[error("pull aborted")]
-    Aborted,
-    /// A transfer brought less than `registry.min_rate_bytes_per_s` over a window.
-    #[error(
-        "registry {registry}: {what}: {bytes} bytes in {secs} s, below the minimum {rate}/s \
-         ({key}); check the registry or raise the limit"
-    )]
-    TooSlow {
-        registry: String,
-        what: String,
-        bytes: u64,
-        secs: u64,
-        rate: String,
-        key: &'static str,
-    },
-    /// The import's overall deadline passed.
-    #[error(
-        "registry {registry}: {what}: the import did not finish within its deadline of {secs} s \
-         ({key}); check the registry or raise the limit"
-    )]
-    DeadlinePassed {
-        registry: String,
-        what: String,
-        secs: u64,
-        key: &'static str,
-    },
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
 
     // ---- Reading tar streams (`layer::reader`), before a layer or archive gives them context.
     #[error("{0}")]
@@ -380,26 +243,7 @@ impl ImageError {
         use ImageError as E;
         match self {
             E::Reference(..) | E::ReferenceSyntax(_) => Kind::Reference,
-            E::Registry(_)
-            | E::CredentialsRequired { .. }
-            | E::LoginRejected { .. }
-            | E::NoSuchLogin { .. }
-            | E::NotFound { .. }
-            | E::BlobMissing { .. }
-            | E::Tls { .. }
-            | E::Unreachable { .. }
-            | E::ServerError { .. }
-            | E::DigestMismatch { .. }
-            | E::Protocol { .. }
-            | E::Pull { .. }
-            | E::NoPlatform { .. }
-            | E::PullLayer { .. }
-            | E::RegistryConfig { .. }
-            | E::Mirror { .. }
-            | E::Lazy(_)
-            | E::TooSlow { .. }
-            | E::DeadlinePassed { .. }
-            | E::Aborted => Kind::Registry,
+            E::Registry(_) | E::Lazy(_) => Kind::Registry,
             E::Format(_)
             | E::Detail(_)
             | E::TarFormat { .. }
@@ -524,7 +368,10 @@ mod tests {
         };
         assert_eq!(sif.kind(), Kind::Format);
         assert_eq!(ImageError::NotStored("x".into()).kind(), Kind::Store);
-        assert_eq!(ImageError::Aborted.kind(), Kind::Registry);
+        assert_eq!(
+            ImageError::from(RegistryError::Aborted).kind(),
+            Kind::Registry
+        );
     }
 
     #[test]

@@ -135,12 +135,14 @@ mod tests {
         let reference = ImageError::Reference("ubuntu:".into(), "empty tag after ':'".into());
         assert_eq!(Failure::from(reference).code, INPUT);
         assert_eq!(Failure::from(ImageError::NotStored("x".into())).code, IMAGE);
-        let unreachable = AgentError::Image(ImageError::Unreachable {
-            image: "x".into(),
-            registry: "r".into(),
-            attempts: 1,
-            detail: "refused".into(),
-        });
+        let unreachable = AgentError::Image(ImageError::Registry(
+            crate::image::registry::RegistryError::Unreachable {
+                image: "x".into(),
+                registry: "r".into(),
+                attempts: 1,
+                detail: "refused".into(),
+            },
+        ));
         assert_eq!(Failure::from(unreachable).code, IMAGE);
         assert_eq!(Failure::from(AgentError::host("no controller")).code, HOST);
     }

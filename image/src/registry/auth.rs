@@ -23,6 +23,7 @@ use nix::fcntl::OFlag;
 use berth_spec::UserIds;
 
 use crate::ImageError;
+use crate::registry::RegistryError;
 
 /// Credential files larger than this are refused (a login file is a few hundred bytes).
 pub const FILE_LIMIT: u64 = 1 << 20;
@@ -458,7 +459,7 @@ pub fn credential_files(
 
 /// A credentials file berth cannot use: the registry configuration is wrong.
 fn config_error(detail: String) -> ImageError {
-    ImageError::RegistryConfig { detail }
+    ImageError::Registry(RegistryError::RegistryConfig { detail })
 }
 
 /// The bytes of one credentials file, `None` when it does not exist. Opened as `user` (see the

@@ -17,6 +17,7 @@ use ureq::http::StatusCode;
 
 use super::ImageError;
 use super::http::{self, Method, Target, Transport};
+use crate::registry::RegistryError;
 
 pub struct BlobStream<'a> {
     transport: &'a Transport,
@@ -78,14 +79,14 @@ impl<'a> BlobStream<'a> {
 
     /// Why a read of this stream failed with `e`: the failure it recorded, else `e` itself.
     pub fn failure_of(&mut self, e: &io::Error) -> ImageError {
-        self.failure
-            .take()
-            .unwrap_or_else(|| ImageError::Unreachable {
+        self.failure.take().unwrap_or_else(|| {
+            ImageError::Registry(RegistryError::Unreachable {
                 registry: self.target.registry.clone(),
                 image: self.target.image.clone(),
                 attempts: 1,
                 detail: e.to_string(),
             })
+        })
     }
 
     /// Opens the blob at the current offset.
@@ -109,33 +110,33 @@ impl<'a> BlobStream<'a> {
                 .to_string();
             let expected = format!("bytes {}-", self.offset);
             if !range.starts_with(&expected) {
-                return Err(ImageError::Protocol {
+                return Err(ImageError::Registry(RegistryError::Protocol {
                     image: self.target.image.clone(),
                     registry: self.target.registry.clone(),
                     detail: format!(
                         "asked for blob {} from byte {}, got range '{range}'",
                         self.digest, self.offset
                     ),
-                });
+                }));
             }
         } else if status == StatusCode::OK {
             skip = self.offset;
         } else if status == StatusCode::NOT_FOUND {
-            return Err(ImageError::BlobMissing {
+            return Err(ImageError::Registry(RegistryError::BlobMissing {
                 image: self.target.image.clone(),
                 registry: self.target.registry.clone(),
                 digest: self.digest.to_string(),
-            });
+            }));
         } else {
             let (status, code, message) = http::error_body(resp);
-            return Err(ImageError::Protocol {
+            return Err(ImageError::Registry(RegistryError::Protocol {
                 image: self.target.image.clone(),
                 registry: self.target.registry.clone(),
                 detail: format!(
                     "fetching blob {} answered {status} {code} {message}",
                     self.digest
                 ),
-            });
+            }));
         }
         let mut body = resp.into_body().into_reader();
         if skip > 0 {
@@ -149,7 +150,7 @@ impl<'a> BlobStream<'a> {
     }
 
     fn dropped(&self, detail: &str) -> ImageError {
-        ImageError::Unreachable {
+        ImageError::Registry(RegistryError::Unreachable {
             registry: self.target.registry.clone(),
             image: self.target.image.clone(),
             attempts: self.failures.max(1),
@@ -157,7 +158,7 @@ impl<'a> BlobStream<'a> {
                 "blob {} dropped after {} of {} bytes: {detail}",
                 self.digest, self.offset, self.size
             ),
-        }
+        })
     }
 
     fn fail(&mut self, e: ImageError) -> io::Error {
@@ -171,7 +172,7 @@ impl Read for BlobStream<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             if self.abort.load(Ordering::Relaxed) {
-                return Err(self.fail(ImageError::Aborted));
+                return Err(self.fail(ImageError::Registry(RegistryError::Aborted)));
             }
             let remaining = self.size - self.offset;
             if remaining == 0 || buf.is_empty() {

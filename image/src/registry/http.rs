@@ -15,6 +15,7 @@ use ureq::tls::{Certificate, PemItem, RootCerts, TlsConfig};
 use super::ImageError;
 use super::auth::{self, Challenge, Credentials, Login};
 use crate::config::RegistryConfig;
+use crate::registry::RegistryError;
 
 /// System CA bundles, first readable one wins (Debian, RHEL, SUSE, Alpine/macOS layouts).
 const SYSTEM_BUNDLES: &[&str] = &[
@@ -179,7 +180,7 @@ impl Transport {
         let deadline = self.limits.deadline();
         loop {
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
-                return Err(ImageError::Aborted);
+                return Err(ImageError::Registry(RegistryError::Aborted));
             }
             let left = deadline.check(&t.registry, &super::limits::what(&t.image, url))?;
             let peer = self.peer_key(&t.registry);
@@ -255,7 +256,7 @@ impl Transport {
             attempt += 1;
             if attempt >= self.retries {
                 if let Some((status, said)) = answered {
-                    return Err(ImageError::ServerError {
+                    return Err(ImageError::Registry(RegistryError::ServerError {
                         registry: t.registry.clone(),
                         image: t.image.clone(),
                         attempts: attempt,
@@ -265,14 +266,14 @@ impl Transport {
                         } else {
                             format!(" ({})", berth_sys::text::elide(&said))
                         },
-                    });
+                    }));
                 }
-                return Err(ImageError::Unreachable {
+                return Err(ImageError::Registry(RegistryError::Unreachable {
                     registry: t.registry.clone(),
                     image: t.image.clone(),
                     attempts: attempt,
                     detail: failure,
-                });
+                }));
             }
             tracing::debug!(%url, attempt, %failure, "retrying");
             std::thread::sleep(self.backoff(attempt));
@@ -295,20 +296,20 @@ impl Transport {
             &t.registry,
             &what,
             |e| match e {
-                ureq::Error::BodyExceedsLimit(_) => ImageError::Protocol {
+                ureq::Error::BodyExceedsLimit(_) => ImageError::Registry(RegistryError::Protocol {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     detail: format!(
                         "a document (manifest, config or token) larger than {} MiB",
                         DOCUMENT_LIMIT >> 20
                     ),
-                },
-                e => ImageError::Unreachable {
+                }),
+                e => ImageError::Registry(RegistryError::Unreachable {
                     registry: t.registry.clone(),
                     image: t.image.clone(),
                     attempts: 1,
                     detail: describe(&e),
-                },
+                }),
             },
         )
     }
@@ -341,11 +342,11 @@ impl Transport {
                     None => Err(self.credentials_required(t)),
                 }
             }
-            None => Err(ImageError::Protocol {
+            None => Err(ImageError::Registry(RegistryError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: "answered 401 without a usable WWW-Authenticate challenge".to_string(),
-            }),
+            })),
         }
     }
 
@@ -358,12 +359,12 @@ impl Transport {
         if found.is_none()
             && let Some(user) = &t.user
         {
-            return Err(ImageError::NoSuchLogin {
+            return Err(ImageError::Registry(RegistryError::NoSuchLogin {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 user: user.clone(),
                 files: self.credentials.files_text(),
-            });
+            }));
         }
         Ok(found)
     }
@@ -388,20 +389,22 @@ impl Transport {
         let plain_ok = |h: &str| self.insecure.iter().any(|i| i == h);
         if !(realm.starts_with("https://") || plain_ok(realm_host) || plain_ok(&t.registry)) {
             // A login must not travel in clear text to a token server the admin did not list.
-            return Err(ImageError::Protocol {
+            return Err(ImageError::Registry(RegistryError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: format!(
                     "its token server {realm} is not HTTPS; list {realm_host} in \
                      registry.insecure if that is intended"
                 ),
-            });
+            }));
         }
         let login = self.login_for(t, &[realm_host, &t.registry])?;
-        let protocol = |detail: String| ImageError::Protocol {
-            image: t.image.clone(),
-            registry: t.registry.clone(),
-            detail,
+        let protocol = |detail: String| {
+            ImageError::Registry(RegistryError::Protocol {
+                image: t.image.clone(),
+                registry: t.registry.clone(),
+                detail,
+            })
         };
         let mut attempt = 0u32;
         let deadline = self.limits.deadline();
@@ -448,21 +451,21 @@ impl Transport {
             };
             attempt += 1;
             if let (true, Some(status)) = (attempt >= self.retries, answered) {
-                return Err(ImageError::ServerError {
+                return Err(ImageError::Registry(RegistryError::ServerError {
                     registry: format!("its token server {realm_host}"),
                     image: t.image.clone(),
                     attempts: attempt,
                     status: status.to_string(),
                     said: String::new(),
-                });
+                }));
             }
             if attempt >= self.retries {
-                return Err(ImageError::Unreachable {
+                return Err(ImageError::Registry(RegistryError::Unreachable {
                     registry: realm_host.to_string(),
                     image: t.image.clone(),
                     attempts: attempt,
                     detail: failure,
-                });
+                }));
             }
             std::thread::sleep(self.backoff(attempt));
         };
@@ -510,21 +513,21 @@ impl Transport {
     }
 
     fn login_rejected(&self, t: &Target, l: &Login) -> ImageError {
-        ImageError::LoginRejected {
+        ImageError::Registry(RegistryError::LoginRejected {
             image: t.image.clone(),
             registry: t.registry.clone(),
             login: l.login.clone(),
             file: l.file.clone(),
-        }
+        })
     }
 
     fn credentials_required(&self, t: &Target) -> ImageError {
-        ImageError::CredentialsRequired {
+        ImageError::Registry(RegistryError::CredentialsRequired {
             image: t.image.clone(),
             registry: t.registry.clone(),
             host: t.registry.clone(),
             files: self.credentials.files_text(),
-        }
+        })
     }
 
     pub(super) fn transport_error(&self, t: &Target, e: ureq::Error) -> ImageError {
@@ -537,7 +540,7 @@ impl Transport {
                         rustls::InvalidMessage::InvalidContentType
                     ))
                 ) || detail.contains("corrupt message");
-                ImageError::Tls {
+                ImageError::Registry(RegistryError::Tls {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     hint: if plain {
@@ -552,24 +555,24 @@ impl Transport {
                             .to_string()
                     },
                     detail,
-                }
+                })
             }
             ureq::Error::Protocol(_) if self.repo_url(t).starts_with("http:") => {
-                ImageError::Protocol {
+                ImageError::Registry(RegistryError::Protocol {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     detail: format!(
                         "{} (it is listed in registry.insecure: does it serve TLS?)",
                         describe(&e)
                     ),
-                }
+                })
             }
-            _ => ImageError::Unreachable {
+            _ => ImageError::Registry(RegistryError::Unreachable {
                 registry: t.registry.clone(),
                 image: t.image.clone(),
                 attempts: 1,
                 detail: describe(&e),
-            },
+            }),
         }
     }
 }
@@ -589,10 +592,12 @@ fn peer_sign(
         Method::Get => "GET",
         Method::Head => "HEAD",
     };
-    berth_api::auth::sign_request(key, method, path, b"").map_err(|e| ImageError::Protocol {
-        image: t.image.clone(),
-        registry: t.registry.clone(),
-        detail: e.to_string(),
+    berth_api::auth::sign_request(key, method, path, b"").map_err(|e| {
+        ImageError::Registry(RegistryError::Protocol {
+            image: t.image.clone(),
+            registry: t.registry.clone(),
+            detail: e.to_string(),
+        })
     })
 }
 
@@ -620,11 +625,11 @@ fn peer_check(
     )
     .map_err(|e| {
         tracing::debug!("cluster peer {} failed to authenticate: {e}", t.registry);
-        ImageError::Protocol {
+        ImageError::Registry(RegistryError::Protocol {
             image: t.image.clone(),
             registry: t.registry.clone(),
             detail: format!("the cluster peer failed to authenticate: {e}"),
-        }
+        })
     })
 }
 
@@ -715,17 +720,17 @@ fn load_roots(extra: &[PathBuf]) -> Result<RootCerts, ImageError> {
     }
     let system = certs.len();
     for file in extra {
-        let pem = std::fs::read(file).map_err(|e| ImageError::RegistryConfig {
+        let pem = std::fs::read(file).map_err(|e| RegistryError::RegistryConfig {
             detail: format!("registry.ca_files: {}: {e}", file.display()),
         })?;
         let found = pem_certs(&pem);
         if found.is_empty() {
-            return Err(ImageError::RegistryConfig {
+            return Err(ImageError::Registry(RegistryError::RegistryConfig {
                 detail: format!(
                     "registry.ca_files: {} holds no PEM certificate",
                     file.display()
                 ),
-            });
+            }));
         }
         certs.extend(found);
     }

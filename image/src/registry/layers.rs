@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use super::http::Target;
 use super::manifest::Descriptor;
 use super::{Client, ProgressMode, blob, pipeline, progress};
+use crate::registry::RegistryError;
 use crate::{ImageError, LayerSink};
 
 impl Client {
@@ -78,7 +79,7 @@ impl Client {
         for (i, r) in results {
             match r {
                 Ok(path) => done[i] = Some(path),
-                Err(ImageError::Aborted) => {}
+                Err(ImageError::Registry(RegistryError::Aborted)) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -92,7 +93,7 @@ impl Client {
             .map(|d| {
                 done[first_of[d.as_str()]]
                     .clone()
-                    .ok_or(ImageError::Aborted)
+                    .ok_or(ImageError::Registry(RegistryError::Aborted))
             })
             .collect()
     }
@@ -157,25 +158,27 @@ impl Client {
         // Another layer failed and this one's extraction stopped for it: that failure is the
         // pull's error, not this.
         if staged.is_err() && abort.load(Ordering::Relaxed) {
-            return Err(ImageError::Aborted);
+            return Err(ImageError::Registry(RegistryError::Aborted));
         }
         if actual != layer.digest || size != layer.size {
-            return Err(ImageError::DigestMismatch {
+            return Err(ImageError::Registry(RegistryError::DigestMismatch {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 what: "layer",
                 expected: layer.digest.clone(),
                 actual,
                 size,
-            });
+            }));
         }
         if let Some(tee) = tee {
             tee.commit();
         }
-        let layer_error = |source| ImageError::PullLayer {
-            image: t.image.clone(),
-            digest: layer.digest.clone(),
-            source: Box::new(source),
+        let layer_error = |source| {
+            ImageError::Registry(RegistryError::PullLayer {
+                image: t.image.clone(),
+                digest: layer.digest.clone(),
+                source: Box::new(source),
+            })
         };
         let published = match staged {
             Ok(staged) => staged.publish().map_err(layer_error)?,

@@ -13,6 +13,7 @@ use super::limits::{Metered, Slow};
 use super::{Client, check_digest, manifest_url};
 use crate::ImageError;
 use crate::RegistryRef;
+use crate::registry::RegistryError;
 
 /// Where a lazy image's blobs are read from: the source its manifest came from.
 #[derive(Clone, Debug)]
@@ -35,11 +36,11 @@ pub struct RawManifest {
 }
 
 fn protocol(t: &Target, detail: String) -> ImageError {
-    ImageError::Protocol {
+    ImageError::Registry(RegistryError::Protocol {
         image: t.image.clone(),
         registry: t.registry.clone(),
         detail,
-    }
+    })
 }
 
 impl Client {
@@ -66,10 +67,10 @@ impl Client {
                         let body = self.transport.read_document(&t, resp)?;
                         Ok(RawManifest { body, content_type })
                     }
-                    StatusCode::NOT_FOUND => Err(ImageError::NotFound {
+                    StatusCode::NOT_FOUND => Err(ImageError::Registry(RegistryError::NotFound {
                         image: t.image.clone(),
                         detail: format!("{} has no such manifest", t.registry),
-                    }),
+                    })),
                     s => Err(protocol(&t, format!("manifest GET answered {s}"))),
                 });
             match answer {
@@ -78,9 +79,11 @@ impl Client {
                 Err(e) => last = Some(Self::last_error(&t, e)),
             }
         }
-        Err(last.unwrap_or_else(|| ImageError::NotFound {
-            image: r.image_name(),
-            detail: "no source to ask".into(),
+        Err(last.unwrap_or_else(|| {
+            ImageError::Registry(RegistryError::NotFound {
+                image: r.image_name(),
+                detail: "no source to ask".into(),
+            })
         }))
     }
 
@@ -114,11 +117,11 @@ impl Client {
             StatusCode::PARTIAL_CONTENT => 0,
             StatusCode::OK => start,
             StatusCode::NOT_FOUND => {
-                return Err(ImageError::BlobMissing {
+                return Err(ImageError::Registry(RegistryError::BlobMissing {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     digest: digest.to_string(),
-                });
+                }));
             }
             s => {
                 return Err(protocol(
@@ -136,12 +139,12 @@ impl Client {
                 &t.registry,
                 &format!("blob {digest} ({range}) of {}", t.image),
             ),
-            None => ImageError::Unreachable {
+            None => ImageError::Registry(RegistryError::Unreachable {
                 registry: t.registry.clone(),
                 image: t.image.clone(),
                 attempts: 1,
                 detail: format!("reading {digest} ({range}): {e}"),
-            },
+            }),
         };
         if skip > 0 {
             std::io::copy(&mut body.by_ref().take(skip), &mut std::io::sink())

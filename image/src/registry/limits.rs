@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::ImageError;
 use crate::config::RegistryConfig;
+use crate::registry::RegistryError;
 
 /// The config keys named when a limit is hit.
 const DEADLINE_KEY: &str = "registry.import_deadline_s";
@@ -114,11 +115,13 @@ impl Deadline {
 
     /// Fails, in one line naming the registry and `what`, once the deadline passed.
     pub fn check(&self, registry: &str, what: &str) -> Result<Duration, ImageError> {
-        self.remaining().ok_or_else(|| ImageError::DeadlinePassed {
-            registry: registry.to_string(),
-            what: what.to_string(),
-            secs: self.secs,
-            key: self.key,
+        self.remaining().ok_or_else(|| {
+            ImageError::Registry(RegistryError::DeadlinePassed {
+                registry: registry.to_string(),
+                what: what.to_string(),
+                secs: self.secs,
+                key: self.key,
+            })
         })
     }
 }
@@ -134,14 +137,14 @@ pub struct Slow {
 impl Slow {
     /// The one-line error for a transfer of `what` from `registry`.
     pub fn error(self, registry: &str, what: &str) -> ImageError {
-        ImageError::TooSlow {
+        ImageError::Registry(RegistryError::TooSlow {
             registry: registry.to_string(),
             what: what.to_string(),
             bytes: self.bytes,
             secs: self.secs,
             rate: crate::store::human_size(self.rate),
             key: RATE_KEY,
-        }
+        })
     }
 }
 
@@ -227,7 +230,7 @@ impl<R: Read> Read for Metered<R> {
     }
 }
 
-/// Reads a body to its end through a meter: too slow is [`ImageError::TooSlow`] (of `what`
+/// Reads a body to its end through a meter: too slow is [`RegistryError::TooSlow`] (of `what`
 /// from `registry`), any other failure what `other` makes of ureq's error.
 pub fn read_metered(
     body: impl Read,

@@ -15,6 +15,7 @@
 
 pub mod auth;
 mod blob;
+mod error;
 mod http;
 mod layers;
 pub mod lazy;
@@ -23,6 +24,8 @@ pub mod manifest;
 mod peer;
 mod pipeline;
 mod progress;
+
+pub use error::RegistryError;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -216,11 +219,11 @@ impl Client {
     /// The error to report when `t`, the last source, failed with `e`.
     fn last_error(t: &Target, e: ImageError) -> ImageError {
         match &t.mirror_of {
-            Some(origin) => ImageError::Mirror {
+            Some(origin) => ImageError::Registry(RegistryError::Mirror {
                 mirror: t.registry.clone(),
                 origin: origin.clone(),
                 source: Box::new(e),
-            },
+            }),
             None => e,
         }
     }
@@ -229,11 +232,11 @@ impl Client {
     fn is_final(e: &ImageError) -> bool {
         matches!(
             e,
-            ImageError::RegistryConfig { .. }
-                | ImageError::Aborted
-                | ImageError::PullLayer { .. }
+            ImageError::Registry(RegistryError::RegistryConfig { .. })
+                | ImageError::Registry(RegistryError::Aborted)
+                | ImageError::Registry(RegistryError::PullLayer { .. })
                 // The deadline is the import's: no other source has time left either.
-                | ImageError::DeadlinePassed { .. }
+                | ImageError::Registry(RegistryError::DeadlinePassed { .. })
         )
     }
 
@@ -273,15 +276,15 @@ impl Client {
             {
                 Ok(false)
             }
-            Ok(resp) => Err(ImageError::Protocol {
+            Ok(resp) => Err(ImageError::Registry(RegistryError::Protocol {
                 image: t.image,
                 registry: t.registry,
                 detail: format!("manifest HEAD answered {}", resp.status()),
-            }),
+            })),
             Err(
-                ImageError::CredentialsRequired { .. }
-                | ImageError::LoginRejected { .. }
-                | ImageError::NoSuchLogin { .. },
+                ImageError::Registry(RegistryError::CredentialsRequired { .. })
+                | ImageError::Registry(RegistryError::LoginRejected { .. })
+                | ImageError::Registry(RegistryError::NoSuchLogin { .. }),
             ) => Ok(false),
             Err(e) => Err(e),
         }
@@ -331,7 +334,7 @@ impl Client {
             Manifest::Image { config, layers } => (digest, None, config, layers),
             Manifest::Index(entries) => {
                 let chosen =
-                    manifest::select(&entries, &want).ok_or_else(|| ImageError::NoPlatform {
+                    manifest::select(&entries, &want).ok_or_else(|| RegistryError::NoPlatform {
                         image: t.image.clone(),
                         want: want.to_string(),
                         have: manifest::platforms(&entries),
@@ -456,10 +459,10 @@ impl Client {
     }
 
     fn image_error(&self, t: &Target, detail: String) -> ImageError {
-        ImageError::Pull {
+        ImageError::Registry(RegistryError::Pull {
             image: t.image.clone(),
             detail,
-        }
+        })
     }
 
     /// GETs a manifest; returns its body, digest and Content-Type. With `pinned` the body must
@@ -475,14 +478,14 @@ impl Client {
         if let Some(p) = pinned
             && p != digest
         {
-            return Err(ImageError::DigestMismatch {
+            return Err(ImageError::Registry(RegistryError::DigestMismatch {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 what: "manifest",
                 expected: p.to_string(),
                 actual: digest,
                 size: body.len() as u64,
-            });
+            }));
         }
         Ok((body, digest, content_type))
     }
@@ -503,11 +506,11 @@ impl Client {
                 .transport
                 .send(t, Method::Get, url, accept, None, None)?;
             if what == "config" && resp.status() == StatusCode::NOT_FOUND {
-                return Err(ImageError::BlobMissing {
+                return Err(ImageError::Registry(RegistryError::BlobMissing {
                     image: t.image.clone(),
                     registry: t.registry.clone(),
                     digest: url.rsplit('/').next().unwrap_or_default().to_string(),
-                });
+                }));
             }
             if !resp.status().is_success() {
                 return Err(self.not_ok(t, resp, what));
@@ -519,15 +522,15 @@ impl Client {
                 .map(str::to_string);
             match self.transport.read_document(t, resp) {
                 Ok(body) => return Ok((body, content_type)),
-                Err(ImageError::Unreachable { detail, .. }) => {
+                Err(ImageError::Registry(RegistryError::Unreachable { detail, .. })) => {
                     attempt += 1;
                     if attempt >= self.transport.retries {
-                        return Err(ImageError::Unreachable {
+                        return Err(ImageError::Registry(RegistryError::Unreachable {
                             image: t.image.clone(),
                             registry: t.registry.clone(),
                             attempts: attempt,
                             detail: format!("reading the {what}: {detail}"),
-                        });
+                        }));
                     }
                     tracing::debug!(%url, attempt, %detail, "retrying a dropped {what}");
                     std::thread::sleep(self.transport.backoff(attempt));
@@ -542,14 +545,14 @@ impl Client {
         let (body, _) = self.get_document(t, &url, None, "config")?;
         let actual = blob::sha256_of(&body);
         if actual != d.digest {
-            return Err(ImageError::DigestMismatch {
+            return Err(ImageError::Registry(RegistryError::DigestMismatch {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 what: "config",
                 expected: d.digest.clone(),
                 actual,
                 size: body.len() as u64,
-            });
+            }));
         }
         Ok(body)
     }
@@ -561,14 +564,16 @@ impl Client {
             code = "NAME_UNKNOWN".to_string();
         }
         match (status, code.as_str()) {
-            (StatusCode::NOT_FOUND, "NAME_UNKNOWN") => ImageError::NotFound {
-                image: t.image.clone(),
-                detail: format!(
-                    "{} has no repository '{}': check the image name",
-                    t.registry, t.repository
-                ),
-            },
-            (StatusCode::NOT_FOUND, _) => ImageError::NotFound {
+            (StatusCode::NOT_FOUND, "NAME_UNKNOWN") => {
+                ImageError::Registry(RegistryError::NotFound {
+                    image: t.image.clone(),
+                    detail: format!(
+                        "{} has no repository '{}': check the image name",
+                        t.registry, t.repository
+                    ),
+                })
+            }
+            (StatusCode::NOT_FOUND, _) => ImageError::Registry(RegistryError::NotFound {
                 image: t.image.clone(),
                 detail: format!(
                     "{} has no {} for {}: check the tag or digest",
@@ -578,20 +583,20 @@ impl Client {
                         .rsplit_once('/')
                         .map_or(t.image.as_str(), |(_, n)| n)
                 ),
-            },
-            (StatusCode::FORBIDDEN, _) => ImageError::Protocol {
+            }),
+            (StatusCode::FORBIDDEN, _) => ImageError::Registry(RegistryError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: format!(
                     "access to the {what} denied ({code} {message}): check that your login may \
                      read this repository"
                 ),
-            },
-            _ => ImageError::Protocol {
+            }),
+            _ => ImageError::Registry(RegistryError::Protocol {
                 image: t.image.clone(),
                 registry: t.registry.clone(),
                 detail: format!("fetching the {what} answered {status} {code} {message}"),
-            },
+            }),
         }
     }
 
@@ -647,7 +652,7 @@ fn target(r: &RegistryRef) -> Target {
 
 /// The user running berth, with `home` as its home.
 fn current_user(home: Option<&Path>) -> Result<UserIds, ImageError> {
-    let mut user = berth_spec::user::current().map_err(|e| ImageError::RegistryConfig {
+    let mut user = berth_spec::user::current().map_err(|e| RegistryError::RegistryConfig {
         detail: format!("who is pulling: {e}"),
     })?;
     user.home = home.map(Path::to_path_buf);
@@ -684,11 +689,13 @@ fn parse_mirrors(
 ) -> Result<BTreeMap<String, Mirrors>, ImageError> {
     let mut out = BTreeMap::new();
     for (registry, m) in config {
-        let bad = |what: &str, detail: &str| ImageError::RegistryConfig {
-            detail: format!(
-                "registry.mirrors.\"{}\": {what} {detail}",
-                berth_sys::text::elide(registry)
-            ),
+        let bad = |what: &str, detail: &str| {
+            ImageError::Registry(RegistryError::RegistryConfig {
+                detail: format!(
+                    "registry.mirrors.\"{}\": {what} {detail}",
+                    berth_sys::text::elide(registry)
+                ),
+            })
         };
         if registry.is_empty() || registry.contains(['/', ' ']) {
             return Err(bad(
@@ -748,9 +755,11 @@ fn manifest_url(transport: &Transport, t: &Target, r: &RegistryRef) -> String {
 
 /// Digests from a registry go into URLs and paths: only `sha256:<64 hex>` is accepted.
 fn check_digest(t: &Target, digest: &str) -> Result<(), ImageError> {
-    super::reference::check_digest(digest).map_err(|e| ImageError::Pull {
-        image: t.image.clone(),
-        detail: e.to_string(),
+    super::reference::check_digest(digest).map_err(|e| {
+        ImageError::Registry(RegistryError::Pull {
+            image: t.image.clone(),
+            detail: e.to_string(),
+        })
     })
 }
 
@@ -864,12 +873,12 @@ mod tests {
                 user: None,
                 mirror_of: Some("o.example".into()),
             },
-            ImageError::Unreachable {
+            ImageError::Registry(RegistryError::Unreachable {
                 image: "o.example/a/b:1".into(),
                 registry: "127.0.0.1:1".into(),
                 attempts: 2,
                 detail: "connection refused".into(),
-            },
+            }),
         )
         .to_string();
         assert!(!e.contains('\n'), "{e}");
@@ -882,10 +891,10 @@ mod tests {
 
     #[test]
     fn errors_convert_to_one_line() {
-        let e: ImageError = ImageError::NotFound {
+        let e: ImageError = ImageError::Registry(RegistryError::NotFound {
             image: "127.0.0.1:5000/a/b:nope".into(),
             detail: "127.0.0.1:5000 has no manifest for b:nope: check the tag or digest".into(),
-        };
+        });
         let text = e.to_string();
         assert!(!text.contains('\n'));
         assert!(text.contains("a/b:nope"), "{text}");

@@ -7,6 +7,7 @@ use super::*;
 use crate::LayerSink;
 use crate::RegistryRef;
 use crate::archive::test_images::{Comp, add_to_layout, layer, sha};
+use crate::registry::RegistryError;
 
 fn store(dir: &Path) -> Store {
     Store::open_at(&dir.join("store"), 2).unwrap()
@@ -249,7 +250,7 @@ fn lookups_by_pinned_digest_and_for_users() {
     assert_eq!(asked.load(Ordering::SeqCst), 1);
     let e = s
         .get_for(&private, 1000, |_| {
-            Err(ImageError::Registry("registry down".into()))
+            Err(RegistryError::Message("registry down".into()).into())
         })
         .unwrap_err();
     assert_eq!(e.to_string(), "registry down");
@@ -310,7 +311,7 @@ fn removing_one_of_two_references_untags() {
     let sel = s.select(&key, &|_| unreachable!()).unwrap();
     assert!(matches!(s.remove(&sel).unwrap(), Removed::Image { .. }));
     let e = s
-        .select(&key, &|_| Err(ImageError::Registry("x".into())))
+        .select(&key, &|_| Err(RegistryError::Message("x".into()).into()))
         .unwrap_err();
     assert!(e.to_string().contains("no image"), "{e}");
 }
