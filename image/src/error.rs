@@ -13,6 +13,7 @@ use crate::mount::MountError;
 use crate::registry::RegistryError;
 use crate::sif::Fault;
 use crate::squashfs::SquashfsError;
+use crate::store::StoreError;
 
 /// What failed, for callers that decide on the group and not the variant (exit statuses, whose
 /// fault a failure is).
@@ -45,9 +46,6 @@ pub enum ImageError {
     /// whole reference.
     #[error("{0}")]
     ReferenceSyntax(String),
-    /// A store failure told in words.
-    #[error("{0}")]
-    Store(String),
     /// A file that is not a valid image of its kind, told in words.
     #[error("{0}")]
     Format(String),
@@ -90,79 +88,8 @@ pub enum ImageError {
     },
 
     // ---- The image store (`store`).
-    #[error("image store {root}: {op}: {source}")]
-    StoreIo {
-        root: PathBuf,
-        op: String,
-        source: io::Error,
-    },
-    #[error(
-        "not enough space in the image store {root} for {what}: it needs about {needed} and {free} are free; remove images (berth images gc --max-size SIZE) or give the store more space"
-    )]
-    NoSpace {
-        root: PathBuf,
-        what: String,
-        needed: String,
-        free: String,
-    },
-    #[error(
-        "the image store {root} ran out of space while extracting layer {layer} ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE) or give the store more space"
-    )]
-    FullDuringExtract {
-        root: PathBuf,
-        layer: String,
-        free: String,
-    },
-    #[error("layer {layer}: {source}")]
-    Layer {
-        layer: String,
-        source: Box<ImageError>,
-    },
-    #[error(
-        "layer {layer}: its content has digest {actual}, not the expected diff_id: the image is corrupt; nothing was kept"
-    )]
-    DiffIdMismatch { layer: String, actual: String },
-    #[error("no image '{0}' in the store (berth images ls lists them)")]
-    NotStored(String),
-    #[error("image {0} is in use by a running container: stop it first")]
-    InUse(String),
-    #[error("'{0}' matches several images ({1}): give more of the digest")]
-    AmbiguousDigest(String, String),
-    #[error("image record {path}: {why}: remove it with berth images rm {digest}")]
-    CorruptRecord {
-        path: PathBuf,
-        digest: String,
-        why: String,
-    },
-    #[error("invalid digest '{0}': expected sha256:<64 hex digits>")]
-    BadDigest(String),
-    #[error(
-        "image {what}: it has {count} layers, more than store.max_layers ({max}) allows (overlayfs stacks about 500): nothing was fetched; flatten the image, or raise store.max_layers in berth.toml"
-    )]
-    TooManyLayers {
-        what: String,
-        count: usize,
-        max: usize,
-    },
-    #[error(
-        "layer {layer}: it expands to more than store.max_layer_bytes ({max}); nothing partial was kept: raise store.max_layer_bytes in berth.toml if the image is trusted"
-    )]
-    LayerTooLarge { layer: String, max: String },
-    #[error(
-        "layer {layer}: the image's layers expand to more than store.max_image_bytes ({max}); nothing partial was kept: raise store.max_image_bytes in berth.toml if the image is trusted"
-    )]
-    ImageTooLarge { layer: String, max: String },
-    #[error(
-        "the image store {root}: {what} would leave less than store.reserve_bytes ({reserve}) free on its file system ({free} free); nothing partial was kept: remove images (berth images gc --max-size SIZE), give the store more space, or lower store.reserve_bytes"
-    )]
-    Reserve {
-        root: PathBuf,
-        what: String,
-        reserve: String,
-        free: String,
-    },
-    #[error("{0}: the target is in neither this layer nor a lower one; the image is broken")]
-    HardlinkMissing(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
 
     // ---- Archives, OCI layouts and local engines (`archive`), each naming the archive.
     #[error("{what}: {path}: {source}")]
@@ -268,21 +195,6 @@ impl ImageError {
             | E::Refused { .. }
             | E::Bound(_)
             | E::LayerWrite { .. }
-            | E::StoreIo { .. }
-            | E::NoSpace { .. }
-            | E::FullDuringExtract { .. }
-            | E::Layer { .. }
-            | E::DiffIdMismatch { .. }
-            | E::NotStored(_)
-            | E::InUse(_)
-            | E::AmbiguousDigest(..)
-            | E::CorruptRecord { .. }
-            | E::BadDigest(_)
-            | E::TooManyLayers { .. }
-            | E::LayerTooLarge { .. }
-            | E::ImageTooLarge { .. }
-            | E::Reserve { .. }
-            | E::HardlinkMissing(_)
             | E::Mount(_) => Kind::Store,
         }
     }
@@ -367,7 +279,10 @@ mod tests {
             fault: Fault::BadMagic,
         };
         assert_eq!(sif.kind(), Kind::Format);
-        assert_eq!(ImageError::NotStored("x".into()).kind(), Kind::Store);
+        assert_eq!(
+            ImageError::from(StoreError::NotStored("x".into())).kind(),
+            Kind::Store
+        );
         assert_eq!(
             ImageError::from(RegistryError::Aborted).kind(),
             Kind::Registry

@@ -11,6 +11,7 @@ use super::squashfs::{self, InspectOptions};
 use super::store::{COMPRESSED_GROWTH, FileStamp, Progress, Store, reference_key};
 use super::{Image, ImageError, Reference, Rootfs};
 use crate::config::Settings;
+use crate::store::StoreError;
 use berth_spec::UserIds;
 
 /// A local image a user named (a squashfs, SIF, archive or OCI layout directory), opened with
@@ -39,9 +40,9 @@ impl Opened {
             }
             Reference::OciLayout { dir, .. } => (dir, true),
             _ => {
-                return Err(ImageError::Store(format!(
+                return Err(ImageError::Store(StoreError::Message(format!(
                     "internal error: {what} names no local file"
-                )));
+                ))));
             }
         };
         let who = match user {
@@ -254,7 +255,7 @@ fn import_unchecked(
         }
         Reference::Squashfs(path) | Reference::Sif(path) => {
             let opened = opened.ok_or_else(|| {
-                ImageError::Store(format!(
+                StoreError::Message(format!(
                     "internal error: {} was not opened before import",
                     path.display()
                 ))
@@ -301,11 +302,11 @@ pub fn get_or_import(
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
     if super::store::is_local_path(reference) && opened.is_none() {
-        return Err(ImageError::Store(format!(
+        return Err(ImageError::Store(StoreError::Message(format!(
             "internal error: {} was not opened as uid {}",
             reference_key(reference),
             who.uid
-        )));
+        ))));
     }
     let stamp = opened.map(|o| &o.stamp);
     let cached = store.get_for_stamped(reference, stamp, who.uid, |_| match reference {
@@ -357,11 +358,11 @@ pub fn lowers(
                     &own
                 }
                 None => {
-                    return Err(ImageError::Store(format!(
+                    return Err(ImageError::Store(StoreError::Message(format!(
                         "image {}: its squashfs {} must be named by its path, opened as the user",
                         image.digest,
                         file.display()
-                    )));
+                    ))));
                 }
             };
             let dir = super::mount::mount_opened(
@@ -376,7 +377,7 @@ pub fn lowers(
                     .map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid),
                 &config.squashfs.mount_dir,
             )
-            .map_err(|e| ImageError::Store(e.to_string()))?;
+            .map_err(|e| StoreError::Message(e.to_string()))?;
             Ok(vec![dir])
         }
     }

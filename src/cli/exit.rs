@@ -134,7 +134,8 @@ mod tests {
         assert_eq!(Failure::from(io).code, HOST);
         let reference = ImageError::Reference("ubuntu:".into(), "empty tag after ':'".into());
         assert_eq!(Failure::from(reference).code, INPUT);
-        assert_eq!(Failure::from(ImageError::NotStored("x".into())).code, IMAGE);
+        let not_stored = crate::image::store::StoreError::NotStored("x".into());
+        assert_eq!(Failure::from(ImageError::from(not_stored)).code, IMAGE);
         let unreachable = AgentError::Image(ImageError::Registry(
             crate::image::registry::RegistryError::Unreachable {
                 image: "x".into(),

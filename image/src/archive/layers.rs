@@ -12,6 +12,7 @@ use sha2::{Digest as _, Sha256};
 use super::blobs::Blobs;
 use super::invalid;
 use super::plan::{Compression, LayerJob, Plan};
+use crate::store::StoreError;
 use crate::store::{self, Progress, Store, human_size, reference_key};
 use crate::{Image, ImageError, LayerSink, Reference, Rootfs};
 
@@ -98,7 +99,7 @@ pub(super) fn import_layer(
             actual,
         });
     }
-    let staged = staged.map_err(|e| ImageError::Store(format!("{what}: {e}")))?;
+    let staged = staged.map_err(|e| StoreError::Message(format!("{what}: {e}")))?;
     drained.map_err(|e| read_error(what, job, e))?;
     if let Some(size) = job.size
         && size != hashed.bytes
@@ -116,7 +117,7 @@ pub(super) fn import_layer(
         .then(|| (staged.size(), staged.tar_bytes()));
     let dir = staged
         .publish_layer()
-        .map_err(|e| ImageError::Store(format!("{what}: {e}")))?;
+        .map_err(|e| StoreError::Message(format!("{what}: {e}")))?;
     Ok((dir, extracted))
 }
 

@@ -22,6 +22,7 @@ use self::layers::run_plan;
 use self::plan::{docker_plan, oci_plan};
 use super::store::{self, Progress, Store, reference_key};
 use super::{Image, ImageError, Reference};
+use crate::store::StoreError;
 
 /// JSON documents (index, manifest, config) larger than this are refused.
 const MAX_JSON: u64 = 32 << 20;
@@ -138,9 +139,9 @@ pub fn import_opened(
     let what = reference_key(reference);
     let opened_file = || -> Result<&super::import::Opened, ImageError> {
         opened.ok_or_else(|| {
-            ImageError::Store(format!(
+            ImageError::Store(StoreError::Message(format!(
                 "internal error: {what} was not opened before import"
-            ))
+            )))
         })
     };
     match reference {

@@ -30,6 +30,7 @@ use sha2::{Digest as _, Sha256};
 
 use super::record::{self, ContentHash, LayerRecord};
 use super::{ImageError, Store, fs};
+use crate::store::StoreError;
 
 fn beneath(dir: &OwnedFd, rel: &[u8], flags: OFlag, mode: u32) -> io::Result<OwnedFd> {
     berth_sys::privfs::open_beneath(dir, Path::new(OsStr::from_bytes(rel)), flags, mode, true)
@@ -274,7 +275,7 @@ impl Store {
             String::from_utf8_lossy(target)
         );
         let Some((at, meta)) = find(&up.layers[1..], target) else {
-            return Err(ImageError::HardlinkMissing(shown));
+            return Err(ImageError::Store(StoreError::HardlinkMissing(shown)));
         };
         let from = &up.layers[1 + at].1;
         self.make_parents(up, link)?;
@@ -314,14 +315,14 @@ impl Store {
             let (ino, digest) = self.copy_file(up, from, target, link, &meta)?;
             up.digests.insert(ino, digest);
         } else {
-            return Err(ImageError::HardlinkMissing(format!(
+            return Err(ImageError::Store(StoreError::HardlinkMissing(format!(
                 "{shown} (a {} there, not a file)",
                 if meta.is_dir() {
                     "directory"
                 } else {
                     "special file"
                 }
-            )));
+            ))));
         }
         up.copied.insert(target.to_vec(), link.to_vec());
         Ok(())

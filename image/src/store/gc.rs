@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use super::fs::{self, LockMode};
 use super::{RefRecord, Store, digest_hex};
+use crate::store::StoreError;
 use crate::{Digest, Image, ImageError, Rootfs};
 
 /// One stored image as `berth images ls` / `inspect` show it.
@@ -321,7 +322,10 @@ impl Store {
                 0 => {}
                 _ => {
                     let shown: Vec<String> = matches.iter().map(|d| d[..19].to_string()).collect();
-                    return Err(ImageError::AmbiguousDigest(text.into(), shown.join(", ")));
+                    return Err(ImageError::Store(StoreError::AmbiguousDigest(
+                        text.into(),
+                        shown.join(", "),
+                    )));
                 }
             }
         }
@@ -337,7 +341,7 @@ impl Store {
                 return Ok(Selector::Digest(d.clone()));
             }
         }
-        Err(ImageError::NotStored(text.to_string()))
+        Err(ImageError::Store(StoreError::NotStored(text.to_string())))
     }
 
     /// The entry of a selected image.
@@ -348,7 +352,7 @@ impl Store {
         self.list()
             .into_iter()
             .find(|e| &e.image.digest == digest)
-            .ok_or_else(|| ImageError::NotStored(digest.clone()))
+            .ok_or_else(|| ImageError::Store(StoreError::NotStored(digest.clone())))
     }
 
     /// Removes a reference (the image too when no other reference keeps it), or an image by
@@ -380,7 +384,7 @@ impl Store {
                 references.push(r.reference.clone());
             }
             if references.is_empty() {
-                return Err(ImageError::NotStored(digest));
+                return Err(ImageError::Store(StoreError::NotStored(digest)));
             }
             return Ok(Removed::Image {
                 digest,
@@ -389,7 +393,7 @@ impl Store {
             });
         }
         let Some(_unused) = self.claim_unused(&digest)? else {
-            return Err(ImageError::InUse(digest));
+            return Err(ImageError::Store(StoreError::InUse(digest)));
         };
         let references = self.remove_image(&digest, &refs)?;
         let (layers, _) = self.prune_layers();

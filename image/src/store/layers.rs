@@ -11,6 +11,7 @@ use std::sync::Arc;
 use super::fs::{self, LockMode, Workspace};
 use super::{Store, digest_hex, human_size, record};
 use crate::layer;
+use crate::store::StoreError;
 use crate::{ImageError, LayerSink, StagedLayer};
 
 impl Store {
@@ -21,14 +22,16 @@ impl Store {
         let hex = digest_hex(diff_id)?.to_string();
         let lock = self.lock(&format!("layer-{hex}"), LockMode::Exclusive)?;
         let dest = self.layer_dir(diff_id)?;
-        let mismatch = |actual: String| ImageError::DiffIdMismatch {
-            layer: diff_id.to_string(),
-            actual,
+        let mismatch = |actual: String| {
+            ImageError::Store(StoreError::DiffIdMismatch {
+                layer: diff_id.to_string(),
+                actual,
+            })
         };
         // A layer marked damaged by `verify`, or extracted by an older berth (no record), is
         // extracted again and replaces the one in place.
         if self.layer_usable(&dest) {
-            let (actual, _) = layer::hash_only(tar).map_err(|source| ImageError::Layer {
+            let (actual, _) = layer::hash_only(tar).map_err(|source| StoreError::Layer {
                 layer: diff_id.to_string(),
                 source: Box::new(source),
             })?;
@@ -73,16 +76,16 @@ impl Store {
                 return Err(if let ImageError::Bound(b) = e {
                     self.bound_error(diff_id, b)
                 } else if e.is_no_space() {
-                    ImageError::FullDuringExtract {
+                    ImageError::Store(StoreError::FullDuringExtract {
                         root: self.root.clone(),
                         layer: diff_id.to_string(),
                         free: self.free_text(),
-                    }
+                    })
                 } else {
-                    ImageError::Layer {
+                    ImageError::Store(StoreError::Layer {
                         layer: diff_id.to_string(),
                         source: Box::new(e),
-                    }
+                    })
                 });
             }
         };
@@ -130,20 +133,20 @@ impl Store {
 
     fn bound_error(&self, layer: &str, b: layer::Bound) -> ImageError {
         match b {
-            layer::Bound::Layer => ImageError::LayerTooLarge {
+            layer::Bound::Layer => ImageError::Store(StoreError::LayerTooLarge {
                 layer: layer.to_string(),
                 max: human_size(self.limits.max_layer_bytes),
-            },
-            layer::Bound::Image => ImageError::ImageTooLarge {
+            }),
+            layer::Bound::Image => ImageError::Store(StoreError::ImageTooLarge {
                 layer: layer.to_string(),
                 max: human_size(self.limits.max_image_bytes),
-            },
-            layer::Bound::Reserve(free) => ImageError::Reserve {
+            }),
+            layer::Bound::Reserve(free) => ImageError::Store(StoreError::Reserve {
                 root: self.root.clone(),
                 what: format!("extracting layer {layer}"),
                 reserve: human_size(self.limits.reserve_bytes),
                 free: human_size(free),
-            },
+            }),
         }
     }
 
@@ -157,13 +160,13 @@ impl Store {
             }
         }
         if total > self.limits.max_image_bytes {
-            return Err(ImageError::ImageTooLarge {
+            return Err(ImageError::Store(StoreError::ImageTooLarge {
                 layer: dirs
                     .last()
                     .map(|d| d.display().to_string())
                     .unwrap_or_default(),
                 max: human_size(self.limits.max_image_bytes),
-            });
+            }));
         }
         Ok(())
     }
@@ -183,17 +186,17 @@ pub(crate) fn publish_dir(
     {
         let io = |op: &str, e: std::io::Error| {
             if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
-                ImageError::FullDuringExtract {
+                ImageError::Store(StoreError::FullDuringExtract {
                     root: root.to_path_buf(),
                     layer: dest.display().to_string(),
                     free: fs::free_bytes(root).map(human_size).unwrap_or_default(),
-                }
+                })
             } else {
-                ImageError::StoreIo {
+                ImageError::Store(StoreError::StoreIo {
                     root: root.to_path_buf(),
                     op: format!("{op} {}", dest.display()),
                     source: e,
-                }
+                })
             }
         };
         fs::write_atomic(
@@ -302,7 +305,7 @@ impl Staged {
             let ws = self
                 ._workspace
                 .as_ref()
-                .ok_or_else(|| ImageError::StoreIo {
+                .ok_or_else(|| StoreError::StoreIo {
                     root: self.root.clone(),
                     op: format!("publishing {}", self.dest.display()),
                     source: std::io::Error::other("no workspace"),

@@ -27,12 +27,14 @@
 //!   an import is about to reference; an image whose `use/` lock is held is never removed.
 
 mod copyup;
+mod error;
 mod fs;
 mod gc;
 mod layers;
 pub mod record;
 mod verify;
 
+pub use error::StoreError;
 pub use gc::{Entry, GcPolicy, GcReport, Removed, Selector, parse_duration};
 pub use layers::Staged;
 pub(crate) use layers::{dedup_layers, publish_dir};
@@ -72,7 +74,7 @@ pub fn digest_hex(digest: &str) -> Result<&str, ImageError> {
                 && h.bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         })
-        .ok_or_else(|| ImageError::BadDigest(digest.to_string()))
+        .ok_or_else(|| ImageError::Store(StoreError::BadDigest(digest.to_string())))
 }
 
 /// `12.3 MiB`
@@ -301,11 +303,11 @@ impl Store {
     }
 
     fn io(&self, op: impl Into<String>, source: std::io::Error) -> ImageError {
-        ImageError::StoreIo {
+        ImageError::Store(StoreError::StoreIo {
             root: self.root.clone(),
             op: op.into(),
             source,
-        }
+        })
     }
 
     fn dir(&self, name: &str) -> PathBuf {
@@ -360,11 +362,11 @@ impl Store {
     /// never run; call it on the manifest, before fetching anything.
     pub fn check_layers(&self, what: &str, count: usize) -> Result<(), ImageError> {
         if count > self.limits.max_layers {
-            return Err(ImageError::TooManyLayers {
+            return Err(ImageError::Store(StoreError::TooManyLayers {
                 what: what.to_string(),
                 count,
                 max: self.limits.max_layers,
-            });
+            }));
         }
         Ok(())
     }
@@ -374,20 +376,20 @@ impl Store {
     pub fn check_space(&self, what: &str, needed: u64) -> Result<(), ImageError> {
         let free = fs::free_bytes(&self.root).map_err(|e| self.io("statvfs", e))?;
         if needed <= free && needed.saturating_add(self.limits.reserve_bytes) > free {
-            return Err(ImageError::Reserve {
+            return Err(ImageError::Store(StoreError::Reserve {
                 root: self.root.clone(),
                 what: format!("importing {what} (about {})", human_size(needed)),
                 reserve: human_size(self.limits.reserve_bytes),
                 free: human_size(free),
-            });
+            }));
         }
         if needed > free {
-            return Err(ImageError::NoSpace {
+            return Err(ImageError::Store(StoreError::NoSpace {
                 root: self.root.clone(),
                 what: what.to_string(),
                 needed: human_size(needed),
                 free: human_size(free),
-            });
+            }));
         }
         Ok(())
     }
@@ -493,7 +495,7 @@ impl Store {
     pub fn use_image(&self, digest: &str) -> Result<InUse, ImageError> {
         let path = self.use_path(digest)?;
         if self.image(digest).is_none() {
-            return Err(ImageError::NotStored(digest.to_string()));
+            return Err(ImageError::Store(StoreError::NotStored(digest.to_string())));
         }
         let file = fs::lock(&path, LockMode::Shared, true)
             .map_err(|e| {
@@ -502,10 +504,10 @@ impl Store {
                     e,
                 )
             })?
-            .ok_or_else(|| ImageError::NotStored(digest.to_string()))?;
+            .ok_or_else(|| StoreError::NotStored(digest.to_string()))?;
         // gc may have removed the image while we waited for the lock.
         if self.image(digest).is_none() {
-            return Err(ImageError::NotStored(digest.to_string()));
+            return Err(ImageError::Store(StoreError::NotStored(digest.to_string())));
         }
         let _ = file.set_modified(SystemTime::now());
         Ok(InUse {
@@ -559,12 +561,12 @@ impl Store {
 
     fn write_error(&self, op: &str, e: std::io::Error) -> ImageError {
         if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) {
-            ImageError::NoSpace {
+            ImageError::Store(StoreError::NoSpace {
                 root: self.root.clone(),
                 what: op.to_string(),
                 needed: "a little".into(),
                 free: self.free_text(),
-            }
+            })
         } else {
             self.io(op, e)
         }
@@ -644,10 +646,10 @@ impl Store {
             image.rootfs = Rootfs::Layers(self.copy_up(dirs.clone())?);
         }
         if image.digest != digest {
-            return Err(ImageError::Store(format!(
+            return Err(ImageError::Store(StoreError::Message(format!(
                 "internal error: importing {digest} produced an image with digest {}",
                 image.digest
-            )));
+            ))));
         }
         self.write_image(&ws, &image)?;
         done(image)
