@@ -9,7 +9,7 @@ pub use berth_cgroup as cgroup;
 pub use berth_image as image;
 pub use berth_runtime as runtime;
 pub use berth_slurm as slurm;
-pub use berth_slurm::config;
+pub use berth_config as config;
 pub use berth_spec as spec;
 pub use berth_stage as stage;
 pub use berth_sys::{privfs, time};

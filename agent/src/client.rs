@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use berth_api::NotLeader;
 use berth_api::auth::{self, Key};
-use berth_slurm::config::Config;
+use berth_config::Config;
 
 use crate::AgentError;
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use berth_api::{DaemonReport, DaemonState};
 
-use berth_slurm::config::AgentConfig;
+use berth_config::AgentConfig;
 
 use crate::AgentError;
 

@@ -23,7 +23,7 @@ use berth_api::{
     CheckResult, DaemonReport, DaemonState, Heartbeat, HeartbeatReply, Severity, Status,
 };
 
-use berth_slurm::config::Config;
+use berth_config::Config;
 use berth_slurm::health::{XidWindow, report};
 use berth_slurm::node::Source;
 use berth_topology::kmsg;

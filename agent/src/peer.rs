@@ -40,7 +40,7 @@ use berth_api::{CatalogNode, WarmReply, WarmRequest};
 
 use berth_image::peers::{self, BlobCache};
 use berth_image::{Reference, RegistryRef};
-use berth_slurm::config::Config;
+use berth_config::Config;
 
 use crate::AgentError;
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use berth_api::{CatalogNode, WarmReply, WarmRequest};
 use berth_image::Reference;
-use berth_slurm::config::Config;
+use berth_config::Config;
 
 use crate::AgentError;
 use crate::client::Client;

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use berth_api::{STEP_OUTPUT_MAX, StepAction, StepOrder, StepReport, StepState};
-use berth_slurm::config::AgentConfig;
+use berth_config::AgentConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::AgentError;

@@ -8,17 +8,6 @@ use berth_topology::TopologyError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SlurmError {
-    /// berth.toml does not parse, or names what berth does not know.
-    #[error("config {}: {message}", path.display())]
-    Config {
-        path: std::path::PathBuf,
-        message: String,
-    },
-    #[error("reading config {}: {source}", path.display())]
-    ConfigRead {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
     /// Bad input: the plugin's request, an option's value, a path the user named.
     #[error("{0}")]
     Input(String),

@@ -19,53 +19,6 @@ use berth_spec::BindMount;
 use crate::SlurmError;
 use crate::config::Config;
 
-/// The Slurm client files of the usual layouts (Debian/Ubuntu, RHEL); the ones missing on a
-/// node are skipped.
-pub fn default_slurm_paths() -> Vec<String> {
-    let mut paths: Vec<String> = [
-        "srun", "sbatch", "salloc", "squeue", "scancel", "sinfo", "scontrol", "sacct",
-    ]
-    .iter()
-    .map(|b| format!("/usr/bin/{b}"))
-    .collect();
-    paths.extend(
-        [
-            "/usr/lib/*-linux-gnu/slurm-wlm",
-            "/usr/lib/*-linux-gnu/libmunge.so.2",
-            "/usr/lib64/slurm",
-            "/usr/lib64/libmunge.so.2",
-            "/etc/slurm",
-            "/run/munge",
-        ]
-        .map(String::from),
-    );
-    paths
-}
-
-/// Lmod as Debian/Ubuntu install it (its Lua 5.3 interpreter and modules, which images lack),
-/// its configuration and the usual module trees; sites add their software trees (`/opt/hpcx`).
-pub fn default_module_paths() -> Vec<String> {
-    [
-        "/usr/share/lmod",
-        "/usr/lib/lmod",
-        "/etc/lmod",
-        "/etc/profile.d/lmod.sh",
-        "/usr/share/modulefiles",
-        "/opt/modulefiles",
-        "/usr/bin/lua5.3",
-        "/usr/lib/*-linux-gnu/liblua5.3*.so*",
-        // lua5.3 links readline, Lmod's tcl2lua.so (loaded at every start) Tcl: images rarely
-        // have them.
-        "/usr/lib/*-linux-gnu/libreadline.so.8",
-        "/usr/lib/*-linux-gnu/libtcl8.6.so",
-        "/usr/share/tcltk/tcl8.6",
-        "/usr/lib/*-linux-gnu/lua",
-        "/usr/share/lua",
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
 /// The variables of Lmod's state and setup that `berth run --modules` carries from the caller
 /// (a Slurm step has the job's environment already): the module search path, what is loaded,
 /// and BASH_ENV, which defines `module` in non-interactive bash.

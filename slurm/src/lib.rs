@@ -4,10 +4,10 @@
 //! files, options), the host's own software a container asks for ([`hostsw`], its MPI
 //! [`mpi`]), the node's topology source ([`node`]), and the Pyxis-shaped request turned into a
 //! container request ([`request`], [`env`], [`cgroup`]). The node's configuration,
-//! `/etc/berth/berth.toml`, is [`config`].
+//! `/etc/berth/berth.toml`, is the berth-config crate, re-exported as [`config`].
 
 pub mod cgroup;
-pub mod config;
+pub use berth_config as config;
 pub mod container;
 pub mod env;
 mod error;

@@ -27,56 +27,6 @@ use crate::config::Config;
 /// Where the host's MPI libraries appear in the container, first in its LD_LIBRARY_PATH.
 pub const LIB_DIR: &str = "/usr/lib/berth/host-mpi";
 
-/// The host's Open MPI as Debian/Ubuntu install it (openmpi-bin, libopenmpi3), with the PMIx,
-/// hwloc, libevent, UCX, libfabric and verbs libraries it loads; missing ones are skipped.
-pub fn default_mpi_libraries() -> Vec<String> {
-    [
-        "libmpi.so.40*",
-        "libopen-pal.so.40*",
-        "libopen-rte.so.40*",
-        "libmca_common_*.so.40*",
-        "libpmix.so.2*",
-        "libmunge.so.2*",
-        "libhwloc.so.15*",
-        "libevent_core-2.1.so.7*",
-        "libevent_pthreads-2.1.so.7*",
-        "libucp.so.0*",
-        "libuct.so.0*",
-        "libucs.so.0*",
-        "libucm.so.0*",
-        "libucs_signal.so.0*",
-        "libfabric.so.1*",
-        "libibverbs.so.1*",
-        "librdmacm.so.1*",
-        "libefa.so.1*",
-        "libpsm2.so.2*",
-        "libpsm_infinipath.so.1*",
-        "libnl-3.so.200*",
-        "libnl-route-3.so.200*",
-    ]
-    .iter()
-    .map(|l| format!("/usr/lib/*-linux-gnu/{l}"))
-    .collect()
-}
-
-/// Open MPI's, PMIx's, UCX's, hwloc's and verbs' plugin trees (looked up at the paths they were
-/// built with), Open MPI's configuration and help texts, the verbs drivers' configuration.
-pub fn default_mpi_paths() -> Vec<String> {
-    [
-        "/usr/lib/*-linux-gnu/openmpi",
-        "/usr/lib/*-linux-gnu/pmix2",
-        "/usr/lib/*-linux-gnu/ucx",
-        "/usr/lib/*-linux-gnu/hwloc",
-        "/usr/lib/*-linux-gnu/libibverbs",
-        "/usr/lib/*-linux-gnu/libfabric",
-        "/etc/openmpi",
-        "/usr/share/openmpi",
-        "/etc/libibverbs.d",
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
 /// What `--container-mpi` asks for: `host` or `image` (the image's own MPI, nothing bound).
 pub fn parse_choice(value: &str, what: &str) -> Result<bool, SlurmError> {
     match value {

@@ -32,9 +32,9 @@ pub struct PluginConfig {
 }
 
 pub const DEFAULT_BERTH: &str = "/usr/local/bin/berth";
-/// berth's configuration file when plugstack.conf names none (slurm/src/config.rs `DEFAULT_PATH`).
+/// berth's configuration file when plugstack.conf names none (berth-config's `DEFAULT_PATH`).
 pub const DEFAULT_BERTH_CONFIG: &str = "/etc/berth/berth.toml";
-/// berth's `[scratch] root` default (slurm/src/config.rs checks that the two agree).
+/// berth's `[scratch] root` default (config/src/lib.rs checks that the two agree).
 pub const DEFAULT_SCRATCH_ROOT: &str = "/var/tmp/berth-scratch";
 
 /// The root of the jobs' scratch directories, from berth's configuration file `path` (the

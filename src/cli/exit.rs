@@ -82,10 +82,6 @@ impl From<SlurmError> for Failure {
     fn from(e: SlurmError) -> Self {
         match e {
             SlurmError::Input(m) => Failure::input(m),
-            // The node's configuration is the admin's input, as a usage error is.
-            e @ (SlurmError::Config { .. } | SlurmError::ConfigRead { .. }) => {
-                Failure::input(e.to_string())
-            }
             SlurmError::Request(e) => Failure::input(e.to_string()),
             SlurmError::Host(m) => Failure::system(m),
             SlurmError::Image(e) => e.into(),
@@ -93,6 +89,13 @@ impl From<SlurmError> for Failure {
             SlurmError::Topology(e) => e.into(),
             SlurmError::ImageUnavailable(e) => (*e).into(),
         }
+    }
+}
+
+/// The node's configuration is the admin's input, as a usage error is.
+impl From<berth_config::ConfigError> for Failure {
+    fn from(e: berth_config::ConfigError) -> Self {
+        Failure::input(e.to_string())
     }
 }
 

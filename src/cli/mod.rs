@@ -156,7 +156,7 @@ impl Cli {
         if explicit && let Ok(abs) = std::path::absolute(&path) {
             let _ = crate::image::lazy::server::CONFIG_PATH.set(abs);
         }
-        Config::load(&path, explicit).map_err(|e| Failure::input(e.to_string()))
+        Ok(Config::load(&path, explicit)?)
     }
 
     pub fn execute(self) -> Result<i32, Failure> {

@@ -10,7 +10,20 @@ pub use berth_image::config::{
     Compression, MirrorConfig, RegistryConfig, SquashfsConfig, StoreConfig,
 };
 
-use crate::SlurmError;
+mod host_software;
+
+/// What can go wrong loading the configuration: both are the admin's input to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// berth.toml does not parse, or names what berth does not know.
+    #[error("config {}: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+    #[error("reading config {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
 
 pub const DEFAULT_PATH: &str = "/etc/berth/berth.toml";
 
@@ -33,7 +46,7 @@ pub struct Config {
     pub host_software: HostSoftwareConfig,
 }
 
-/// `[host_software]`: the node's own software a container may ask for (crate::hostsw).
+/// `[host_software]`: the node's own software a container may ask for (berth_slurm::hostsw).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct HostSoftwareConfig {
@@ -53,7 +66,7 @@ pub struct HostSoftwareConfig {
     /// Every step gets the host's MPI unless it says `--container-mpi=image`.
     pub mpi: bool,
     /// The host's MPI libraries and the libraries they load, each bound read-only under its
-    /// own name into the container's crate::mpi::LIB_DIR (first in LD_LIBRARY_PATH); `PATH`
+    /// own name into the container's berth_slurm::mpi::LIB_DIR (first in LD_LIBRARY_PATH); `PATH`
     /// with `*` and `?` as `slurm_paths`.
     pub mpi_libraries: Vec<String>,
     /// What else the host's MPI needs, bound read-only at its own path (as `slurm_paths`): its
@@ -65,12 +78,12 @@ impl Default for HostSoftwareConfig {
     fn default() -> Self {
         Self {
             slurm: false,
-            slurm_paths: crate::hostsw::default_slurm_paths(),
+            slurm_paths: host_software::default_slurm_paths(),
             modules: false,
-            module_paths: crate::hostsw::default_module_paths(),
+            module_paths: host_software::default_module_paths(),
             mpi: false,
-            mpi_libraries: crate::mpi::default_mpi_libraries(),
-            mpi_paths: crate::mpi::default_mpi_paths(),
+            mpi_libraries: host_software::default_mpi_libraries(),
+            mpi_paths: host_software::default_mpi_paths(),
         }
     }
 }
@@ -270,7 +283,7 @@ impl Default for PeersConfig {
 }
 
 /// `[log]`: where the Slurm paths (`berth prolog`, `epilog`, `step`) write their log lines
-/// (`crate::log`).
+/// (the berth binary's `log` module).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
@@ -334,14 +347,14 @@ impl Config {
     }
 
     /// Loads `path`; when `path` is the default location and absent, the defaults apply.
-    pub fn load(path: &Path, explicit: bool) -> Result<Self, SlurmError> {
+    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Self::parse(&text).map_err(|e| SlurmError::Config {
+            Ok(text) => Self::parse(&text).map_err(|e| ConfigError::Parse {
                 path: path.to_path_buf(),
                 message: e.message().to_string(),
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(Self::default()),
-            Err(source) => Err(SlurmError::ConfigRead {
+            Err(source) => Err(ConfigError::Read {
                 path: path.to_path_buf(),
                 source,
             }),
