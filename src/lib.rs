@@ -6,11 +6,11 @@ pub mod log;
 
 // The lower crates of the workspace, under the names the rest of berth has always used.
 pub use berth_cgroup as cgroup;
+pub use berth_config as config;
 pub use berth_image as image;
 pub use berth_runtime as runtime;
 pub use berth_slurm as slurm;
-pub use berth_config as config;
 pub use berth_spec as spec;
 pub use berth_stage as stage;
-pub use berth_sys::{privfs, time};
+pub use berth_sys::{privfs, time, user};
 pub use berth_topology as topology;

@@ -213,7 +213,7 @@ echo "env $CUDA_VISIBLE_DEVICES $NVIDIA_VISIBLE_DEVICES"
 "#
             .into(),
         ],
-        user: spec::user::current().unwrap(),
+        user: berth::user::current().unwrap(),
         env: vec![("CUDA_VISIBLE_DEVICES".into(), "1".into())],
         mounts: vec![BindMount {
             source: out.path().to_path_buf(),

@@ -38,9 +38,9 @@ use std::time::{Duration, Instant};
 use berth_api::auth::{self, Key, ReplayCache};
 use berth_api::{CatalogNode, WarmReply, WarmRequest};
 
+use berth_config::Config;
 use berth_image::peers::{self, BlobCache};
 use berth_image::{Reference, RegistryRef};
-use berth_config::Config;
 
 use crate::AgentError;
 
@@ -740,7 +740,7 @@ impl Server {
                 )));
             }
             let store = berth_image::store::Store::open(&self.config.store)?;
-            let user = berth_spec::user::current().map_err(|e| AgentError::host(e.to_string()))?;
+            let user = berth_sys::user::current().map_err(|e| AgentError::host(e.to_string()))?;
             let who = berth_image::import::Requester {
                 uid: user.uid,
                 home: user.home.as_deref(),

@@ -60,7 +60,7 @@ impl Opened {
             Some(u) => berth_sys::privfs::open_readable_as_user(path, u),
             None => berth_sys::privfs::open_as_user(
                 path,
-                &berth_spec::user::current().unwrap_or_default(),
+                &berth_sys::user::current().unwrap_or_default(),
                 OFlag::O_RDONLY | OFlag::O_NONBLOCK,
             )
             .map(File::from),

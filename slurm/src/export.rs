@@ -125,7 +125,7 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, SlurmError
         ))
     })?;
     let store = Store::open(&config.store)?;
-    let user = berth_spec::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
+    let user = berth_sys::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
     let who = Requester {
         uid: user.uid,
         home: user.home.as_deref(),

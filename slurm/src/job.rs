@@ -254,7 +254,7 @@ fn now() -> u64 {
 fn retain(
     config: &Config,
     job: &str,
-    user: &berth_spec::user::UserIds,
+    user: &berth_spec::UserIds,
     why: &str,
     say: Say<'_>,
 ) -> Result<(), SlurmError> {
@@ -307,7 +307,7 @@ fn job_stderr(job: &str) -> Option<PathBuf> {
 
 /// Appends `line` to `file` as `user` (without root's groups), so a path the user chose can
 /// never make root write elsewhere.
-fn append_as(user: &berth_spec::user::UserIds, file: &Path, line: &str) -> Result<(), SlurmError> {
+fn append_as(user: &berth_spec::UserIds, file: &Path, line: &str) -> Result<(), SlurmError> {
     use std::io::Write;
     use std::os::unix::process::CommandExt;
     let mut child = std::process::Command::new("tee")

@@ -66,11 +66,11 @@ pub fn prepare(
     config: &Config,
     hold: bool,
 ) -> Result<Prepared, SlurmError> {
-    let caller = spec::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
+    let caller = berth_sys::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
     let image = image(&flags, config, &caller, hold)?;
     let user = match (&flags.user, &image.defaults.user) {
         (Some(text), _) => {
-            spec::user::resolve(text).map_err(|e| SlurmError::input(format!("--user: {e}")))?
+            berth_sys::user::resolve(text).map_err(|e| SlurmError::input(format!("--user: {e}")))?
         }
         // An image's User applies when root starts it, as with docker; an unprivileged caller
         // always runs as itself.
@@ -305,9 +305,8 @@ fn image(
             // An image path is opened as the user the container runs as (`--user`): root reads
             // no image for that user that the user could not read.
             let reader = match &flags.user {
-                Some(u) => {
-                    spec::user::resolve(u).map_err(|e| SlurmError::input(format!("--user: {e}")))?
-                }
+                Some(u) => berth_sys::user::resolve(u)
+                    .map_err(|e| SlurmError::input(format!("--user: {e}")))?,
                 None => caller.clone(),
             };
             match text.strip_prefix("lazy:") {
@@ -325,7 +324,7 @@ fn image(
 fn image_user(text: &str) -> Result<spec::UserIds, SlurmError> {
     let (u, g) = text.split_once(':').unwrap_or((text, ""));
     if let Ok(uid) = u.parse::<u32>() {
-        let known = spec::user::by_id(uid, 0);
+        let known = berth_sys::user::by_id(uid, 0);
         let gid = match g.parse::<u32>() {
             Ok(gid) => gid,
             Err(_) if g.is_empty() => known.home.as_ref().map(|_| known.gid).unwrap_or(uid),
@@ -336,9 +335,9 @@ fn image_user(text: &str) -> Result<spec::UserIds, SlurmError> {
                 )));
             }
         };
-        return Ok(spec::user::by_id(uid, gid));
+        return Ok(berth_sys::user::by_id(uid, gid));
     }
-    spec::user::resolve(text).map_err(|e| {
+    berth_sys::user::resolve(text).map_err(|e| {
         SlurmError::input(format!(
             "the image's User '{}': {e} (or use --user)",
             elide(text)

@@ -4,7 +4,6 @@
 pub mod env;
 pub mod image;
 pub mod parse;
-pub mod user;
 
 use std::path::{Path, PathBuf};
 
@@ -16,8 +15,8 @@ use oci_spec::runtime::{
     RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
+pub use berth_sys::{UserIds, user};
 pub use parse::BindMount;
-pub use user::UserIds;
 
 /// Spec annotations carrying the user's primary group name and home directory, for the entries
 /// the runtime adds to the container's /etc/group and /etc/passwd.
@@ -53,13 +52,6 @@ pub enum SpecError {
     EnvLimit(String),
     #[error("invalid hostname '{}': use up to 64 letters, digits, '-' and '.'", berth_sys::text::elide(.0))]
     Hostname(String),
-    #[error(
-        "unknown user '{}': no such user on this host (use a name or uid from the host's passwd database)",
-        berth_sys::text::elide(.0)
-    )]
-    UnknownUser(String),
-    #[error("unknown group '{}': no such group on this host", berth_sys::text::elide(.0))]
-    UnknownGroup(String),
     #[error("--memory-swap needs --memory: swap is granted on top of the memory limit")]
     SwapWithoutMemory,
     #[error("building the container spec: {0}")]

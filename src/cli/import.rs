@@ -38,7 +38,7 @@ pub fn execute(args: &ImportArgs, config: &Config) -> Result<i32, Failure> {
     let reference = parse_reference(&args.reference).map_err(Failure::from)?;
     let store = open_store(config)?;
     let progress = |line: &str| eprintln!("berth: {line}");
-    let user = crate::spec::user::current().map_err(|e| Failure::input(e.to_string()))?;
+    let user = crate::user::current().map_err(|e| Failure::input(e.to_string()))?;
     let who = crate::image::import::Requester {
         uid: user.uid,
         home: user.home.as_deref(),

@@ -52,7 +52,7 @@ use super::{
     Kind, Options, Report, StageError, as_user, fsops, open_source, parallel,
     progress::with_progress, tree, walk,
 };
-use berth_spec::user::UserIds;
+use berth_sys::UserIds;
 
 mod link;
 use self::link::{link_into, verify};

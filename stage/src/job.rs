@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{Options, Report, StageError, scratch, stage_as};
-use berth_spec::user::UserIds;
+use berth_sys::UserIds;
 
 /// Copy `src` (absolute) into `scratch/dst`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,7 +173,7 @@ mod tests {
         let uid = nix::unistd::Uid::current().as_raw();
         let gid = nix::unistd::Gid::current().as_raw();
         let dir = scratch::create(&tmp.path().join("root"), "5", uid, gid, None).unwrap();
-        let user = berth_spec::user::by_id(uid, gid);
+        let user = berth_sys::user::by_id(uid, gid);
         let req = parse_in(&format!("{}", src.display())).unwrap();
         let e = stage_in(&user, &dir, &req, &Options::default(), Some(4096))
             .unwrap_err()

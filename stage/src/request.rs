@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use berth_spec::user::UserIds;
+use berth_sys::UserIds;
 
 use crate::{Options, Report, StageError, scratch, stage, stage_as};
 
@@ -14,7 +14,7 @@ pub fn stage_user(name: Option<&str>) -> Result<Option<UserIds>, StageError> {
     let Some(spec) = name else {
         return Ok(None);
     };
-    let ids = berth_spec::user::resolve(spec).map_err(|e| StageError::Refused(e.to_string()))?;
+    let ids = berth_sys::user::resolve(spec).map_err(|e| StageError::Refused(e.to_string()))?;
     let me = nix::unistd::geteuid().as_raw();
     if me != 0 && ids.uid != me {
         return Err(StageError::Refused(format!(
@@ -95,7 +95,7 @@ fn run(
         // Root's own stage goes through the dataset cache too (`stage_as` uses it when root).
         None if opts.cache.is_some() && nix::unistd::Uid::current().is_root() => {
             let ids =
-                berth_spec::user::resolve("0").map_err(|e| StageError::Refused(e.to_string()))?;
+                berth_sys::user::resolve("0").map_err(|e| StageError::Refused(e.to_string()))?;
             stage_as(&ids, source, base, rel, opts)
         }
         None => stage(source, base, rel, opts),

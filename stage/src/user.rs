@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::{Options, Report, StageError, cache, stage};
-use berth_spec::user::UserIds;
+use berth_sys::UserIds;
 
 /// Runs [`stage`] in a child process with `user`'s uid, gid and groups (when berth runs as
 /// root; otherwise as the caller). Call it from a single-threaded process (the Prolog/Epilog and

@@ -1,13 +1,16 @@
 //! The lowest layer of berth: privileged file work on paths users influence ([`privfs`]), the
-//! identity a command runs as ([`UserIds`]), deadlines from user-chosen durations ([`time`]) and
-//! how errors quote user input ([`text`]), user namespaces with chosen mappings ([`userns`])
-//! and the small helpers of the new mount API both the image and the runtime use ([`mount`]). Every other berth crate may use it; it uses none.
+//! identity a command runs as ([`UserIds`]) and its lookup in the host's user database
+//! ([`user`]), deadlines from user-chosen durations ([`time`]) and how errors quote user input
+//! ([`text`]), user namespaces with chosen mappings ([`userns`]) and the small helpers of the new
+//! mount API both the image and the runtime use ([`mount`]). Every other berth crate may use it;
+//! it uses none.
 
 pub mod mount;
 pub mod privfs;
 pub mod seccomp;
 pub mod text;
 pub mod time;
+pub mod user;
 pub mod userns;
 
 use std::path::PathBuf;
@@ -34,6 +37,13 @@ pub enum SysError {
     Unshare,
     #[error("{what}: {detail}")]
     Userns { what: &'static str, detail: String },
+    #[error(
+        "unknown user '{}': no such user on this host (use a name or uid from the host's passwd database)",
+        text::elide(.0)
+    )]
+    UnknownUser(String),
+    #[error("unknown group '{}': no such group on this host", text::elide(.0))]
+    UnknownGroup(String),
 }
 
 /// The identity a container's command runs as.

@@ -777,7 +777,7 @@ mod tests {
 
     #[test]
     fn files_are_read_with_the_users_permissions_and_bounded() {
-        let me = berth_spec::user::current().unwrap();
+        let me = berth_sys::user::current().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let real = dir.path().join("real");
         std::fs::write(&real, "machine h login a password b").unwrap();

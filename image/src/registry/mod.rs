@@ -150,7 +150,7 @@ impl Client {
             .ok()
             .flatten();
         let mut user = match &pw {
-            Some(pw) => berth_spec::user::by_id(uid, pw.gid.as_raw()),
+            Some(pw) => berth_sys::user::by_id(uid, pw.gid.as_raw()),
             // No passwd entry: the uid alone, in no group that could open anything.
             None => UserIds {
                 uid,
@@ -652,7 +652,7 @@ fn target(r: &RegistryRef) -> Target {
 
 /// The user running berth, with `home` as its home.
 fn current_user(home: Option<&Path>) -> Result<UserIds, ImageError> {
-    let mut user = berth_spec::user::current().map_err(|e| RegistryError::RegistryConfig {
+    let mut user = berth_sys::user::current().map_err(|e| RegistryError::RegistryConfig {
         detail: format!("who is pulling: {e}"),
     })?;
     user.home = home.map(Path::to_path_buf);

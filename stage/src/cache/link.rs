@@ -13,7 +13,7 @@ use crate::{
     Dest, How, Kind, MARKER, Marker, Options, Report, StageError, XATTRS_OP, fsops, hash_fd,
     open_dest, open_source, parallel, sibling_groups, write_marker,
 };
-use berth_spec::user::UserIds;
+use berth_sys::UserIds;
 
 /// Puts the entry's files into `base/rel` for `user`: hardlinks, or clones or copies when the
 /// cache is on another filesystem or the cached file's mode would not let `user` read a link. Directories, symlinks and copies are given to the user.

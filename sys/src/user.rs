@@ -5,15 +5,13 @@ use std::ffi::CString;
 
 use nix::unistd::{Gid, Group, Uid, User, getgrouplist};
 
-use super::SpecError;
-
-pub use berth_sys::UserIds;
+use crate::{SysError, UserIds};
 
 /// The invoking user (real uid/gid of this process) with the supplementary groups this process
 /// holds: what the kernel grants the caller now, not what the group database lists (a group added
 /// since the user logged in is not theirs yet). It also spares every `berth run` the group
 /// database's walk of all its NSS modules (glibc loads `libnss_systemd` and libcap for it).
-pub fn current() -> Result<UserIds, SpecError> {
+pub fn current() -> Result<UserIds, SysError> {
     let uid = Uid::current();
     let user = User::from_uid(uid).ok().flatten();
     let gid = Gid::current();
@@ -43,12 +41,12 @@ pub fn by_id(uid: u32, gid: u32) -> UserIds {
 
 /// Resolves a `--user` value. The user must exist on the host; the group may be a name or a
 /// number, defaulting to the user's primary group.
-pub fn resolve(spec: &str) -> Result<UserIds, SpecError> {
+pub fn resolve(spec: &str) -> Result<UserIds, SysError> {
     let (user_part, group_part) = match spec.split_once(':') {
         Some((u, g)) => (u, Some(g)),
         None => (spec, None),
     };
-    let unknown = || SpecError::UnknownUser(user_part.to_string());
+    let unknown = || SysError::UnknownUser(user_part.to_string());
     let user = match user_part.parse::<u32>() {
         Ok(uid) => User::from_uid(Uid::from_raw(uid)).ok().flatten(),
         Err(_) => User::from_name(user_part).ok().flatten(),
@@ -61,7 +59,7 @@ pub fn resolve(spec: &str) -> Result<UserIds, SpecError> {
             Err(_) => Group::from_name(g)
                 .ok()
                 .flatten()
-                .ok_or_else(|| SpecError::UnknownGroup(g.to_string()))?
+                .ok_or_else(|| SysError::UnknownGroup(g.to_string()))?
                 .gid
                 .as_raw(),
         },
