@@ -9,7 +9,6 @@ use super::Failure;
 use super::topo::Source;
 use crate::config::Config;
 use crate::topology::cdi::{self, Registry};
-use crate::topology::inject::DriverFiles;
 
 /// Container Device Interface specs: list devices, generate specs for this node
 #[derive(Debug, Args)]
@@ -49,11 +48,11 @@ pub struct GenerateArgs {
     pub stdout: bool,
 
     /// CDI kind of the GPU devices
-    #[arg(long, value_name = "VENDOR/CLASS", default_value = "nvidia.com/gpu")]
+    #[arg(long, value_name = "VENDOR/CLASS", default_value = "nvidia.com/gpu", value_parser = super::values::cdi_kind)]
     pub gpu_kind: String,
 
     /// CDI kind of the HCA devices
-    #[arg(long, value_name = "VENDOR/CLASS", default_value = "berth.io/hca")]
+    #[arg(long, value_name = "VENDOR/CLASS", default_value = "berth.io/hca", value_parser = super::values::cdi_kind)]
     pub hca_kind: String,
 }
 
@@ -115,43 +114,24 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
             Ok((out, 0))
         }
         CdiCommand::Generate(g) => {
-            for kind in [&g.gpu_kind, &g.hca_kind] {
-                if !cdi::is_qualified(&format!("{kind}=x")) {
-                    return Err(Failure::input(format!(
-                        "CDI kind '{kind}': use vendor.com/class"
-                    )));
-                }
-            }
             let (host, node) = crate::slurm::node::discover(&g.source.lib(), config)?;
-            let specs = [
-                (
-                    "berth-gpu.json",
-                    cdi::generate_gpus(&host, &node, &DriverFiles::default(), &g.gpu_kind)
-                        .map_err(Failure::from)?,
-                ),
-                (
-                    "berth-hca.json",
-                    cdi::generate_hcas(&host, &node, &g.hca_kind).map_err(Failure::from)?,
-                ),
-            ];
-            let dir = g
-                .dir
-                .clone()
-                .or_else(|| config.topology.cdi_dirs.last().cloned())
-                .unwrap_or_else(|| PathBuf::from("/var/run/cdi"));
-            let mut wrote = 0;
-            for (file, spec) in &specs {
-                let Some(spec) = spec else { continue };
-                if g.stdout {
+            let specs = cdi::generate_node(&host, &node, &g.gpu_kind, &g.hca_kind)?;
+            if specs.is_empty() {
+                eprintln!("berth: no GPU and no RDMA device on this node: no CDI spec written");
+            } else if g.stdout {
+                for (_, spec) in &specs {
                     out.push_str(
                         &(serde_json::to_string_pretty(spec).expect("a CDI spec serializes")
                             + "\n"),
                     );
-                } else {
-                    std::fs::create_dir_all(&dir)
-                        .map_err(|e| Failure::system(format!("creating {}: {e}", dir.display())))?;
-                    let path = dir.join(file);
-                    cdi::write(spec, &path).map_err(Failure::from)?;
+                }
+            } else {
+                let Some(dir) = g.dir.as_ref().or(config.topology.cdi_dirs.last()) else {
+                    return Err(Failure::input(
+                        "topology.cdi_dirs is empty: give --dir DIR or --stdout",
+                    ));
+                };
+                for (path, (_, spec)) in cdi::write_into(&specs, dir)?.iter().zip(&specs) {
                     out.push_str(&format!(
                         "wrote {} ({} devices of kind {})\n",
                         path.display(),
@@ -159,10 +139,6 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
                         spec.kind
                     ));
                 }
-                wrote += 1;
-            }
-            if wrote == 0 {
-                eprintln!("berth: no GPU and no RDMA device on this node: no CDI spec written");
             }
             Ok((out, 0))
         }

@@ -72,7 +72,7 @@ impl From<RuntimeError> for Failure {
 impl From<TopologyError> for Failure {
     fn from(e: TopologyError) -> Self {
         match e {
-            TopologyError::Job { .. } => Failure::input(e.to_string()),
+            TopologyError::Job { .. } | TopologyError::Input(_) => Failure::input(e.to_string()),
             other => Failure::system(other.to_string()),
         }
     }

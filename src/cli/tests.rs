@@ -93,6 +93,10 @@ fn the_parser_refuses_bad_values_in_one_line() {
             "--cpuset: invalid CPU list",
         ),
         (&["run", "--pids", "-5", "img"][..], "--pids "),
+        (
+            &["cdi", "generate", "--stdout", "--gpu-kind", "gpu"][..],
+            "--gpu-kind: CDI kind 'gpu': use vendor.com/class",
+        ),
         (&["run", "--pids", "x", "img"][..], "--pids "),
         (
             &["run", "--timeout", "0", "img"][..],

@@ -10,10 +10,10 @@ use super::Failure;
 use crate::config::Config;
 use crate::slurm::node as node_source;
 use crate::topology::bind::{self, MemPolicy};
-use crate::topology::job::{self, Job};
+use crate::topology::job::Job;
 use crate::topology::node::Node;
-use crate::topology::plan::{self, NodePlan, Numbering, PlanOptions};
-use crate::topology::{CpuSet, Host, cpu, nccl, render};
+use crate::topology::plan::{NodePlan, Numbering};
+use crate::topology::{Host, render, step};
 
 /// Show the node's GPUs, NICs and NUMA nodes, their distances and GPU→NIC→NUMA pairing
 ///
@@ -138,60 +138,24 @@ fn json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string_pretty(value).expect("topology values serialize")
 }
 
-/// The job from the environment with the command line's overrides.
-pub fn job(args: &JobArgs) -> Result<Job, Failure> {
-    let get = |k: &str| std::env::var(k).ok();
-    let mut job = job::from_env(&get).map_err(Failure::from)?;
-    if let Some(list) = &args.gpus {
-        job.gpus = Some(job::parse_gpus("--gpus", list).map_err(Failure::from)?);
-        job.gpus_from = Some("--gpus".into());
-    }
-    if let Some(n) = args.tasks {
-        if n == 0 {
-            return Err(Failure::input("--tasks 0: a step needs at least one rank"));
+impl JobArgs {
+    fn overrides(&self) -> step::Overrides {
+        step::Overrides {
+            gpus: self.gpus.clone(),
+            tasks: self.tasks,
+            cpus: self.cpus.clone(),
+            numbering: self.numbering,
+            nccl_topo_file: self.nccl_topo_file.clone(),
         }
-        job.tasks = n;
-        job.tasks_from = Some("--tasks".into());
     }
-    Ok(job)
-}
 
-/// Plans the step; writes the NCCL topology file when asked.
-pub fn plan_step(host: &Host, node: &Node, args: &JobArgs, job: &Job) -> Result<NodePlan, Failure> {
-    let (step_cpus, step_mems) = if host.is_live() {
-        cpu::step_cpuset(host)
-    } else {
-        (None, None)
-    };
-    let allowed_cpus = match &args.cpus {
-        Some(list) => {
-            Some(CpuSet::parse(list).map_err(|e| Failure::input(format!("--cpus: {e}")))?)
-        }
-        None => step_cpus,
-    };
-    if let Some(path) = &args.nccl_topo_file {
-        nccl::write(node, path).map_err(Failure::from)?;
+    /// The step's plan on this node and the job it was made for.
+    fn plan(&self, host: &Host, node: &Node) -> Result<(Job, NodePlan), Failure> {
+        let o = self.overrides();
+        let job = step::job(&o, &|k| std::env::var(k).ok())?;
+        let plan = step::plan(host, node, &o, &job)?;
+        Ok((job, plan))
     }
-    plan::plan(
-        node,
-        job,
-        &PlanOptions {
-            numbering: args.numbering,
-            allowed_cpus,
-            allowed_mems: step_mems,
-            nccl_topo_file: args.nccl_topo_file.clone(),
-        },
-    )
-    .map_err(Failure::from)
-}
-
-fn pick_rank(plan: &NodePlan, rank: u32) -> Result<&plan::RankPlan, Failure> {
-    plan.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| {
-        Failure::input(format!(
-            "rank {rank} is not in the step: it has {} rank(s) on this node (SLURM_LOCALID, --rank, --tasks)",
-            plan.ranks.len()
-        ))
-    })
 }
 
 pub fn execute(args: &TopoArgs, config: &Config) -> Result<i32, Failure> {
@@ -227,11 +191,10 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
                 return Err(Failure::input("--env and --json: pick one output"));
             }
             let (host, node) = node_source::discover(&args.source.lib(), config)?;
-            let job = job(&p.job)?;
-            let plan = plan_step(&host, &node, &p.job, &job)?;
+            let (job, plan) = p.job.plan(&host, &node)?;
             let only = p.rank.or(job.local_id);
             if p.env {
-                let r = pick_rank(&plan, only.unwrap_or(0))?;
+                let r = step::rank(&plan, only.unwrap_or(0))?;
                 for (k, v) in &r.env {
                     out.push_str(&format!("{k}={v}\n"));
                 }
@@ -239,10 +202,10 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
                 return Ok((out, 0));
             }
             out = match (only, args.json) {
-                (Some(rank), true) => json(pick_rank(&plan, rank)?) + "\n",
+                (Some(rank), true) => json(step::rank(&plan, rank)?) + "\n",
                 (None, true) => json(&plan) + "\n",
                 (Some(rank), false) => render::plan(&NodePlan {
-                    ranks: vec![pick_rank(&plan, rank)?.clone()],
+                    ranks: vec![step::rank(&plan, rank)?.clone()],
                     ..plan.clone()
                 }),
                 (None, false) => render::plan(&plan),
@@ -255,9 +218,8 @@ pub fn output(args: &TopoArgs, config: &Config) -> Result<(String, i32), Failure
 
 fn exec(args: &TopoArgs, e: &ExecArgs, config: &Config) -> Result<i32, Failure> {
     let (host, node) = node_source::discover(&args.source.lib(), config)?;
-    let job = job(&e.job)?;
-    let plan = plan_step(&host, &node, &e.job, &job)?;
-    let rank = pick_rank(&plan, e.rank.or(job.local_id).unwrap_or(0))?;
+    let (job, plan) = e.job.plan(&host, &node)?;
+    let rank = step::rank(&plan, e.rank.or(job.local_id).unwrap_or(0))?;
     let policy = e.mem_policy.unwrap_or(config.topology.memory_policy);
     bind::apply(rank, policy).map_err(Failure::from)?;
     let mut cmd = std::process::Command::new(&e.command[0]);

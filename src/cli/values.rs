@@ -146,3 +146,15 @@ pub fn device(text: &str) -> Result<String, String> {
         ))
     }
 }
+
+/// `cdi generate --gpu-kind/--hca-kind`: `vendor.com/class`.
+pub fn cdi_kind(text: &str) -> Result<String, String> {
+    if crate::topology::cdi::is_qualified(&format!("{text}=x")) {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "CDI kind '{}': use vendor.com/class",
+            crate::cli::elide(text)
+        ))
+    }
+}

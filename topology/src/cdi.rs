@@ -782,6 +782,50 @@ pub fn write(spec: &CdiSpec, path: &Path) -> Result<(), TopologyError> {
     super::atomic_write(path, text.as_bytes())
 }
 
+/// The node's specs as `berth cdi generate` writes them: GPUs of kind `gpu_kind` into
+/// `berth-gpu.json`, HCAs of kind `hca_kind` into `berth-hca.json`; a node without either
+/// has no spec for it. A kind must be `vendor.com/class`.
+pub fn generate_node(
+    host: &Host,
+    node: &Node,
+    gpu_kind: &str,
+    hca_kind: &str,
+) -> Result<Vec<(&'static str, CdiSpec)>, TopologyError> {
+    for kind in [gpu_kind, hca_kind] {
+        if !is_qualified(&format!("{kind}=x")) {
+            return Err(TopologyError::Input(format!(
+                "CDI kind '{kind}': use vendor.com/class"
+            )));
+        }
+    }
+    let gpus = generate_gpus(host, node, &DriverFiles::default(), gpu_kind)?;
+    let hcas = generate_hcas(host, node, hca_kind)?;
+    Ok([("berth-gpu.json", gpus), ("berth-hca.json", hcas)]
+        .into_iter()
+        .filter_map(|(file, spec)| spec.map(|s| (file, s)))
+        .collect())
+}
+
+/// Writes `specs` into `dir` (made if missing; by default the last of `topology.cdi_dirs`,
+/// where runtimes look last, so an admin's own specs in earlier directories win). Returns
+/// each file written.
+pub fn write_into(
+    specs: &[(&'static str, CdiSpec)],
+    dir: &Path,
+) -> Result<Vec<PathBuf>, TopologyError> {
+    std::fs::create_dir_all(dir).map_err(|source| TopologyError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    specs
+        .iter()
+        .map(|(file, spec)| {
+            let path = dir.join(file);
+            write(spec, &path).map(|()| path)
+        })
+        .collect()
+}
+
 /// Resolves `names` from `dirs` and applies them to `spec`: what `berth run --device
 /// vendor.com/class=name` does.
 pub fn apply_names(

@@ -25,6 +25,7 @@ pub mod pci;
 pub mod plan;
 pub mod rdma;
 pub mod render;
+pub mod step;
 
 /// Faithful sysfs trees of the GPU machines this host lacks, for tests here and in berth.
 #[cfg(any(test, feature = "fixtures"))]
@@ -108,6 +109,10 @@ pub enum TopologyError {
     },
     #[error("{0}")]
     Plan(String),
+    /// What the caller asked that the node or the step cannot be (`--tasks 0`, a rank not in
+    /// the step): bad input.
+    #[error("{0}")]
+    Input(String),
     /// A value that is not what it claims (a CPU list, a PCI address, a CDI spec's field).
     #[error("{0}")]
     Value(String),
