@@ -152,6 +152,43 @@ impl Client {
             errors.join("; ")
         )))
     }
+
+    /// [`Client::request`], with any answer but 200 an error worded from the controller's
+    /// error body (`controller ADDR: HTTP 409: ...`).
+    pub fn ask(
+        &mut self,
+        path: &str,
+        body: Option<&[u8]>,
+        leader_only: bool,
+    ) -> Result<Vec<u8>, AgentError> {
+        let (addr, status, bytes) = self.request(path, body, leader_only)?;
+        if status != 200 {
+            let msg = serde_json::from_slice::<berth_api::ErrorReply>(&bytes)
+                .map(|e| e.error)
+                .unwrap_or_else(|_| {
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned()
+                });
+            return Err(AgentError::host(format!(
+                "controller {addr}: HTTP {status}: {msg}"
+            )));
+        }
+        Ok(bytes)
+    }
+
+    /// [`Client::ask`], the answer decoded as `T`.
+    pub fn ask_json<T: serde::de::DeserializeOwned>(
+        &mut self,
+        path: &str,
+        body: Option<&[u8]>,
+        leader_only: bool,
+    ) -> Result<T, AgentError> {
+        let bytes = self.ask(path, body, leader_only)?;
+        serde_json::from_slice(&bytes).map_err(|e| {
+            AgentError::host(format!(
+                "the controller's answer to {path} does not parse: {e}"
+            ))
+        })
+    }
 }
 
 /// An HTTP agent for calls between berth processes: no kept-alive connections (servers close

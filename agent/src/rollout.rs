@@ -593,22 +593,7 @@ pub fn admin(
         Admin::Resume(id) => ("/v1/rollout/resume".into(), Some(control(id))),
         Admin::Abort(id) => ("/v1/rollout/abort".into(), Some(control(id))),
     };
-    let (addr, status, bytes) = client.request(&path, body.as_deref(), true)?;
-    if status != 200 {
-        let msg = serde_json::from_slice::<berth_api::ErrorReply>(&bytes)
-            .map(|e| e.error)
-            .unwrap_or_else(|_| {
-                String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned()
-            });
-        return Err(AgentError::host(format!(
-            "controller {addr}: HTTP {status}: {msg}"
-        )));
-    }
-    serde_json::from_slice(&bytes).map_err(|e| {
-        AgentError::host(format!(
-            "controller {addr}: the rollout answer does not parse: {e}"
-        ))
-    })
+    client.ask_json(&path, body.as_deref(), true)
 }
 
 fn when(ms: Option<u64>) -> String {

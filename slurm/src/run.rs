@@ -2,19 +2,20 @@
 //! that user (the image, bind sources, device nodes), its Spec with the GPUs' and CDI devices'
 //! edits, and the run that holds the image's lease for as long as the container lives.
 
+use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use berth_runtime::Outcome;
+use berth_runtime::{Outcome, state};
 use berth_spec::{self as spec, BindMount, HostDevice, Limits, Net, Request};
 use berth_sys::privfs;
 use berth_sys::text::elide;
 
 use crate::SlurmError;
 use crate::config::Config;
-use crate::container::{Resolved, host_files, options, resolve};
+use crate::container::{Description, Resolved, host_files, options, resolve};
 
 /// The flags of `berth run`/`berth create`, parsed (values checked for form; nothing on the host
 /// looked at yet).
@@ -216,6 +217,34 @@ pub fn run(
         berth_image::mount::release_unused(&config.image());
     }
     Ok(outcome?)
+}
+
+/// Creates the prepared container and leaves it up, holding its namespaces, until `berth rm`
+/// (`berth create`). Its owner is the user its process runs as, not who created it; `name`, when
+/// given, must not name another container of that user.
+pub fn create(
+    prepared: &Prepared,
+    name: Option<&str>,
+    config: &Config,
+) -> Result<Description, SlurmError> {
+    let (spec, _ld_cache) = prepared.spec(config)?;
+    let mut labels = state::with_uid(&BTreeMap::new(), &spec);
+    if let Some(name) = name {
+        if state::name_taken(&config.runtime.state_dir, name, state::host_uid(&spec)) {
+            return Err(SlurmError::input(format!(
+                "--name {0}: a container of that name exists (berth rm {0})",
+                elide(name)
+            )));
+        }
+        labels.insert("name".to_string(), name.to_string());
+    }
+    let created = berth_runtime::create(
+        &spec,
+        &prepared.image.lowers,
+        &options(config, None),
+        &labels,
+    )?;
+    Ok(Description::new(&created, &spec))
 }
 
 impl Prepared {

@@ -2,7 +2,7 @@
 //! configured controller answers (agent.controllers); commands that change state go to the
 //! leader, found through a follower's answer.
 
-use berth_api::{ClusterStatus, DrainRequest, ErrorReply, NodeView, ResumeRequest, SlurmView};
+use berth_api::{ClusterStatus, DrainRequest, NodeView, ResumeRequest, SlurmView};
 use clap::{Args, Subcommand};
 
 use super::Failure;
@@ -151,31 +151,6 @@ pub enum BreakerCommand {
     Reset,
 }
 
-fn fail_answer(addr: &str, status: u16, body: &[u8]) -> Failure {
-    let msg = serde_json::from_slice::<ErrorReply>(body)
-        .map(|e| e.error)
-        .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned());
-    Failure::system(format!("controller {addr}: HTTP {status}: {msg}"))
-}
-
-fn ask(
-    client: &mut Client,
-    path: &str,
-    body: Option<Vec<u8>>,
-    leader_only: bool,
-) -> Result<Vec<u8>, Failure> {
-    let (addr, status, bytes) = client.request(path, body.as_deref(), leader_only)?;
-    if status != 200 {
-        return Err(fail_answer(&addr, status, &bytes));
-    }
-    Ok(bytes)
-}
-
-fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Failure> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| Failure::system(format!("the controller's answer does not parse: {e}")))
-}
-
 pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
     if let ClusterCommand::Prewarm(p) = &args.command {
         return super::prewarm::execute(p, config, args.json);
@@ -190,13 +165,13 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
                 reason: reason.clone(),
             })
             .expect("serializes");
-            let bytes = ask(&mut client, "/v1/drain", Some(body), true)?;
+            let bytes = client.ask("/v1/drain", Some(&body), true)?;
             done(args.json, &bytes, &format!("{node}: drained ({reason})"));
         }
         ClusterCommand::Resume { node } => {
             let body =
                 serde_json::to_vec(&ResumeRequest { node: node.clone() }).expect("serializes");
-            let bytes = ask(&mut client, "/v1/resume", Some(body), true)?;
+            let bytes = client.ask("/v1/resume", Some(&body), true)?;
             done(args.json, &bytes, &format!("{node}: resumed"));
         }
         ClusterCommand::Prewarm(_) => unreachable!("handled above"),
@@ -228,7 +203,7 @@ pub fn execute(args: &ClusterArgs, config: &Config) -> Result<i32, Failure> {
         ClusterCommand::Breaker {
             command: BreakerCommand::Reset,
         } => {
-            let bytes = ask(&mut client, "/v1/breaker/reset", Some(b"{}".to_vec()), true)?;
+            let bytes = client.ask("/v1/breaker/reset", Some(b"{}"), true)?;
             done(args.json, &bytes, "breaker reset");
         }
     }
@@ -241,12 +216,11 @@ fn json_of(v: &serde_json::Value) -> String {
 
 /// `berth cluster status`.
 fn status(client: &mut Client, json: bool) -> Result<(), Failure> {
-    let bytes = ask(client, "/v1/status", None, false)?;
-    let s: ClusterStatus = parse(&bytes)?;
+    let s: ClusterStatus = client.ask_json("/v1/status", None, false)?;
     // The Slurm part is the leader's; without a leader it is said so, not an error.
-    let slurm = ask(client, "/v1/slurm", None, true)
-        .and_then(|b| parse::<SlurmView>(&b))
-        .map_err(|e| e.message);
+    let slurm = client
+        .ask_json::<SlurmView>("/v1/slurm", None, true)
+        .map_err(|e| e.to_string());
     if json {
         let mut v = serde_json::to_value(&s).expect("serializes");
         v["slurm"] = match &slurm {
@@ -291,8 +265,7 @@ fn status(client: &mut Client, json: bool) -> Result<(), Failure> {
 
 /// `berth cluster nodes`.
 fn nodes(client: &mut Client, json: bool) -> Result<(), Failure> {
-    let bytes = ask(client, "/v1/nodes", None, true)?;
-    let nodes: Vec<NodeView> = parse(&bytes)?;
+    let nodes: Vec<NodeView> = client.ask_json("/v1/nodes", None, true)?;
     if json {
         outln!(
             "{}",

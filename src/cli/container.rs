@@ -10,7 +10,7 @@ use super::Failure;
 use super::run::{ContainerArgs, request};
 use crate::config::Config;
 use crate::runtime::{self, join, state};
-use crate::slurm::container::{Description, options};
+use crate::slurm::container::options;
 use crate::spec::parse;
 
 /// Create a container that stays up, holding its namespaces, until `berth rm`
@@ -111,29 +111,9 @@ impl From<&state::Record> for PsEntry {
 
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
-    let (spec, _ld_cache) = prepared.spec(config)?;
-    // Whose container it is: the user its process runs as (--user), not who created it.
-    let mut labels = state::with_uid(&BTreeMap::new(), &spec);
-    let uid = state::host_uid(&spec);
-    if let Some(name) = &args.name {
-        if state::name_taken(&config.runtime.state_dir, name, uid) {
-            return Err(Failure::input(format!(
-                "--name {0}: a container of that name exists (berth rm {0})",
-                super::elide(name)
-            )));
-        }
-        labels.insert("name".to_string(), name.clone());
-    }
-    let created = runtime::create(
-        &spec,
-        &prepared.image.lowers,
-        &options(config, None),
-        &labels,
-    )
-    .map_err(Failure::from)?;
+    let created = crate::slurm::run::create(&prepared, args.name.as_deref(), config)?;
     if args.json {
-        let text = serde_json::to_string(&Description::new(&created, &spec))
-            .map_err(|e| Failure::system(e.to_string()))?;
+        let text = serde_json::to_string(&created).map_err(|e| Failure::system(e.to_string()))?;
         outln!("{text}");
     } else {
         outln!("{}", created.id);
