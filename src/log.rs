@@ -19,7 +19,6 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
 
-use crate::cli::{Cli, Command};
 use crate::config::{LogConfig, LogLevel, LogTarget};
 
 /// A syslog datagram longer than this is cut (rsyslog's default maximum is 8 KiB).
@@ -60,24 +59,13 @@ struct Syslog {
 
 static SYSLOG: OnceLock<Syslog> = OnceLock::new();
 
-/// The verb of a Slurm path, with the job and step its arguments or environment name.
-fn slurm_path(command: &Command) -> Option<(&'static str, Option<String>, Option<u64>)> {
-    let job_env = || {
-        std::env::var("SLURM_JOB_ID")
-            .ok()
-            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-    };
-    match command {
-        Command::Prolog(_) => Some(("prolog", job_env(), None)),
-        Command::Epilog(_) => Some(("epilog", job_env(), None)),
-        Command::Step(args) => match &args.command {
-            crate::cli::step::StepCommand::Create => Some(("step create", None, None)),
-            crate::cli::step::StepCommand::Destroy(d) => {
-                Some(("step destroy", Some(d.job_id.to_string()), Some(d.step_id)))
-            }
-        },
-        _ => None,
-    }
+/// What logging needs of the command line: `[log]`, `-v`s, and which Slurm path this process
+/// is (the verb, the job and step its arguments or environment name), if it is one.
+#[derive(Debug, Default)]
+pub struct Setup {
+    pub config: LogConfig,
+    pub verbose: u8,
+    pub slurm: Option<(&'static str, Option<String>, Option<u64>)>,
 }
 
 fn context(verb: &str, job: Option<&str>, step: Option<u64>) -> String {
@@ -91,11 +79,14 @@ fn context(verb: &str, job: Option<&str>, step: Option<u64>) -> String {
     s
 }
 
-/// Sets up logging for this process from the command line and `[log]`. A configuration that
-/// cannot be read logs with the defaults; the verb then reports that error itself.
-pub fn init(cli: &Cli) {
-    let log: LogConfig = cli.load_config().map(|c| c.log).unwrap_or_default();
-    let verbosity = match cli.verbose {
+/// Sets up logging for this process.
+pub fn init(setup: Setup) {
+    let Setup {
+        config: log,
+        verbose,
+        slurm,
+    } = setup;
+    let verbosity = match verbose {
         0 => LogLevel::Error,
         1 => LogLevel::Info,
         _ => LogLevel::Debug,
@@ -103,7 +94,6 @@ pub fn init(cli: &Cli) {
     let level = log.level.max(verbosity);
     let filter = tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level.name()));
-    let slurm = slurm_path(&cli.command);
     let (to_stderr, to_syslog) = match (&slurm, log.target) {
         (None, _) | (Some(_), LogTarget::Stderr) => (true, false),
         (Some(_), LogTarget::Syslog) => (false, true),

@@ -2,7 +2,7 @@
 
 fn main() {
     let cli = berth::cli::Cli::parse_args();
-    berth::log::init(&cli);
+    berth::log::init(cli.log_setup());
     let code = match cli.execute() {
         Ok(code) => code,
         Err(failure) => {

@@ -161,6 +161,36 @@ impl Cli {
         Ok(Config::load(&path, explicit)?)
     }
 
+    /// What logging needs to know of this command line. A configuration that cannot be read
+    /// logs with the defaults; the verb then reports that error itself.
+    pub fn log_setup(&self) -> crate::log::Setup {
+        crate::log::Setup {
+            config: self.load_config().map(|c| c.log).unwrap_or_default(),
+            verbose: self.verbose,
+            slurm: self.slurm_path(),
+        }
+    }
+
+    /// The verb of a Slurm path, with the job and step its arguments or environment name.
+    fn slurm_path(&self) -> Option<(&'static str, Option<String>, Option<u64>)> {
+        let job_env = || {
+            std::env::var("SLURM_JOB_ID")
+                .ok()
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        };
+        match &self.command {
+            Command::Prolog(_) => Some(("prolog", job_env(), None)),
+            Command::Epilog(_) => Some(("epilog", job_env(), None)),
+            Command::Step(args) => match &args.command {
+                step::StepCommand::Create => Some(("step create", None, None)),
+                step::StepCommand::Destroy(d) => {
+                    Some(("step destroy", Some(d.job_id.to_string()), Some(d.step_id)))
+                }
+            },
+            _ => None,
+        }
+    }
+
     pub fn execute(self) -> Result<i32, Failure> {
         if let Some(line) = needs_root(&self.command, nix::unistd::geteuid().as_raw()) {
             return Err(Failure::input(line));
