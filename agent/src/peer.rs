@@ -17,8 +17,16 @@
 //!   parent at its pace instead of after it. At most
 //!   `peers.max_uploads` transfers at once; more wait for a slot, up to 20 s, then get 503 (the
 //!   client retries with backoff, then moves to its next source).
+//! - `GET /v2/<name>/lazy/<chunk size>/sha256:<hex>` with `Range: bytes=A-B`: bytes of the
+//!   lazy image chunk cache of index `<hex>` (`<store>/lazy/<hex>.data`, opened without following
+//!   links), only when A and B+1 are on chunk bounds (or B the last byte) and its map marks
+//!   every chunk they cover verified (404 otherwise; while a warm runs here, waited for up to
+//!   [`CHUNK_WAIT`], as a blob is). The reader verifies each chunk against its own index.
+//!   Counted among the `peers.max_uploads` transfers, as blobs are.
 //! - `POST /v1/warm` ([`berth_api::WarmRequest`]): imports the reference into the store as
-//!   root, fetching blobs from the named peers before the registry; answers when done.
+//!   root, fetching blobs from the named peers before the registry; answers when done. A
+//!   `lazy:REF` fills the node's chunk cache of that lazy image instead
+//!   (`berth_image::lazy::warm`), its chunks from the named peers first.
 //!
 //! Bounds, so that connections without the key (idle, or a byte every few seconds) cannot keep
 //! keyed ones out: at most `peers.max_uploads` + [`EXTRA_CONNECTIONS`] connections, half of
@@ -39,8 +47,8 @@ use berth_api::auth::{self, Key, ReplayCache};
 use berth_api::{CatalogNode, WarmReply, WarmRequest};
 
 use berth_config::Config;
+use berth_image::Reference;
 use berth_image::peers::{self, BlobCache};
-use berth_image::{Reference, RegistryRef};
 
 use crate::AgentError;
 
@@ -76,7 +84,7 @@ pub fn install(config: &Config) {
     let lookup: Option<Box<peers::Lookup>> = config.peers.lookup.then(|| {
         let config = config.clone();
         let key = key.clone();
-        Box::new(move |r: &RegistryRef| lookup(&config, &key, r)) as Box<peers::Lookup>
+        Box::new(move |k: &str| lookup(&config, &key, k)) as Box<peers::Lookup>
     });
     peers::configure(
         key,
@@ -114,11 +122,11 @@ fn ask_controllers(config: &Config, key: &Key, path: &str, timeout: Duration) ->
     None
 }
 
-/// Peers that hold `r` by the catalog, freshest first, this node left out.
-fn lookup(config: &Config, cluster_key: &Key, r: &RegistryRef) -> Vec<String> {
+/// Peers that hold the catalog key `key` (an image's canonical reference, a lazy image's
+/// index) by the catalog, freshest first, this node left out.
+fn lookup(config: &Config, cluster_key: &Key, key: &str) -> Vec<String> {
     let timeout = Duration::from_millis(config.peers.lookup_timeout_ms.max(100));
-    let key = berth_image::store::reference_key(&Reference::Registry(r.clone()));
-    let path = format!("/v1/catalog?ref={}", percent_encode(&key));
+    let path = format!("/v1/catalog?ref={}", percent_encode(key));
     let Some(body) = ask_controllers(config, cluster_key, &path, timeout) else {
         tracing::debug!("no catalog from the controller: the registry only");
         return Vec::new();
@@ -127,7 +135,7 @@ fn lookup(config: &Config, cluster_key: &Key, r: &RegistryRef) -> Vec<String> {
         return Vec::new();
     };
     let me = advertise(config);
-    choose(&nodes, &key, me.as_deref())
+    choose(&nodes, key, me.as_deref())
 }
 
 /// Everything but unreserved URI characters as `%XX`.
@@ -177,9 +185,27 @@ pub fn advertise(config: &Config) -> Option<String> {
     }
 }
 
-/// The stored registry images for a heartbeat: canonical reference → manifest digest.
+/// The stored registry images for a heartbeat: canonical reference → manifest digest; and the
+/// lazy images' chunk caches: `lazy:sha256:<index hex>` → `sha256:<index hex>`
+/// (`berth_image::peers::lazy_key`), so that readers of the same index find this node.
 pub fn refs(config: &Config) -> std::collections::BTreeMap<String, String> {
     let mut out = std::collections::BTreeMap::new();
+    let lazy = config.store.root.join("lazy");
+    *LAZY_DIR.lock().unwrap_or_else(|p| p.into_inner()) = Some((lazy.clone(), mtime(&lazy)));
+    if !config.peers.listen.is_empty()
+        && let Ok(rd) = std::fs::read_dir(&lazy)
+    {
+        for e in rd.flatten() {
+            let name = e.file_name();
+            let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(".map")) else {
+                continue;
+            };
+            let digest = format!("sha256:{hex}");
+            if peers::digest_hex(&digest).is_some() && out.len() < 1000 {
+                out.insert(peers::lazy_key(hex), digest);
+            }
+        }
+    }
     if !config.store.root.join("refs").is_dir() {
         return out;
     }
@@ -200,9 +226,24 @@ pub fn refs(config: &Config) -> std::collections::BTreeMap<String, String> {
 /// the catalog learns of the image within a heartbeat.
 static INVENTORY_DUE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether the inventory should be gathered now (and clears the mark).
+/// The lazy chunk caches' directory and its modification time when the inventory was last
+/// gathered: a new cache (a `berth run` of another lazy image here) changes it.
+static LAZY_DIR: Mutex<Option<(std::path::PathBuf, Option<std::time::SystemTime>)>> =
+    Mutex::new(None);
+
+fn mtime(dir: &std::path::Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(dir).and_then(|m| m.modified()).ok()
+}
+
+/// Whether the inventory should be gathered now (and clears the mark): a warm changed the
+/// store, or a lazy chunk cache appeared, so the catalog learns of it within a heartbeat.
 pub fn inventory_due() -> bool {
-    INVENTORY_DUE.swap(false, Ordering::AcqRel)
+    let lazy_changed = LAZY_DIR
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .is_some_and(|(dir, seen)| mtime(dir) != *seen);
+    INVENTORY_DUE.swap(false, Ordering::AcqRel) || lazy_changed
 }
 
 /// Counts transfers in progress. A transfer past the bound waits for a slot (in arrival order
@@ -222,6 +263,9 @@ const BLOB_WAIT: Duration = Duration::from_secs(30);
 const STALL: Duration = Duration::from_secs(30);
 /// How often a waiting request looks again.
 const POLL: Duration = Duration::from_millis(50);
+/// How long a request for lazy chunks this node does not hold waits for them while a warm
+/// runs here: within the reader's bound on one peer (`berth_image::lazy::PEER_DEADLINE_S`).
+const CHUNK_WAIT: Duration = Duration::from_secs(8);
 
 /// How long a transfer waits for a slot before 503: well under the client's read timeout
 /// (registry.read_timeout_s, 60 s by default), which runs while it waits for the headers.
@@ -485,6 +529,8 @@ struct Head {
     path: String,
     auth: Option<String>,
     range_from: Option<u64>,
+    /// The last byte of a `bytes=A-B` range (lazy chunks only).
+    range_to: Option<u64>,
     content_length: u64,
 }
 
@@ -505,9 +551,17 @@ fn parse_head(text: &str) -> Option<Head> {
             auth::AUTH_HEADER => h.auth = Some(value.to_string()),
             "content-length" => h.content_length = value.parse().ok()?,
             "range" => {
-                // Only what the registry client sends: `bytes=N-`.
-                let from = value.strip_prefix("bytes=")?.strip_suffix('-')?;
+                // Only what the registry client sends: `bytes=N-` (blobs), `bytes=A-B` (lazy
+                // chunks), one range.
+                let (from, to) = value.strip_prefix("bytes=")?.split_once('-')?;
                 h.range_from = Some(from.parse().ok()?);
+                if !to.is_empty() {
+                    let to: u64 = to.parse().ok()?;
+                    if to < h.range_from? {
+                        return None;
+                    }
+                    h.range_to = Some(to);
+                }
             }
             _ => {}
         }
@@ -520,6 +574,17 @@ fn blob_digest(path: &str) -> Option<&str> {
     let rest = path.strip_prefix("/v2/")?;
     let (name, digest) = rest.rsplit_once("/blobs/")?;
     (!name.is_empty() && peers::digest_hex(digest).is_some()).then_some(digest)
+}
+
+/// The chunk size and index digest a lazy chunk path names:
+/// `/v2/<name>/lazy/<chunk size>/sha256:<hex>`, `<name>` not empty, the size in 4 KiB..64 MiB.
+fn lazy_target(path: &str) -> Option<(u64, &str)> {
+    let rest = path.strip_prefix("/v2/")?;
+    let (name, tail) = rest.rsplit_once("/lazy/")?;
+    let (size, digest) = tail.split_once('/')?;
+    let size: u64 = size.parse().ok()?;
+    (!name.is_empty() && (4096..=64 << 20).contains(&size) && peers::digest_hex(digest).is_some())
+        .then_some((size, digest))
 }
 
 /// Writes a whole answer; with `proof` (the request verified), signed.
@@ -571,16 +636,23 @@ impl Server {
             }
         };
         authenticated.store(true, Ordering::Release);
-        let digest = blob_digest(&h.path);
+        let lazy = lazy_target(&h.path);
+        let digest = blob_digest(&h.path).or(lazy.map(|(_, d)| d));
         let proof = Proof {
             key: &self.key,
             nonce: &verified.nonce,
             digest,
         };
         let proof = Some(&proof);
-        match (h.method.as_str(), digest) {
-            ("GET" | "HEAD", Some(digest)) => self.blob(&mut conn, proof, &h, digest),
-            ("POST", None) if h.path == "/v1/warm" => {
+        match (h.method.as_str(), digest, lazy) {
+            ("GET", Some(digest), Some((chunk, _))) => {
+                self.chunks(&mut conn, proof, &h, chunk, digest)
+            }
+            ("GET" | "HEAD", Some(_), None) if h.range_to.is_some() => {
+                respond(&mut conn, proof, "400 Bad Request", "", b"bad range\n")
+            }
+            ("GET" | "HEAD", Some(digest), None) => self.blob(&mut conn, proof, &h, digest),
+            ("POST", None, _) if h.path == "/v1/warm" => {
                 if h.content_length > BODY_MAX {
                     return respond(
                         &mut conn,
@@ -715,6 +787,83 @@ impl Server {
         }
     }
 
+    /// Bytes of the lazy chunk cache of index `digest` (chunks of `chunk` bytes): see the
+    /// module header. The map's mark of a chunk is written after its bytes, so a marked chunk
+    /// is whole in the data file.
+    fn chunks(
+        &self,
+        conn: &mut TcpStream,
+        proof: Option<&Proof>,
+        h: &Head,
+        chunk: u64,
+        digest: &str,
+    ) -> std::io::Result<()> {
+        let not_held =
+            |conn: &mut TcpStream| respond(conn, proof, "404 Not Found", "", b"no such chunks\n");
+        let (Some(from), Some(to), Some(hex)) =
+            (h.range_from, h.range_to, peers::digest_hex(digest))
+        else {
+            return respond(
+                conn,
+                proof,
+                "400 Bad Request",
+                "",
+                b"give Range: bytes=A-B\n",
+            );
+        };
+        let dir = self.config.store.root.join("lazy");
+        let (data_name, map_name) = berth_image::lazy::cache_names(hex);
+        let (Some(mut data), Some(map)) = (
+            open_nofollow(&dir.join(data_name)),
+            open_nofollow(&dir.join(map_name)),
+        ) else {
+            return not_held(conn);
+        };
+        let size = data.metadata()?.len();
+        let marks = map.metadata()?.len();
+        let on_bound = |b: u64| b.is_multiple_of(chunk) || b == size;
+        if marks != size.div_ceil(chunk) || to >= size || !on_bound(from) || !on_bound(to + 1) {
+            return not_held(conn);
+        }
+        let (first, last) = (from / chunk, to / chunk);
+        let mut mark = vec![0u8; usize::try_from(last - first + 1).unwrap_or(0)];
+        let deadline = Instant::now() + CHUNK_WAIT;
+        loop {
+            use std::os::unix::fs::FileExt;
+            map.read_exact_at(&mut mark, first)?;
+            if mark.iter().all(|m| *m == 1) {
+                break;
+            }
+            if self.warms.load(Ordering::Acquire) == 0 || Instant::now() >= deadline {
+                return not_held(conn);
+            }
+            std::thread::sleep(POLL);
+        }
+        let Some((_slot, running)) = self.uploads.take(UPLOAD_WAIT) else {
+            return respond(
+                conn,
+                proof,
+                "503 Service Unavailable",
+                "Retry-After: 1\r\n",
+                b"serving as many transfers as peers.max_uploads allows, for too long\n",
+            );
+        };
+        tracing::debug!(
+            "serving chunks {first}-{last} of lazy index {digest} ({running} transfers)"
+        );
+        let len = to - from + 1;
+        let status = "206 Partial Content";
+        let proof = proof.map_or(String::new(), |p| p.header(status, len, b""));
+        write!(
+            conn,
+            "HTTP/1.1 {status}\r\nContent-Length: {len}\r\nContent-Range: bytes {from}-{to}/{size}\r\n\
+             Content-Type: application/octet-stream\r\n{proof}Connection: close\r\n\r\n"
+        )?;
+        data.seek(std::io::SeekFrom::Start(from))?;
+        std::io::copy(&mut (&mut data).take(len), conn)?;
+        Ok(())
+    }
+
     fn warm(&self, req: WarmRequest) -> WarmReply {
         /// Counts the warm out however it ends (a panic in an import included).
         struct Counted<'a>(&'a AtomicUsize);
@@ -728,10 +877,41 @@ impl Server {
         self.warm_one(req)
     }
 
+    /// Fills this node's chunk cache of the lazy image `reference`, from `peers` first; returns
+    /// its index digest.
+    fn warm_lazy(&self, reference: &str, peers: Vec<String>) -> Result<String, AgentError> {
+        let Reference::Registry(r) = berth_image::reference::parse(reference)? else {
+            return Err(AgentError::input(format!(
+                "lazy:{reference}: a lazy image is a registry image"
+            )));
+        };
+        let user = berth_sys::user::current().map_err(|e| AgentError::host(e.to_string()))?;
+        let w = peers::with_peers(peers, || {
+            berth_image::lazy::warm(&r, &self.config.image(), user.uid, user.home.as_deref())
+        })?;
+        tracing::info!(
+            "lazy image {reference} (index {}): {} bytes, {} from the registry, {} from peers",
+            w.index_digest,
+            w.size,
+            w.from_registry,
+            w.from_peers
+        );
+        Ok(w.index_digest)
+    }
+
     fn warm_one(&self, req: WarmRequest) -> WarmReply {
         let _one = self.warming.lock().unwrap_or_else(|p| p.into_inner());
         let started = Instant::now();
         let result = (|| -> Result<String, AgentError> {
+            let peers: Vec<String> = req
+                .peers
+                .iter()
+                .filter(|p| Some(p.as_str()) != advertise(&self.config).as_deref())
+                .cloned()
+                .collect();
+            if let Some(rest) = req.reference.strip_prefix("lazy:") {
+                return self.warm_lazy(rest, peers);
+            }
             let reference = berth_image::reference::parse(&req.reference)?;
             if !matches!(reference, Reference::Registry(_)) {
                 return Err(AgentError::input(format!(
@@ -746,12 +926,6 @@ impl Server {
                 home: user.home.as_deref(),
                 arch: None,
             };
-            let peers: Vec<String> = req
-                .peers
-                .iter()
-                .filter(|p| Some(p.as_str()) != advertise(&self.config).as_deref())
-                .cloned()
-                .collect();
             let image = peers::with_peers(peers, || {
                 berth_image::import::import(
                     &store,
@@ -863,6 +1037,59 @@ mod tests {
     }
 
     #[test]
+    fn only_lazy_paths_with_exact_digests_and_sane_chunk_sizes_are_served() {
+        let hex = "cd".repeat(32);
+        let d = format!("sha256:{hex}");
+        assert_eq!(
+            lazy_target(&format!("/v2/t/lazy/lazy/1048576/{d}")),
+            Some((1 << 20, d.as_str()))
+        );
+        for bad in [
+            format!("/v2//lazy/1048576/{d}"),
+            format!("/v2/t/lazy/1048576/{d}/x"),
+            format!("/v2/t/lazy/100/{d}"),
+            format!("/v2/t/lazy/{}/{d}", 128u64 << 20),
+            "/v2/t/lazy/1048576/sha256:../../../etc/shadow".to_string(),
+            format!("/v2/t/blobs/{d}"),
+        ] {
+            assert_eq!(lazy_target(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn heartbeats_name_the_lazy_chunk_caches_and_a_new_one_makes_the_inventory_due() {
+        let d = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.store.root = d.path().to_path_buf();
+        config.peers.listen = "127.0.0.1:1".into();
+        let lazy = d.path().join("lazy");
+        std::fs::create_dir(&lazy).unwrap();
+        let hex = "ef".repeat(32);
+        for name in [
+            format!("{hex}.map"),
+            format!("{hex}.data"),
+            "x.map".to_string(),
+            format!("{hex}.map.tmp-1-2"),
+        ] {
+            std::fs::write(lazy.join(name), b"").unwrap();
+        }
+        let refs = refs(&config);
+        assert_eq!(
+            refs.into_iter().collect::<Vec<_>>(),
+            vec![(peers::lazy_key(&hex), format!("sha256:{hex}"))]
+        );
+        inventory_due();
+        assert!(!inventory_due());
+        // A cache made since (its directory changed): the next round gathers again.
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::write(lazy.join(format!("{}.map", "01".repeat(32))), b"").unwrap();
+        assert!(inventory_due());
+        // A node that serves no peers advertises none.
+        config.peers.listen.clear();
+        assert!(super::refs(&config).is_empty());
+    }
+
+    #[test]
     fn request_heads_parse_and_odd_ranges_are_refused() {
         let h = parse_head(
             "GET /v2/a/blobs/x HTTP/1.1\r\nX-Berth-Auth: v1 ts=1\r\nRange: bytes=10-\r\n\r\n",
@@ -870,8 +1097,13 @@ mod tests {
         .unwrap();
         assert_eq!(h.method, "GET");
         assert_eq!(h.auth.as_deref(), Some("v1 ts=1"));
-        assert_eq!(h.range_from, Some(10));
-        assert!(parse_head("GET /x HTTP/1.1\r\nRange: bytes=1-5\r\n\r\n").is_none());
+        assert_eq!((h.range_from, h.range_to), (Some(10), None));
+        let h = parse_head("GET /x HTTP/1.1\r\nRange: bytes=1-5\r\n\r\n").unwrap();
+        assert_eq!((h.range_from, h.range_to), (Some(1), Some(5)));
+        for bad in ["bytes=5-1", "bytes=1-5,7-9", "bytes=-5", "items=1-5"] {
+            let head = format!("GET /x HTTP/1.1\r\nRange: {bad}\r\n\r\n");
+            assert!(parse_head(&head).is_none(), "{bad}");
+        }
         assert!(parse_head("GET /x HTTP/1.1\r\nContent-Length: many\r\n\r\n").is_none());
     }
 

@@ -10,14 +10,20 @@
 //! after the other: the wall time is about one import at the pace the nodes' shared disk and
 //! CPUs allow, not the tree's depth times one import. Each node's agent does its own import
 //! (`POST /v1/warm` on `peers.listen`); this command only schedules and reports.
+//!
+//! `lazy:REF` warms a lazy image the same way: each node fetches its index and every chunk into
+//! its chunk cache, from its parent first, which serves each chunk once its own warm verified
+//! it. Why a tree for a job's first step: its nodes all start cold at once, so no node holds a
+//! chunk the others could ask for, and on-demand readers would all go to the registry; a planned
+//! tree gives every chunk one registry fetch, at about one node's fetch time.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use berth_api::{CatalogNode, WarmReply, WarmRequest};
-use berth_image::Reference;
 use berth_config::Config;
+use berth_image::Reference;
 
 use crate::AgentError;
 use crate::client::Client;
@@ -189,7 +195,13 @@ pub struct Outcome {
 /// Warms `req` on its nodes as a tree of at most `fanout` children per node (the registry serves
 /// the first); `done` hears each node's outcome as it comes.
 pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Report, AgentError> {
-    let reference = berth_image::reference::parse(&req.reference)?;
+    // `lazy:REF`: each node fills its chunk cache of the lazy image (berth_image::lazy::warm)
+    // through the same tree, so the registry serves each chunk once.
+    let (lazy, text) = match req.reference.strip_prefix("lazy:") {
+        Some(rest) => (true, rest),
+        None => (false, req.reference.as_str()),
+    };
+    let reference = berth_image::reference::parse(text)?;
     if !matches!(reference, Reference::Registry(_)) {
         return Err(AgentError::input(format!(
             "{}: only registry images are pre-warmed (a file is already where nodes can read it)",
@@ -197,6 +209,9 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
         )));
     }
     let key = berth_image::store::reference_key(&reference);
+    // A lazy image's holders are known by its index, not its reference: every node warms (one
+    // that holds every chunk already fetches none).
+    let key = if lazy { format!("lazy:{key}") } else { key };
     let Survey {
         catalog,
         addrs,

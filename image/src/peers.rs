@@ -24,6 +24,11 @@
 //! Which peers to ask: [`configure`] installs a lookup (the cluster controller's catalog, see
 //! `berth_agent::peer`) used by every registry import of the process, and [`with_peers`] names
 //! them explicitly for one import (a pre-warm's planned parent).
+//!
+//! Lazy images (`crate::lazy`) use the same peers for their chunks: a node advertises each chunk
+//! cache it holds under [`lazy_key`] of its index, [`lazy_peers_for`] finds the holders, and the
+//! agent serves the chunks its cache's map marks verified. The reader verifies every chunk
+//! against its own index, as it verifies a blob against its digest.
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -37,8 +42,9 @@ use sha2::{Digest as _, Sha256};
 
 use super::RegistryRef;
 
-/// Finds peers that may hold the blobs of an image: `host:port` addresses, best first.
-pub type Lookup = dyn Fn(&RegistryRef) -> Vec<String> + Send + Sync;
+/// Finds peers that hold a catalog key (a registry image's canonical reference, or a lazy
+/// image's [`lazy_key`]): `host:port` addresses, best first.
+pub type Lookup = dyn Fn(&str) -> Vec<String> + Send + Sync;
 
 /// How this process uses peers, set once by [`configure`].
 struct Settings {
@@ -85,12 +91,37 @@ pub fn with_peers<T>(peers: Vec<String>, f: impl FnOnce() -> T) -> T {
 /// The peers to ask for `r`'s blobs and the key to sign requests to them with; none when peers
 /// are not set up.
 pub fn peers_for(r: &RegistryRef) -> Option<(Vec<String>, berth_api::auth::Key)> {
+    peers_for_key(&crate::store::reference_key(&crate::Reference::Registry(
+        r.clone(),
+    )))
+    .filter(|(p, _)| !p.is_empty())
+}
+
+/// The catalog key under which a node advertises the chunk cache of the lazy image whose index
+/// blob's sha256 is `index_hex`.
+pub fn lazy_key(index_hex: &str) -> String {
+    format!("lazy:sha256:{index_hex}")
+}
+
+/// The peers to ask for chunks of the lazy image whose index's sha256 is `index_hex` (maybe
+/// none yet), with the key; `None` when peers are not set up. Named peers ([`with_peers`]) come
+/// instead of the lookup, as for blobs.
+pub fn lazy_peers_for(index_hex: &str) -> Option<(Vec<String>, berth_api::auth::Key)> {
+    peers_for_key(&lazy_key(index_hex))
+}
+
+/// Whether peers come from [`with_peers`] on this thread (then they are not looked up again).
+pub fn named() -> bool {
+    NAMED.with(|n| n.borrow().is_some())
+}
+
+fn peers_for_key(key: &str) -> Option<(Vec<String>, berth_api::auth::Key)> {
     let s = SETTINGS.get()?;
     let peers = NAMED
         .with(|n| n.borrow().clone())
-        .or_else(|| s.lookup.as_ref().map(|l| l(r)))
+        .or_else(|| s.lookup.as_ref().map(|l| l(key)))
         .unwrap_or_default();
-    (!peers.is_empty()).then(|| (peers, s.key.clone()))
+    Some((peers, s.key.clone()))
 }
 
 /// The blob cache registry imports write to, when this process keeps blobs.

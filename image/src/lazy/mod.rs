@@ -30,6 +30,17 @@
 //! removes the caches no one holds (`store::gc`). A chunk fetch has
 //! `registry.lazy_read_deadline_s`; after one fails, missing chunks fail at once for that long,
 //! so a reader of a stalled registry gets EIO within a bound rather than a deadline per chunk.
+//!
+//! Fan-out (`crate::peers`): before the registry, a missing run of chunks is asked of the
+//! cluster peers that hold this index's cache (the controller's catalog, looked up again every
+//! [`PEER_REFRESH`], or the peers a pre-warm names). A peer's answer is verified chunk by chunk
+//! against this index before any of it is written or returned: one that does not match is
+//! refused (said, in one line) and the next peer, then the registry, is asked. A peer gets one
+//! try of at most [`PEER_DEADLINE_S`] (within `registry.lazy_read_deadline_s`); one that fails
+//! so is not asked again for `registry.lazy_read_deadline_s`, so a dead or stalled peer costs a
+//! reader that bound once, not per chunk. [`warm`] (the agent's pre-warm of `lazy:REF`) fills
+//! the whole cache that way, through its planned parent, which serves each chunk as soon as its
+//! own warm verified it: a tree of nodes then asks the registry for each chunk once.
 
 pub mod fuse;
 pub mod server;
@@ -68,6 +79,14 @@ const INDEX_LIMIT: u64 = 16 << 20;
 const MAX_RUN: u64 = 16;
 /// FUSE threads per lazy image: the loop device asks for several reads at once.
 const FUSE_THREADS: usize = 4;
+/// Seconds one request to a cluster peer may take (one try): a peer waits for a chunk its own
+/// pre-warm is fetching, and a pre-warm's child asks its parent right behind it.
+pub const PEER_DEADLINE_S: u64 = 10;
+/// How often the holders of an index are looked up again while a mount reads: nodes that
+/// started reading after this one become sources.
+const PEER_REFRESH: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a pre-warm's parent that does not hold the chunks asked for yet is asked again.
+const PARENT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The chunk index: the sha256 of every `chunk_size` bytes of the squashfs blob.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -293,6 +312,10 @@ struct Chunks {
     /// Signalled when claimed chunks are done (or released).
     fetched_one: std::sync::Condvar,
     fetched: AtomicU64,
+    /// Cluster peers asked before the registry; `None`: peers are not set up here.
+    peers: Option<Peers>,
+    /// Bytes fetched from peers (verified).
+    from_peers: AtomicU64,
     /// Reads of the FUSE file served, and their bytes (for -v).
     reads: AtomicU64,
     read_bytes: AtomicU64,
@@ -471,33 +494,105 @@ impl Chunks {
         Ok(())
     }
 
+    /// The bytes of chunk `i` within `bytes`, a run starting at byte `start`.
+    fn slice<'a>(&self, bytes: &'a [u8], start: u64, i: u64) -> &'a [u8] {
+        let (s, e) = self.range(i);
+        bytes
+            .get(usize::try_from(s - start).unwrap_or(0)..usize::try_from(e - start).unwrap_or(0))
+            .unwrap_or_default()
+    }
+
+    /// Chunks `a..=b` (bytes `start..end`) from the first peer that serves them all matching
+    /// the index; `None` when none does.
+    fn fetch_from_peers(&self, a: u64, b: u64, start: u64, end: u64) -> Option<Vec<u8>> {
+        let peers = self.peers.as_ref()?;
+        for (k, src) in peers.sources().into_iter().enumerate() {
+            let ask = || {
+                peers.client.lazy_peer_range(
+                    &src,
+                    &peers.index_digest,
+                    self.index.chunk_size,
+                    start,
+                    end - start,
+                )
+            };
+            let mut got = ask();
+            // A pre-warm's planned parent is started with it and serves each chunk once its own
+            // warm has it, but its warm's request may reach it after this one's first ask: its
+            // "not held" is asked again for a while (once it never came, not again).
+            let since = std::time::Instant::now();
+            while k == 0
+                && peers.named
+                && matches!(&got, Err(e) if not_held(e))
+                && !peers.parent_waited_out.load(Ordering::Relaxed)
+            {
+                if since.elapsed() >= PARENT_WAIT {
+                    peers.parent_waited_out.store(true, Ordering::Relaxed);
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                got = ask();
+            }
+            match got {
+                Ok(bytes) => {
+                    if let Some(i) =
+                        (a..=b).find(|i| !self.matches(*i, self.slice(&bytes, start, *i)))
+                    {
+                        tracing::warn!(
+                            "lazy image {}: cluster peer {} served chunk {i} not matching its \
+                             index (corrupt data): refused, asking the next source",
+                            self.image,
+                            src.host()
+                        );
+                        continue;
+                    }
+                    self.from_peers.fetch_add(end - start, Ordering::Relaxed);
+                    return Some(bytes);
+                }
+                // It holds the index but not all of these chunks (yet).
+                Err(e) if not_held(&e) => {}
+                Err(e) => {
+                    tracing::warn!(
+                        "lazy image {}: cluster peer {}: {e}; not asked again for {} s",
+                        self.image,
+                        src.host(),
+                        self.down_for.as_secs()
+                    );
+                    peers.down(src.host(), self.down_for);
+                }
+            }
+        }
+        None
+    }
+
     fn fetch_run(&self, a: u64, b: u64) -> Result<(), ImageError> {
         let (start, _) = self.range(a);
         let (_, end) = self.range(b);
-        if let Some((until, said)) = self.down.lock().expect("down").as_ref()
-            && std::time::Instant::now() < *until
-        {
-            return Err(lazy_err(said.clone()));
-        }
-        let bytes = self
-            .client
-            .lazy_range(&self.source, &self.index.blob, start, end - start)
-            .map_err(|e| {
-                let said = e.to_string();
-                *self.down.lock().expect("down") =
-                    Some((std::time::Instant::now() + self.down_for, said.clone()));
-                self.fail(said)
-            })?;
-        self.fetched.fetch_add(end - start, Ordering::Relaxed);
+        let (bytes, verified) = match self.fetch_from_peers(a, b, start, end) {
+            Some(bytes) => (bytes, true),
+            None => {
+                if let Some((until, said)) = self.down.lock().expect("down").as_ref()
+                    && std::time::Instant::now() < *until
+                {
+                    return Err(lazy_err(said.clone()));
+                }
+                let bytes = self
+                    .client
+                    .lazy_range(&self.source, &self.index.blob, start, end - start)
+                    .map_err(|e| {
+                        let said = e.to_string();
+                        *self.down.lock().expect("down") =
+                            Some((std::time::Instant::now() + self.down_for, said.clone()));
+                        self.fail(said)
+                    })?;
+                self.fetched.fetch_add(end - start, Ordering::Relaxed);
+                (bytes, false)
+            }
+        };
         for i in a..=b {
             let (s, e) = self.range(i);
-            let slice = bytes
-                .get(
-                    usize::try_from(s - start).unwrap_or(0)
-                        ..usize::try_from(e - start).unwrap_or(0),
-                )
-                .unwrap_or_default();
-            if !self.matches(i, slice) {
+            let slice = self.slice(&bytes, start, i);
+            if !verified && !self.matches(i, slice) {
                 self.set_state(i, 3);
                 return Err(self.fail(format!(
                     "lazy image {}: chunk {i} (bytes {s}-{}) of blob {} from the registry does not \
@@ -532,6 +627,139 @@ impl Chunks {
     }
 }
 
+/// Whether a peer's answer said it does not hold the chunks asked for (404).
+fn not_held(e: &ImageError) -> bool {
+    matches!(
+        e,
+        ImageError::Registry(crate::registry::RegistryError::BlobMissing { .. })
+    )
+}
+
+/// The cluster peers a mount asks for chunks (module header, "Fan-out").
+struct Peers {
+    /// Requests to peers: one try each, within [`PEER_DEADLINE_S`].
+    client: Client,
+    r: RegistryRef,
+    index_hex: String,
+    /// `sha256:<index hex>`: what peers are asked for.
+    index_digest: String,
+    /// Named by a pre-warm: never looked up again.
+    named: bool,
+    /// The first named peer (a pre-warm's parent) never had chunks it was waited for.
+    parent_waited_out: std::sync::atomic::AtomicBool,
+    list: Mutex<PeerList>,
+}
+
+struct PeerList {
+    sources: Vec<LazySource>,
+    looked: std::time::Instant,
+    /// Peers not asked until then (they failed).
+    down: Vec<(String, std::time::Instant)>,
+}
+
+impl Peers {
+    /// The peers of the index `index_hex` of `r`, when this process has peers set up.
+    fn open(
+        r: &RegistryRef,
+        index_hex: &str,
+        registry: &crate::config::RegistryConfig,
+    ) -> Option<Peers> {
+        let (hosts, key) = crate::peers::lazy_peers_for(index_hex)?;
+        let mut cfg = registry.clone();
+        cfg.retries = 1;
+        cfg.lazy_read_deadline_s = cfg.lazy_read_deadline_s.clamp(1, PEER_DEADLINE_S);
+        cfg.read_timeout_s = cfg.read_timeout_s.clamp(1, PEER_DEADLINE_S);
+        cfg.connect_timeout_s = cfg.connect_timeout_s.clamp(1, PEER_DEADLINE_S);
+        let client = Client::new(&cfg, None)
+            .inspect_err(|e| tracing::warn!("lazy image chunks from peers: {e}; the registry only"))
+            .ok()?;
+        client.deadline_per_request();
+        let sources = client.lazy_peers(r, &hosts, &key);
+        Some(Peers {
+            client,
+            r: r.clone(),
+            index_hex: index_hex.to_string(),
+            index_digest: format!("sha256:{index_hex}"),
+            named: crate::peers::named(),
+            parent_waited_out: std::sync::atomic::AtomicBool::new(false),
+            list: Mutex::new(PeerList {
+                sources,
+                looked: std::time::Instant::now(),
+                down: Vec::new(),
+            }),
+        })
+    }
+
+    /// The peers to ask now, best first: looked up again once [`PEER_REFRESH`] passed, those
+    /// that failed lately left out.
+    fn sources(&self) -> Vec<LazySource> {
+        let mut list = self.list.lock().expect("peers");
+        if !self.named && list.looked.elapsed() >= PEER_REFRESH {
+            list.looked = std::time::Instant::now();
+            if let Some((hosts, key)) = crate::peers::lazy_peers_for(&self.index_hex) {
+                list.sources = self.client.lazy_peers(&self.r, &hosts, &key);
+            }
+        }
+        let now = std::time::Instant::now();
+        list.down.retain(|(_, until)| *until > now);
+        let down = list.down.clone();
+        list.sources
+            .iter()
+            .filter(|s| !down.iter().any(|(h, _)| h == s.host()))
+            .cloned()
+            .collect()
+    }
+
+    fn down(&self, host: &str, wait: std::time::Duration) {
+        let until = std::time::Instant::now() + wait.max(std::time::Duration::from_secs(1));
+        self.list
+            .lock()
+            .expect("peers")
+            .down
+            .push((host.to_string(), until));
+    }
+}
+
+/// What [`warm`] did.
+#[derive(Clone, Debug)]
+pub struct Warmed {
+    /// `sha256:<hex>` of the image's index: the node's chunk cache and catalog entry.
+    pub index_digest: String,
+    pub size: u64,
+    /// Bytes fetched from the registry and from peers.
+    pub from_registry: u64,
+    pub from_peers: u64,
+}
+
+/// The agent's pre-warm of `lazy:REF` (`berth cluster prewarm lazy:REF`): fetches the lazy image
+/// `r`'s manifest and index as the user `uid` (home `home`), then every chunk into the node's
+/// chunk cache, from the peers first (those the pre-warm names: its planned parent, which
+/// serves each chunk as soon as it has it), so that the node's containers of the image read
+/// locally and its agent serves the chunks to other nodes.
+pub fn warm(
+    r: &RegistryRef,
+    config: &Settings<'_>,
+    uid: u32,
+    home: Option<&Path>,
+) -> Result<Warmed, ImageError> {
+    let v = Verified::fetch(r, config, uid, home)?;
+    let index_digest = format!("sha256:{}", v.index_hex);
+    let chunks = v.open_cache(config)?;
+    let n = chunks.index.chunks.len() as u64;
+    let mut first = 0;
+    while first < n {
+        let last = (first + MAX_RUN - 1).min(n - 1);
+        chunks.ensure(first, last)?;
+        first = last + 1;
+    }
+    Ok(Warmed {
+        index_digest,
+        size: chunks.index.size,
+        from_registry: chunks.fetched.load(Ordering::Relaxed),
+        from_peers: chunks.from_peers.load(Ordering::Relaxed),
+    })
+}
+
 impl fuse::Backing for Chunks {
     fn size(&self) -> u64 {
         self.index.size
@@ -561,6 +789,7 @@ impl fuse::Backing for Chunks {
 /// describes the manifest's squashfs blob.
 pub(crate) struct Verified {
     pub(crate) image: String,
+    r: RegistryRef,
     client: Client,
     source: LazySource,
     index: Index,
@@ -630,6 +859,7 @@ impl Verified {
         }
         Ok(Verified {
             image,
+            r: r.clone(),
             client,
             source,
             index,
@@ -643,6 +873,7 @@ impl Verified {
         // The manifest and index came within the import's deadline; each chunk fetch, for as
         // long as the container runs, gets one of its own.
         self.client.deadline_per_request();
+        let peers = Peers::open(&self.r, &self.index_hex, config.registry);
         let mut chunks = open_cache(
             &self.image,
             self.client,
@@ -653,6 +884,7 @@ impl Verified {
             config.store.reserve_bytes,
         )?;
         chunks.down_for = std::time::Duration::from_secs(config.registry.lazy_read_deadline_s);
+        chunks.peers = peers;
         Ok(chunks)
     }
 }
@@ -792,10 +1024,12 @@ impl Drop for LazyMount {
             let _ = std::fs::remove_dir(d);
         }
         tracing::info!(
-            "lazy image {}: fetched {} of {} bytes; served {} reads, {} bytes",
+            "lazy image {}: fetched {} of {} bytes from the registry, {} from peers; served {} \
+             reads, {} bytes",
             self.chunks.image,
             self.fetched(),
             self.chunks.index.size,
+            self.chunks.from_peers.load(Ordering::Relaxed),
             self.chunks.reads.load(Ordering::Relaxed),
             self.chunks.read_bytes.load(Ordering::Relaxed)
         );
@@ -958,6 +1192,8 @@ fn open_cache(
         fetch: Mutex::new(()),
         fetched_one: std::sync::Condvar::new(),
         fetched: AtomicU64::new(0),
+        peers: None,
+        from_peers: AtomicU64::new(0),
         reads: AtomicU64::new(0),
         read_bytes: AtomicU64::new(0),
         failure: Mutex::new(None),

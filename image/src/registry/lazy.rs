@@ -3,6 +3,11 @@
 //! distribution spec's monolithic upload: POST, then PUT with the digest; then a manifest PUT).
 //! Every request goes with the user's credentials, as a pull does, and under an import's
 //! deadline and minimum rate (super::limits).
+//!
+//! Chunks also come from cluster peers (`crate::peers`): `GET /v2/<name>/lazy/<chunk size>/
+//! sha256:<index hex>` with `Range: bytes=A-B`, signed with the cluster key, never with the
+//! user's login; the peer answers only with chunks its cache of that index holds verified, and
+//! the caller verifies them again against its own index.
 
 use std::io::Read;
 
@@ -25,6 +30,11 @@ impl LazySource {
     /// `REGISTRY/REPOSITORY:TAG`, as messages name the image.
     pub fn image(&self) -> &str {
         &self.target.image
+    }
+
+    /// The host asked (a registry, a mirror or a cluster peer), for messages.
+    pub fn host(&self) -> &str {
+        &self.target.registry
     }
 }
 
@@ -103,16 +113,74 @@ impl Client {
         start: u64,
         len: u64,
     ) -> Result<Vec<u8>, ImageError> {
-        let t = &src.target;
-        check_digest(t, digest)?;
+        check_digest(&src.target, digest)?;
+        let url = format!("{}blobs/{digest}", self.transport.repo_url(&src.target));
+        self.range_get(&src.target, &url, digest, start, len)
+    }
+
+    /// The cluster peers `hosts` as sources of `r`'s lazy chunks: plain HTTP, each request
+    /// signed with `key`.
+    pub fn lazy_peers(
+        &self,
+        r: &RegistryRef,
+        hosts: &[String],
+        key: &berth_api::auth::Key,
+    ) -> Vec<LazySource> {
+        let origin = super::target(r);
+        hosts
+            .iter()
+            .map(|host| {
+                self.transport.add_peer(host, key);
+                LazySource {
+                    target: super::http::Target {
+                        registry: host.clone(),
+                        repository: origin.repository.clone(),
+                        image: origin.image.clone(),
+                        user: None,
+                        mirror_of: Some(format!("{} (cluster peer)", r.registry)),
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Bytes `start..start + len` of the lazy image whose index blob is `index_digest`
+    /// (`chunk_size`-byte chunks, `start` and the end on chunk bounds or the end) from the peer
+    /// `peer` (a source of [`Client::lazy_peers`]). Not verified here: the caller checks each
+    /// chunk against its index.
+    pub fn lazy_peer_range(
+        &self,
+        peer: &LazySource,
+        index_digest: &str,
+        chunk_size: u64,
+        start: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, ImageError> {
+        check_digest(&peer.target, index_digest)?;
+        let url = format!(
+            "{}lazy/{chunk_size}/{index_digest}",
+            self.transport.repo_url(&peer.target)
+        );
+        self.range_get(&peer.target, &url, index_digest, start, len)
+    }
+
+    /// A `Range` GET of `url` (bytes `start..start + len` of `digest`). A source that ignores
+    /// `Range` (200) is read up to the range and the rest of its answer dropped.
+    fn range_get(
+        &self,
+        t: &Target,
+        url: &str,
+        digest: &str,
+        start: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, ImageError> {
         if len == 0 {
             return Ok(Vec::new());
         }
-        let url = format!("{}blobs/{digest}", self.transport.repo_url(t));
         let range = format!("bytes={start}-{}", start + len - 1);
         let resp = self
             .transport
-            .send_range(t, Method::Get, &url, None, Some(&range), None)?;
+            .send_range(t, Method::Get, url, None, Some(&range), None)?;
         let skip = match resp.status() {
             StatusCode::PARTIAL_CONTENT => 0,
             StatusCode::OK => start,
