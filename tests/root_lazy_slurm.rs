@@ -103,6 +103,17 @@ struct Cluster {
     /// The squashfs published as `t/lazy:1`, and the registry's `HOST:PORT`.
     sqsh: PathBuf,
     registry: String,
+    /// berth's configuration with `registry.lazy_tag_suffix = "-lazy"` (the cluster's), and
+    /// without it.
+    config_on: String,
+    config_off: String,
+    /// `docker://…/t/auto:1`: an image pushed whole, whose lazy form is `t/auto:1-lazy`.
+    auto_image: String,
+    /// `lazy:docker://…/t/pre:1` (uncompressed, so a file's bytes are found in the squashfs),
+    /// its squashfs, and the node's store.
+    pre_image: String,
+    pre_sqsh: PathBuf,
+    store: PathBuf,
 }
 
 static REGISTRY_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -119,6 +130,19 @@ fn free_port_pair() -> u16 {
 
 /// A squashfs of busybox, `hello.txt` and 24 MiB of noise (`seed`); returns it and the noise's md5.
 fn squashfs(dir: &Path, name: &str, seed: u64) -> (PathBuf, String) {
+    squashfs_with(dir, name, seed, ("big.bin", 24 << 20), &[], "")
+}
+
+/// [`squashfs`] with the noise file `noise` (name, bytes), mksquashfs's `options`, and `/form`
+/// holding `form` (when not empty).
+fn squashfs_with(
+    dir: &Path,
+    name: &str,
+    seed: u64,
+    noise: (&str, usize),
+    options: &[&str],
+    form: &str,
+) -> (PathBuf, String) {
     let tree = dir.join(format!("{name}-tree"));
     let _ = std::fs::remove_dir_all(&tree);
     assert!(
@@ -131,9 +155,12 @@ fn squashfs(dir: &Path, name: &str, seed: u64) -> (PathBuf, String) {
             .success()
     );
     std::fs::write(tree.join("hello.txt"), "lazy hello\n").unwrap();
-    std::fs::write(tree.join("big.bin"), harness::noise(24 << 20, seed)).unwrap();
+    std::fs::write(tree.join(noise.0), harness::noise(noise.1, seed)).unwrap();
+    if !form.is_empty() {
+        std::fs::write(tree.join("form"), form).unwrap();
+    }
     let md5 = Command::new("md5sum")
-        .arg(tree.join("big.bin"))
+        .arg(tree.join(noise.0))
         .output()
         .unwrap();
     let md5 = stdout(&md5).split(' ').next().unwrap().to_string();
@@ -142,6 +169,7 @@ fn squashfs(dir: &Path, name: &str, seed: u64) -> (PathBuf, String) {
         .arg(&tree)
         .arg(&sqsh)
         .args(["-noappend", "-quiet", "-no-progress"])
+        .args(options)
         .output()
         .expect("mksquashfs");
     assert!(o.status.success(), "{}", stderr(&o));
@@ -185,8 +213,7 @@ fn cluster() -> &'static Cluster {
         } else {
             format!("lazy_read_deadline_s = {READ_DEADLINE_S}\n")
         };
-        std::fs::write(
-            &berth_config,
+        let config_text = |deadline: &str| {
             format!(
                 "[cgroup]\nroot = \"{}-lazy-slurm\"\n[runtime]\nstate_dir = \"{s}/berth/state\"\n\
                  [store]\nroot = \"{s}/berth/store\"\n[squashfs]\nmount_dir = \"{}\"\n\
@@ -197,9 +224,49 @@ fn cluster() -> &'static Cluster {
                 registry.host(),
                 stall.host(),
                 s = state.display(),
-            ),
-        )
-        .unwrap();
+            )
+        };
+        let config_off = config_text(&deadline);
+        // The site option (as the deadline: unknown to an older berth, which would refuse the
+        // config; without it, that berth imports the plain reference whole).
+        let config_on = if deadline.is_empty() {
+            config_off.clone()
+        } else {
+            config_text(&format!("{deadline}lazy_tag_suffix = \"-lazy\"\n"))
+        };
+        std::fs::write(&berth_config, &config_on).unwrap();
+        let publish_as = |sqsh: &Path, name: &str| {
+            let reference = format!("docker://{}/{name}", registry.host());
+            ok(Command::new(&berth)
+                .arg("--config")
+                .arg(&berth_config)
+                .args(["lazy", "publish", sqsh.to_str().unwrap(), &reference])
+                .output()
+                .unwrap());
+        };
+        // t/auto:1 pushed whole (its /form says so), its lazy form beside it as t/auto:1-lazy.
+        let mut entries = harness::busybox_entries("linux/amd64");
+        entries.push(harness::Entry::File("form".into(), b"full\n".to_vec(), 0o644));
+        harness::Uploader::new(&registry.host(), None).image(
+            "t/auto",
+            Some("1"),
+            "amd64",
+            vec![harness::blob_of(
+                harness::tar_of(&entries),
+                harness::Compression::Gzip,
+                false,
+            )],
+            false,
+        );
+        let (auto_sqsh, _) = squashfs_with(&work, "auto", 9, ("big.bin", 4 << 20), &[], "lazy\n");
+        publish_as(&auto_sqsh, "t/auto:1-lazy");
+        // For the Prolog's prefetch: 64 MiB of noise no command reads, data uncompressed, after
+        // /bin in the squashfs (its files are stored in name order), so that busybox's chunks
+        // are neither the superblock's nor the tables' at the end, which mounting reads.
+        let uncompressed = ["-noI", "-noD", "-noF", "-noX", "-no-fragments"];
+        let noise = ("zz-noise.bin", 64 << 20);
+        let (pre_sqsh, _) = squashfs_with(&work, "pre", 10, noise, &uncompressed, "pre\n");
+        publish_as(&pre_sqsh, "t/pre:1");
         let publish = |sqsh: &Path, tag: &str| {
             let reference = format!("docker://{}/t/lazy:{tag}", registry.host());
             ok(Command::new(&berth)
@@ -265,7 +332,13 @@ fn cluster() -> &'static Cluster {
             stall,
             big_md5,
             sqsh,
+            auto_image: format!("docker://{registry_host}/t/auto:1"),
+            pre_image: format!("lazy:docker://{registry_host}/t/pre:1"),
+            pre_sqsh,
+            store: state.join("berth/store"),
             registry: registry_host,
+            config_on,
+            config_off,
         }
     })
 }
@@ -372,6 +445,11 @@ impl Drop for Step {
 
 /// The pids of the node's lazy image servers of `t/lazy:1` (`berth … lazy serve …`).
 fn servers() -> Vec<u32> {
+    servers_of("/t/lazy:1")
+}
+
+/// The pids of the node's lazy image servers of the reference ending with `name`.
+fn servers_of(name: &str) -> Vec<u32> {
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -382,7 +460,7 @@ fn servers() -> Vec<u32> {
         };
         let words: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
         if words.windows(2).any(|w| w == [&b"lazy"[..], &b"serve"[..]])
-            && words.iter().any(|w| w.ends_with(b"/t/lazy:1"))
+            && words.iter().any(|w| w.ends_with(name.as_bytes()))
         {
             pids.push(pid);
         }
@@ -675,5 +753,122 @@ fn a_second_index_of_the_same_blob_does_not_change_what_a_running_container_read
     assert!(
         said.iter().any(|l| l.starts_with(&c.big_md5)),
         "A's read changed after another index of its blob was served: {said:?}"
+    );
+}
+
+/// Puts the cluster's berth configuration back when dropped.
+struct ConfigBack;
+
+impl Drop for ConfigBack {
+    fn drop(&mut self) {
+        let c = cluster();
+        std::fs::write(&c.berth_config, &c.config_on).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_plain_reference_runs_lazily_where_the_site_says_and_its_lazy_form_is_published() {
+    let c = cluster();
+    let img = format!("--container-image={}", c.auto_image);
+    // registry.lazy_tag_suffix = "-lazy": t/auto:1-lazy is a lazy image, so the step (and the
+    // job's Prolog before it) runs that, served by the node's server of it.
+    let mut on = Step::start(
+        "berthlazy",
+        &[&img, "sh", "-c", "cat /form; echo up; exec sleep 300"],
+    );
+    on.wait_for("up", 120);
+    assert!(
+        on.seen.iter().any(|l| l == "lazy"),
+        "the step did not run the lazy form: {:?}",
+        on.seen
+    );
+    let served = servers_of("t/auto:1-lazy");
+    assert_eq!(served.len(), 1, "no server of t/auto:1-lazy: {served:?}");
+    drop(on);
+
+    // The option off: the same reference is imported whole, as before.
+    let _back = ConfigBack;
+    std::fs::write(&c.berth_config, &c.config_off).unwrap();
+    let off = slurm_as("berthlazy", "srun", &[&img, "/bin/busybox", "cat", "/form"])
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&off), "full\n", "{}", stderr(&off));
+    let images = berth_root(&["images", "ls"]);
+    assert!(
+        stdout(&images).contains("t/auto:1"),
+        "not imported: {}",
+        stdout(&images)
+    );
+}
+
+/// The chunks (of `chunk` bytes) of `sqsh` that hold the bytes of `file`, stored whole and
+/// uncompressed there.
+fn chunks_of(sqsh: &Path, file: &Path, chunk: u64) -> std::ops::RangeInclusive<u64> {
+    let image = std::fs::read(sqsh).unwrap();
+    let want = std::fs::read(file).unwrap();
+    let at = image
+        .windows(4096)
+        .position(|w| w == &want[..4096])
+        .expect("the file's bytes in the squashfs (made with -noD)");
+    assert_eq!(&image[at..at + want.len()], &want[..], "stored in one piece");
+    let (first, last) = (at as u64, (at + want.len() - 1) as u64);
+    first / chunk..=last / chunk
+}
+
+#[test]
+#[ignore = "root tier"]
+fn the_prolog_fetches_what_the_entrypoint_reads_and_far_fewer_than_all_chunks() {
+    use berth::image::lazy;
+    let c = cluster();
+    // The cache of t/pre:1's index, fresh: no step of this image ran before.
+    let mut file = std::fs::File::open(&c.pre_sqsh).unwrap();
+    let index = lazy::Index::of(&mut file, lazy::DEFAULT_CHUNK).unwrap();
+    let hex = harness::sha256(&serde_json::to_vec(&index).unwrap())
+        .trim_start_matches("sha256:")
+        .to_string();
+    let map = c.store.join("lazy").join(lazy::cache_names(&hex).1);
+    assert!(!map.exists(), "{} used before this test", map.display());
+    // The image's command is the shell (no Entrypoint or Cmd): busybox, behind /bin/sh.
+    let busybox = rootfs().join("bin/busybox");
+    let wanted = chunks_of(&c.pre_sqsh, &busybox, lazy::DEFAULT_CHUNK);
+
+    // An allocation whose Prolog (PrologFlags=Alloc) pre-imports the image; no step runs.
+    let marker = c.cwd.join("lazy-prefetch-go");
+    let _ = std::fs::remove_file(&marker);
+    let script = format!(
+        "echo allocated; while [ ! -e {m} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.2; done",
+        m = marker.display()
+    );
+    let img = format!("--container-image={}", c.pre_image);
+    let mut job = Step::start_with("berthlazy", "salloc", &[&img, "-n1", "sh", "-c", &script]);
+    job.wait_for("allocated", 120);
+    let marks = || std::fs::read(&map).unwrap_or_default();
+    let has = |m: &[u8], i: u64| m.get(usize::try_from(i).unwrap()) == Some(&1);
+    let until = Instant::now() + Duration::from_secs(60);
+    while !wanted.clone().all(|i| has(&marks(), i)) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The Prolog has ended once its server is up and the reads are in: let it settle.
+    std::thread::sleep(Duration::from_secs(2));
+    let m = marks();
+    let cached: Vec<u64> = (0..m.len() as u64).filter(|i| has(&m, *i)).collect();
+    std::fs::write(&marker, "").unwrap();
+    job.finish(60);
+    eprintln!(
+        "after the Prolog: {} of {} chunks cached, busybox's {wanted:?}: {cached:?}",
+        cached.len(),
+        m.len()
+    );
+    assert_eq!(m.len(), index.chunks.len(), "{}", map.display());
+    assert!(
+        wanted.clone().all(|i| has(&m, i)),
+        "the entrypoint's chunks {wanted:?} are not all cached after the Prolog: {cached:?}"
+    );
+    assert!(
+        cached.len() * 8 <= m.len(),
+        "the Prolog fetched {} of {} chunks: not a bounded prefetch",
+        cached.len(),
+        m.len()
     );
 }

@@ -63,6 +63,10 @@ pub struct RegistryConfig {
     /// Seconds one chunk fetch of a lazy image (`lazy:REF`) may take, retries included: past
     /// it the container's read fails with EIO (a registry that stalls never hangs a reader).
     pub lazy_read_deadline_s: u64,
+    /// Non-empty: a registry image `REPO:TAG` whose lazy form is published as
+    /// `REPO:TAG<suffix>` (`berth lazy publish`) is run lazily by Slurm steps, the Prolog,
+    /// `berth run` and `berth create`; "" (the default): images are imported whole.
+    pub lazy_tag_suffix: String,
     /// Set by the Prolog (never read from berth.toml): `prolog_import_deadline_s` applies.
     #[serde(skip)]
     pub in_prolog: bool,
@@ -107,6 +111,7 @@ impl Default for RegistryConfig {
             min_rate_bytes_per_s: 4096,
             min_rate_window_s: 30,
             lazy_read_deadline_s: 30,
+            lazy_tag_suffix: String::new(),
             in_prolog: false,
         }
     }

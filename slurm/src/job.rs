@@ -15,7 +15,8 @@ use berth_runtime::{self as runtime, state};
 
 use crate::SlurmError;
 use crate::config::Config;
-use crate::container::options;
+use crate::container::{Held, options};
+use berth_image::lazy::server::Attached;
 
 /// Where a Prolog's or Epilog's lines for Slurm go.
 pub type Say<'a> = &'a dyn Fn(&str);
@@ -107,11 +108,17 @@ pub fn prolog(config: &Config, say: Say<'_>) -> Result<(), SlurmError> {
         match ids {
             Some((uid, gid)) => {
                 let user = berth_spec::user::by_id(uid, gid);
+                let image = crate::lazy::site_form(&image, &in_prolog, &user).unwrap_or(image);
                 match crate::container::resolve(&image, &in_prolog, &user, None) {
-                    Ok(resolved) => tracing::info!(
-                        "job {job}: image {image} ready ({})",
-                        resolved.digest.as_deref().unwrap_or("a directory")
-                    ),
+                    Ok(resolved) => {
+                        tracing::info!(
+                            "job {job}: image {image} ready ({})",
+                            resolved.digest.as_deref().unwrap_or("a directory")
+                        );
+                        if let Some(Held::LazyShared(attached)) = &resolved.in_use {
+                            prefetch(&job, &image, attached, config);
+                        }
+                    }
                     Err(e) => say(&format!("berth: job {job}: preparing image {image}: {}", e)),
                 }
             }
@@ -122,6 +129,38 @@ pub fn prolog(config: &Config, say: Say<'_>) -> Result<(), SlurmError> {
     }
     health_mark(&job, config, say);
     Ok(())
+}
+
+/// Reads, through the node's server of the lazy image `attached`, what the job's first step
+/// starts (berth_image::lazy::prefetch), so that its chunks are on the node before the step;
+/// says what it read and how many of the image's chunks the node now holds. The job's command
+/// is not known to the Prolog: the image's Entrypoint and Cmd (else the shell) stand for it.
+fn prefetch(job: &str, image: &str, attached: &Attached, config: &Config) {
+    use berth_image::lazy::prefetch;
+    let command = prefetch::program(&attached.config);
+    let path = prefetch::path_of(&attached.config);
+    match prefetch::prefetch(
+        &attached.root,
+        &command,
+        path.as_deref(),
+        prefetch::BYTES_LIMIT,
+    ) {
+        Ok(done) => {
+            let held = prefetch::cached_chunks(&config.store.root, &attached.index_hex)
+                .map(|(have, all)| format!("; the node holds {have} of its {all} chunks"))
+                .unwrap_or_default();
+            tracing::info!(
+                "job {job}: image {image}: prefetched {} of {} file(s) its command {} \
+                 starts with ({}){}{held}",
+                berth_image::store::human_size(done.bytes),
+                done.files.len(),
+                command.join(" "),
+                done.files.join(", "),
+                if done.bounded { ", bounded" } else { "" }
+            );
+        }
+        Err(e) => tracing::warn!("job {job}: image {image}: prefetching: {e}"),
+    }
 }
 
 /// The Epilog: the job's containers removed, its stage-out, its scratch kept or removed,

@@ -15,6 +15,7 @@ pub mod export;
 pub mod health;
 pub mod hostsw;
 pub mod job;
+pub mod lazy;
 pub mod mpi;
 pub use berth_proto::mounts;
 pub mod node;

@@ -84,6 +84,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     })?;
     let image_text = image_on_host(&step, image_text)?;
     let user = spec::user::by_id(step.uid, step.gid);
+    let image_text = crate::lazy::site_form(&image_text, config, &user).unwrap_or(image_text);
     let image = crate::container::resolve(&image_text, config, &user, None)
         .map_err(|e| SlurmError::ImageUnavailable(Box::new(e)))?;
     let mut req = request(&step, config, &user, &image)?;

@@ -224,7 +224,10 @@ pub fn request(
     let env = env_flags(&args.env)?;
     let flags = Flags {
         rootfs: args.rootfs.clone(),
-        image: args.image.clone(),
+        // The site's lazy forms (registry.lazy_tag_suffix), looked up with the caller's logins.
+        image: args.image.as_deref().map(|text| {
+            crate::slurm::lazy::site_form_for_caller(text, config).unwrap_or_else(|| text.into())
+        }),
         entrypoint: args.entrypoint,
         arch: args.arch.clone(),
         user: args.user.clone(),

@@ -43,6 +43,7 @@
 //! own warm verified it: a tree of nodes then asks the registry for each chunk once.
 
 pub mod fuse;
+pub mod prefetch;
 pub mod server;
 
 use std::fs::File;
