@@ -470,3 +470,74 @@ fn lazy_readers_take_chunks_from_peers_and_refuse_a_corrupt_one() {
     c.read_all(2);
     assert_eq!(c.ranges(), second, "n3 asked the registry");
 }
+
+/// Asks agent `i` to warm `image` from `peers` (addresses), as `berth cluster prewarm` does.
+fn warm(c: &Cluster, i: usize, peers: &[String]) -> Value {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(300)))
+        .build()
+        .into();
+    let body = serde_json::json!({"reference": c.image, "peers": peers}).to_string();
+    let mut r = agent
+        .post(&format!("http://127.0.0.1:{}/v1/warm", c.agents[i].1))
+        .header(
+            berth_api::auth::AUTH_HEADER,
+            &signed("POST", "/v1/warm", body.as_bytes()),
+        )
+        .content_type("application/json")
+        .send(body.as_bytes())
+        .unwrap();
+    serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_stalled_or_dead_peer_costs_one_bound_and_the_next_peer_serves() {
+    let c = Cluster::start(2);
+    let r = warm(&c, 0, &[]);
+    assert!(r["digest"].is_string(), "{r}\n{}", c.logs());
+    let ranges = c.ranges();
+    // A peer that takes connections and never answers, and one whose port is closed.
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stall_addr = stall.local_addr().unwrap().to_string();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let over = done.clone();
+    let held = std::thread::spawn(move || {
+        let mut conns = Vec::new();
+        stall.set_nonblocking(true).unwrap();
+        let until = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < until && !over.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok((conn, _)) = stall.accept() {
+                conns.push(conn);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        conns.len()
+    });
+    let dead = format!("127.0.0.1:{}", harness::free_port());
+    let started = Instant::now();
+    let r = warm(
+        &c,
+        1,
+        &[stall_addr, dead, format!("127.0.0.1:{}", c.agents[0].1)],
+    );
+    let took = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    eprintln!("the warm past a stalled and a dead peer took {took:?}");
+    assert!(r["digest"].is_string(), "{r}\n{}", c.logs());
+    let log = c.log("n2");
+    assert!(
+        log.contains(&format!(
+            " bytes, 0 from the registry, {} from peers",
+            c.size
+        )),
+        "{}",
+        c.logs()
+    );
+    assert!(log.contains("not asked again"), "{log}");
+    // The stalled peer cost one request's bound (lazy::PEER_DEADLINE_S, 10 s), not one per
+    // chunk run (2 runs here, 26 chunks).
+    assert!(took < Duration::from_secs(25), "the warm took {took:?}");
+    assert_eq!(c.ranges(), ranges, "the registry was asked again");
+    assert!(held.join().unwrap() >= 1, "the stalled peer was asked");
+}
