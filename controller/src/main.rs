@@ -4,18 +4,16 @@
 //! (rollout.rs); the leader applies the decisions to Slurm with `scontrol`. Raft is openraft
 //! (0.9), its log and state machine in one redb file under the data directory. See docs/admin-guide.md, "Cluster controller".
 
-mod catalog;
 mod error;
 mod listen;
 mod network;
+mod node;
 mod rollout;
 mod server;
 mod sim;
 mod state;
 mod store;
 mod takeover;
-mod watch;
-mod watch_metrics;
 
 use std::collections::BTreeMap;
 use std::io::Read;

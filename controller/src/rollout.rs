@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use berth_api::{StepAction, StepReport, StepState};
 use serde::{Deserialize, Serialize};
 
-use crate::state::{Desired, DrainedBy, NodeState, State};
+use crate::node::{Desired, DrainedBy, NodeState};
 
 /// The reason prefix of a rollout's drains (`berth rollout <id>`).
 pub const PREFIX: &str = "berth rollout ";
@@ -293,10 +293,7 @@ pub fn tail(s: &str, max: usize) -> String {
 }
 
 /// Applies a rollout command; the answer is the rollout's id (0: nothing to apply it to).
-pub fn apply(state: &mut State, cmd: &Cmd) -> u64 {
-    let State {
-        nodes, rollouts, ..
-    } = state;
+pub fn apply(nodes: &mut BTreeMap<String, NodeState>, rollouts: &mut Rollouts, cmd: &Cmd) -> u64 {
     if let Cmd::Start {
         plan,
         skipped,
@@ -844,7 +841,7 @@ pub fn action_words(a: &StepAction) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::Command;
+    use crate::state::{Command, State};
 
     fn plan(nodes: &[&str], max: u32) -> Plan {
         Plan {

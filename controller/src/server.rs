@@ -1,5 +1,7 @@
 //! The controller's HTTP API (agents, the admin CLI, peers' Raft RPCs), its metrics, and the
-//! leader's reconciler that applies committed decisions to Slurm.
+//! leader's services over the shared [`App`]: the reconciler that applies committed decisions
+//! to Slurm, the image catalog (`catalog`), the watch on Slurm's daemons (`watch`,
+//! `watch_metrics`) and the rollout driver (`rollout`).
 //!
 //! Every request must prove it holds the shared key (berth_api::auth; 401 otherwise), and every
 //! answer to one proves this controller holds it too; only `GET /metrics` is open, read-only, to
@@ -32,7 +34,8 @@ use openraft::{BasicNode, Raft, ServerState};
 use sha2::{Digest, Sha256};
 
 use crate::error::ControllerError;
-use crate::state::{Command, Desired, DrainedBy, PREFIX, State};
+use crate::node::{Desired, DrainedBy};
+use crate::state::{Command, PREFIX, State};
 use crate::store::Store;
 use crate::{Settings, TypeConfig};
 
@@ -46,8 +49,11 @@ pub(crate) struct Beat {
     pub(crate) daemons: Vec<berth_api::DaemonReport>,
 }
 
+pub(crate) mod catalog;
 mod metrics;
 mod rollout;
+mod watch;
+mod watch_metrics;
 use self::metrics::metrics;
 
 pub struct App {
@@ -67,12 +73,12 @@ pub struct App {
     scontrol_failures: AtomicU64,
     /// Heartbeats agents sent early because a check changed status.
     change_beats: AtomicU64,
-    /// The watch on Slurm's daemons (watch.rs).
-    pub(crate) watch: crate::watch::Watch,
+    /// The watch on Slurm's daemons (server/watch.rs).
+    pub(crate) watch: watch::Watch,
     /// `scontrol takeover` calls that succeeded on this controller.
     pub(crate) takeovers_run: AtomicU64,
     /// Which nodes hold which images, from heartbeats (the leader's memory).
-    pub catalog: crate::catalog::Catalog,
+    pub catalog: catalog::Catalog,
     /// Rollout gate passes counted from heartbeats (server/rollout.rs).
     rollout_gate: rollout::Gate,
     /// Wakes the reconciler before its interval (a rollout's drain or resume).
@@ -94,7 +100,7 @@ pub async fn serve(
     let app = Arc::new(App {
         key: berth_api::auth::Key::new(&key),
         seen: berth_api::auth::ReplayCache::default(),
-        watch: crate::watch::Watch::new(&s),
+        watch: watch::Watch::new(&s),
         takeovers_run: AtomicU64::new(0),
         s,
         raft,
@@ -106,14 +112,14 @@ pub async fn serve(
         scontrol_calls: AtomicU64::new(0),
         scontrol_failures: AtomicU64::new(0),
         change_beats: AtomicU64::new(0),
-        catalog: crate::catalog::Catalog::default(),
+        catalog: catalog::Catalog::default(),
         rollout_gate: rollout::Gate::default(),
         reconcile_now: tokio::sync::Notify::new(),
         rollout_now: tokio::sync::Notify::new(),
     });
     tokio::spawn(watch_leader(app.clone()));
     tokio::spawn(reconcile_loop(app.clone()));
-    tokio::spawn(crate::watch::run(app.clone()));
+    tokio::spawn(watch::run(app.clone()));
     tokio::spawn(rollout::run(app.clone()));
     let router = Router::new()
         .route("/raft/append", post(raft_append))
@@ -126,7 +132,7 @@ pub async fn serve(
         .route("/v1/resume", post(resume))
         .route("/v1/breaker/reset", post(breaker_reset))
         .route("/v1/slurm", get(slurm))
-        .route("/v1/catalog", get(crate::catalog::get))
+        .route("/v1/catalog", get(catalog::get))
         .route("/v1/rollout", get(rollout::get))
         .route("/v1/rollout/start", post(rollout::start))
         .route("/v1/rollout/pause", post(rollout::pause))
@@ -414,7 +420,7 @@ async fn nodes(AxState(app): AxState<Shared>) -> Response {
     let beats = app.beats.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let leader = app.is_leader_now();
     let orphaned = if leader {
-        crate::watch::orphaned(&app, &beats)
+        watch::orphaned(&app, &beats)
     } else {
         BTreeMap::new()
     };
@@ -513,7 +519,7 @@ async fn slurm(AxState(app): AxState<Shared>) -> Response {
         return app.not_leader();
     }
     let beats = app.beats_now();
-    Json(crate::watch::view(&app, &beats)).into_response()
+    Json(watch::view(&app, &beats)).into_response()
 }
 
 impl App {

@@ -19,6 +19,8 @@
 use std::collections::BTreeMap;
 
 use berth_api::{CheckResult, Severity, Status};
+
+use crate::node::{CheckState, Desired, DrainedBy, NodeState};
 use serde::{Deserialize, Serialize};
 
 /// The reason prefix of every drain berth decides; only such drains does berth lift.
@@ -87,66 +89,6 @@ pub enum Command {
     Rollout(crate::rollout::Cmd),
 }
 
-/// What a node should be in Slurm.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Desired {
-    Up,
-    Drained { reason: String, by: DrainedBy },
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum DrainedBy {
-    Berth,
-    Admin,
-    /// A rollout's drain (issue 31): only the rollout, or an admin, lifts it.
-    Rollout,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckState {
-    pub status: Status,
-    pub severity: Severity,
-    pub recoverable: bool,
-    pub message: String,
-    /// Failures in a row, counted up to the soft threshold.
-    pub fails: u32,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeState {
-    pub boot_id: String,
-    pub version: String,
-    pub checks: BTreeMap<String, CheckState>,
-    pub desired: Desired,
-    /// Heartbeats in a row with every check passing, while berth holds the node drained.
-    pub passes: u32,
-    /// Whether berth's drain may be lifted by passes (every check it drained for can recover).
-    pub recoverable: bool,
-    /// When berth drained the node, within the flapping window.
-    pub drains_ms: Vec<u64>,
-    /// A drain the breaker held back (its reason).
-    pub suppressed: Option<String>,
-    /// The reason of an admin's drain the admin lifted with `berth cluster resume`: the
-    /// reconciler may lift that reason in Slurm too.
-    pub resume_reason: Option<String>,
-}
-
-impl NodeState {
-    pub(crate) fn new(boot_id: String, version: String) -> Self {
-        Self {
-            boot_id,
-            version,
-            checks: BTreeMap::new(),
-            desired: Desired::Up,
-            passes: 0,
-            recoverable: true,
-            drains_ms: Vec::new(),
-            suppressed: None,
-            resume_reason: None,
-        }
-    }
-}
-
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Breaker {
     /// When the automatic drains of the current window were decided.
@@ -185,15 +127,6 @@ pub struct Reply {
     /// The rollout a rollout command applied to (0: none).
     #[serde(default)]
     pub rollout: u64,
-}
-
-impl Desired {
-    pub fn word(&self) -> &'static str {
-        match self {
-            Desired::Up => "up",
-            Desired::Drained { .. } => "drained",
-        }
-    }
 }
 
 /// `berth: <check>: <phrase>`, cut to [`REASON_MAX`] characters on one line.
@@ -287,7 +220,7 @@ impl State {
                 Reply::default()
             }
             Command::Rollout(c) => Reply {
-                rollout: crate::rollout::apply(self, c),
+                rollout: crate::rollout::apply(&mut self.nodes, &mut self.rollouts, c),
                 ..Reply::default()
             },
         }

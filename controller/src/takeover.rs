@@ -3,14 +3,14 @@
 //! the backup to take over (`scontrol takeover`) instead of leaving it to wait out
 //! `SlurmctldTimeout` (120 s by default). This module is the decision, a pure state machine
 //! fed one round of pings at a time, and the record of takeovers kept in the replicated state;
-//! `watch.rs` pings, commits and calls.
+//! `server/watch.rs` pings, commits and calls.
 //!
 //! Rules: never while the primary answers (an answering primary resets the count; a primary
 //! that is only slow, a SIGSTOP shorter than the threshold, fails fewer pings than it takes);
 //! never without a backup that answers; once per outage (after a takeover the trigger waits
 //! for the primary to answer again, which is when Slurm's primary takes control back); a
 //! takeover that failed is tried again after another `takeover_after` failed pings. The
-//! quorum rule is watch.rs's: the decision is committed to the Raft log before the call.
+//! quorum rule is server/watch.rs's: the decision is committed to the Raft log before the call.
 
 use serde::{Deserialize, Serialize};
 

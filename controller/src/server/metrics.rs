@@ -24,7 +24,7 @@ pub(super) async fn metrics(AxState(app): AxState<Shared>, _h: HeaderMap) -> Res
     let mut reg = Registry::with_prefix("berth_controller");
     raft_metrics(&app, &m, &mut reg);
     state_metrics(&state, &mut reg);
-    crate::watch_metrics::register(&app, &state, is_leader, &mut reg);
+    super::watch_metrics::register(&app, &state, is_leader, &mut reg);
     super::rollout::metrics(&state, &mut reg);
     if is_leader {
         leader_metrics(&app, &state, &mut reg);

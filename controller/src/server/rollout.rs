@@ -19,8 +19,9 @@ use berth_api::{
 use prometheus_client::registry::Registry;
 
 use super::{App, Shared, error, json_body, now_ms, run_tool};
+use crate::node::Desired;
 use crate::rollout::{self, Cmd, Op, Phase, Plan, SlurmNow};
-use crate::state::{Command, Desired, State};
+use crate::state::{Command, State};
 
 /// Gate passes in a row by node, for the rollout they count towards (the leader's memory: a
 /// new leader counts afresh, which only delays a resume).
@@ -375,7 +376,8 @@ pub async fn start(AxState(app): AxState<Shared>, body: Bytes) -> Response {
             .collect();
         let mut s = State::default();
         rollout::apply(
-            &mut s,
+            &mut s.nodes,
+            &mut s.rollouts,
             &Cmd::Start {
                 plan: plan.clone(),
                 skipped,

@@ -30,7 +30,7 @@ pub fn register(app: &App, state: &State, leader: bool, reg: &mut Registry) {
     let orphaned = Family::<Labels, Gauge>::default();
     let oldest = Family::<Labels, Gauge<f64, AtomicU64>>::default();
     if leader {
-        let (daemons, hb_age, f) = crate::watch::metrics(app);
+        let (daemons, hb_age, f) = super::watch::metrics(app);
         for (d, v) in daemons {
             up.get_or_create(&vec![("daemon".into(), d)]).set(v);
         }
@@ -53,7 +53,7 @@ pub fn register(app: &App, state: &State, leader: bool, reg: &mut Registry) {
                     .set(i64::from(d.state == DaemonState::Up));
             }
         }
-        let orphans = crate::watch::orphaned(app, &beats);
+        let orphans = super::watch::orphaned(app, &beats);
         for node in beats.keys() {
             let ls = orphans.get(node);
             let labels = vec![("node".into(), node.clone())];
