@@ -16,7 +16,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 
 use super::{
     Exit, MaskGuard, Options, RuntimeError, SetupError, clone, exec, forwarded_signals, init,
-    report, state, sys, wait,
+    moveroot, report, state, sys, wait,
 };
 use berth_cgroup::Cgroup;
 
@@ -336,7 +336,7 @@ fn enter(
             return SetupError::new(format!("joining the container's namespace ({flag:?}): {e}"));
         }
     }
-    if let Err(e) = init::enter_root(root) {
+    if let Err(e) = moveroot::enter_root(root) {
         return e;
     }
     if let Err(e) = init::drop_privileges(process) {

@@ -7,6 +7,7 @@ mod hooks;
 mod init;
 pub mod join;
 pub mod mounts;
+mod moveroot;
 mod report;
 mod rootfs;
 pub mod state;

@@ -212,7 +212,7 @@ pub fn setup(
         }
         // The host root is the initramfs (rootfs), which pivot_root cannot move: move the
         // container root onto it instead, as runc and crun do.
-        Err(nix::errno::Errno::EINVAL) => super::init::move_root(&merged, work)?,
+        Err(nix::errno::Errno::EINVAL) => super::moveroot::move_root(&merged, work)?,
         Err(e) => return Err(sys("pivot_root into the container root".into())(e)),
     }
     add_user_entries(spec)?;
