@@ -9,7 +9,8 @@
 //! - On-demand readers: node 1 reads every file from the registry, then one of its cached
 //!   chunks is damaged on disk; node 2 reads through the catalog from node 1, refuses the
 //!   damaged chunk (said in one line), gets that run from the registry and the rest from node 1;
-//!   node 3 reads everything from the peers, the registry asked nothing.
+//!   node 3 reads everything from the peers through its node's lazy image server (`berth
+//!   create`, as a Slurm step's container), the registry asked nothing.
 //!
 //! Every process is killed by PID when its guard drops. Run alone:
 //! `cargo test --test root_lazy_peers -- --ignored --test-threads=1`.
@@ -323,6 +324,42 @@ impl Cluster {
         out
     }
 
+    /// [`Cluster::read_all`] in a container of `berth create` on node `i`, whose image is the
+    /// node's lazy image server (`berth lazy serve`); the container removed and the server
+    /// stopped after.
+    fn read_all_served(&self, i: usize) {
+        let create = self.berth(i, &["create", "--image", &self.image]);
+        assert!(create.status.success(), "{create:?}");
+        let id = text(&create.stdout).trim().to_string();
+        struct Rm<'a>(&'a Cluster, usize, String);
+        impl Drop for Rm<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.berth(self.1, &["rm", &self.2]);
+                let _ = self.0.berth(self.1, &["gc"]);
+            }
+        }
+        let _rm = Rm(self, i, id.clone());
+        let out = self.berth(
+            i,
+            &[
+                "exec",
+                &id,
+                "--",
+                "/bin/sh",
+                "-c",
+                "find / -xdev -type f -exec cat {} + > /dev/null 2>&1; md5sum /big.bin; cat /hello.txt",
+            ],
+        );
+        let stdout = text(&out.stdout);
+        assert!(
+            out.status.success() && stdout.starts_with(&self.big_md5),
+            "n{}: {stdout}\n{}",
+            i + 1,
+            text(&out.stderr)
+        );
+        assert!(stdout.ends_with("lazy hello\n"), "{stdout}");
+    }
+
     /// The byte ranges of the squashfs blob the registry was asked for (through the proxy).
     fn ranges(&self) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
@@ -465,9 +502,10 @@ fn lazy_readers_take_chunks_from_peers_and_refuse_a_corrupt_one() {
             .any(|(a, b)| *a <= 3 * CHUNK && *b >= 4 * CHUNK - 1),
         "{second:?}"
     );
-    // n3: everything from the peers (a damaged chunk of n1 refused, n2's taken).
+    // n3, through its node's lazy image server (as a Slurm step would): everything from the
+    // peers (a damaged chunk of n1 refused, n2's taken).
     wait_for("n2's chunk cache in the catalog", 30, || c.lists_lazy(1));
-    c.read_all(2);
+    c.read_all_served(2);
     assert_eq!(c.ranges(), second, "n3 asked the registry");
 }
 
