@@ -12,8 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use berth::image::mount::{self, mount_shared, unmount_unused};
 use berth::image::sif::{self, DataType, FsType, ObjectKind, PartType, Partition};
-use berth::image::squashfs::{self, inspect_sif, inspect_squashfs, mount_shared, unmount_unused};
+use berth::image::squashfs::{inspect_sif, inspect_squashfs};
 use berth::image::{Image, Rootfs, loopdev};
 use common::*;
 
@@ -514,7 +515,7 @@ fn bad_sif_files_are_refused_in_one_line_without_leaking_loop_devices() {
     // Mounting bytes that are no squashfs fails before a loop device is taken.
     let mounts = MountDir::new();
     let digest = format!("sha256:{}", "ab".repeat(32));
-    let err = squashfs::mount_shared_at(&digest, &corrupt, 36864, 4096, mounts.path())
+    let err = mount::mount_shared_at(&digest, &corrupt, 36864, 4096, mounts.path())
         .unwrap_err()
         .to_string();
     assert!(err.contains("not a squashfs image"), "{err}");
@@ -532,7 +533,7 @@ fn bad_sif_files_are_refused_in_one_line_without_leaking_loop_devices() {
     let garbage = dir.path().join("garbage.sif");
     std::fs::write(&garbage, &b).unwrap();
     let size = std::fs::metadata(&sqsh).unwrap().len();
-    let err = squashfs::mount_shared_at(&digest, &garbage, 36864, size, mounts.path())
+    let err = mount::mount_shared_at(&digest, &garbage, 36864, size, mounts.path())
         .unwrap_err()
         .to_string();
     assert!(err.contains("mounting the squashfs of"), "{err}");

@@ -198,10 +198,10 @@ impl SquashfsConfig {
     /// Checks values serde cannot: the level's range for the compressor, a save's deadline.
     pub fn check(&self) -> Result<(), ImageError> {
         if self.export_timeout_s == 0 {
-            return Err(ImageError::Export(crate::export::ExportError::Invalid(
+            return Err(ImageError::Setting(
                 "squashfs.export_timeout_s is 0: give the seconds a save may take (default 1800)"
                     .into(),
-            )));
+            ));
         }
         if let Some(range) = self.compression.levels()
             && !range.contains(&self.compression_level)

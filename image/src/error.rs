@@ -153,6 +153,9 @@ pub enum ImageError {
     Lazy(String),
 
     // ---- Values of the configuration and arguments.
+    /// A configuration value serde took but berth cannot use.
+    #[error("{0}")]
+    Setting(String),
     #[error("invalid duration '{0}': use a number with s, m, h, d or w, e.g. 30m, 12h, 7d")]
     Duration(String),
     #[error("[squashfs] compression_level = {level}: {compressor} takes {min}-{max}")]
@@ -188,7 +191,7 @@ impl ImageError {
             | E::SifIo { .. } => Kind::Io,
             E::Squashfs(_) => Kind::Format,
             E::Export(_) => Kind::Export,
-            E::Duration(_) | E::CompressionLevel { .. } => Kind::Config,
+            E::Setting(_) | E::Duration(_) | E::CompressionLevel { .. } => Kind::Config,
             E::Store(_)
             | E::LayerRead(_)
             | E::LayerFormat { .. }

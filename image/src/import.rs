@@ -6,118 +6,14 @@ use std::path::{Path, PathBuf};
 
 use nix::fcntl::OFlag;
 
+use super::local::{FileStamp, Opened};
+use super::reference::reference_key;
 use super::registry::{self, ProgressMode, PullOptions};
 use super::squashfs::{self, InspectOptions};
-use super::store::{COMPRESSED_GROWTH, FileStamp, Progress, Store, reference_key};
+use super::store::{COMPRESSED_GROWTH, Progress, Store};
 use super::{Image, ImageError, Reference, Rootfs};
 use crate::config::Settings;
 use crate::store::StoreError;
-use berth_spec::UserIds;
-
-/// A local image a user named (a squashfs, SIF, archive or OCI layout directory), opened with
-/// that user's credentials (DESIGN.md, "Privilege model"): root reads it only through this fd,
-/// never through the path again, and a layout's blobs are opened beneath it as the same user.
-#[derive(Debug)]
-pub struct Opened {
-    /// The file (a directory for an OCI layout).
-    pub file: File,
-    /// Who opened it; `None`: this process, with its own credentials.
-    pub user: Option<UserIds>,
-    /// What identifies the content for the store's cache: the file's, or the layout's
-    /// `index.json`'s, `fstat`.
-    pub stamp: FileStamp,
-}
-
-impl Opened {
-    /// Opens what `reference` names as `user` (or as this process when `None`). A user who
-    /// cannot read it gets one line, whatever the store holds.
-    pub fn open(reference: &Reference, user: Option<&UserIds>) -> Result<Opened, ImageError> {
-        let what = reference_key(reference);
-        let (path, dir) = match reference {
-            Reference::Squashfs(p) | Reference::Sif(p) => (p, false),
-            Reference::OciArchive { file, .. } | Reference::DockerArchive { file, .. } => {
-                (file, false)
-            }
-            Reference::OciLayout { dir, .. } => (dir, true),
-            _ => {
-                return Err(ImageError::Store(StoreError::Message(format!(
-                    "internal error: {what} names no local file"
-                ))));
-            }
-        };
-        let who = match user {
-            Some(u) => format!("uid {}", u.uid),
-            None => "berth".to_string(),
-        };
-        let refused = |e: std::io::Error| {
-            ImageError::Format(format!(
-                "image {what}: {who} cannot open {}: {e}; give a {} the job's user can read",
-                path.display(),
-                if dir { "directory" } else { "file" }
-            ))
-        };
-        let file = match user {
-            Some(u) => berth_sys::privfs::open_readable_as_user(path, u),
-            None => berth_sys::privfs::open_as_user(
-                path,
-                &berth_sys::user::current().unwrap_or_default(),
-                OFlag::O_RDONLY | OFlag::O_NONBLOCK,
-            )
-            .map(File::from),
-        }
-        .map_err(refused)?;
-        let meta = file.metadata().map_err(refused)?;
-        if meta.is_dir() != dir || !(meta.is_dir() || meta.is_file()) {
-            return Err(ImageError::Format(format!(
-                "image {what}: {} is not a {}",
-                path.display(),
-                if dir {
-                    "directory (an OCI image layout)"
-                } else {
-                    "regular file"
-                }
-            )));
-        }
-        nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_SETFL(OFlag::empty()))
-            .map_err(|e| refused(e.into()))?;
-        let stamp = if dir {
-            let open = || {
-                berth_sys::privfs::open_beneath(
-                    &file,
-                    Path::new("index.json"),
-                    OFlag::O_RDONLY | OFlag::O_NONBLOCK,
-                    0,
-                    true,
-                )
-            };
-            let index = match user {
-                Some(u) => berth_sys::privfs::as_user(u, open).and_then(|r| r),
-                None => open(),
-            }
-            .map(File::from)
-            .map_err(|e| {
-                ImageError::Format(format!(
-                    "image {what}: {} is not an OCI image layout (no readable index.json: {e})",
-                    path.display()
-                ))
-            })?;
-            FileStamp::of_file(&index)
-        } else {
-            FileStamp::of_file(&file)
-        }
-        .map_err(refused)?;
-        Ok(Opened {
-            file,
-            user: user.cloned(),
-            stamp,
-        })
-    }
-
-    /// The path through which root reads the opened file (`/proc/self/fd/N`).
-    pub fn fd_path(&self) -> PathBuf {
-        berth_sys::privfs::fd_path(&self.file)
-    }
-}
 
 /// Who asks for an image: credentials come from this user's home, and a private image in the
 /// cache is only handed out once the registry confirms this user's access.
@@ -146,7 +42,7 @@ pub fn import(
     who: &Requester<'_>,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
-    let opened = if super::store::is_local_path(reference) {
+    let opened = if super::local::is_local_path(reference) {
         Some(Opened::open(reference, None)?)
     } else {
         None
@@ -280,7 +176,7 @@ fn import_unchecked(
                 Ok(image)
             })
         }
-        r if super::store::is_local_path(r) => {
+        r if super::local::is_local_path(r) => {
             super::archive::import_opened(store, reference, opened, progress)
         }
         _ => super::archive::import(store, reference, progress),
@@ -301,7 +197,7 @@ pub fn get_or_import(
     who: &Requester<'_>,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
-    if super::store::is_local_path(reference) && opened.is_none() {
+    if super::local::is_local_path(reference) && opened.is_none() {
         return Err(ImageError::Store(StoreError::Message(format!(
             "internal error: {} was not opened as uid {}",
             reference_key(reference),

@@ -515,6 +515,24 @@ fn detach_orphan_directories(root: &Path) {
     }
 }
 
+/// Unmounts the lazy images of `berth run` processes that are gone (killed before their drop
+/// ran): `<mount_root>/lazy/<pid>-<n>/{root,fuse}`, by `berth gc` with the other orphans. A pid
+/// that is alive again (reused) keeps its directory until it is gone.
+fn detach_lazy_orphans(mount_root: &Path) {
+    let parent = mount_root.join("lazy");
+    for name in orphans(&parent) {
+        let dir = parent.join(&name);
+        for sub in ["root", "fuse"] {
+            let _ = nix::mount::umount2(&dir.join(sub), MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(dir.join(sub));
+        }
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => tracing::info!("unmounted the lazy image of gone process {name}"),
+            Err(e) => tracing::warn!("removing {}: {e}", dir.display()),
+        }
+    }
+}
+
 /// Unmounts the squashfs/SIF images no container uses any more, at the end of a container (a
 /// run, a step's destroy, `berth rm`, the Epilog): an image file rewritten at the same path
 /// leaves its old version's mount and loop device behind otherwise, one per version, until a
@@ -612,7 +630,7 @@ pub fn unmount_unused(
         }
     };
     detach_orphan_directories(&root);
-    crate::lazy::detach_orphans(&root);
+    detach_lazy_orphans(&root);
     let names = image_dirs(&root)?;
     let mut unmounted = Vec::new();
     for (dir, hex, lock_name) in names {

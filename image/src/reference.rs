@@ -507,6 +507,38 @@ impl fmt::Display for Reference {
     }
 }
 
+/// The canonical text of a reference: the key of its record in `refs/` and what `berth images
+/// ls` shows. The registry user (`USER@`) is not part of it: it says whose credentials pulled
+/// the image, not which image it is.
+pub fn reference_key(r: &Reference) -> String {
+    let path = |p: &Path| p.display().to_string();
+    let named = |scheme: &str, p: &Path, name: &Option<String>| match name {
+        Some(n) => format!("{scheme}:{}:{n}", path(p)),
+        None => format!("{scheme}:{}", path(p)),
+    };
+    match r {
+        Reference::Registry(x) => {
+            let mut s = format!("docker://{}/{}", x.registry, x.repository);
+            if let Some(t) = &x.tag {
+                s.push(':');
+                s.push_str(t);
+            }
+            if let Some(d) = &x.digest {
+                s.push('@');
+                s.push_str(d);
+            }
+            s
+        }
+        Reference::Squashfs(p) => path(p),
+        Reference::Sif(p) => path(p),
+        Reference::OciLayout { dir, name } => named("oci", dir, name),
+        Reference::OciArchive { file, name } => named("oci-archive", file, name),
+        Reference::DockerArchive { file, name } => named("docker-archive", file, name),
+        Reference::Podman(s) => format!("podman://{s}"),
+        Reference::Dockerd(s) => format!("dockerd://{s}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

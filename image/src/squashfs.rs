@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use backhand::{FilesystemReader, InnerNode, Node, SquashfsFileReader};
 use sha2::{Digest as _, Sha256};
 
-pub use super::mount::{mount_shared, mount_shared_at, unmount_unused};
 use super::sif::Sif;
 use super::synth::{self, FileSource, Synthesised};
 use super::{Image, ImageError, Reference, Rootfs};

@@ -10,9 +10,10 @@ use std::time::Duration;
 use serde::Serialize;
 
 use berth_image::ErrorKind;
-use berth_image::import::{self, Opened, Requester};
+use berth_image::import::{self, Requester};
+use berth_image::local::Opened;
 use berth_image::reference;
-use berth_image::store::{self, InUse, Store};
+use berth_image::store::{InUse, Store};
 use berth_spec::UserIds;
 use berth_spec::image::ImageDefaults;
 
@@ -91,7 +92,7 @@ pub fn resolve(
         return resolve_lazy_shared(rest, config, user);
     }
     let reference = reference::parse(text).map_err(SlurmError::Image)?;
-    let opened = if store::is_local_path(&reference) {
+    let opened = if berth_image::local::is_local_path(&reference) {
         Some(Opened::open(&reference, Some(user)).map_err(|e| match e {
             e if e.kind() == ErrorKind::Format => SlurmError::Input(e.to_string()),
             other => SlurmError::Image(other),

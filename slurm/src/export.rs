@@ -133,8 +133,8 @@ fn stored_image_source(text: &str, config: &Config) -> Result<Source, SlurmError
     };
     let progress = |line: &str| eprintln!("berth: {line}");
     // A local file or layout is opened as the caller, and read only through that fd.
-    let opened = if berth_image::store::is_local_path(&reference) {
-        Some(berth_image::import::Opened::open(&reference, Some(&user))?)
+    let opened = if berth_image::local::is_local_path(&reference) {
+        Some(berth_image::local::Opened::open(&reference, Some(&user))?)
     } else {
         None
     };

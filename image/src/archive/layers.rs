@@ -12,8 +12,10 @@ use sha2::{Digest as _, Sha256};
 use super::blobs::Blobs;
 use super::invalid;
 use super::plan::{Compression, LayerJob, Plan};
+use crate::local::FileStamp;
+use crate::reference::reference_key;
 use crate::store::StoreError;
-use crate::store::{self, Progress, Store, human_size, reference_key};
+use crate::store::{self, Progress, Store, human_size};
 use crate::{Image, ImageError, LayerSink, Reference, Rootfs};
 
 /// Hashes and counts a blob as it is read; fails fast once another layer has failed.
@@ -218,7 +220,7 @@ pub(super) fn run_plan(
     blobs: &dyn Blobs,
     plan: Plan,
     reference: &Reference,
-    stamp: Option<&store::FileStamp>,
+    stamp: Option<&FileStamp>,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
     let what = reference_key(reference);

@@ -20,7 +20,8 @@ use std::process::Command;
 use self::blobs::{DirBlobs, TarBlobs};
 use self::layers::run_plan;
 use self::plan::{docker_plan, oci_plan};
-use super::store::{self, Progress, Store, reference_key};
+use super::reference::reference_key;
+use super::store::{Progress, Store};
 use super::{Image, ImageError, Reference};
 use crate::store::StoreError;
 
@@ -121,8 +122,8 @@ pub fn import(
     reference: &Reference,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
-    if store::is_local_path(reference) {
-        let opened = super::import::Opened::open(reference, None)?;
+    if crate::local::is_local_path(reference) {
+        let opened = crate::local::Opened::open(reference, None)?;
         return import_opened(store, reference, Some(&opened), progress);
     }
     import_opened(store, reference, None, progress)
@@ -133,11 +134,11 @@ pub fn import(
 pub fn import_opened(
     store: &Store,
     reference: &Reference,
-    opened: Option<&super::import::Opened>,
+    opened: Option<&crate::local::Opened>,
     progress: Progress<'_>,
 ) -> Result<Image, ImageError> {
     let what = reference_key(reference);
-    let opened_file = || -> Result<&super::import::Opened, ImageError> {
+    let opened_file = || -> Result<&crate::local::Opened, ImageError> {
         opened.ok_or_else(|| {
             ImageError::Store(StoreError::Message(format!(
                 "internal error: {what} was not opened before import"

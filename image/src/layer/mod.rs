@@ -45,7 +45,7 @@ use self::reader::HashingInput;
 pub(crate) use self::reader::{Kind, TarInput, TarReader};
 use self::write::Extractor;
 use crate::ImageError;
-use crate::store::record::ContentHash;
+use crate::record::ContentHash;
 
 const BLOCK: u64 = 512;
 /// [`BLOCK`] as a buffer length.
@@ -118,8 +118,8 @@ pub struct Extracted {
     pub disk_bytes: u64,
     /// Entries or attributes not extracted, each with the reason.
     pub skipped: Vec<String>,
-    /// Every path of the extracted directory, as written (see `store::record`).
-    pub files: std::collections::BTreeMap<Vec<u8>, crate::store::record::FileRecord>,
+    /// Every path of the extracted directory, as written (see `crate::record`).
+    pub files: std::collections::BTreeMap<Vec<u8>, crate::record::FileRecord>,
     /// Hardlinks (link path, target path) whose target is not in this layer: to be copied up
     /// from the image's lower layers.
     pub external_links: Vec<(Vec<u8>, Vec<u8>)>,
@@ -186,7 +186,7 @@ pub fn extract_bounded(
     x.out.tar_bytes = input.pos;
     x.out.diff_id = format!("sha256:{:x}", input.hasher.finalize());
     let digests = std::mem::take(&mut x.digests);
-    x.out.files = crate::store::record::walk(dest, ContentHash::default(), &|ino| {
+    x.out.files = crate::record::walk(dest, ContentHash::default(), &|ino| {
         digests.get(&ino).cloned()
     })
     .map_err(|e| ImageError::LayerWrite {
@@ -542,7 +542,7 @@ mod tests {
         assert_eq!(x.files[&b"l".to_vec()].kind, 'l');
         assert_eq!(x.files[&b"d".to_vec()].kind, 'd');
         // What verification computes by reading the files agrees.
-        let read = crate::store::record::walk(&layer, ContentHash::default(), &|_| None).unwrap();
+        let read = crate::record::walk(&layer, ContentHash::default(), &|_| None).unwrap();
         assert_eq!(read, x.files);
     }
 

@@ -20,7 +20,7 @@ use nix::unistd::{Gid, Uid, UnlinkatFlags, fchown, fchownat, linkat, symlinkat, 
 use super::reader::{Kind, TarEntry, TarInput, TarReader};
 use super::{Bound, Extracted, RESERVE_CHECK_BYTES, RESERVE_CHECK_ENTRIES};
 use crate::ImageError;
-use crate::store::record::ContentHash;
+use crate::record::ContentHash;
 
 /// Splits an entry name into safe components: no leading `/`, no `.`, never `..`; `refuse`
 /// makes the error from why a name is refused.

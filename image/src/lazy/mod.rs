@@ -64,6 +64,9 @@ use crate::registry::Client;
 use crate::registry::lazy::LazySource;
 use crate::{ImageError, RegistryRef};
 
+/// Marks a cache file being made (see the store's [`LAZY_TMP_MARK`](crate::store::LAZY_TMP_MARK)).
+pub use crate::store::LAZY_TMP_MARK as TMP_MARK;
+
 /// The `artifactType` of a lazy image's manifest.
 pub const ARTIFACT_TYPE: &str = "application/vnd.berth.lazy.v1";
 /// Media type of the squashfs blob.
@@ -1042,33 +1045,11 @@ impl Drop for LazyMount {
     }
 }
 
-/// Unmounts the lazy images of `berth run` processes that are gone (killed before their drop
-/// ran): `<mount_root>/lazy/<pid>-<n>/{root,fuse}`, by `berth gc` with the other orphans. A pid
-/// that is alive again (reused) keeps its directory until it is gone.
-pub fn detach_orphans(mount_root: &Path) {
-    let parent = mount_root.join("lazy");
-    for name in crate::mount::orphans(&parent) {
-        let dir = parent.join(&name);
-        for sub in ["root", "fuse"] {
-            let _ = nix::mount::umount2(&dir.join(sub), MntFlags::MNT_DETACH);
-            let _ = std::fs::remove_dir(dir.join(sub));
-        }
-        match std::fs::remove_dir(&dir) {
-            Ok(()) => tracing::info!("unmounted the lazy image of gone process {name}"),
-            Err(e) => tracing::warn!("removing {}: {e}", dir.display()),
-        }
-    }
-}
-
 /// The chunk cache's file names for the index whose sha256 is `index_hex`: its data (the
 /// squashfs, sparse) and its map (a byte per chunk, 1 once the chunk is cached and verified).
 pub fn cache_names(index_hex: &str) -> (String, String) {
     (format!("{index_hex}.data"), format!("{index_hex}.map"))
 }
-
-/// Marks a temporary cache file: `<name>.tmp-<pid>-<n>`, made whole-sized, then linked to its
-/// name. `berth images gc` removes those a crashed run left behind.
-pub const TMP_MARK: &str = ".tmp-";
 
 /// Times a cache is opened again when `berth images gc` removed it while it was being opened.
 const OPEN_TRIES: u32 = 5;

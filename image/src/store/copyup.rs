@@ -3,7 +3,7 @@
 //!
 //! A layer directory is named by its diff_id and shared by every image that has it, while the
 //! file a link names depends on the layers below it in one image. So the layer keeps only the
-//! record of its links ([`super::record::LayerRecord::external_links`]) and each image gets, right
+//! record of its links ([`crate::record::LayerRecord::external_links`]) and each image gets, right
 //! above that layer, a small layer of the copied files, named by the chain of layers below
 //! it (`sha256("berth copy-up 1\n" + layer names)`): same chain, same copies, shared again.
 //! The copies sit between the layer and the next one, so the next layers cover them as they
@@ -28,8 +28,8 @@ use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, fchown};
 use sha2::{Digest as _, Sha256};
 
-use super::record::{self, ContentHash, LayerRecord};
 use super::{ImageError, Store, fs};
+use crate::record::{self, ContentHash, LayerRecord};
 use crate::store::StoreError;
 
 fn beneath(dir: &OwnedFd, rel: &[u8], flags: OFlag, mode: u32) -> io::Result<OwnedFd> {

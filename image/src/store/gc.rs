@@ -330,7 +330,7 @@ impl Store {
             }
         }
         if let Ok(reference) = parse(text) {
-            let key = super::reference_key(&reference);
+            let key = crate::reference::reference_key(&reference);
             if let Some(rec) = self.read_ref(&key) {
                 return Ok(Selector::Reference(rec.reference, rec.digest));
             }
@@ -574,7 +574,7 @@ impl Store {
         let (mut removed, mut freed) = (0, 0);
         for e in dir.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.contains(crate::lazy::TMP_MARK) {
+            if name.contains(super::LAZY_TMP_MARK) {
                 let old = e
                     .metadata()
                     .and_then(|m| m.modified())

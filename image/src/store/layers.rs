@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::fs::{self, LockMode, Workspace};
-use super::{Store, digest_hex, human_size, record};
+use super::{Store, digest_hex, human_size};
 use crate::layer;
+use crate::record;
 use crate::store::StoreError;
 use crate::{ImageError, LayerSink, StagedLayer};
 

@@ -31,7 +31,6 @@ mod error;
 mod fs;
 mod gc;
 mod layers;
-pub mod record;
 mod verify;
 
 pub use error::StoreError;
@@ -53,10 +52,18 @@ use sha2::{Digest as _, Sha256};
 use self::fs::{LockMode, Workspace};
 use super::{Digest, Image, ImageError, Reference, Rootfs};
 use crate::config::StoreConfig;
+use crate::local::{FileStamp, is_local_path};
+/// Kept for callers that named it here; the function is [`crate::reference::reference_key`].
+pub use crate::reference::reference_key;
 
 /// Compressed layers are assumed to grow this much when extracted (gzip and zstd layers of
 /// typical images inflate 2–3×), for the free-space check before an import.
 pub const COMPRESSED_GROWTH: u64 = 3;
+
+/// Marks a temporary file of a lazy image's chunk cache: `<name>.tmp-<pid>-<n>`, made
+/// whole-sized, then linked to its name (crate::lazy). `berth images gc` removes those a crashed
+/// run left behind.
+pub const LAZY_TMP_MARK: &str = ".tmp-";
 
 /// Progress lines for the user (`berth import` prints them on stderr).
 pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
@@ -90,78 +97,6 @@ pub fn human_size(n: u64) -> String {
         format!("{n} B")
     } else {
         format!("{v:.1} {}", UNITS[unit])
-    }
-}
-
-/// The canonical text of a reference: the key of its record in `refs/` and what `berth images
-/// ls` shows. The registry user (`USER@`) is not part of it: it says whose credentials pulled
-/// the image, not which image it is.
-pub fn reference_key(r: &Reference) -> String {
-    let path = |p: &Path| p.display().to_string();
-    let named = |scheme: &str, p: &Path, name: &Option<String>| match name {
-        Some(n) => format!("{scheme}:{}:{n}", path(p)),
-        None => format!("{scheme}:{}", path(p)),
-    };
-    match r {
-        Reference::Registry(x) => {
-            let mut s = format!("docker://{}/{}", x.registry, x.repository);
-            if let Some(t) = &x.tag {
-                s.push(':');
-                s.push_str(t);
-            }
-            if let Some(d) = &x.digest {
-                s.push('@');
-                s.push_str(d);
-            }
-            s
-        }
-        Reference::Squashfs(p) => path(p),
-        Reference::Sif(p) => path(p),
-        Reference::OciLayout { dir, name } => named("oci", dir, name),
-        Reference::OciArchive { file, name } => named("oci-archive", file, name),
-        Reference::DockerArchive { file, name } => named("docker-archive", file, name),
-        Reference::Podman(s) => format!("podman://{s}"),
-        Reference::Dockerd(s) => format!("dockerd://{s}"),
-    }
-}
-
-/// Whether a reference names a file or directory on the node (opened as the user who names it,
-/// see [`Opened`]).
-pub fn is_local_path(r: &Reference) -> bool {
-    matches!(
-        r,
-        Reference::Squashfs(_)
-            | Reference::Sif(_)
-            | Reference::OciArchive { .. }
-            | Reference::DockerArchive { .. }
-            | Reference::OciLayout { .. }
-    )
-}
-
-/// What identifies the file a local reference was read from: the file the user opened (its
-/// `index.json` for an OCI layout), by `fstat` of that fd. `ctime` changes on every write and no
-/// user can set it, so a file patched in place (even with its mtime put back) is a miss.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileStamp {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime_ns: i128,
-    #[serde(default)]
-    ctime_ns: i128,
-}
-
-impl FileStamp {
-    /// The stamp of an open file.
-    pub fn of_file(f: &File) -> std::io::Result<Self> {
-        let m = f.metadata()?;
-        Ok(Self {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
-            ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
-        })
     }
 }
 
@@ -440,7 +375,7 @@ impl Store {
     /// [`Store::get_stamped`] for a local reference opened by this process (tests).
     #[cfg(test)]
     pub(crate) fn get_local(&self, reference: &Reference) -> Option<Image> {
-        let opened = super::import::Opened::open(reference, None).ok()?;
+        let opened = crate::local::Opened::open(reference, None).ok()?;
         self.get_stamped(reference, Some(&opened.stamp))
     }
 
@@ -664,7 +599,7 @@ impl Store {
         let ws = self.workspace()?;
         // A local source is stamped as this process opens it (see Store::get_stamped).
         let stamp = is_local_path(&image.source)
-            .then(|| super::import::Opened::open(&image.source, None).ok())
+            .then(|| crate::local::Opened::open(&image.source, None).ok())
             .flatten()
             .map(|o| o.stamp);
         self.write_image(&ws, image)?;

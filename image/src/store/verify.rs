@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use super::Store;
 use super::fs::LockMode;
 use super::gc::Entry;
-use super::record;
+use crate::record;
 use crate::{ImageError, Rootfs};
 
 /// What checking one layer found.
