@@ -587,6 +587,20 @@ fn lazy_target(path: &str) -> Option<(u64, &str)> {
         .then_some((size, digest))
 }
 
+/// The chunks `first..=last` that bytes `from..=to` of a lazy chunk cache are, when the cache
+/// (`size` bytes, `marks` chunks) is of `chunk`-byte chunks and both ends are on chunk bounds
+/// (or the end of the file): a reader asks only for whole chunks, which it can verify.
+fn chunk_span(size: u64, marks: u64, chunk: u64, from: u64, to: u64) -> Option<(u64, u64)> {
+    let on_bound = |b: u64| b.is_multiple_of(chunk) || b == size;
+    (chunk > 0
+        && marks == size.div_ceil(chunk)
+        && from <= to
+        && to < size
+        && on_bound(from)
+        && on_bound(to + 1))
+    .then(|| (from / chunk, to / chunk))
+}
+
 /// Writes a whole answer; with `proof` (the request verified), signed.
 fn respond(
     conn: &mut TcpStream,
@@ -821,11 +835,9 @@ impl Server {
         };
         let size = data.metadata()?.len();
         let marks = map.metadata()?.len();
-        let on_bound = |b: u64| b.is_multiple_of(chunk) || b == size;
-        if marks != size.div_ceil(chunk) || to >= size || !on_bound(from) || !on_bound(to + 1) {
+        let Some((first, last)) = chunk_span(size, marks, chunk, from, to) else {
             return not_held(conn);
-        }
-        let (first, last) = (from / chunk, to / chunk);
+        };
         let mut mark = vec![0u8; usize::try_from(last - first + 1).unwrap_or(0)];
         let deadline = Instant::now() + CHUNK_WAIT;
         loop {
@@ -1087,6 +1099,30 @@ mod tests {
         // A node that serves no peers advertises none.
         config.peers.listen.clear();
         assert!(super::refs(&config).is_empty());
+    }
+
+    #[test]
+    fn only_whole_chunks_of_a_cache_of_that_chunk_size_are_served() {
+        let c = 4096;
+        // 3 chunks, the last short.
+        let size = 2 * c + 100;
+        assert_eq!(chunk_span(size, 3, c, 0, c - 1), Some((0, 0)));
+        assert_eq!(chunk_span(size, 3, c, c, size - 1), Some((1, 2)));
+        assert_eq!(chunk_span(size, 3, c, 0, size - 1), Some((0, 2)));
+        for (marks, chunk, from, to) in [
+            (3, c, 1, c - 1),         // not from a chunk's start
+            (3, c, 0, c),             // into the next chunk
+            (3, c, 0, size),          // past the end
+            (4, c, 0, c - 1),         // a map of another chunk count
+            (3, 2 * c, 0, 2 * c - 1), // another chunk size than the cache's
+            (3, c, c, c - 1),         // backwards
+        ] {
+            assert_eq!(
+                chunk_span(size, marks, chunk, from, to),
+                None,
+                "{marks} {chunk} {from}-{to}"
+            );
+        }
     }
 
     #[test]

@@ -1190,6 +1190,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_peer_that_failed_is_left_out_until_its_time_and_the_others_kept() {
+        let registry = crate::config::RegistryConfig::default();
+        let client = Client::new(&registry, None).unwrap();
+        let crate::Reference::Registry(r) =
+            crate::reference::parse("docker://reg.example/t/lazy:1").unwrap()
+        else {
+            panic!("a registry reference");
+        };
+        let key = berth_api::auth::Key::new("cluster key");
+        let sources = client.lazy_peers(&r, &["a:1".to_string(), "b:2".to_string()], &key);
+        let peers = Peers {
+            client,
+            r,
+            index_hex: "a".repeat(64),
+            index_digest: format!("sha256:{}", "a".repeat(64)),
+            named: true,
+            parent_waited_out: std::sync::atomic::AtomicBool::new(false),
+            list: Mutex::new(PeerList {
+                sources,
+                looked: std::time::Instant::now(),
+                down: Vec::new(),
+            }),
+        };
+        let hosts = |p: &Peers| {
+            p.sources()
+                .iter()
+                .map(|s| s.host().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(hosts(&peers), ["a:1", "b:2"]);
+        peers.down("a:1", std::time::Duration::from_secs(3600));
+        assert_eq!(hosts(&peers), ["b:2"]);
+        // Its time past, it is asked again.
+        peers.list.lock().unwrap().down[0].1 = std::time::Instant::now();
+        assert_eq!(hosts(&peers), ["a:1", "b:2"]);
+    }
+
+    #[test]
     fn index_of_bytes() {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
         let idx = Index::of(&mut data.as_slice(), 4096).unwrap();
