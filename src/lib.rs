@@ -2,6 +2,8 @@
 //! namespaces. The library holds every piece; `main.rs` only parses the command line.
 
 pub mod cli;
+#[cfg(test)]
+mod layout_check;
 pub mod log;
 
 // The lower crates of the workspace, under the names the rest of berth has always used.
