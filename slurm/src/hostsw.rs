@@ -12,12 +12,15 @@
 //! otherwise. The alternative, a private loader path with wrappers, would put the host's glibc
 //! under programs the image built against its own.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use berth_spec::BindMount;
 
 use crate::SlurmError;
 use crate::config::Config;
+
+pub(crate) mod memo;
 
 /// The variables of Lmod's state and setup that `berth run --modules` carries from the caller
 /// (a Slurm step has the job's environment already): the module search path, what is loaded,
@@ -59,7 +62,7 @@ pub fn slurm_binds(
              name its Slurm client files in berth.toml, or drop {what}"
         )));
     }
-    check_glibc(lowers, what, "the host's Slurm commands")?;
+    check_glibc(config, lowers, what, "the host's Slurm commands")?;
     Ok(binds)
 }
 
@@ -95,7 +98,7 @@ pub fn module_binds(
              use an image with bash, or drop {what}"
         )));
     }
-    check_glibc(lowers, what, "the host's Lmod and Lua")?;
+    check_glibc(config, lowers, what, "the host's Lmod and Lua")?;
     Ok(binds)
 }
 
@@ -212,21 +215,22 @@ fn secret_in(path: &Path, is_dir: bool) -> Option<PathBuf> {
     if !is_dir {
         return None;
     }
+    // The type readdir gives (no stat of each of a plugin directory's hundreds of files).
     let entries = |dir: &Path| {
         std::fs::read_dir(dir)
             .into_iter()
             .flatten()
             .flatten()
-            .map(|e| e.path())
+            .map(|e| (e.path(), e.file_type().is_ok_and(|t| t.is_dir())))
             .collect::<Vec<_>>()
     };
-    for child in entries(path) {
+    for (child, child_is_dir) in entries(path) {
         if named(&child) {
             return Some(child);
         }
         // Includes of slurm.conf often live one directory down (conf.d).
-        if child.symlink_metadata().is_ok_and(|m| m.is_dir())
-            && let Some(found) = entries(&child).into_iter().find(|p| named(p))
+        if child_is_dir
+            && let Some((found, _)) = entries(&child).into_iter().find(|(p, _)| named(p))
         {
             return Some(found);
         }
@@ -246,15 +250,22 @@ const LIBC_PATHS: [&str; 6] = [
 
 /// Refuses an image whose glibc is older than the host's (or that has none): the host's
 /// binaries would fail inside with "GLIBC_2.x not found", long after the container started.
-fn check_glibc(lowers: &[PathBuf], what: &str, needs: &str) -> Result<(), SlurmError> {
-    let host = glibc_version(&[PathBuf::from("/")]).ok_or_else(|| {
+/// Both versions come from answers kept in the state directory ([`memo`]) while their files are
+/// unchanged (an image's by its digest alone).
+fn check_glibc(
+    config: &Config,
+    lowers: &[PathBuf],
+    what: &str,
+    needs: &str,
+) -> Result<(), SlurmError> {
+    let host = glibc_of(config, &[PathBuf::from("/")]).ok_or_else(|| {
         SlurmError::host(format!(
             "{what}: this node's glibc version is unknown (no libc.so.6 in {}): {needs} cannot \
              be brought into containers here",
             LIBC_PATHS[0]
         ))
     })?;
-    match glibc_version(lowers) {
+    match glibc_of(config, lowers) {
         Some(image) if image >= host => Ok(()),
         Some(image) => Err(SlurmError::input(format!(
             "{what}: the image's glibc {}.{} is older than this node's {}.{}, which {needs} \
@@ -269,21 +280,52 @@ fn check_glibc(lowers: &[PathBuf], what: &str, needs: &str) -> Result<(), SlurmE
     }
 }
 
-/// The glibc version of the first of `roots` (image layers, topmost first) that has one, read
-/// from libc.so.6's "release version X.Y" banner. Each layer's file is opened beneath it,
-/// following none of the image's symlinks, so an image cannot steer root to a host file.
 /// The most bytes of a libc.so.6 read for its version banner.
 const LIBC_MAX: u64 = 16 << 20;
 
-pub(crate) fn glibc_version(roots: &[PathBuf]) -> Option<(u32, u32)> {
-    roots.iter().find_map(|root| {
-        let dir = std::fs::File::open(root).ok()?;
+/// [`glibc_version`] of `roots`, kept in the state directory with the libc.so.6 files it looked
+/// at.
+pub(crate) fn glibc_of(config: &Config, roots: &[PathBuf]) -> Option<(u32, u32)> {
+    let dirs: Vec<Option<File>> = roots.iter().map(|r| File::open(r).ok()).collect();
+    let memo = memo::Memo::new(&config.runtime.state_dir, "glibc", roots);
+    if let Some(answer) = memo.recall(&dirs) {
+        let mut words = answer.split(' ');
+        return match (words.next(), words.next()) {
+            (Some(major), Some(minor)) => Some((major.parse().ok()?, minor.parse().ok()?)),
+            _ => None,
+        };
+    }
+    let mut inputs = memo::Inputs::new(memo::fixed_roots(&config.squashfs.mount_dir, roots));
+    let version = glibc_version(&dirs, &mut inputs);
+    let answer = version.map_or("none".to_string(), |(a, b)| format!("{a} {b}"));
+    memo.keep(&inputs, &answer);
+    version
+}
+
+/// The glibc version of the first of `roots` (image layers, topmost first, opened) that has one,
+/// read from libc.so.6's "release version X.Y" banner; each file looked at is noted in `inputs`.
+/// Each layer's file is opened beneath it, following none of the image's symlinks, so an image
+/// cannot steer root to a host file.
+pub(crate) fn glibc_version(
+    roots: &[Option<File>],
+    inputs: &mut memo::Inputs,
+) -> Option<(u32, u32)> {
+    roots.iter().enumerate().find_map(|(i, dir)| {
+        let Some(dir) = dir.as_ref() else {
+            inputs.note(i, Path::new("."), None);
+            return None;
+        };
         LIBC_PATHS.iter().find_map(|rel| {
+            let rel = Path::new(rel);
             // Non-blocking and regular files only (a FIFO there must not hold a step's start),
             // and bounded (glibc's libc.so.6 is ~2 MiB; an image's may be anything).
             let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK;
-            let fd = berth_sys::privfs::open_beneath(&dir, Path::new(rel), flags, 0, false).ok()?;
-            let mut file = std::fs::File::from(fd);
+            let Ok(fd) = berth_sys::privfs::open_beneath(dir, rel, flags, 0, false) else {
+                inputs.note(i, rel, memo::sig_beneath(Some(dir), rel));
+                return None;
+            };
+            let mut file = File::from(fd);
+            inputs.note(i, rel, memo::sig_of(&file));
             if !file.metadata().ok()?.is_file() {
                 return None;
             }
@@ -324,16 +366,20 @@ mod tests {
 
     #[test]
     fn image_glibc_is_compared_with_the_hosts() {
-        let host = glibc_version(&[PathBuf::from("/")]).expect("the test host has glibc");
+        let state = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.runtime.state_dir = state.path().to_path_buf();
+        let state = &config;
+        let host = glibc_of(state, &[PathBuf::from("/")]).expect("the test host has glibc");
         let image = tempfile::tempdir().unwrap();
         let lib = image.path().join("usr/lib64");
         std::fs::create_dir_all(&lib).unwrap();
         let what = "--container-slurm";
-        let e = check_glibc(&[image.path().to_path_buf()], what, "x").unwrap_err();
+        let e = check_glibc(state, &[image.path().to_path_buf()], what, "x").unwrap_err();
         assert!(e.to_string().contains("the image has no glibc"), "{e}");
         let old = format!("release version {}.{}.", host.0, host.1 - 1);
         std::fs::write(lib.join("libc.so.6"), old).unwrap();
-        let e = check_glibc(&[image.path().to_path_buf()], what, "x").unwrap_err();
+        let e = check_glibc(state, &[image.path().to_path_buf()], what, "x").unwrap_err();
         assert!(e.to_string().contains("is older than this node's"), "{e}");
         assert_eq!(e.to_string().lines().count(), 1);
         std::fs::write(
@@ -341,16 +387,16 @@ mod tests {
             format!("release version {}.{}.", host.0, host.1),
         )
         .unwrap();
-        check_glibc(&[image.path().to_path_buf()], what, "x").unwrap();
+        check_glibc(state, &[image.path().to_path_buf()], what, "x").unwrap();
         // A symlink in the image is not followed to the host's file.
         std::fs::remove_file(lib.join("libc.so.6")).unwrap();
         std::os::unix::fs::symlink("/usr/lib/x86_64-linux-gnu/libc.so.6", lib.join("libc.so.6"))
             .unwrap();
-        assert!(check_glibc(&[image.path().to_path_buf()], what, "x").is_err());
+        assert!(check_glibc(state, &[image.path().to_path_buf()], what, "x").is_err());
         // A FIFO in its place is not read (the check would otherwise block the step's start).
         std::fs::remove_file(lib.join("libc.so.6")).unwrap();
         nix::unistd::mkfifo(&lib.join("libc.so.6"), nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let e = check_glibc(&[image.path().to_path_buf()], what, "x").unwrap_err();
+        let e = check_glibc(state, &[image.path().to_path_buf()], what, "x").unwrap_err();
         assert!(e.to_string().contains("the image has no glibc"), "{e}");
     }
 

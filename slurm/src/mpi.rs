@@ -13,6 +13,10 @@
 //! least the newest `GLIBC_x.y` the host's libraries need (their ELF version needs, not the
 //! host's glibc version: an image older than the host still takes an MPI built for older
 //! systems); and every library the host's libraries need is either bound too or in the image.
+//! A compatible pairing's answer is kept (crate::hostsw's memo) with the image files it was
+//! read from, and recalled while they are unchanged; the host's side is the gathered
+//! directory's, whose name changes with the host's files. `berth gc` removes gathered
+//! directories no longer current and bound by no container ([`reclaim`]).
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -23,6 +27,7 @@ use berth_spec::BindMount;
 
 use crate::SlurmError;
 use crate::config::Config;
+use crate::hostsw::memo::{self, Inputs, Memo};
 
 /// Where the host's MPI libraries appear in the container, first in its LD_LIBRARY_PATH.
 pub const LIB_DIR: &str = "/usr/lib/berth/host-mpi";
@@ -82,9 +87,63 @@ pub fn mpi_binds(
     what: &str,
 ) -> Result<Vec<BindMount>, SlurmError> {
     let hs = &config.host_software;
+    let (names, binds) = library_binds(config)?;
+    // What the host's libraries are is read from them once per set of files (as their
+    // gathered copies are made), then from the facts file beside the copies.
+    let stage = Stage::new(&config.runtime.state_dir, &binds);
+    let facts = match stage.as_ref().ok().and_then(Stage::facts) {
+        Some(facts) => facts,
+        None => HostFacts::read(&binds, what)?,
+    };
+    let host = facts.mpi.clone().ok_or_else(|| {
+        SlurmError::host(format!(
+            "{what}: no libmpi.so of this node among host_software.mpi_libraries: ask the site \
+             to name its MPI in berth.toml, or use the image's MPI ({what} left out)"
+        ))
+    })?;
+    // The image's side is read only when no answer for this pairing is kept with its files
+    // unchanged (the image's library directories, its libmpi and libc.so.6; a store image's
+    // digest names all of them).
+    let dirs: Vec<Option<File>> = lowers.iter().map(|l| File::open(l).ok()).collect();
+    let memo = Memo::new(
+        &config.runtime.state_dir,
+        "mpi",
+        (facts.to_text(), &names, lowers),
+    );
+    if memo.recall(&dirs).as_deref() != Some(COMPATIBLE) {
+        let mut inputs = Inputs::new(memo::fixed_roots(&config.squashfs.mount_dir, lowers));
+        let image = Image::read(&dirs, &mut inputs);
+        check_pairing(&host, &facts, &names, &image, what)?;
+        memo.keep(&inputs, COMPATIBLE);
+    }
+    // One bind of a directory instead of one per library: each bind costs the step's start
+    // about a millisecond, and a site's MPI is tens of files.
+    let mut binds = match stage.and_then(|st| st.make(&facts)) {
+        Ok(dir) => vec![BindMount {
+            source: dir,
+            destination: PathBuf::from(LIB_DIR),
+            readonly: true,
+        }],
+        Err(e) => {
+            tracing::warn!(
+                "{what}: gathering the host's MPI libraries under {}: {e}: binding each",
+                config.runtime.state_dir.join("host-mpi").display()
+            );
+            binds
+        }
+    };
+    binds.extend(crate::hostsw::configured(&hs.mpi_paths, "mpi_paths")?);
+    Ok(binds)
+}
+
+/// The configured MPI libraries that exist here, each a bind into [`LIB_DIR`] under its own
+/// name, and those names.
+fn library_binds(
+    config: &Config,
+) -> Result<(BTreeSet<std::ffi::OsString>, Vec<BindMount>), SlurmError> {
     let mut names = BTreeSet::new();
     let mut binds = Vec::new();
-    for lib in crate::hostsw::configured(&hs.mpi_libraries, "mpi_libraries")? {
+    for lib in crate::hostsw::configured(&config.host_software.mpi_libraries, "mpi_libraries")? {
         let Some(name) = lib.destination.file_name().map(|n| n.to_os_string()) else {
             continue;
         };
@@ -97,25 +156,127 @@ pub fn mpi_binds(
             });
         }
     }
-    // What the host's libraries are is read from them once per set of files (as their
-    // gathered copies are made), then from the facts file beside the copies.
-    let stage = Stage::new(&config.runtime.state_dir, &binds);
-    let facts = match stage.as_ref().ok().and_then(Stage::facts) {
-        Some(facts) => facts,
-        None => HostFacts::read(&binds, what)?,
+    Ok((names, binds))
+}
+
+/// How long a gathered directory is kept after it was made, current or not: a step may have
+/// chosen it a moment ago and not yet bound it.
+const GATHERED_GRACE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// How long a kept check answer ([`memo`]) that no step recalled stays.
+const MEMO_AGE: std::time::Duration = std::time::Duration::from_secs(2 * 24 * 3600);
+
+/// `berth gc`'s part: removes the gathered copies of the host's MPI
+/// (`<state_dir>/host-mpi/<hash>` and its facts) that are not the current libraries' and that
+/// no container has bound (no mount namespace of a process shows them), and the check answers
+/// no step used for two days. One line for each copy removed.
+pub fn reclaim(config: &Config) -> Vec<String> {
+    let state_dir = &config.runtime.state_dir;
+    let mut out = Vec::new();
+    let removed = memo::reclaim(state_dir, MEMO_AGE);
+    if removed > 0 {
+        out.push(format!(
+            "removed {removed} unused host-software check answers"
+        ));
+    }
+    let base = state_dir.join("host-mpi");
+    let Ok(meta) = std::fs::symlink_metadata(&base) else {
+        return out;
     };
-    let HostFacts {
-        mpi: host_mpi,
-        glibc: needs_glibc,
-        needed,
-    } = facts.clone();
-    let host = host_mpi.ok_or_else(|| {
-        SlurmError::host(format!(
-            "{what}: no libmpi.so of this node among host_software.mpi_libraries: ask the site \
-             to name its MPI in berth.toml, or use the image's MPI ({what} left out)"
-        ))
-    })?;
-    let image = Image::read(lowers);
+    if memo::own_dir(&base).is_err() || !meta.is_dir() {
+        return out;
+    }
+    let current = library_binds(config)
+        .ok()
+        .and_then(|(_, binds)| Stage::new(state_dir, &binds).ok())
+        .and_then(|st| st.dir.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let bound = bound_gathered();
+    let now = std::time::SystemTime::now();
+    let mut gone = BTreeSet::new();
+    for entry in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let hash = name.split('.').next().unwrap_or_default().to_string();
+        let young = entry
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| now.duration_since(t).ok())
+            .is_none_or(|age| age < GATHERED_GRACE);
+        if current.as_deref() == Some(hash.as_str()) || bound.contains(&hash) || young {
+            continue;
+        }
+        let path = entry.path();
+        let removed = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Ok(()) if gone.insert(hash.clone()) => {
+                out.push(format!(
+                    "removed the host MPI copy {}",
+                    base.join(&hash).display()
+                ));
+            }
+            Ok(()) => {}
+            Err(e) => tracing::warn!("removing {}: {e}", path.display()),
+        }
+    }
+    out
+}
+
+/// The names of the gathered directories some mount namespace has bound: the last component of
+/// a mount's root (its 4th field in mountinfo) under a `host-mpi` directory, read once per
+/// namespace.
+fn bound_gathered() -> BTreeSet<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = BTreeSet::new();
+    let mut bound = BTreeSet::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        if !entry
+            .file_name()
+            .to_string_lossy()
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+        {
+            continue;
+        }
+        let proc = entry.path();
+        let Ok(ns) = std::fs::metadata(proc.join("ns/mnt")) else {
+            continue;
+        };
+        if !seen.insert((ns.dev(), ns.ino())) {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(proc.join("mountinfo")) else {
+            continue;
+        };
+        for line in text.lines() {
+            let Some(root) = line.split(' ').nth(3) else {
+                continue;
+            };
+            if let Some((parent, name)) = root.rsplit_once('/')
+                && parent.ends_with("/host-mpi")
+            {
+                bound.insert(name.to_string());
+            }
+        }
+    }
+    bound
+}
+
+/// What the checks' answer for a compatible pairing is kept as.
+const COMPATIBLE: &str = "compatible";
+
+/// Refuses an image whose MPI is not the host's ABI or is newer than the host's, whose glibc is
+/// older than the host's libraries need, or which lacks a library they need that is not bound.
+fn check_pairing(
+    host: &Abi,
+    facts: &HostFacts,
+    names: &BTreeSet<std::ffi::OsString>,
+    image: &Image,
+    what: &str,
+) -> Result<(), SlurmError> {
     let theirs = image.mpi.clone().ok_or_else(|| {
         SlurmError::input(format!(
             "{what}: the image has no MPI library (libmpi.so or libmpich.so in its library \
@@ -146,7 +307,7 @@ pub fn mpi_binds(
             host.major
         )));
     }
-    if let Some(need) = needs_glibc {
+    if let Some(need) = facts.glibc {
         match image.glibc {
             Some(have) if have >= need => {}
             Some(have) => {
@@ -166,7 +327,8 @@ pub fn mpi_binds(
             }
         }
     }
-    let missing: Vec<String> = needed
+    let missing: Vec<String> = facts
+        .needed
         .iter()
         .filter(|n| !names.contains(std::ffi::OsStr::new(n.as_str())) && !image.has(n))
         .cloned()
@@ -179,24 +341,7 @@ pub fn mpi_binds(
             missing.join(", ")
         )));
     }
-    // One bind of a directory instead of one per library: each bind costs the step's start
-    // about a millisecond, and a site's MPI is tens of files.
-    let mut binds = match stage.and_then(|st| st.make(&facts)) {
-        Ok(dir) => vec![BindMount {
-            source: dir,
-            destination: PathBuf::from(LIB_DIR),
-            readonly: true,
-        }],
-        Err(e) => {
-            tracing::warn!(
-                "{what}: gathering the host's MPI libraries under {}: {e}: binding each",
-                config.runtime.state_dir.join("host-mpi").display()
-            );
-            binds
-        }
-    };
-    binds.extend(crate::hostsw::configured(&hs.mpi_paths, "mpi_paths")?);
-    Ok(binds)
+    Ok(())
 }
 
 /// What the checks need of the host's MPI libraries.
@@ -287,9 +432,9 @@ impl HostFacts {
 /// The directory of the state directory holding copies of the libraries a set of binds names
 /// (each real file once, under its own name, and a relative symlink for each other name of it,
 /// which resolves inside the container too), and beside it what they are ([`HostFacts`]);
-/// made once per set of host files: named by a hash of their paths, inodes, sizes and mtimes,
-/// so an upgrade of the host's MPI makes a new one and a running container keeps the one it
-/// has (old ones go with the state directory's tmpfs).
+/// made once per set of host files: named by a hash of their paths, inodes, sizes, mtimes and
+/// ctimes, so an upgrade of the host's MPI makes a new one and a running container keeps the
+/// one it has (`berth gc` removes old ones no container binds: [`reclaim`]).
 struct Stage {
     dir: PathBuf,
     /// (name in the directory, the host's file of that name)
@@ -310,7 +455,13 @@ impl Stage {
                 continue;
             };
             (name, &lib.source, meta.dev(), meta.ino(), meta.len()).hash(&mut hash);
-            (meta.mtime(), meta.mtime_nsec()).hash(&mut hash);
+            (
+                meta.mtime(),
+                meta.mtime_nsec(),
+                meta.ctime(),
+                meta.ctime_nsec(),
+            )
+                .hash(&mut hash);
             files.push((name.to_os_string(), lib.source.clone()));
         }
         let base = state_dir.join("host-mpi");
@@ -439,20 +590,25 @@ struct Image {
 }
 
 impl Image {
-    fn read(lowers: &[PathBuf]) -> Image {
+    /// Reads the image's layers (`roots`, opened, topmost first), noting in `inputs` each
+    /// directory and file it looked at.
+    fn read(roots: &[Option<File>], inputs: &mut Inputs) -> Image {
         let mut names = BTreeSet::new();
         let mut mpi: Option<Abi> = None;
-        for layer in lowers {
-            let Ok(root) = File::open(layer) else {
+        for (i, root) in roots.iter().enumerate() {
+            let Some(root) = root else {
+                inputs.note(i, Path::new("."), None);
                 continue;
             };
             for rel in LIB_DIRS {
+                let rel = Path::new(rel);
                 let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY;
-                let Ok(fd) =
-                    berth_sys::privfs::open_beneath(&root, Path::new(rel), flags, 0, false)
-                else {
+                let Ok(fd) = berth_sys::privfs::open_beneath(root, rel, flags, 0, false) else {
+                    inputs.note(i, rel, memo::sig_beneath(Some(root), rel));
                     continue;
                 };
+                // A directory's mtime and ctime change with each name made, removed or renamed.
+                inputs.note(i, rel, memo::sig_of(&fd));
                 let Ok(mut dir) = nix::dir::Dir::from_fd(fd) else {
                     continue;
                 };
@@ -465,7 +621,7 @@ impl Image {
                     mpi = here
                         .iter()
                         .filter(|n| n.starts_with("libmpi.so.") || n.starts_with("libmpich.so."))
-                        .filter_map(|n| image_mpi(&root, &Path::new(rel).join(n), n))
+                        .filter_map(|n| image_mpi(root, &rel.join(n), n, i, inputs))
                         .max_by_key(|a| (a.major == 40 || a.major == 12, a.minor));
                 }
                 names.extend(here);
@@ -474,7 +630,7 @@ impl Image {
         Image {
             names,
             mpi,
-            glibc: crate::hostsw::glibc_version(lowers),
+            glibc: crate::hostsw::glibc_version(roots, inputs),
         }
     }
 
@@ -483,11 +639,22 @@ impl Image {
     }
 }
 
-/// The ABI of the image's MPI library at `rel` beneath `root`: a regular file only (a symlink
-/// is not followed; the file it names is listed too), non-blocking, its SONAME read bounded.
-fn image_mpi(root: &File, rel: &Path, name: &str) -> Option<Abi> {
+/// The ABI of the image's MPI library at `rel` beneath `root` (layer `layer`, noted in
+/// `inputs`): a regular file only (a symlink is not followed; the file it names is listed too),
+/// non-blocking, its SONAME read bounded.
+fn image_mpi(
+    root: &File,
+    rel: &Path,
+    name: &str,
+    layer: usize,
+    inputs: &mut Inputs,
+) -> Option<Abi> {
     let flags = nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK;
-    let fd = berth_sys::privfs::open_beneath(root, rel, flags, 0, false).ok()?;
+    let Ok(fd) = berth_sys::privfs::open_beneath(root, rel, flags, 0, false) else {
+        inputs.note(layer, rel, memo::sig_beneath(Some(root), rel));
+        return None;
+    };
+    inputs.note(layer, rel, memo::sig_of(&fd));
     let file = File::from(fd);
     if !file.metadata().ok()?.is_file() {
         return None;
@@ -689,7 +856,7 @@ mod tests {
         std::fs::create_dir_all(&libdir).unwrap();
         library(&libdir, "libmpich.so.12.3.0", "libmpich.so.12", "strlen(s)");
         std::os::unix::fs::symlink("libmpich.so.12.3.0", libdir.join("libmpi.so.12")).unwrap();
-        let image = Image::read(&[dir.path().to_path_buf()]);
+        let image = Image::read(&[File::open(dir.path()).ok()], &mut Inputs::default());
         let mpi = image.mpi.clone().unwrap();
         assert_eq!((mpi.major, mpi.minor), (12, Some(3)));
         assert!(image.has("libmpi.so.12"));
@@ -703,7 +870,10 @@ mod tests {
         );
         std::fs::remove_file(libdir.join("libmpich.so.12.3.0")).unwrap();
         std::os::unix::fs::symlink(&outside, libdir.join("libmpi.so.40.30.4")).unwrap();
-        assert_eq!(Image::read(&[dir.path().to_path_buf()]).mpi, None);
+        assert_eq!(
+            Image::read(&[File::open(dir.path()).ok()], &mut Inputs::default()).mpi,
+            None
+        );
     }
 
     /// A host MPI of `libmpi.so.40.30.4` (and `libdep.so.1`, which it needs) under `host`, and
@@ -823,6 +993,154 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("the image has no MPI library"), "{e}");
+    }
+
+    /// The answers kept under `state` (host-sw/mpi-*).
+    fn kept(state: &Path) -> Vec<PathBuf> {
+        let Ok(dir) = std::fs::read_dir(state.join(memo::DIR)) else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("mpi-"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_kept_answer_is_checked_again_when_the_image_or_the_hosts_mpi_changes() {
+        let host = tempfile::tempdir().unwrap();
+        let mut config = host_mpi(host.path());
+        config
+            .host_software
+            .mpi_libraries
+            .push(format!("{}/libdep.so.1", host.path().display()));
+        let state = tempfile::tempdir().unwrap();
+        config.runtime.state_dir = state.path().to_path_buf();
+        let what = "--container-mpi=host";
+        let image = image_with(30, "2.99");
+        std::fs::write(image.path().join("usr/lib64/libdep.so.1"), "").unwrap();
+        let lowers = [image.path().to_path_buf()];
+        // Files changed within the last second are read again rather than trusted.
+        mpi_binds(&config, &lowers, what).unwrap();
+        assert!(
+            kept(state.path()).is_empty(),
+            "a just-made image is not kept"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        mpi_binds(&config, &lowers, what).unwrap();
+        assert_eq!(
+            kept(state.path()).len(),
+            1,
+            "the compatible pairing is kept"
+        );
+        let text = std::fs::read_to_string(&kept(state.path())[0]).unwrap();
+        assert!(text.starts_with("answer compatible\n"), "{text}");
+        assert!(text.contains(" usr/lib64/libmpi.so.40.30.0\n"), "{text}");
+        assert!(text.contains(" usr/lib64/libc.so.6\n"), "{text}");
+        mpi_binds(&config, &lowers, what).unwrap();
+        // The image's libmpi replaced by a newer Open MPI's: refused, not recalled.
+        let lib = image.path().join("usr/lib64");
+        let newer = library(&lib, "newer.so", "libmpi.so.40", "strlen(s)");
+        std::fs::rename(&newer, lib.join("libmpi.so.40.31.0")).unwrap();
+        std::fs::remove_file(lib.join("libmpi.so.40.30.0")).unwrap();
+        let e = mpi_binds(&config, &lowers, what).unwrap_err().to_string();
+        assert!(
+            e.contains("libmpi.so.40.31.0), newer than this node's"),
+            "{e}"
+        );
+        // Back to a compatible one; then the image's libc.so.6 rewritten in place (same
+        // inode, same directory) with an older glibc: refused, not recalled.
+        std::fs::rename(lib.join("libmpi.so.40.31.0"), lib.join("libmpi.so.40.30.0")).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        mpi_binds(&config, &lowers, what).unwrap();
+        std::fs::write(lib.join("libc.so.6"), "release version 2.1.").unwrap();
+        let e = mpi_binds(&config, &lowers, what).unwrap_err().to_string();
+        assert!(e.contains("the image's glibc 2.1 is older"), "{e}");
+        std::fs::write(lib.join("libc.so.6"), "release version 2.99.").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        mpi_binds(&config, &lowers, what).unwrap();
+        let before = mpi_binds(&config, &lowers, what).unwrap()[0].source.clone();
+        // The host's MPI downgraded below the image's: a new gathered directory, and the
+        // pairing checked again (refused).
+        std::fs::remove_file(host.path().join("libmpi.so.40.30.4")).unwrap();
+        std::fs::remove_file(host.path().join("libmpi.so.40")).unwrap();
+        // (Built aside: its C source would match the configured libmpi.so.40* too.)
+        let build = tempfile::tempdir().unwrap();
+        let older = host.path().join("libmpi.so.40.29.0");
+        let built = library(
+            build.path(),
+            "libmpi.so.40.29.0",
+            "libmpi.so.40",
+            "strlen(s)",
+        );
+        std::fs::rename(built, &older).unwrap();
+        std::os::unix::fs::symlink("libmpi.so.40.29.0", host.path().join("libmpi.so.40")).unwrap();
+        let e = mpi_binds(&config, &lowers, what).unwrap_err().to_string();
+        assert!(
+            e.contains("newer than this node's Open MPI (libmpi.so.40.29.0)"),
+            "{e}"
+        );
+        // Back to a compatible host MPI of new files: another directory than before.
+        std::fs::remove_file(&older).unwrap();
+        std::fs::remove_file(host.path().join("libmpi.so.40")).unwrap();
+        let built = library(
+            build.path(),
+            "libmpi.so.40.30.4",
+            "libmpi.so.40",
+            "strlen(s)",
+        );
+        std::fs::rename(built, host.path().join("libmpi.so.40.30.4")).unwrap();
+        std::os::unix::fs::symlink("libmpi.so.40.30.4", host.path().join("libmpi.so.40")).unwrap();
+        let after = mpi_binds(&config, &lowers, what).unwrap()[0].source.clone();
+        assert_ne!(before, after, "a changed host MPI is gathered again");
+    }
+
+    #[test]
+    fn gc_removes_old_gathered_copies_but_not_the_current_one() {
+        let host = tempfile::tempdir().unwrap();
+        let mut config = host_mpi(host.path());
+        config
+            .host_software
+            .mpi_libraries
+            .push(format!("{}/libdep.so.1", host.path().display()));
+        let state = tempfile::tempdir().unwrap();
+        config.runtime.state_dir = state.path().to_path_buf();
+        let image = image_with(30, "2.99");
+        std::fs::write(image.path().join("usr/lib64/libdep.so.1"), "").unwrap();
+        let lowers = [image.path().to_path_buf()];
+        let current = mpi_binds(&config, &lowers, "--mpi=host").unwrap()[0]
+            .source
+            .clone();
+        let base = state.path().join("host-mpi");
+        let old = base.join("00000000000000aa");
+        std::fs::create_dir(&old).unwrap();
+        std::fs::write(old.join("libmpi.so.40.1.0"), "").unwrap();
+        std::fs::write(old.with_extension("facts"), "").unwrap();
+        // Young ones stay (a step may be about to bind it).
+        assert!(
+            reclaim(&config)
+                .iter()
+                .all(|l| !l.contains("host MPI copy"))
+        );
+        assert!(old.is_dir());
+        let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        for p in [&old, &old.with_extension("facts"), &current] {
+            std::fs::File::open(p)
+                .unwrap()
+                .set_modified(long_ago)
+                .unwrap();
+        }
+        let lines = reclaim(&config);
+        assert_eq!(
+            lines,
+            [format!("removed the host MPI copy {}", old.display())]
+        );
+        assert!(!old.exists() && !old.with_extension("facts").exists());
+        assert!(current.is_dir(), "the current copy stays");
+        assert!(current.with_extension("facts").is_file());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `berth gc`: reclaims containers whose berth process died (cgroups and state directories),
 //! the lazy image servers no container uses, the scratch of jobs that ended without an Epilog,
-//! and expired retained scratch. The image store's garbage is `berth images gc`'s (images.rs).
+//! expired retained scratch, and old copies of the host's MPI (slurm::mpi::reclaim). The image
+//! store's garbage is `berth images gc`'s (images.rs).
 
 use std::time::Duration;
 
@@ -15,7 +16,8 @@ use crate::runtime::state;
 /// Reclaims the leftovers of berth processes that were killed (their cgroups and state),
 /// unmounts squashfs/SIF images no container uses, stops the lazy image servers no container
 /// uses, removes the scratch of jobs Slurm no longer runs and retained scratch past
-/// scratch.retention_days. It never removes an image: the image
+/// scratch.retention_days, and the copies of the host's MPI from before its upgrade that no
+/// container binds. It never removes an image: the image
 /// store is cleaned by `berth images gc` (least recently used images, unused layers). Needs
 /// root; berth-gc.timer runs it hourly.
 #[derive(Debug, Args)]
@@ -53,6 +55,10 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
         outln!("{line}");
     }
     for line in super::prolog::housekeeping(config) {
+        outln!("{line}");
+    }
+    // Copies of the host's MPI from before its upgrade, once no container binds them.
+    for line in crate::slurm::mpi::reclaim(config) {
         outln!("{line}");
     }
     Ok(0)
