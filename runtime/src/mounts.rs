@@ -142,11 +142,13 @@ pub fn open_source_as_user(
     user: &UserIds,
     block_devices: bool,
 ) -> std::io::Result<OwnedFd> {
-    let device = privfs::as_user(user, || -> std::io::Result<Option<OwnedFd>> {
+    // One thread as the user for both opens (each as_user is a thread started and joined).
+    let (fd, device) = privfs::as_user(user, || -> std::io::Result<(OwnedFd, bool)> {
         let fd = nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
         let kind = nix::sys::stat::fstat(&fd)?.st_mode & libc::S_IFMT;
         if kind != libc::S_IFCHR && kind != libc::S_IFBLK {
-            return Ok(None);
+            let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+            return Ok((nix::fcntl::open(source, flags, Mode::empty())?, false));
         }
         if kind == libc::S_IFBLK && !block_devices {
             return Err(std::io::Error::new(
@@ -157,11 +159,12 @@ pub fn open_source_as_user(
         if may_access(&fd, libc::R_OK).is_err() {
             may_access(&fd, libc::W_OK)?;
         }
-        Ok(Some(fd))
+        Ok((fd, true))
     })??;
-    match device {
-        Some(fd) => Ok(fd),
-        None => privfs::open_readable_as_user(source, user).map(OwnedFd::from),
+    if device {
+        Ok(fd)
+    } else {
+        privfs::readable(fd).map(OwnedFd::from)
     }
 }
 

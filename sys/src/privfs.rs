@@ -73,7 +73,15 @@ pub fn open_as_user(path: &Path, user: &UserIds, flags: OFlag) -> std::io::Resul
 /// reading as the user, so it is a directory the user can list or a file the user can read.
 /// Never blocks on a FIFO.
 pub fn open_readable_as_user(path: &Path, user: &UserIds) -> std::io::Result<File> {
-    let fd = open_as_user(path, user, OFlag::O_RDONLY | OFlag::O_NONBLOCK)?;
+    readable(open_as_user(
+        path,
+        user,
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK,
+    )?)
+}
+
+/// [`open_readable_as_user`]'s checks of what a user's thread opened `O_RDONLY | O_NONBLOCK`.
+pub fn readable(fd: OwnedFd) -> std::io::Result<File> {
     let file = File::from(fd);
     let kind = file.metadata()?.file_type();
     if !kind.is_dir() && !kind.is_file() {
