@@ -3,12 +3,16 @@
 # `unshare + chroot`, interleaved, on the same busybox rootfs. See bench/README.md.
 #
 # Usage: sudo bench/start-latency/run.sh [-n ROUNDS] [--tools berth,runc,unshare] [--parallel P]
+#                                        [--baseline BIN]
 #
 #   -n, --rounds N   timed rounds (default 30, or $BENCH_ROUNDS); 3 untimed warm-up rounds first
 #   --tools LIST     arms to run, comma-separated, from berth,runc,unshare (default: all three)
 #   --parallel P     then starts per second with P in flight (default 8; 0 skips it), 3 rounds
 #                    of $BENCH_STARTS starts (default 400) per arm
 #   --state-disk     berth's state_dir on the temp dir's filesystem instead of a tmpfs
+#   --baseline BIN   also time BIN (another berth, e.g. a release build of an earlier commit)
+#                    with the same config and rootfs, as the arm `base`, and print berth/base:
+#                    before/after of a change in one run
 #   BERTH_BENCH_CONFIG=FILE   berth config to use instead of the generated one, which sets
 #                             [cgroup] root = "/sys/fs/cgroup/unified/berth-bench" and
 #                             [runtime] state_dir = a tmpfs under the bench's temp dir
@@ -22,13 +26,15 @@ starts=${BENCH_STARTS:-400}
 tools=berth,runc,unshare
 parallel=8
 state_disk=0
+baseline=
 while [ $# -gt 0 ]; do
   case $1 in
     -n | --rounds) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; rounds=$2; shift 2 ;;
     --tools) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; tools=$2; shift 2 ;;
     --parallel) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; parallel=$2; shift 2 ;;
     --state-disk) state_disk=1; shift ;;
-    -h | --help) sed -n '5,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --baseline) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; baseline=$2; shift 2 ;;
+    -h | --help) sed -n '5,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -39,6 +45,10 @@ if ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then die "rounds must be a positive integer
 if ! [[ $parallel =~ ^[0-9]+$ ]]; then die "--parallel must be a number (0 skips the arm), got '$parallel'"; fi
 if ! [[ $starts =~ ^[1-9][0-9]*$ ]]; then die "BENCH_STARTS must be a positive integer, got '$starts'"; fi
 want() { [[ ,$tools, == *",$1,"* ]]; }
+if [ -n "$baseline" ]; then
+  [ -x "$baseline" ] || die "--baseline $baseline: not an executable file"
+  want berth || die "--baseline needs the berth arm (--tools berth,...)"
+fi
 for t in ${tools//,/ }; do
   case $t in berth | runc | unshare) ;; *) die "unknown tool '$t' in --tools (expected berth, runc, unshare)" ;; esac
 done
@@ -142,6 +152,13 @@ $out"
 $out"
   arms+=("berth run=$(python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' \
     "$berth" --config "$config" run --rootfs "$rootfs" -- /bin/true)")
+  if [ -n "$baseline" ]; then
+    out=$("$baseline" --config "$config" run --rootfs "$rootfs" -- /bin/cat /etc/os-release 2>&1) ||
+      die "the baseline's run failed (exit $?): $out"
+    arms+=("base run=$(python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' \
+      "$baseline" --config "$config" run --rootfs "$rootfs" -- /bin/true)")
+    ratios+=(--ratio berth/base:1.05)
+  fi
   want runc && ratios+=(--ratio berth/runc:0.5)
   want unshare && ratios+=(--ratio berth/unshare:1.5)
 fi
@@ -182,6 +199,7 @@ if [ "$parallel" -gt 0 ]; then
   tratios=()
   want berth && want unshare && tratios+=(--ratio berth/unshare)
   want berth && want runc && tratios+=(--ratio berth/runc)
+  [ -n "$baseline" ] && tratios+=(--ratio berth/base)
   python3 "$here/throughput.py" --parallel "$parallel" --starts "$starts" --rounds 3 \
     "${tratios[@]}" "${arms[@]}" || die "throughput measurement failed (see above)"
   want berth && echo "goal: berth >= 200/s with $parallel in parallel"
