@@ -3,7 +3,8 @@
 //! `lmod`, integration/setup.sh) with a module tree made here (`--container-modules`, `berth run
 //! --modules`); the host's Open MPI under the image's MPI program (`--container-mpi=host`,
 //! `berth run --mpi=host`) and its ABI and glibc refusals (images made here with the host's cc),
-//! on a real one-host Slurm
+//! the check's kept answers following a changed image, `berth gc` removing old copies of the
+//! host's MPI, on a real one-host Slurm
 //! of this file's own (integration/slurm/start.sh with its own state directory and free ports,
 //! started once per test binary, stopped at exit), as a non-root user, in the Debian image of
 //! integration/slurm/mpi-image.sh. Run as root:
@@ -646,6 +647,166 @@ fn container_mpi_host_refuses_an_mpich_image_and_one_too_old_for_the_hosts_libra
         &["-n1", &img, "--container-mpi=image", "true"],
     ));
     assert!(!stderr(&o).contains("--container-mpi"), "{}", show(&o));
+}
+
+/// The node's berth state directory (the one-node cluster's).
+fn berth_state() -> PathBuf {
+    cluster().state.join("berth/state")
+}
+
+/// The kept answers of the host-MPI check (`host-sw/mpi-*`) that name `file` beneath an image.
+fn kept_mpi_answers(file: &str) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(berth_state().join("host-sw")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("mpi-"))
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter(|t| t.lines().any(|l| l.ends_with(&format!(" {file}"))))
+        .collect()
+}
+
+/// The gathered host MPI's facts (`host-mpi/<hash>.facts`, made by a `--container-mpi=host`
+/// step here): the host's libmpi minor and the libraries its libraries need.
+fn host_mpi_facts() -> (u32, Vec<String>) {
+    let img = format!("--container-image={}", debian_image());
+    let o = output(slurm_as_user(
+        "srun",
+        &["-n1", &img, "--container-mpi=host", "true"],
+    ));
+    assert!(o.status.success(), "{}", show(&o));
+    let dir = berth_state().join("host-mpi");
+    let facts = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().ends_with(".facts"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .expect("a facts file beside the gathered libraries");
+    let minor = facts
+        .lines()
+        .find_map(|l| l.strip_prefix("mpi "))
+        .and_then(|l| l.split(' ').nth(2))
+        .and_then(|m| m.parse().ok())
+        .expect("the host's libmpi minor");
+    let needed = facts
+        .lines()
+        .filter_map(|l| l.strip_prefix("needed "))
+        .map(String::from)
+        .collect();
+    (minor, needed)
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn a_kept_mpi_check_is_recalled_only_while_the_images_files_are_unchanged() {
+    let (minor, needed) = host_mpi_facts();
+    // A user's directory image the host's MPI fits: its libmpi no newer, a new enough glibc,
+    // every library the host's need (empty files: only their names are checked).
+    let file = format!("libmpi.so.40.{minor}.0");
+    let image = fake_mpi_image("kept-image", &file, "libmpi.so.40", "2.99");
+    let lib = image.join(format!("usr/lib/{}-linux-gnu", std::env::consts::ARCH));
+    for name in &needed {
+        if !lib.join(name).exists() {
+            std::fs::write(lib.join(name), "").unwrap();
+        }
+    }
+    let rel = format!("usr/lib/{}-linux-gnu/{file}", std::env::consts::ARCH);
+    let img = format!("--container-image={}", image.display());
+    let step = || {
+        output(slurm_as_user(
+            "srun",
+            &["-n1", &img, "--container-mpi=host", "true"],
+        ))
+    };
+    // Passing the check, the step fails only later (the image has no /bin/true).
+    let passes = |o: &Output| !stderr(o).contains("--container-mpi=host");
+    // An answer read from files changed within the last second is not kept.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let o = step();
+    assert!(passes(&o), "{}", show(&o));
+    let kept = kept_mpi_answers(&rel);
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(kept[0].starts_with("answer compatible\n"), "{}", kept[0]);
+    let o = step();
+    assert!(passes(&o), "{}", show(&o));
+    assert_eq!(kept_mpi_answers(&rel).len(), 1, "recalled, not kept again");
+    // The image's libmpi replaced by a newer Open MPI's: checked again, refused.
+    let newer = format!("libmpi.so.40.{}.0", minor + 1);
+    std::fs::rename(lib.join(&file), lib.join(&newer)).unwrap();
+    let line = mpi_refusal(&step());
+    assert!(
+        line.contains(&format!(
+            "the image's MPI is Open MPI ({newer}), newer than this node's"
+        )),
+        "{line}"
+    );
+    std::fs::rename(lib.join(&newer), lib.join(&file)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let o = step();
+    assert!(passes(&o), "{}", show(&o));
+    // Its libc.so.6 rewritten in place (same inode, same directory) with an older glibc.
+    std::fs::write(
+        lib.join("libc.so.6"),
+        "GNU C Library (fake) stable release version 2.17.\n",
+    )
+    .unwrap();
+    let line = mpi_refusal(&step());
+    assert!(
+        line.contains("the image's glibc 2.17 is older than the 2."),
+        "{line}"
+    );
+}
+
+#[test]
+#[ignore = "root tier: run as root"]
+fn berth_gc_removes_old_host_mpi_copies_and_keeps_the_current_one() {
+    host_mpi_facts();
+    let dir = berth_state().join("host-mpi");
+    let current: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(current.iter().any(|p| p.is_dir()), "{current:?}");
+    // A copy from before an upgrade of the host's MPI, made long ago, bound by no container.
+    let old = dir.join("00000000000000aa");
+    std::fs::create_dir(&old).unwrap();
+    std::fs::write(old.join("libmpi.so.40.1.0"), "").unwrap();
+    std::fs::write(old.with_extension("facts"), "").unwrap();
+    let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    for p in [&old, &old.with_extension("facts")] {
+        std::fs::File::open(p)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
+    }
+    let gc = || {
+        let mut cmd = Command::new(berth_bin());
+        cmd.arg("--config")
+            .arg(&cluster().berth_config)
+            .arg("gc")
+            .stdin(Stdio::null());
+        output(cmd)
+    };
+    let o = gc();
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        stdout(&o).contains(&format!("removed the host MPI copy {}", old.display())),
+        "{}",
+        show(&o)
+    );
+    assert!(!old.exists() && !old.with_extension("facts").exists());
+    // The current copy stays, old as it may be, and steps still use it.
+    for p in &current {
+        std::fs::File::open(p)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
+    }
+    let o = gc();
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(current.iter().all(|p| p.exists()), "{}", show(&o));
+    host_mpi_facts();
 }
 
 /// Where the two-node cluster keeps its state.

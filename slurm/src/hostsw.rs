@@ -287,7 +287,9 @@ const LIBC_MAX: u64 = 16 << 20;
 /// at.
 pub(crate) fn glibc_of(config: &Config, roots: &[PathBuf]) -> Option<(u32, u32)> {
     let dirs: Vec<Option<File>> = roots.iter().map(|r| File::open(r).ok()).collect();
-    let memo = memo::Memo::new(&config.runtime.state_dir, "glibc", roots);
+    let fixed = memo::fixed_roots(&config.squashfs.mount_dir, roots);
+    let key = memo::root_ids(roots, &dirs, &fixed);
+    let memo = memo::Memo::new(&config.runtime.state_dir, "glibc", key);
     if let Some(answer) = memo.recall(&dirs) {
         let mut words = answer.split(' ');
         return match (words.next(), words.next()) {
@@ -295,7 +297,7 @@ pub(crate) fn glibc_of(config: &Config, roots: &[PathBuf]) -> Option<(u32, u32)>
             _ => None,
         };
     }
-    let mut inputs = memo::Inputs::new(memo::fixed_roots(&config.squashfs.mount_dir, roots));
+    let mut inputs = memo::Inputs::new(fixed);
     let version = glibc_version(&dirs, &mut inputs);
     let answer = version.map_or("none".to_string(), |(a, b)| format!("{a} {b}"));
     memo.keep(&inputs, &answer);

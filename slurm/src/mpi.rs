@@ -105,13 +105,15 @@ pub fn mpi_binds(
     // unchanged (the image's library directories, its libmpi and libc.so.6; a store image's
     // digest names all of them).
     let dirs: Vec<Option<File>> = lowers.iter().map(|l| File::open(l).ok()).collect();
-    let memo = Memo::new(
-        &config.runtime.state_dir,
-        "mpi",
-        (facts.to_text(), &names, lowers),
+    let fixed = memo::fixed_roots(&config.squashfs.mount_dir, lowers);
+    let key = (
+        facts.to_text(),
+        &names,
+        memo::root_ids(lowers, &dirs, &fixed),
     );
+    let memo = Memo::new(&config.runtime.state_dir, "mpi", key);
     if memo.recall(&dirs).as_deref() != Some(COMPATIBLE) {
-        let mut inputs = Inputs::new(memo::fixed_roots(&config.squashfs.mount_dir, lowers));
+        let mut inputs = Inputs::new(fixed);
         let image = Image::read(&dirs, &mut inputs);
         check_pairing(&host, &facts, &names, &image, what)?;
         memo.keep(&inputs, COMPATIBLE);

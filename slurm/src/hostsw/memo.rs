@@ -2,11 +2,12 @@
 //! while every file they were read from is as it was: a step's start then stats a few files
 //! (each opened beneath its root, following no symlink) instead of reading megabytes of them —
 //! the host's libc.so.6, and the image's, from a squashfs that is decompressed anew at every
-//! mount. A file is "as it was" when its inode, size, mtime, ctime and type are; not its
-//! device, which changes with each mount of a squashfs image (whose inode numbers are the
-//! image's own). A root is part of the key by its path: an image's layer is mounted at a path
-//! named by its digest, a `--rootfs` directory is checked file by file (a user can set a file's
-//! mtime, not its ctime). Only root writes here: the directory is berth's, 0700, checked.
+//! mount. A file is "as it was" when its inode, size, mtime, ctime and type are (a user can set
+//! a file's mtime, not its ctime); not its device, which changes with each mount of a squashfs
+//! image. A store image's layer, mounted at a path named by its content's digest, is in the key
+//! by that path and nothing beneath it is checked again; any other root (a user's directory
+//! image, attached at another path for each container) by its device and inode, its files
+//! checked at each recall. Only root writes here: the directory is berth's, 0700, checked.
 
 use std::fs::File;
 use std::hash::{Hash, Hasher};
@@ -97,6 +98,29 @@ impl Inputs {
                 .push((root, rel.to_string_lossy().into_owned(), sig));
         }
     }
+}
+
+/// What names each of `roots` (opened as `dirs`) in an answer's key: a fixed root's path (its
+/// digest); another's device and inode, which stay when the same directory is attached at
+/// another path for each container (a user's directory image).
+pub(crate) fn root_ids(roots: &[PathBuf], dirs: &[Option<File>], fixed: &[bool]) -> Vec<String> {
+    roots
+        .iter()
+        .enumerate()
+        .map(|(i, root)| {
+            if fixed.get(i).copied().unwrap_or(false) {
+                return root.display().to_string();
+            }
+            match dirs
+                .get(i)
+                .and_then(|d| d.as_ref())
+                .map(nix::sys::stat::fstat)
+            {
+                Some(Ok(st)) => format!("{}:{}", st.st_dev, st.st_ino),
+                _ => format!("missing {}", root.display()),
+            }
+        })
+        .collect()
 }
 
 /// Which of `roots` cannot change under a kept answer: a squashfs image mounted read-only at
@@ -321,6 +345,22 @@ mod tests {
         let link = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(mounts.path(), link.path().join("m")).unwrap();
         assert_eq!(fixed_roots(&link.path().join("m"), &roots[..1]), [true]);
+        // Another root is named by what it is, not where: the same directory through another
+        // path has the same key.
+        let dirs = [
+            File::open(mounts.path()).ok(),
+            File::open(link.path().join("m")).ok(),
+        ];
+        let ids = root_ids(
+            &[mounts.path().to_path_buf(), link.path().join("m")],
+            &dirs,
+            &[false, false],
+        );
+        assert_eq!(ids[0], ids[1]);
+        assert_eq!(
+            root_ids(&roots[..1], &[None], &[true]),
+            [roots[0].display().to_string()]
+        );
         // Nothing beneath a fixed root is noted: its answer is kept at once.
         let mut inputs = Inputs::new(vec![true, false]);
         inputs.note(0, Path::new("usr/lib64/libc.so.6"), None);
