@@ -113,6 +113,10 @@ struct Cluster {
     /// its squashfs, and the node's store.
     pre_image: String,
     pre_sqsh: PathBuf,
+    /// `t/pre:1`'s squashfs published again in 512 KiB chunks (`lazy:docker://…/t/restart:1`)
+    /// for the server restart test, and the md5 of its `/zz-noise.bin`.
+    restart_image: String,
+    pre_md5: String,
     store: PathBuf,
 }
 
@@ -246,7 +250,11 @@ fn cluster() -> &'static Cluster {
         };
         // t/auto:1 pushed whole (its /form says so), its lazy form beside it as t/auto:1-lazy.
         let mut entries = harness::busybox_entries("linux/amd64");
-        entries.push(harness::Entry::File("form".into(), b"full\n".to_vec(), 0o644));
+        entries.push(harness::Entry::File(
+            "form".into(),
+            b"full\n".to_vec(),
+            0o644,
+        ));
         harness::Uploader::new(&registry.host(), None).image(
             "t/auto",
             Some("1"),
@@ -265,8 +273,18 @@ fn cluster() -> &'static Cluster {
         // are neither the superblock's nor the tables' at the end, which mounting reads.
         let uncompressed = ["-noI", "-noD", "-noF", "-noX", "-no-fragments"];
         let noise = ("zz-noise.bin", 64 << 20);
-        let (pre_sqsh, _) = squashfs_with(&work, "pre", 10, noise, &uncompressed, "pre\n");
+        let (pre_sqsh, pre_md5) = squashfs_with(&work, "pre", 10, noise, &uncompressed, "pre\n");
         publish_as(&pre_sqsh, "t/pre:1");
+        // The same squashfs in 512 KiB chunks: another index, so a cache and servers of its own
+        // (for the server restart test; the registry has the blob already).
+        ok(Command::new(&berth)
+            .arg("--config")
+            .arg(&berth_config)
+            .args(["lazy", "publish", "--chunk-kib", "512"])
+            .arg(&pre_sqsh)
+            .arg(format!("docker://{}/t/restart:1", registry.host()))
+            .output()
+            .unwrap());
         let publish = |sqsh: &Path, tag: &str| {
             let reference = format!("docker://{}/t/lazy:{tag}", registry.host());
             ok(Command::new(&berth)
@@ -335,6 +353,8 @@ fn cluster() -> &'static Cluster {
             auto_image: format!("docker://{registry_host}/t/auto:1"),
             pre_image: format!("lazy:docker://{registry_host}/t/pre:1"),
             pre_sqsh,
+            pre_md5,
+            restart_image: format!("lazy:docker://{registry_host}/t/restart:1"),
             store: state.join("berth/store"),
             registry: registry_host,
             config_on,
@@ -575,7 +595,11 @@ fn steps_of_two_users_share_one_server_which_a_cancel_leaves_and_gc_stops() {
 
 impl Step {
     fn start_with(who: &str, cmd: &str, args: &[&str]) -> Step {
-        let mut child = slurm_as(who, cmd, args)
+        Step::spawn(slurm_as(who, cmd, args))
+    }
+
+    fn spawn(mut command: Command) -> Step {
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -773,10 +797,14 @@ fn a_plain_reference_runs_lazily_where_the_site_says_and_its_lazy_form_is_publis
     let img = format!("--container-image={}", c.auto_image);
     // registry.lazy_tag_suffix = "-lazy": t/auto:1-lazy is a lazy image, so the step (and the
     // job's Prolog before it) runs that, served by the node's server of it.
-    let mut on = Step::start(
-        "berthlazy",
-        &[&img, "sh", "-c", "cat /form; echo up; exec sleep 300"],
+    let go = c.cwd.join("lazy-auto-go");
+    let _ = std::fs::remove_file(&go);
+    let script = format!(
+        "cat /form; echo up; while [ ! -e {g} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.2; done",
+        g = go.display()
     );
+    let mounts = format!("--container-mounts={}", c.cwd.display());
+    let mut on = Step::start("berthlazy", &[&img, &mounts, "sh", "-c", &script]);
     on.wait_for("up", 120);
     assert!(
         on.seen.iter().any(|l| l == "lazy"),
@@ -785,7 +813,21 @@ fn a_plain_reference_runs_lazily_where_the_site_says_and_its_lazy_form_is_publis
     );
     let served = servers_of("t/auto:1-lazy");
     assert_eq!(served.len(), 1, "no server of t/auto:1-lazy: {served:?}");
-    drop(on);
+    std::fs::write(&go, "").unwrap();
+    on.finish(60);
+    let run = |c: &Cluster| {
+        berth_root(&[
+            "run",
+            "--image",
+            &c.auto_image,
+            "--",
+            "/bin/busybox",
+            "cat",
+            "/form",
+        ])
+    };
+    let lazily = run(c);
+    assert_eq!(stdout(&lazily), "lazy\n", "berth run: {}", stderr(&lazily));
 
     // The option off: the same reference is imported whole, as before.
     let _back = ConfigBack;
@@ -794,6 +836,8 @@ fn a_plain_reference_runs_lazily_where_the_site_says_and_its_lazy_form_is_publis
         .output()
         .unwrap();
     assert_eq!(stdout(&off), "full\n", "{}", stderr(&off));
+    let whole = run(c);
+    assert_eq!(stdout(&whole), "full\n", "berth run: {}", stderr(&whole));
     let images = berth_root(&["images", "ls"]);
     assert!(
         stdout(&images).contains("t/auto:1"),
@@ -811,7 +855,11 @@ fn chunks_of(sqsh: &Path, file: &Path, chunk: u64) -> std::ops::RangeInclusive<u
         .windows(4096)
         .position(|w| w == &want[..4096])
         .expect("the file's bytes in the squashfs (made with -noD)");
-    assert_eq!(&image[at..at + want.len()], &want[..], "stored in one piece");
+    assert_eq!(
+        &image[at..at + want.len()],
+        &want[..],
+        "stored in one piece"
+    );
     let (first, last) = (at as u64, (at + want.len() - 1) as u64);
     first / chunk..=last / chunk
 }
@@ -870,5 +918,236 @@ fn the_prolog_fetches_what_the_entrypoint_reads_and_far_fewer_than_all_chunks() 
         "the Prolog fetched {} of {} chunks: not a bounded prefetch",
         cached.len(),
         m.len()
+    );
+}
+
+/// Where the two-slurmd cluster keeps its state.
+fn two_node_state() -> PathBuf {
+    PathBuf::from(format!("{}-2nodes", state_path().display()))
+}
+
+/// A second cluster, of two slurmd on this host (start.sh --nodes 2), with a berth
+/// configuration of its own (the first cluster's, its own state, store, mounts and cgroup), for
+/// `-N2` steps; started on first use, stopped at exit. Its slurm.conf and berth.toml.
+fn two_nodes() -> &'static (PathBuf, PathBuf) {
+    static TWO: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    TWO.get_or_init(|| {
+        let c = cluster();
+        let state = two_node_state();
+        let one = format!("{}/", state_path().display());
+        // start.sh gives each slurmd a mount namespace binding a state directory of its own
+        // over runtime.state_dir, as hosts of their own have: the image mounts go there too
+        // (hosts do not share their squashfs.mount_dir either).
+        let config = c
+            .config_on
+            .replace(
+                &format!("{one}berth/images"),
+                &format!("{}/berth/state/images", state.display()),
+            )
+            .replace(&one, &format!("{}/", state.display()))
+            .replace("-lazy-slurm\"", "-lazy-slurm-2\"");
+        let berth_config = PathBuf::from(format!("{}.toml", state.display()));
+        std::fs::write(&berth_config, config).unwrap();
+        extern "C" fn stop_two() {
+            let _ = Command::new("bash")
+                .arg(repo().join("integration/slurm/stop.sh"))
+                .arg("--state")
+                .arg(two_node_state())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        // SAFETY: registering a plain function to run at process exit.
+        unsafe { libc::atexit(stop_two) };
+        let plugin = std::env::var_os("BERTH_TEST_PLUGIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(BERTH).parent().unwrap().join("libspank_berth.so"));
+        // slurmctld's port and one per slurmd, consecutive.
+        let port = (0..50)
+            .map(|_| free_port_pair())
+            .find(|p| std::net::TcpListener::bind(("0.0.0.0", p + 2)).is_ok())
+            .expect("three consecutive free ports");
+        let out = Command::new("bash")
+            .arg(repo().join("integration/slurm/start.sh"))
+            .arg("--state")
+            .arg(&state)
+            .args(["--nodes", "2"])
+            .arg("--plugin")
+            .arg(&plugin)
+            .arg("--berth")
+            .arg(berth_bin())
+            .arg("--berth-config")
+            .arg(&berth_config)
+            .env("BERTH_SLURM_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("running integration/slurm/start.sh --nodes 2");
+        assert!(
+            out.status.success(),
+            "integration/slurm/start.sh --nodes 2 failed:\n{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        (state.join("etc/slurm.conf"), berth_config)
+    })
+}
+
+/// The live lazy image servers started with the berth configuration `config`: pid and
+/// reference.
+fn servers_with(config: &Path) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let words: Vec<String> = cmd
+            .split(|b| *b == 0)
+            .filter(|w| !w.is_empty())
+            .map(|w| String::from_utf8_lossy(w).into_owned())
+            .collect();
+        if words.windows(2).any(|w| w[0] == "lazy" && w[1] == "serve")
+            && words.iter().any(|w| Path::new(w) == config)
+        {
+            found.push((pid, words.last().cloned().unwrap_or_default()));
+        }
+    }
+    found
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_lazy_image_runs_on_two_slurmd_by_lazy_ref_and_by_the_site_option() {
+    let c = cluster();
+    let (conf, berth_config) = two_nodes();
+    // Each task says its node and what it read, then holds the step (the job's Epilog would
+    // stop the servers) until the servers are looked at.
+    let run = |image: &str, what: &str, go: &Path| {
+        let _ = std::fs::remove_file(go);
+        let script = format!(
+            "echo $SLURMD_NODENAME {what}; while [ ! -e {g} ] && [ $((n+=1)) -lt 600 ]; do \
+             sleep 0.2; done",
+            g = go.display()
+        );
+        let mut cmd = slurm_as(
+            "berthlazy",
+            "srun",
+            &[
+                "-N2",
+                "-n2",
+                &format!("--container-image={image}"),
+                &format!("--container-mounts={}", c.cwd.display()),
+                "sh",
+                "-c",
+                &script,
+            ],
+        );
+        cmd.env("SLURM_CONF", conf);
+        let mut step = Step::spawn(cmd);
+        let until = Instant::now() + Duration::from_secs(120);
+        while step.seen.len() < 2 {
+            let left = until.saturating_duration_since(Instant::now());
+            match step.lines.recv_timeout(left) {
+                Ok(l) => step.seen.push(l),
+                Err(_) => panic!("two tasks did not start: {:?}", step.seen),
+            }
+        }
+        let mut lines = step.seen.clone();
+        lines.sort();
+        (step, lines)
+    };
+    let nodes_of = |lines: &[String]| {
+        lines
+            .iter()
+            .filter_map(|l| l.split(' ').next().map(str::to_string))
+            .collect::<std::collections::BTreeSet<String>>()
+    };
+    let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+
+    // Every task reads the image, on each node.
+    let go = c.cwd.join("lazy-two-go");
+    let lazy = format!("lazy:docker://{}/t/lazy:1", c.registry);
+    let (step, lines) = run(&lazy, "$(cat /hello.txt) $(md5sum /big.bin)", &go);
+    assert_eq!(nodes_of(&lines).len(), 2, "not on two nodes: {lines:?}");
+    for l in &lines {
+        assert!(
+            l.contains("lazy hello") && l.contains(&c.big_md5),
+            "a task read the image wrong: {lines:?}"
+        );
+    }
+    // Each node's own server (started by its Prolog, in its slurmd's mount namespace).
+    let served: Vec<(u32, String)> = servers_with(berth_config)
+        .into_iter()
+        .filter(|(_, r)| r.ends_with("t/lazy:1"))
+        .collect();
+    assert_eq!(served.len(), 2, "{served:?}");
+    assert_ne!(ns(served[0].0), ns(served[1].0), "{served:?}");
+    std::fs::write(&go, "").unwrap();
+    step.finish(60);
+
+    // The site option: the plain reference runs lazily on both nodes, each node's server.
+    let (step, lines) = run(&c.auto_image, "$(cat /form)", &go);
+    assert_eq!(nodes_of(&lines).len(), 2, "not on two nodes: {lines:?}");
+    assert!(lines.iter().all(|l| l.ends_with(" lazy")), "{lines:?}");
+    let served: Vec<(u32, String)> = servers_with(berth_config)
+        .into_iter()
+        .filter(|(_, r)| r.ends_with("t/auto:1-lazy"))
+        .collect();
+    assert_eq!(served.len(), 2, "{served:?}");
+    assert_ne!(ns(served[0].0), ns(served[1].0), "{served:?}");
+    std::fs::write(&go, "").unwrap();
+    step.finish(60);
+}
+
+#[test]
+#[ignore = "root tier"]
+fn a_killed_server_gives_its_containers_eio_and_the_next_container_a_new_server() {
+    let c = cluster();
+    let img = format!("--container-image={}", c.restart_image);
+    let go = c.cwd.join("lazy-restart-go");
+    let _ = std::fs::remove_file(&go);
+    // A container of the image, started; it reads its big file only after its server died.
+    let script = format!(
+        "cat /form; while [ ! -e {g} ] && [ $((n+=1)) -lt 600 ]; do sleep 0.2; done; \
+         md5sum /zz-noise.bin 2>&1; echo rc=$?",
+        g = go.display()
+    );
+    let mounts = format!("--container-mounts={}", c.cwd.display());
+    let mut step = Step::start("berthlazy", &[&img, &mounts, "sh", "-c", &script]);
+    step.wait_for("pre", 120);
+    let served = servers_of("t/restart:1");
+    assert_eq!(served.len(), 1, "{served:?}");
+    // The server dies (SIGKILL, as the OOM killer does).
+    // SAFETY: kill(2) of the server this test's step started.
+    unsafe { libc::kill(i32::try_from(served[0]).unwrap(), libc::SIGKILL) };
+    eventually(10, "the killed server to be gone", || {
+        servers_of("t/restart:1").is_empty()
+    });
+    std::fs::write(&go, "").unwrap();
+    let start = Instant::now();
+    let said = step.finish(120);
+    eprintln!("the container's read after its server died: {said:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "the read hung: {said:?}"
+    );
+    assert!(
+        said.iter().any(|l| l.contains("Input/output error")),
+        "no EIO: {said:?}"
+    );
+    assert_ne!(said.last().map(String::as_str), Some("rc=0"), "{said:?}");
+    assert!(!said.iter().any(|l| l.starts_with(&c.pre_md5)), "{said:?}");
+
+    // The next container of the image starts a new server and reads it whole.
+    let out = slurm_as("berthlazy", "srun", &[&img, "md5sum", "/zz-noise.bin"])
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&out).starts_with(&c.pre_md5),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
     );
 }
