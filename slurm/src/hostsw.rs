@@ -130,6 +130,11 @@ fn expand(entry: &Path, listings: &mut Listings) -> Vec<PathBuf> {
             found = found.into_iter().map(|p| p.join(name)).collect();
             continue;
         }
+        // The literal start of the pattern settles most names without the matcher.
+        let literal = &bytes[..bytes
+            .iter()
+            .position(|b| *b == b'*' || *b == b'?')
+            .unwrap_or(bytes.len())];
         let mut next = Vec::new();
         for dir in found {
             let listing = listings.entry(dir.clone()).or_insert_with(|| {
@@ -142,7 +147,10 @@ fn expand(entry: &Path, listings: &mut Listings) -> Vec<PathBuf> {
             });
             let mut names: Vec<_> = listing
                 .iter()
-                .filter(|n| wildcard(bytes, n.as_encoded_bytes()))
+                .filter(|n| {
+                    let n = n.as_encoded_bytes();
+                    n.starts_with(literal) && wildcard(bytes, n)
+                })
                 .cloned()
                 .collect();
             names.sort();
