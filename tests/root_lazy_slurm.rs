@@ -6,7 +6,11 @@
 //! cancelled, stopped by `berth gc` once no container uses it; every task of a step, named
 //! containers and `--container-save` on a lazy image; a second index of the same blob changes
 //! nothing a running container reads; a registry that stalls mid-read gives the reader EIO
-//! within `registry.lazy_read_deadline_s`.
+//! within `registry.lazy_read_deadline_s`; `registry.lazy_tag_suffix` runs a plain reference's
+//! published lazy form (a step and `berth run`), and without it the image is imported whole;
+//! the Prolog's prefetch caches the chunks of what the image's command starts and few others;
+//! `srun -N2` on a second cluster of two slurmd, each node's own server serving it; a killed
+//! server's containers get EIO and the next container a new server.
 //! Run as root: `cargo test --test root_lazy_slurm -- --ignored --test-threads=1`
 //! (`BERTH_TEST_BIN`, `BERTH_TEST_PLUGIN`: an older berth and SPANK plugin).
 

@@ -1,9 +1,9 @@
 //! The site option `registry.lazy_tag_suffix`: a registry image whose lazy form is published
 //! beside it (`REPO:TAG<suffix>`, as `berth lazy publish` pushes it) is run lazily by Slurm steps,
 //! the Prolog, `berth run` and `berth create`, without the user writing `lazy:`. The lookup is
-//! one manifest GET with the user's credentials; whatever it finds other than a lazy image (no
-//! such tag, another kind of manifest, a registry error) leaves the image to the full import,
-//! which says what is wrong with the image itself.
+//! one manifest GET with the user's credentials (per mirror tried, as a pull); whatever it
+//! finds other than a lazy image (no such tag, another kind of manifest, a registry error)
+//! leaves the image to the full import, which says what is wrong with the image itself.
 
 use berth_image::{Reference, reference};
 use berth_spec::UserIds;
