@@ -25,6 +25,11 @@
 # it pre-imports the job's image, which the step waits for):
 #   srun full   an empty store: srun --container-image=REF /bin/true
 #   srun lazy   no server, an empty chunk cache: srun --container-image=lazy:LAZYREF /bin/true
+# and the job's total wall time for a workload that reads ~10 % of the image (the first tenth of
+# its data shards, cat to /dev/null), from an empty store / no server and an empty chunk cache:
+#   srun work full   srun --container-image=REF sh -c 'cat SHARDS >/dev/null'
+#   srun work lazy   srun --container-image=lazy:LAZYREF sh -c 'cat SHARDS >/dev/null'
+# (srun's wall time: the Prolog, the image, the read; the ratio lazy/full is printed, goal <= 0.5).
 set -euo pipefail
 
 gib=5
@@ -39,7 +44,7 @@ while [ $# -gt 0 ]; do
     --work) [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }; work=$2; shift 2 ;;
     --keep) keep=1; shift ;;
     --srun) srun_arms=1; shift ;;
-    -h | --help) sed -n '6,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '6,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -198,19 +203,33 @@ jobs_done() {
   die "the benchmark's job did not leave the queue within 300 s"
 }
 srun_lazy() { srun_as "lazy:docker://$host/bench/lazy:lazy"; }
+# The first tenth (rounded up) of the gib*4 data shards of 256 MiB each: ~10 % of the image.
+shards=$(((gib * 4 + 9) / 10))
+work_cmd="cat $(for i in $(seq 0 $((shards - 1))); do printf '/data/shard-%03d.bin ' "$i"; done)>/dev/null"
+srun_work() { SLURM_CONF=$work/slurm/etc/slurm.conf srun -n1 --container-image="$1" /bin/sh -c "$work_cmd"; }
+srun_work_full() { srun_work "docker://$host/bench/lazy:1"; }
+srun_work_lazy() { srun_work "lazy:docker://$host/bench/lazy:lazy"; }
+# A cold start for a Slurm arm: no lazy server (the Epilog stops it; gc again to be sure), an
+# empty store and chunk cache, the page cache dropped.
+cold() {
+  "$BERTH" --config "$cfg" gc >/dev/null
+  rm -rf "$work/store"
+  settle
+}
 fetched=()
 for r in $(seq 1 "$rounds"); do
   if [ "$srun_arms" -eq 1 ]; then
-    # No lazy server left from an earlier arm (the Epilog stops it; gc again to be sure).
-    "$BERTH" --config "$cfg" gc >/dev/null
-    rm -rf "$work/store"
-    settle
+    cold
     timed srun_full srun_full
     jobs_done
-    "$BERTH" --config "$cfg" gc >/dev/null
-    rm -rf "$work/store"
-    settle
+    cold
     timed srun_lazy srun_lazy
+    jobs_done
+    cold
+    timed srun_work_full srun_work_full
+    jobs_done
+    cold
+    timed srun_work_lazy srun_work_lazy
     jobs_done
   fi
   rm -rf "$work/store"
@@ -240,4 +259,10 @@ if [ "$srun_arms" -eq 1 ]; then
   echo "srun, full import (cold): $(secs "$sf") s   [all: $(for x in ${t[srun_full]}; do printf '%s ' "$(secs "$x")"; done)]"
   echo "srun, lazy (cold cache):  $(secs "$sl") s   [all: $(for x in ${t[srun_lazy]}; do printf '%s ' "$(secs "$x")"; done)]"
   awk -v a="$sf" -v b="$sl" 'BEGIN { printf "ratio srun lazy / srun full: %.3f (srun full / lazy: %.1fx)\n", b / a, a / b }'
+  wf=$(echo "${t[srun_work_full]}" | median)
+  wl=$(echo "${t[srun_work_lazy]}" | median)
+  echo "job reading $shards of $((gib * 4)) shards (~10 %), srun wall:"
+  echo "  full import (cold):     $(secs "$wf") s   [all: $(for x in ${t[srun_work_full]}; do printf '%s ' "$(secs "$x")"; done)]"
+  echo "  lazy (cold cache):      $(secs "$wl") s   [all: $(for x in ${t[srun_work_lazy]}; do printf '%s ' "$(secs "$x")"; done)]"
+  awk -v a="$wf" -v b="$wl" 'BEGIN { printf "ratio job lazy / job full: %.3f (goal <= 0.5)\n", b / a }'
 fi
