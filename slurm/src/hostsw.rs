@@ -55,7 +55,7 @@ pub fn slurm_binds(
     lowers: &[PathBuf],
     what: &str,
 ) -> Result<Vec<BindMount>, SlurmError> {
-    let binds = configured(&config.host_software.slurm_paths, "slurm_paths")?;
+    let binds = configured_kept(config, &config.host_software.slurm_paths, "slurm_paths")?;
     if binds.is_empty() {
         return Err(SlurmError::input(format!(
             "{what}: none of host_software.slurm_paths exists on this node: ask the site to \
@@ -74,7 +74,7 @@ pub fn module_binds(
     lowers: &[PathBuf],
     what: &str,
 ) -> Result<Vec<BindMount>, SlurmError> {
-    let binds = configured(&config.host_software.module_paths, "module_paths")?;
+    let binds = configured_kept(config, &config.host_software.module_paths, "module_paths")?;
     if binds.is_empty() {
         return Err(SlurmError::input(format!(
             "{what}: none of host_software.module_paths exists on this node: ask the site to \
@@ -121,7 +121,7 @@ type Listings = std::collections::HashMap<PathBuf, Vec<std::ffi::OsString>>;
 
 /// The existing paths an absolute `entry` names, `*` and `?` in any component expanded (in
 /// name order); an entry without them as itself.
-fn expand(entry: &Path, listings: &mut Listings) -> Vec<PathBuf> {
+fn expand(entry: &Path, listings: &mut Listings, inputs: &mut memo::Inputs) -> Vec<PathBuf> {
     let mut found = vec![PathBuf::from("/")];
     for comp in entry.components().skip(1) {
         let name = comp.as_os_str();
@@ -138,6 +138,7 @@ fn expand(entry: &Path, listings: &mut Listings) -> Vec<PathBuf> {
         let mut next = Vec::new();
         for dir in found {
             let listing = listings.entry(dir.clone()).or_insert_with(|| {
+                inputs.note_host(&dir, memo::sig_host(&dir));
                 std::fs::read_dir(&dir)
                     .into_iter()
                     .flatten()
@@ -161,15 +162,62 @@ fn expand(entry: &Path, listings: &mut Listings) -> Vec<PathBuf> {
     found
 }
 
+/// [`configured`], kept in the state directory with the directories it listed and the paths it
+/// found or missed ([`memo`]): a start then stats them instead of listing and scanning
+/// directories. A refusal is never kept.
+pub(crate) fn configured_kept(
+    config: &Config,
+    entries: &[String],
+    key: &str,
+) -> Result<Vec<BindMount>, SlurmError> {
+    const PAIR: char = '\u{1f}';
+    const NEXT: char = '\u{1e}';
+    let memo = memo::Memo::new(&config.runtime.state_dir, "paths", (key, entries));
+    if let Some(answer) = memo.recall(&[]) {
+        return Ok(answer
+            .split(NEXT)
+            .filter(|b| !b.is_empty())
+            .filter_map(|b| b.split_once(PAIR))
+            .map(|(source, destination)| BindMount {
+                source: PathBuf::from(source),
+                destination: PathBuf::from(destination),
+                readonly: true,
+            })
+            .collect());
+    }
+    let mut inputs = memo::Inputs::default();
+    let binds = configured(entries, key, &mut inputs)?;
+    let texts: Vec<(String, String)> = binds
+        .iter()
+        .map(|b| {
+            let text = |p: &Path| p.to_str().unwrap_or("\n").to_string();
+            (text(&b.source), text(&b.destination))
+        })
+        .collect();
+    if texts
+        .iter()
+        .all(|(s, d)| !s.contains([PAIR, NEXT, '\n']) && !d.contains([PAIR, NEXT, '\n']))
+    {
+        let answer: Vec<String> = texts.iter().map(|(s, d)| format!("{s}{PAIR}{d}")).collect();
+        memo.keep(&inputs, &answer.join(&NEXT.to_string()));
+    }
+    Ok(binds)
+}
+
 /// The entries of `[host_software].key` that exist here, as read-only binds; an entry that is not
-/// absolute, or that is or holds a secret, is the configuration's error.
-pub(crate) fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>, SlurmError> {
+/// absolute, or that is or holds a secret, is the configuration's error. What the answer was
+/// read from is noted in `inputs`.
+pub(crate) fn configured(
+    entries: &[String],
+    key: &str,
+    inputs: &mut memo::Inputs,
+) -> Result<Vec<BindMount>, SlurmError> {
     let mut out = Vec::new();
     let mut listings = Listings::new();
     for entry in entries {
         let pairs = match entry.split_once(':') {
             Some((s, d)) => vec![(PathBuf::from(s), PathBuf::from(d))],
-            None => expand(Path::new(entry), &mut listings)
+            None => expand(Path::new(entry), &mut listings, inputs)
                 .into_iter()
                 .map(|p| (p.clone(), p))
                 .collect(),
@@ -185,14 +233,16 @@ pub(crate) fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>
             )));
         }
         for (source, destination) in pairs {
-            let Ok(meta) = std::fs::metadata(&source) else {
+            let meta = std::fs::metadata(&source);
+            inputs.note_host(&source, meta.as_ref().ok().map(memo::Sig::of_meta));
+            let Ok(meta) = meta else {
                 tracing::debug!(
                     "host_software.{key}: {} is missing: skipped",
                     source.display()
                 );
                 continue;
             };
-            if let Some(secret) = secret_in(&source, meta.is_dir()) {
+            if let Some(secret) = secret_in(&source, meta.is_dir(), inputs) {
                 return Err(SlurmError::host(format!(
                     "host_software.{key}: {} holds {}, which no container may see: name the \
                  files themselves (or a directory without it) in berth.toml",
@@ -211,7 +261,7 @@ pub(crate) fn configured(entries: &[String], key: &str) -> Result<Vec<BindMount>
 }
 
 /// The secret `path` is (or, a directory, holds directly or one level down).
-fn secret_in(path: &Path, is_dir: bool) -> Option<PathBuf> {
+fn secret_in(path: &Path, is_dir: bool, inputs: &mut memo::Inputs) -> Option<PathBuf> {
     let named = |p: &Path| {
         p.file_name()
             .and_then(|n| n.to_str())
@@ -237,10 +287,11 @@ fn secret_in(path: &Path, is_dir: bool) -> Option<PathBuf> {
             return Some(child);
         }
         // Includes of slurm.conf often live one directory down (conf.d).
-        if child_is_dir
-            && let Some((found, _)) = entries(&child).into_iter().find(|(p, _)| named(p))
-        {
-            return Some(found);
+        if child_is_dir {
+            inputs.note_host(&child, memo::sig_host(&child));
+            if let Some((found, _)) = entries(&child).into_iter().find(|(p, _)| named(p)) {
+                return Some(found);
+            }
         }
     }
     None
@@ -418,7 +469,7 @@ mod tests {
             std::fs::write(dir.path().join(d).join("liblua5.3.so.0"), "").unwrap();
         }
         let pattern = dir.path().join("*-linux-gnu/liblua5.3*.so*");
-        let found = expand(&pattern, &mut Listings::new());
+        let found = expand(&pattern, &mut Listings::new(), &mut memo::Inputs::default());
         assert_eq!(
             found,
             [
@@ -462,17 +513,81 @@ mod tests {
             format!("{}:/etc/slurm", conf.display()),
             "/nonexistent/srun".to_string(),
         ];
-        let binds = configured(&entries, "slurm_paths").unwrap();
+        let binds = configured(&entries, "slurm_paths", &mut memo::Inputs::default()).unwrap();
         assert_eq!(binds.len(), 2);
         assert!(binds.iter().all(|b| b.readonly));
         assert_eq!(binds[1].destination, Path::new("/etc/slurm"));
         std::fs::write(conf.join("conf.d/jwt_hs256.key"), "k").unwrap();
-        let e = configured(&entries, "slurm_paths").unwrap_err().to_string();
+        let e = configured(&entries, "slurm_paths", &mut memo::Inputs::default())
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("jwt_hs256.key, which no container may see"),
             "{e}"
         );
-        let e = configured(&["relative".to_string()], "slurm_paths").unwrap_err();
+        let e = configured(
+            &["relative".to_string()],
+            "slurm_paths",
+            &mut memo::Inputs::default(),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("not an absolute"), "{e}");
+    }
+
+    #[test]
+    fn kept_configured_paths_follow_the_hosts_directories() {
+        let host = tempfile::tempdir().unwrap();
+        let conf = host.path().join("etc-slurm");
+        std::fs::create_dir_all(conf.join("conf.d")).unwrap();
+        std::fs::write(conf.join("slurm.conf"), "").unwrap();
+        std::fs::write(host.path().join("libx.so.1"), "").unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.runtime.state_dir = state.path().to_path_buf();
+        let entries = vec![
+            conf.display().to_string(),
+            format!("{}/libx.so*", host.path().display()),
+            format!("{}/missing:/m", host.path().display()),
+        ];
+        let kept = || -> Vec<PathBuf> {
+            std::fs::read_dir(state.path().join(memo::DIR))
+                .map(|d| d.flatten().map(|e| e.path()).collect())
+                .unwrap_or_default()
+        };
+        let sources = |binds: Vec<BindMount>| -> Vec<PathBuf> {
+            binds.into_iter().map(|b| b.source).collect()
+        };
+        let first = configured_kept(&config, &entries, "slurm_paths").unwrap();
+        assert!(kept().is_empty(), "just made: not kept");
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        assert_eq!(
+            configured_kept(&config, &entries, "slurm_paths").unwrap(),
+            first
+        );
+        assert_eq!(kept().len(), 1);
+        let recalled = configured_kept(&config, &entries, "slurm_paths").unwrap();
+        assert_eq!(recalled, first);
+        assert!(recalled.iter().all(|b| b.readonly));
+        // A key one directory down: refused, not recalled.
+        std::fs::write(conf.join("conf.d/jwt.key"), "k").unwrap();
+        let e = configured_kept(&config, &entries, "slurm_paths").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("jwt.key, which no container may see"),
+            "{e}"
+        );
+        std::fs::remove_file(conf.join("conf.d/jwt.key")).unwrap();
+        // A new match of a pattern, a missing source that appears.
+        std::fs::write(host.path().join("libx.so.1.2"), "").unwrap();
+        std::fs::write(host.path().join("missing"), "").unwrap();
+        assert_eq!(
+            sources(configured_kept(&config, &entries, "slurm_paths").unwrap()),
+            [
+                conf.clone(),
+                host.path().join("libx.so.1"),
+                host.path().join("libx.so.1.2"),
+                host.path().join("missing"),
+            ]
+        );
     }
 }

@@ -134,7 +134,11 @@ pub fn mpi_binds(
             binds
         }
     };
-    binds.extend(crate::hostsw::configured(&hs.mpi_paths, "mpi_paths")?);
+    binds.extend(crate::hostsw::configured_kept(
+        config,
+        &hs.mpi_paths,
+        "mpi_paths",
+    )?);
     Ok(binds)
 }
 
@@ -145,7 +149,11 @@ fn library_binds(
 ) -> Result<(BTreeSet<std::ffi::OsString>, Vec<BindMount>), SlurmError> {
     let mut names = BTreeSet::new();
     let mut binds = Vec::new();
-    for lib in crate::hostsw::configured(&config.host_software.mpi_libraries, "mpi_libraries")? {
+    for lib in crate::hostsw::configured_kept(
+        config,
+        &config.host_software.mpi_libraries,
+        "mpi_libraries",
+    )? {
         let Some(name) = lib.destination.file_name().map(|n| n.to_os_string()) else {
             continue;
         };

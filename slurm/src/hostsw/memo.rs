@@ -46,6 +46,16 @@ impl Sig {
         }
     }
 
+    pub(crate) fn of_meta(m: &std::fs::Metadata) -> Sig {
+        Sig {
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+            mode: m.mode() & libc::S_IFMT,
+        }
+    }
+
     fn text(sig: Option<Sig>) -> String {
         match sig {
             Some(s) => format!(
@@ -75,6 +85,15 @@ pub(crate) fn sig_beneath(root: Option<&File>, rel: &Path) -> Option<Sig> {
     sig_of(nix::fcntl::openat2(root?, rel, how).ok()?)
 }
 
+/// The signature of the host's `path`, symlinks followed as a bind of it follows them: for the
+/// paths the site's configuration names (no user's or image's path ever comes here).
+pub(crate) fn sig_host(path: &Path) -> Option<Sig> {
+    std::fs::metadata(path).ok().map(|m| Sig::of_meta(&m))
+}
+
+/// The root index a host path ([`Inputs::note_host`]) is kept under.
+const HOST: usize = usize::MAX;
+
 /// The files an answer was read from: (index of the root, path beneath it, signature); none
 /// of a root that cannot change ([`fixed_roots`]).
 #[derive(Debug, Default)]
@@ -90,6 +109,12 @@ impl Inputs {
             list: Vec::new(),
             fixed,
         }
+    }
+
+    /// Notes the host's absolute `path` as [`sig_host`] saw it.
+    pub(crate) fn note_host(&mut self, path: &Path, sig: Option<Sig>) {
+        self.list
+            .push((HOST, path.to_string_lossy().into_owned(), sig));
     }
 
     pub(crate) fn note(&mut self, root: usize, rel: &Path, sig: Option<Sig>) {
@@ -180,10 +205,15 @@ impl Memo {
                 continue;
             }
             let mut words = line.strip_prefix("in ")?.splitn(3, ' ');
-            let root: usize = words.next()?.parse().ok()?;
+            let root = words.next()?;
             let sig = words.next()?;
             let rel = Path::new(words.next()?);
-            if Sig::text(sig_beneath(roots.get(root)?.as_ref(), rel)) != sig {
+            let now = if root == "h" {
+                sig_host(rel)
+            } else {
+                sig_beneath(roots.get(root.parse::<usize>().ok()?)?.as_ref(), rel)
+            };
+            if Sig::text(now) != sig {
                 return None;
             }
         }
@@ -215,6 +245,11 @@ impl Memo {
         }
         let mut text = format!("answer {answer}\n");
         for (root, rel, sig) in &inputs.list {
+            let root = if *root == HOST {
+                "h".to_string()
+            } else {
+                root.to_string()
+            };
             text.push_str(&format!("in {root} {} {rel}\n", Sig::text(*sig)));
         }
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
