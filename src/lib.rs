@@ -10,6 +10,7 @@ pub mod log;
 pub use berth_cgroup as cgroup;
 pub use berth_config as config;
 pub use berth_image as image;
+pub use berth_node as node;
 pub use berth_runtime as runtime;
 pub use berth_slurm as slurm;
 pub use berth_spec as spec;

@@ -24,8 +24,8 @@ use berth_api::{
 };
 
 use berth_config::Config;
-use berth_slurm::health::{XidWindow, report};
-use berth_slurm::node::Source;
+use berth_node::health::{XidWindow, report};
+use berth_node::source::Source;
 use berth_topology::kmsg;
 
 use crate::AgentError;
@@ -73,7 +73,7 @@ fn checks(config: &Config, xid_after: Option<u64>) -> Vec<CheckResult> {
 }
 
 fn kmsg_seq(config: &Config) -> Option<u64> {
-    let host = berth_slurm::node::host(&Source::default(), config);
+    let host = berth_node::source::host(&Source::default(), config);
     kmsg::read(&host.path("/dev/kmsg"))
         .ok()
         .and_then(|r| kmsg::last_seq(&r))
@@ -162,7 +162,7 @@ fn live_jobs() -> Option<Vec<String>> {
 /// containers whose berth process died and scratch directories of jobs Slurm no longer runs
 /// (what `berth gc` and the next Prolog reclaim). Read-only; the directories read are root's.
 fn inventory(config: &Config) -> Inventory {
-    let host = berth_slurm::node::host(&Source::default(), config);
+    let host = berth_node::source::host(&Source::default(), config);
     let mut versions = std::collections::BTreeMap::new();
     if let Some(v) = small_file(Path::new("/proc/sys/kernel/osrelease")) {
         versions.insert("kernel".to_string(), v);

@@ -46,7 +46,7 @@ pub struct Config {
     pub host_software: HostSoftwareConfig,
 }
 
-/// `[host_software]`: the node's own software a container may ask for (berth_slurm::hostsw).
+/// `[host_software]`: the node's own software a container may ask for (berth_node::hostsw).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct HostSoftwareConfig {
@@ -66,7 +66,7 @@ pub struct HostSoftwareConfig {
     /// Every step gets the host's MPI unless it says `--container-mpi=image`.
     pub mpi: bool,
     /// The host's MPI libraries and the libraries they load, each bound read-only under its
-    /// own name into the container's berth_slurm::mpi::LIB_DIR (first in LD_LIBRARY_PATH); `PATH`
+    /// own name into the container's berth_node::mpi::LIB_DIR (first in LD_LIBRARY_PATH); `PATH`
     /// with `*` and `?` as `slurm_paths`.
     pub mpi_libraries: Vec<String>,
     /// What else the host's MPI needs, bound read-only at its own path (as `slurm_paths`): its

@@ -18,6 +18,9 @@ pub enum SlurmError {
     /// relative path without a working directory): bad input.
     #[error(transparent)]
     Request(#[from] berth_proto::ProtoError),
+    /// What the node's container workflows said (berth-node), kept by kind.
+    #[error(transparent)]
+    Node(#[from] berth_node::NodeError),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error(transparent)]

@@ -86,7 +86,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
     let user = spec::user::by_id(step.uid, step.gid);
     let image_text = crate::lazy::site_form(&image_text, config, &user).unwrap_or(image_text);
     let image = crate::container::resolve(&image_text, config, &user, None)
-        .map_err(|e| SlurmError::ImageUnavailable(Box::new(e)))?;
+        .map_err(|e| SlurmError::ImageUnavailable(Box::new(e.into())))?;
     let mut req = request(&step, config, &user, &image)?;
     if step
         .options
@@ -503,7 +503,7 @@ struct StepTopology {
 
 impl StepTopology {
     fn discover(step: &StepRequest, config: &Config) -> Result<Self, SlurmError> {
-        let (host, node) = crate::node::discover(&Default::default(), config)?;
+        let (host, node) = crate::source::discover(&Default::default(), config)?;
         let mut job = step.topology_job()?;
         // A step has the GPUs Slurm names, never "every GPU"; and a CUDA_VISIBLE_DEVICES the
         // user exported from a GPU machine names nothing on a node without GPUs.
@@ -576,7 +576,14 @@ impl StepTopology {
         if plan.is_empty() {
             return Ok(None);
         }
-        crate::container::inject_gpus(spec, &plan, lowers, config, "the step's GPUs", false)
+        Ok(crate::container::inject_gpus(
+            spec,
+            &plan,
+            lowers,
+            config,
+            "the step's GPUs",
+            false,
+        )?)
     }
 }
 

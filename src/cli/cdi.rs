@@ -114,7 +114,7 @@ pub fn output(args: &CdiArgs, config: &Config) -> Result<(String, i32), Failure>
             Ok((out, 0))
         }
         CdiCommand::Generate(g) => {
-            let (host, node) = crate::slurm::node::discover(&g.source.lib(), config)?;
+            let (host, node) = crate::node::source::discover(&g.source.lib(), config)?;
             let specs = cdi::generate_node(&host, &node, &g.gpu_kind, &g.hca_kind)?;
             if specs.is_empty() {
                 eprintln!("berth: no GPU and no RDMA device on this node: no CDI spec written");

@@ -9,8 +9,8 @@ use serde::Serialize;
 use super::Failure;
 use super::run::{ContainerArgs, request};
 use crate::config::Config;
+use crate::node::container::options;
 use crate::runtime::{self, join, state};
-use crate::slurm::container::options;
 use crate::spec::parse;
 
 /// Create a container that stays up, holding its namespaces, until `berth rm`
@@ -111,7 +111,7 @@ impl From<&state::Record> for PsEntry {
 
 pub fn create(args: &CreateArgs, config: &Config) -> Result<i32, Failure> {
     let prepared = request(&args.container, &[], config, true)?;
-    let created = crate::slurm::run::create(&prepared, args.name.as_deref(), config)?;
+    let created = crate::node::run::create(&prepared, args.name.as_deref(), config)?;
     if args.json {
         let text = serde_json::to_string(&created).map_err(|e| Failure::system(e.to_string()))?;
         outln!("{text}");

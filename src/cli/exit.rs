@@ -78,12 +78,26 @@ impl From<TopologyError> for Failure {
     }
 }
 
+impl From<berth_node::NodeError> for Failure {
+    fn from(e: berth_node::NodeError) -> Self {
+        use berth_node::NodeError;
+        match e {
+            NodeError::Input(m) => Failure::input(m),
+            NodeError::Host(m) => Failure::system(m),
+            NodeError::Image(e) => e.into(),
+            NodeError::Runtime(e) => e.into(),
+            NodeError::Topology(e) => e.into(),
+        }
+    }
+}
+
 impl From<SlurmError> for Failure {
     fn from(e: SlurmError) -> Self {
         match e {
             SlurmError::Input(m) => Failure::input(m),
             SlurmError::Request(e) => Failure::input(e.to_string()),
             SlurmError::Host(m) => Failure::system(m),
+            SlurmError::Node(e) => e.into(),
             SlurmError::Image(e) => e.into(),
             SlurmError::Runtime(e) => e.into(),
             SlurmError::Topology(e) => e.into(),

@@ -57,11 +57,11 @@ pub struct ExportArgs {
 
 /// Whether this export needs root (a container or a stored image; not a file or a directory).
 pub fn needs_root(args: &ExportArgs) -> bool {
-    berth_slurm::export::needs_root(args.rootfs.as_deref(), args.source.as_deref())
+    berth_node::export::needs_root(args.rootfs.as_deref(), args.source.as_deref())
 }
 
 pub fn execute(args: &ExportArgs, config: &Config) -> Result<i32, Failure> {
-    let source = berth_slurm::export::source(
+    let source = berth_node::export::source(
         args.rootfs.as_deref(),
         args.source.as_deref().unwrap_or_default(),
         config,

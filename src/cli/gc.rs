@@ -1,6 +1,6 @@
 //! `berth gc`: reclaims containers whose berth process died (cgroups and state directories),
 //! the lazy image servers no container uses, the scratch of jobs that ended without an Epilog,
-//! expired retained scratch, and old copies of the host's MPI (slurm::mpi::reclaim). The image
+//! expired retained scratch, and old copies of the host's MPI (node::mpi::reclaim). The image
 //! store's garbage is `berth images gc`'s (images.rs).
 
 use std::time::Duration;
@@ -50,7 +50,7 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
     // A lazy image's server stays for the next container of the image until then.
     for line in crate::image::lazy::server::stop_unused(
         &config.image(),
-        &crate::slurm::container::lazy_node(config),
+        &crate::node::container::lazy_node(config),
     ) {
         outln!("{line}");
     }
@@ -58,7 +58,7 @@ pub fn execute(_args: &GcArgs, config: &Config) -> Result<i32, Failure> {
         outln!("{line}");
     }
     // Copies of the host's MPI from before its upgrade, once no container binds them.
-    for line in crate::slurm::mpi::reclaim(config) {
+    for line in crate::node::mpi::reclaim(config) {
         outln!("{line}");
     }
     Ok(0)

@@ -8,8 +8,8 @@ use clap::Args;
 use super::Failure;
 use super::topo::Source;
 use crate::config::Config;
-use crate::slurm::health as node_health;
-pub use crate::slurm::health::XidWindow;
+use crate::node::health as node_health;
+pub use crate::node::health::XidWindow;
 
 /// Check GPUs, NICs and PCIe links; exit 1 with a one-line reason when the node should drain
 ///

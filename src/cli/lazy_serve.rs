@@ -36,7 +36,7 @@ pub fn execute(args: &ServeArgs, config: &Config) -> Result<i32, Failure> {
             home: args.home.clone(),
         },
         &config.image(),
-        &crate::slurm::container::lazy_node(config),
+        &crate::node::container::lazy_node(config),
     )?;
     Ok(0)
 }

@@ -8,9 +8,9 @@ use clap::Args;
 use super::Failure;
 use crate::config::Config;
 use crate::image::store::human_size;
+use crate::node::run::Flags;
+pub use crate::node::run::Prepared;
 use crate::runtime::{Exit, Outcome};
-use crate::slurm::run::Flags;
-pub use crate::slurm::run::Prepared;
 use crate::spec::{Limits, Net, parse};
 
 /// Run a command in a new container
@@ -226,7 +226,7 @@ pub fn request(
         rootfs: args.rootfs.clone(),
         // The site's lazy forms (registry.lazy_tag_suffix), looked up with the caller's logins.
         image: args.image.as_deref().map(|text| {
-            crate::slurm::lazy::site_form_for_caller(text, config).unwrap_or_else(|| text.into())
+            crate::node::lazy::site_form_for_caller(text, config).unwrap_or_else(|| text.into())
         }),
         entrypoint: args.entrypoint,
         arch: args.arch.clone(),
@@ -245,7 +245,7 @@ pub fn request(
         modules: (args.modules || args.no_modules).then_some(args.modules),
         mpi: args.mpi.as_deref().map(|m| m == "host"),
     };
-    Ok(crate::slurm::run::prepare(flags, command, config, hold)?)
+    Ok(crate::node::run::prepare(flags, command, config, hold)?)
 }
 
 pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Failure> {
@@ -257,7 +257,7 @@ pub fn execute(args: &RunArgs, config: &Config, verbose: bool) -> Result<i32, Fa
     }
     let prepared = request(&args.container, &args.command, config, false)?;
     let memory = prepared.request.limits.memory;
-    let outcome = crate::slurm::run::run(prepared, config, timeout)?;
+    let outcome = crate::node::run::run(prepared, config, timeout)?;
     if verbose {
         eprintln!("berth: {}", timings_line(&outcome));
         eprintln!("berth: {}", summary_line(&outcome));

@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 
 use super::Failure;
 use crate::config::Config;
-use crate::slurm::node as node_source;
+use crate::node::source as node_source;
 use crate::topology::bind::{self, MemPolicy};
 use crate::topology::job::Job;
 use crate::topology::node::Node;

@@ -13,9 +13,9 @@ use berth_spec::{self as spec, BindMount, HostDevice, Limits, Net, Request};
 use berth_sys::privfs;
 use berth_sys::text::elide;
 
-use crate::SlurmError;
-use crate::config::Config;
+use crate::NodeError;
 use crate::container::{Description, Resolved, host_files, options, resolve};
+use berth_config::Config;
 
 /// The flags of `berth run`/`berth create`, parsed (values checked for form; nothing on the host
 /// looked at yet).
@@ -66,12 +66,12 @@ pub fn prepare(
     command: &[String],
     config: &Config,
     hold: bool,
-) -> Result<Prepared, SlurmError> {
-    let caller = berth_sys::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
+) -> Result<Prepared, NodeError> {
+    let caller = berth_sys::user::current().map_err(|e| NodeError::input(e.to_string()))?;
     let image = image(&flags, config, &caller, hold)?;
     let user = match (&flags.user, &image.defaults.user) {
         (Some(text), _) => {
-            berth_sys::user::resolve(text).map_err(|e| SlurmError::input(format!("--user: {e}")))?
+            berth_sys::user::resolve(text).map_err(|e| NodeError::input(format!("--user: {e}")))?
         }
         // An image's User applies when root starts it, as with docker; an unprivileged caller
         // always runs as itself.
@@ -92,13 +92,13 @@ pub fn prepare(
             ) {
                 Ok(_) => Ok(m),
                 Err(e) if berth_runtime::mounts::is_block_refusal(&e) => {
-                    Err(SlurmError::input(format!(
+                    Err(NodeError::input(format!(
                         "--mount {}: the source {} is {e}",
                         elide(&text),
                         elide(&m.source.to_string_lossy())
                     )))
                 }
-                Err(e) => Err(SlurmError::input(format!(
+                Err(e) => Err(NodeError::input(format!(
                     "--mount {}: uid {} cannot read the source {}: {e}",
                     elide(&text),
                     user.uid,
@@ -110,7 +110,7 @@ pub fn prepare(
     let env_limits = config.store.env_limits();
     env_limits
         .check("--env", &flags.env)
-        .map_err(|e| SlurmError::input(e.to_string()))?;
+        .map_err(|e| NodeError::input(e.to_string()))?;
     let mut env = image.defaults.env.clone();
     let slurm = flags.slurm.unwrap_or(config.host_software.slurm);
     if slurm {
@@ -131,14 +131,14 @@ pub fn prepare(
             "the container's environment (the image's Env and --env)",
             &env,
         )
-        .map_err(|e| SlurmError::input(e.to_string()))?;
+        .map_err(|e| NodeError::input(e.to_string()))?;
     let args_line = if flags.image.is_some() {
         image.defaults.command_line(command, flags.entrypoint)
     } else {
         command.to_vec()
     };
     if args_line.is_empty() && !hold {
-        return Err(SlurmError::input(if flags.rootfs.is_some() {
+        return Err(NodeError::input(if flags.rootfs.is_some() {
             "no command given: a --rootfs directory needs one (berth run --rootfs DIR -- CMD)"
         } else {
             "no command given, and the image defines no Entrypoint or Cmd"
@@ -204,7 +204,7 @@ pub fn run(
     prepared: Prepared,
     config: &Config,
     timeout: Option<Duration>,
-) -> Result<Outcome, SlurmError> {
+) -> Result<Outcome, NodeError> {
     let (spec, ld_cache) = prepared.spec(config)?;
     let opts = options(config, timeout);
     let outcome = berth_runtime::run(&spec, &prepared.image.lowers, &opts);
@@ -226,12 +226,12 @@ pub fn create(
     prepared: &Prepared,
     name: Option<&str>,
     config: &Config,
-) -> Result<Description, SlurmError> {
+) -> Result<Description, NodeError> {
     let (spec, _ld_cache) = prepared.spec(config)?;
     let mut labels = state::with_uid(&BTreeMap::new(), &spec);
     if let Some(name) = name {
         if state::name_taken(&config.runtime.state_dir, name, state::host_uid(&spec)) {
-            return Err(SlurmError::input(format!(
+            return Err(NodeError::input(format!(
                 "--name {0}: a container of that name exists (berth rm {0})",
                 elide(name)
             )));
@@ -254,8 +254,8 @@ impl Prepared {
     pub fn spec(
         &self,
         config: &Config,
-    ) -> Result<(oci_spec::runtime::Spec, Option<tempfile::NamedTempFile>), SlurmError> {
-        let mut spec = spec::build(&self.request).map_err(|e| SlurmError::input(e.to_string()))?;
+    ) -> Result<(oci_spec::runtime::Spec, Option<tempfile::NamedTempFile>), NodeError> {
+        let mut spec = spec::build(&self.request).map_err(|e| NodeError::input(e.to_string()))?;
         let cache = match &self.gpus {
             Some(list) => self.inject_gpus(&mut spec, list, config)?,
             None => None,
@@ -267,7 +267,7 @@ impl Prepared {
                 &config.topology.cdi_dirs,
                 &berth_topology::Host::new("/"),
             )
-            .map_err(|e| SlurmError::input(format!("--device: {e}")))?;
+            .map_err(|e| NodeError::input(format!("--device: {e}")))?;
             if applied.hooks > 0 {
                 eprintln!(
                     "berth: --device: {} CDI hook(s) ignored: berth does not run OCI hooks",
@@ -283,12 +283,12 @@ impl Prepared {
         spec: &mut oci_spec::runtime::Spec,
         list: &str,
         config: &Config,
-    ) -> Result<Option<tempfile::NamedTempFile>, SlurmError> {
+    ) -> Result<Option<tempfile::NamedTempFile>, NodeError> {
         use berth_topology::inject;
-        let (host, node) = crate::node::discover(&Default::default(), config)?;
+        let (host, node) = crate::source::discover(&Default::default(), config)?;
         // The error quotes the list: a long one is elided there.
         let plan = inject::for_gpus(&host, &node, list, &inject::DriverFiles::default())
-            .map_err(|e| SlurmError::input(e.to_string().replace(list, &elide(list))))?;
+            .map_err(|e| NodeError::input(e.to_string().replace(list, &elide(list))))?;
         crate::container::inject_gpus(spec, &plan, &self.image.lowers, config, "--gpus", true)
     }
 }
@@ -300,16 +300,16 @@ fn image(
     config: &Config,
     caller: &spec::UserIds,
     hold: bool,
-) -> Result<Resolved, SlurmError> {
+) -> Result<Resolved, NodeError> {
     Ok(match (&flags.rootfs, &flags.image) {
         (Some(_), _) if flags.entrypoint => {
-            return Err(SlurmError::input(
+            return Err(NodeError::input(
                 "--entrypoint applies to an image's Entrypoint; a --rootfs directory has none: \
                  drop --entrypoint and give the command",
             ));
         }
         (Some(_), _) if flags.arch.is_some() => {
-            return Err(SlurmError::input(
+            return Err(NodeError::input(
                 "--arch applies to --image (the platform to pick from an image); a --rootfs \
                  directory is run as it is: drop --arch",
             ));
@@ -318,7 +318,7 @@ fn image(
             berth_runtime::check_rootfs(dir)?;
             // Absolute, so the overlay's lowerdir does not depend on the working directory.
             let dir = std::fs::canonicalize(dir).map_err(|e| {
-                SlurmError::input(format!(
+                NodeError::input(format!(
                     "root filesystem {}: {e}",
                     elide(&dir.to_string_lossy())
                 ))
@@ -335,7 +335,7 @@ fn image(
             // no image for that user that the user could not read.
             let reader = match &flags.user {
                 Some(u) => berth_sys::user::resolve(u)
-                    .map_err(|e| SlurmError::input(format!("--user: {e}")))?,
+                    .map_err(|e| NodeError::input(format!("--user: {e}")))?,
                 None => caller.clone(),
             };
             match text.strip_prefix("lazy:") {
@@ -344,13 +344,13 @@ fn image(
                 None => resolve(text, config, &reader, flags.arch.clone())?,
             }
         }
-        (None, None) => return Err(SlurmError::input("give --rootfs DIR or --image REF")),
+        (None, None) => return Err(NodeError::input("give --rootfs DIR or --image REF")),
     })
 }
 
 /// An image's `User`: numbers are taken as they are (the image may know users the host does
 /// not); names must exist on the host.
-fn image_user(text: &str) -> Result<spec::UserIds, SlurmError> {
+fn image_user(text: &str) -> Result<spec::UserIds, NodeError> {
     let (u, g) = text.split_once(':').unwrap_or((text, ""));
     if let Ok(uid) = u.parse::<u32>() {
         let known = berth_sys::user::by_id(uid, 0);
@@ -358,7 +358,7 @@ fn image_user(text: &str) -> Result<spec::UserIds, SlurmError> {
             Ok(gid) => gid,
             Err(_) if g.is_empty() => known.home.as_ref().map(|_| known.gid).unwrap_or(uid),
             Err(_) => {
-                return Err(SlurmError::input(format!(
+                return Err(NodeError::input(format!(
                     "the image's User '{}': use numbers, or names that exist on this host",
                     elide(text)
                 )));
@@ -367,7 +367,7 @@ fn image_user(text: &str) -> Result<spec::UserIds, SlurmError> {
         return Ok(berth_sys::user::by_id(uid, gid));
     }
     berth_sys::user::resolve(text).map_err(|e| {
-        SlurmError::input(format!(
+        NodeError::input(format!(
             "the image's User '{}': {e} (or use --user)",
             elide(text)
         ))
@@ -377,10 +377,10 @@ fn image_user(text: &str) -> Result<spec::UserIds, SlurmError> {
 /// A device node the user asked for, opened as the user (the kernel resolves the path with the
 /// user's permissions) and described from what was opened; the user must be allowed to read or
 /// write it on the host, or the container would give the user a device the host does not.
-fn host_device(path: &Path, user: &spec::UserIds) -> Result<HostDevice, SlurmError> {
+fn host_device(path: &Path, user: &spec::UserIds) -> Result<HostDevice, NodeError> {
     use nix::fcntl::OFlag;
     let bad = |why: String| {
-        SlurmError::input(format!(
+        NodeError::input(format!(
             "--device {}: {why}",
             elide(&path.to_string_lossy())
         ))

@@ -7,7 +7,7 @@ use berth_topology::gpu::{GpuBackend, Nvml, Recorded};
 use berth_topology::node::{self, NicPolicy, Node};
 use berth_topology::{Host, TopologyError};
 
-use crate::config::Config;
+use berth_config::Config;
 
 /// Where the node is read from; `Default` is the configured host root with live NVML.
 #[derive(Clone, Debug, Default)]

@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 
 use berth_spec::BindMount;
 
-use crate::SlurmError;
-use crate::config::Config;
+use crate::NodeError;
+use berth_config::Config;
 
 pub(crate) mod memo;
 
@@ -54,10 +54,10 @@ pub fn slurm_binds(
     config: &Config,
     lowers: &[PathBuf],
     what: &str,
-) -> Result<Vec<BindMount>, SlurmError> {
+) -> Result<Vec<BindMount>, NodeError> {
     let binds = configured_kept(config, &config.host_software.slurm_paths, "slurm_paths")?;
     if binds.is_empty() {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "{what}: none of host_software.slurm_paths exists on this node: ask the site to \
              name its Slurm client files in berth.toml, or drop {what}"
         )));
@@ -73,10 +73,10 @@ pub fn module_binds(
     config: &Config,
     lowers: &[PathBuf],
     what: &str,
-) -> Result<Vec<BindMount>, SlurmError> {
+) -> Result<Vec<BindMount>, NodeError> {
     let binds = configured_kept(config, &config.host_software.module_paths, "module_paths")?;
     if binds.is_empty() {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "{what}: none of host_software.module_paths exists on this node: ask the site to \
              name Lmod and its module trees in berth.toml, or drop {what}"
         )));
@@ -93,7 +93,7 @@ pub fn module_binds(
         })
     });
     if !has_bash {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "{what}: the image has no bash (/usr/bin/bash), which Lmod's module command needs: \
              use an image with bash, or drop {what}"
         )));
@@ -169,7 +169,7 @@ pub(crate) fn configured_kept(
     config: &Config,
     entries: &[String],
     key: &str,
-) -> Result<Vec<BindMount>, SlurmError> {
+) -> Result<Vec<BindMount>, NodeError> {
     const PAIR: char = '\u{1f}';
     const NEXT: char = '\u{1e}';
     let memo = memo::Memo::new(&config.runtime.state_dir, "paths", (key, entries));
@@ -211,7 +211,7 @@ pub(crate) fn configured(
     entries: &[String],
     key: &str,
     inputs: &mut memo::Inputs,
-) -> Result<Vec<BindMount>, SlurmError> {
+) -> Result<Vec<BindMount>, NodeError> {
     let mut out = Vec::new();
     let mut listings = Listings::new();
     for entry in entries {
@@ -227,7 +227,7 @@ pub(crate) fn configured(
                 .split_once(':')
                 .is_none_or(|(_, d)| d.starts_with('/'));
         if !absolute {
-            return Err(SlurmError::host(format!(
+            return Err(NodeError::host(format!(
                 "host_software.{key}: '{entry}' is not an absolute PATH or SOURCE:DESTINATION: \
                  fix berth.toml"
             )));
@@ -243,7 +243,7 @@ pub(crate) fn configured(
                 continue;
             };
             if let Some(secret) = secret_in(&source, meta.is_dir(), inputs) {
-                return Err(SlurmError::host(format!(
+                return Err(NodeError::host(format!(
                     "host_software.{key}: {} holds {}, which no container may see: name the \
                  files themselves (or a directory without it) in berth.toml",
                     source.display(),
@@ -316,9 +316,9 @@ fn check_glibc(
     lowers: &[PathBuf],
     what: &str,
     needs: &str,
-) -> Result<(), SlurmError> {
+) -> Result<(), NodeError> {
     let host = glibc_of(config, &[PathBuf::from("/")]).ok_or_else(|| {
-        SlurmError::host(format!(
+        NodeError::host(format!(
             "{what}: this node's glibc version is unknown (no libc.so.6 in {}): {needs} cannot \
              be brought into containers here",
             LIBC_PATHS[0]
@@ -326,12 +326,12 @@ fn check_glibc(
     })?;
     match glibc_of(config, lowers) {
         Some(image) if image >= host => Ok(()),
-        Some(image) => Err(SlurmError::input(format!(
+        Some(image) => Err(NodeError::input(format!(
             "{what}: the image's glibc {}.{} is older than this node's {}.{}, which {needs} \
              need: use an image with glibc {}.{} or newer, or drop {what}",
             image.0, image.1, host.0, host.1, host.0, host.1
         ))),
-        None => Err(SlurmError::input(format!(
+        None => Err(NodeError::input(format!(
             "{what}: the image has no glibc (libc.so.6), which {needs} need \
              ({}.{} or newer): use a glibc image (Debian, Ubuntu, RHEL), or drop {what}",
             host.0, host.1

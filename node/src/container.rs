@@ -17,8 +17,8 @@ use berth_image::store::{InUse, Store};
 use berth_spec::UserIds;
 use berth_spec::image::ImageDefaults;
 
-use crate::SlurmError;
-use crate::config::Config;
+use crate::NodeError;
+use berth_config::Config;
 
 /// An image ready to stack: overlay lowers, topmost first, and its config's defaults.
 #[derive(Debug)]
@@ -57,7 +57,7 @@ pub fn resolve(
     config: &Config,
     user: &UserIds,
     arch: Option<String>,
-) -> Result<Resolved, SlurmError> {
+) -> Result<Resolved, NodeError> {
     let path = PathBuf::from(text);
     if path.is_absolute() {
         match berth_sys::privfs::open_readable_as_user(&path, user) {
@@ -66,11 +66,11 @@ pub fn resolve(
                 // swapped at its path meanwhile: a copy of its mount taken from the fd, attached
                 // in root's own directory until the container has its own copy.
                 let tree = detached_tree(&dir).map_err(|e| {
-                    SlurmError::host(format!("image {text}: taking the directory's mount: {e}"))
+                    NodeError::host(format!("image {text}: taking the directory's mount: {e}"))
                 })?;
                 let attached =
                     berth_image::mount::attach_directory(&tree, &path, &config.squashfs.mount_dir)
-                        .map_err(|e| SlurmError::host(e.to_string()))?;
+                        .map_err(|e| NodeError::host(e.to_string()))?;
                 return Ok(Resolved {
                     lowers: vec![attached.path().to_path_buf()],
                     defaults: ImageDefaults::default(),
@@ -80,7 +80,7 @@ pub fn resolve(
             }
             Ok(_) => {}
             Err(e) if path.is_dir() => {
-                return Err(SlurmError::input(format!(
+                return Err(NodeError::input(format!(
                     "image {text}: uid {} cannot read this directory ({e}); give an image the job's user can read",
                     user.uid
                 )));
@@ -91,16 +91,16 @@ pub fn resolve(
     if let Some(rest) = text.strip_prefix("lazy:") {
         return resolve_lazy_shared(rest, config, user);
     }
-    let reference = reference::parse(text).map_err(SlurmError::Image)?;
+    let reference = reference::parse(text).map_err(NodeError::Image)?;
     let opened = if berth_image::local::is_local_path(&reference) {
         Some(Opened::open(&reference, Some(user)).map_err(|e| match e {
-            e if e.kind() == ErrorKind::Format => SlurmError::Input(e.to_string()),
-            other => SlurmError::Image(other),
+            e if e.kind() == ErrorKind::Format => NodeError::Input(e.to_string()),
+            other => NodeError::Image(other),
         })?)
     } else {
         None
     };
-    let store = Store::open(&config.store).map_err(SlurmError::Image)?;
+    let store = Store::open(&config.store).map_err(NodeError::Image)?;
     let who = Requester {
         uid: user.uid,
         home: user.home.as_deref(),
@@ -115,10 +115,10 @@ pub fn resolve(
         &who,
         &progress,
     )
-    .map_err(SlurmError::Image)?;
-    let in_use = store.use_image(&image.digest).map_err(SlurmError::Image)?;
+    .map_err(NodeError::Image)?;
+    let in_use = store.use_image(&image.digest).map_err(NodeError::Image)?;
     let lowers = import::lowers(&image, opened.as_ref(), &store, &config.image())
-        .map_err(SlurmError::Image)?;
+        .map_err(NodeError::Image)?;
     Ok(Resolved {
         lowers,
         defaults: ImageDefaults::from_config(&image.config),
@@ -130,18 +130,18 @@ pub fn resolve(
 /// `lazy:REF` (`text` is REF): the lazy form `berth lazy publish` made of an image, mounted for
 /// this process with `user`'s credentials (image::lazy); its chunks come as the container reads
 /// them. For `berth run`: the mounts last as long as this process.
-pub fn resolve_lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resolved, SlurmError> {
-    let r = match reference::parse(text).map_err(SlurmError::Image)? {
+pub fn resolve_lazy(text: &str, config: &Config, user: &UserIds) -> Result<Resolved, NodeError> {
+    let r = match reference::parse(text).map_err(NodeError::Image)? {
         berth_image::Reference::Registry(r) => r,
         _ => {
-            return Err(SlurmError::input(format!(
+            return Err(NodeError::input(format!(
                 "image lazy:{text}: lazy: names a registry image (lazy:docker://REGISTRY/REPO:TAG)"
             )));
         }
     };
     let mount =
         berth_image::lazy::LazyMount::open(&r, &config.image(), user.uid, user.home.as_deref())
-            .map_err(SlurmError::Image)?;
+            .map_err(NodeError::Image)?;
     Ok(Resolved {
         lowers: vec![mount.root.clone()],
         defaults: ImageDefaults::from_config(&mount.config),
@@ -157,11 +157,11 @@ pub fn resolve_lazy_shared(
     text: &str,
     config: &Config,
     user: &UserIds,
-) -> Result<Resolved, SlurmError> {
-    let r = match reference::parse(text).map_err(SlurmError::Image)? {
+) -> Result<Resolved, NodeError> {
+    let r = match reference::parse(text).map_err(NodeError::Image)? {
         berth_image::Reference::Registry(r) => r,
         _ => {
-            return Err(SlurmError::input(format!(
+            return Err(NodeError::input(format!(
                 "image lazy:{text}: lazy: names a registry image (lazy:docker://REGISTRY/REPO:TAG)"
             )));
         }
@@ -174,7 +174,7 @@ pub fn resolve_lazy_shared(
         user.home.as_deref(),
         &lazy_node(config),
     )
-    .map_err(SlurmError::Image)?;
+    .map_err(NodeError::Image)?;
     Ok(Resolved {
         lowers: vec![attached.root.clone()],
         defaults: ImageDefaults::from_config(&attached.config),
@@ -275,10 +275,10 @@ pub fn inject_gpus(
     config: &Config,
     what: &str,
     always_cache: bool,
-) -> Result<Option<tempfile::NamedTempFile>, SlurmError> {
+) -> Result<Option<tempfile::NamedTempFile>, NodeError> {
     use berth_topology::inject;
     // What fails from here is the node's (its driver files, the state directory), not the job's.
-    let fail = |e: &dyn std::fmt::Display| SlurmError::host(format!("{what}: {e}"));
+    let fail = |e: &dyn std::fmt::Display| NodeError::host(format!("{what}: {e}"));
     for w in &plan.warnings {
         tracing::warn!("{what}: {w}");
     }

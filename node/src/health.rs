@@ -8,9 +8,9 @@ use berth_runtime::state;
 use berth_topology::health::{self, Options, Report};
 use berth_topology::{TopologyError, kmsg};
 
-use crate::SlurmError;
-use crate::config::Config;
-use crate::node::{Source, discover};
+use crate::NodeError;
+use crate::source::{Source, discover};
+use berth_config::Config;
 
 /// Which XIDs to judge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,18 +30,18 @@ fn mark_name(job: &str) -> String {
     format!("job-{job}.kmsg-seq")
 }
 
-fn marks_dir(config: &Config) -> Result<std::os::fd::OwnedFd, SlurmError> {
+fn marks_dir(config: &Config) -> Result<std::os::fd::OwnedFd, NodeError> {
     state::private_dir(&config.runtime.state_dir, MARKS).map_err(|e| {
-        SlurmError::host(format!(
+        NodeError::host(format!(
             "berth health: the state directory for job marks: {e}"
         ))
     })
 }
 
-fn job_id() -> Result<String, SlurmError> {
+fn job_id() -> Result<String, NodeError> {
     match std::env::var("SLURM_JOB_ID") {
         Ok(id) if !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()) => Ok(id),
-        _ => Err(SlurmError::input(
+        _ => Err(NodeError::input(
             "--job-start/--job-end need SLURM_JOB_ID: run them from Slurm's Prolog/Epilog",
         )),
     }
@@ -52,28 +52,28 @@ fn write_mark(
     config: &Config,
     job: &str,
     records: Option<&[kmsg::Record]>,
-) -> Result<(), SlurmError> {
+) -> Result<(), NodeError> {
     let seq = records.and_then(kmsg::last_seq).unwrap_or(0);
     let dir = marks_dir(config)?;
     let name = mark_name(job);
     state::write_at(&dir, &name, format!("{seq}\n").as_bytes(), 0o600).map_err(|e| {
-        SlurmError::host(format!(
+        NodeError::host(format!(
             "writing {}: {e}",
             config.runtime.state_dir.join(MARKS).join(&name).display()
         ))
     })
 }
 
-pub fn mark_job_start(config: &Config) -> Result<(), SlurmError> {
+pub fn mark_job_start(config: &Config) -> Result<(), NodeError> {
     let job = job_id()?;
-    let host = crate::node::host(&Source::default(), config);
+    let host = crate::source::host(&Source::default(), config);
     let records = kmsg::read(&host.path("/dev/kmsg")).ok();
     write_mark(config, &job, records.as_deref())
 }
 
 /// (Epilog) Whether the node is fit after the job of SLURM_JOB_ID: `Some(reason)`, one line
 /// for Slurm's drain reason, when it is not. XIDs count from the Prolog's mark.
-pub fn epilog_verdict(config: &Config) -> Result<Option<String>, SlurmError> {
+pub fn epilog_verdict(config: &Config) -> Result<Option<String>, NodeError> {
     let report = report(
         config,
         &Source::default(),
@@ -101,7 +101,7 @@ pub fn report(
     kmsg_path: Option<&Path>,
     window: XidWindow,
     job_start: bool,
-) -> Result<Report, SlurmError> {
+) -> Result<Report, NodeError> {
     let (host, node) = discover(source, config)?;
     let kmsg_path = kmsg_path
         .map(Path::to_path_buf)

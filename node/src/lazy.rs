@@ -8,7 +8,7 @@
 use berth_image::{Reference, reference};
 use berth_spec::UserIds;
 
-use crate::config::Config;
+use berth_config::Config;
 
 const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 

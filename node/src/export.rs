@@ -9,8 +9,8 @@ use berth_image::sif::Sif;
 use berth_image::{Rootfs, store::Store};
 use berth_runtime::state::{self, Record};
 
-use crate::SlurmError;
-use crate::config::Config;
+use crate::NodeError;
+use berth_config::Config;
 
 /// Whether exporting `source` needs root: a container or a stored image does (both are root's);
 /// a directory (`--rootfs`) or an image file is read like any file the caller can read.
@@ -30,20 +30,20 @@ pub(crate) fn container_record(state_dir: &Path, id: &str) -> Option<Record> {
     state::load(state_dir, id).map(|(record, _)| record)
 }
 
-fn container_source(record: &Record) -> Result<Source, SlurmError> {
+fn container_source(record: &Record) -> Result<Source, NodeError> {
     if !state::owner_alive(record) {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "container {} is not running (the berth that ran it has exited); nothing to export",
             record.id
         )));
     }
-    export::can_export_containers().map_err(|e| SlurmError::input(e.to_string()))?;
+    export::can_export_containers().map_err(|e| NodeError::input(e.to_string()))?;
     // The recorded init must still be in the container's cgroup: a pid reused by another
     // process since is not.
     let procs = record.cgroup.join("cgroup.procs");
     let listed = std::fs::read_to_string(&procs)
         .map_err(|e| {
-            SlurmError::host(format!(
+            NodeError::host(format!(
                 "container {}: reading {}: {e}",
                 record.id,
                 procs.display()
@@ -52,7 +52,7 @@ fn container_source(record: &Record) -> Result<Source, SlurmError> {
         .lines()
         .any(|l| l.trim().parse::<i32>().ok() == Some(record.init_pid));
     if record.init_pid <= 0 || !listed {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "container {} has no init left; nothing to export",
             record.id
         )));
@@ -61,11 +61,11 @@ fn container_source(record: &Record) -> Result<Source, SlurmError> {
     Ok(Source::Container { pid })
 }
 
-fn file_source(path: &Path) -> Result<Source, SlurmError> {
+fn file_source(path: &Path) -> Result<Source, NodeError> {
     let file = std::fs::canonicalize(path)
-        .map_err(|e| SlurmError::input(format!("{}: {e}", path.display())))?;
+        .map_err(|e| NodeError::input(format!("{}: {e}", path.display())))?;
     let size = std::fs::metadata(&file)
-        .map_err(|e| SlurmError::input(format!("{}: {e}", file.display())))?
+        .map_err(|e| NodeError::input(format!("{}: {e}", file.display())))?
         .len();
     let mut head = [0u8; 42];
     let is_sif = std::fs::File::open(&file)
@@ -79,10 +79,10 @@ fn file_source(path: &Path) -> Result<Source, SlurmError> {
             size,
         });
     }
-    let sif = Sif::open(&file).map_err(|e| SlurmError::input(e.to_string()))?;
+    let sif = Sif::open(&file).map_err(|e| NodeError::input(e.to_string()))?;
     let part = sif
         .primary_partition()
-        .map_err(|fault| SlurmError::input(format!("SIF file {}: {fault}", file.display())))?;
+        .map_err(|fault| NodeError::input(format!("SIF file {}: {fault}", file.display())))?;
     Ok(Source::Squashfs {
         offset: part.offset,
         size: part.size,
@@ -92,11 +92,11 @@ fn file_source(path: &Path) -> Result<Source, SlurmError> {
 
 /// Decides what to export from the arguments; an image reference is imported into the store
 /// when missing.
-pub fn source(rootfs: Option<&Path>, text: &str, config: &Config) -> Result<Source, SlurmError> {
+pub fn source(rootfs: Option<&Path>, text: &str, config: &Config) -> Result<Source, NodeError> {
     if let Some(dir) = rootfs {
         berth_runtime::check_rootfs(dir)?;
         let dir = std::fs::canonicalize(dir)
-            .map_err(|e| SlurmError::input(format!("{}: {e}", dir.display())))?;
+            .map_err(|e| NodeError::input(format!("{}: {e}", dir.display())))?;
         return Ok(Source::Layers(vec![dir]));
     }
     if let Some(record) = container_record(&config.runtime.state_dir, text) {
@@ -105,27 +105,27 @@ pub fn source(rootfs: Option<&Path>, text: &str, config: &Config) -> Result<Sour
     let path = Path::new(text);
     if path.exists() {
         if path.is_dir() {
-            return Err(SlurmError::input(format!(
+            return Err(NodeError::input(format!(
                 "{text} is a directory: use --rootfs {text} to export a root file system"
             )));
         }
         return file_source(path);
     }
     if is_image_file(text) {
-        return Err(SlurmError::input(format!("{text}: no such file")));
+        return Err(NodeError::input(format!("{text}: no such file")));
     }
     stored_image_source(text, config)
 }
 
 /// An image reference: the image from the node's store, imported first when missing.
-fn stored_image_source(text: &str, config: &Config) -> Result<Source, SlurmError> {
+fn stored_image_source(text: &str, config: &Config) -> Result<Source, NodeError> {
     let reference = berth_image::reference::parse(text).map_err(|e| {
-        SlurmError::input(format!(
+        NodeError::input(format!(
             "{e} (berth export takes a container id, an image reference, a .sqsh/.sif file or --rootfs DIR)"
         ))
     })?;
     let store = Store::open(&config.store)?;
-    let user = berth_sys::user::current().map_err(|e| SlurmError::input(e.to_string()))?;
+    let user = berth_sys::user::current().map_err(|e| NodeError::input(e.to_string()))?;
     let who = Requester {
         uid: user.uid,
         home: user.home.as_deref(),
@@ -162,7 +162,7 @@ mod tests {
         c
     }
 
-    fn message(r: Result<Source, SlurmError>) -> String {
+    fn message(r: Result<Source, NodeError>) -> String {
         r.unwrap_err().to_string()
     }
 
@@ -191,7 +191,7 @@ mod tests {
 
         // (nvcr.io/nvidia/pytorch is a valid Docker-style reference now, as Pyxis takes it.)
         let err = source(None, "nvcr.io/nvidia/Not A Name", &cfg).unwrap_err();
-        assert!(matches!(err, SlurmError::Input(_)), "{err:?}");
+        assert!(matches!(err, NodeError::Input(_)), "{err:?}");
         let err = err.to_string();
         assert!(
             err.contains("Not A Name") && err.contains("container id"),

@@ -25,19 +25,19 @@ use std::path::{Path, PathBuf};
 
 use berth_spec::BindMount;
 
-use crate::SlurmError;
-use crate::config::Config;
+use crate::NodeError;
 use crate::hostsw::memo::{self, Inputs, Memo};
+use berth_config::Config;
 
 /// Where the host's MPI libraries appear in the container, first in its LD_LIBRARY_PATH.
 pub const LIB_DIR: &str = "/usr/lib/berth/host-mpi";
 
 /// What `--container-mpi` asks for: `host` or `image` (the image's own MPI, nothing bound).
-pub fn parse_choice(value: &str, what: &str) -> Result<bool, SlurmError> {
+pub fn parse_choice(value: &str, what: &str) -> Result<bool, NodeError> {
     match value {
         "host" => Ok(true),
         "image" | "none" => Ok(false),
-        other => Err(SlurmError::input(format!(
+        other => Err(NodeError::input(format!(
             "{what}={other}: unknown MPI choice: use host (the node's MPI) or image (the \
              image's own)"
         ))),
@@ -85,7 +85,7 @@ pub fn mpi_binds(
     config: &Config,
     lowers: &[PathBuf],
     what: &str,
-) -> Result<Vec<BindMount>, SlurmError> {
+) -> Result<Vec<BindMount>, NodeError> {
     let hs = &config.host_software;
     let (names, binds) = library_binds(config)?;
     // What the host's libraries are is read from them once per set of files (as their
@@ -96,7 +96,7 @@ pub fn mpi_binds(
         None => HostFacts::read(&binds, what)?,
     };
     let host = facts.mpi.clone().ok_or_else(|| {
-        SlurmError::host(format!(
+        NodeError::host(format!(
             "{what}: no libmpi.so of this node among host_software.mpi_libraries: ask the site \
              to name its MPI in berth.toml, or use the image's MPI ({what} left out)"
         ))
@@ -146,7 +146,7 @@ pub fn mpi_binds(
 /// name, and those names.
 fn library_binds(
     config: &Config,
-) -> Result<(BTreeSet<std::ffi::OsString>, Vec<BindMount>), SlurmError> {
+) -> Result<(BTreeSet<std::ffi::OsString>, Vec<BindMount>), NodeError> {
     let mut names = BTreeSet::new();
     let mut binds = Vec::new();
     for lib in crate::hostsw::configured_kept(
@@ -286,9 +286,9 @@ fn check_pairing(
     names: &BTreeSet<std::ffi::OsString>,
     image: &Image,
     what: &str,
-) -> Result<(), SlurmError> {
+) -> Result<(), NodeError> {
     let theirs = image.mpi.clone().ok_or_else(|| {
-        SlurmError::input(format!(
+        NodeError::input(format!(
             "{what}: the image has no MPI library (libmpi.so or libmpich.so in its library \
              directories) for {} to replace: use an image whose programs link libmpi, or drop \
              {what}",
@@ -296,7 +296,7 @@ fn check_pairing(
         ))
     })?;
     if theirs.major != host.major {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "{what}: the image's MPI is {}, this node's is {}: their ABIs differ; use an image \
              built with {} (libmpi.so.{}), or drop {what}",
             theirs.shown(),
@@ -308,7 +308,7 @@ fn check_pairing(
     if let (Some(mine), Some(its)) = (host.minor, theirs.minor)
         && its > mine
     {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "{what}: the image's MPI is {}, newer than this node's {}: programs built on it may \
              call what the node's lacks; use an image with libmpi.so.{}.{mine} or older, or drop \
              {what}",
@@ -321,7 +321,7 @@ fn check_pairing(
         match image.glibc {
             Some(have) if have >= need => {}
             Some(have) => {
-                return Err(SlurmError::input(format!(
+                return Err(NodeError::input(format!(
                     "{what}: the image's glibc {}.{} is older than the {}.{} this node's MPI \
                      libraries need (GLIBC_{}.{}): use an image with glibc {}.{} or newer, or \
                      drop {what}",
@@ -329,7 +329,7 @@ fn check_pairing(
                 )));
             }
             None => {
-                return Err(SlurmError::input(format!(
+                return Err(NodeError::input(format!(
                     "{what}: the image has no glibc (libc.so.6), which this node's MPI libraries \
                      need ({}.{} or newer): use a glibc image, or drop {what}",
                     need.0, need.1
@@ -344,7 +344,7 @@ fn check_pairing(
         .cloned()
         .collect();
     if !missing.is_empty() {
-        return Err(SlurmError::input(format!(
+        return Err(NodeError::input(format!(
             "{what}: this node's MPI libraries need {}, which neither the image nor \
              host_software.mpi_libraries has: ask the site to add them to \
              host_software.mpi_libraries, or use an image that has them",
@@ -366,11 +366,11 @@ struct HostFacts {
 
 impl HostFacts {
     /// Reads the libraries `libs` bind.
-    fn read(libs: &[BindMount], what: &str) -> Result<HostFacts, SlurmError> {
+    fn read(libs: &[BindMount], what: &str) -> Result<HostFacts, NodeError> {
         let mut facts = HostFacts::default();
         for lib in libs {
             let info = elf_info_host(&lib.source).map_err(|e| {
-                SlurmError::host(format!(
+                NodeError::host(format!(
                     "{what}: reading the host's {}: {e}: fix host_software.mpi_libraries",
                     lib.source.display()
                 ))
