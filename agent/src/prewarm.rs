@@ -208,7 +208,7 @@ pub fn run(config: &Config, req: &Request, done: &dyn Fn(&Outcome)) -> Result<Re
             req.reference
         )));
     }
-    let key = berth_image::store::reference_key(&reference);
+    let key = berth_image::reference::reference_key(&reference);
     // A lazy image's holders are known by its index, not its reference: every node warms (one
     // that holds every chunk already fetches none).
     let key = if lazy { format!("lazy:{key}") } else { key };

@@ -53,8 +53,7 @@ use self::fs::{LockMode, Workspace};
 use super::{Digest, Image, ImageError, Reference, Rootfs};
 use crate::config::StoreConfig;
 use crate::local::{FileStamp, is_local_path};
-/// Kept for callers that named it here; the function is [`crate::reference::reference_key`].
-pub use crate::reference::reference_key;
+use crate::reference::reference_key;
 
 /// Compressed layers are assumed to grow this much when extracted (gzip and zstd layers of
 /// typical images inflate 2–3×), for the free-space check before an import.
