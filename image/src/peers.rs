@@ -91,9 +91,9 @@ pub fn with_peers<T>(peers: Vec<String>, f: impl FnOnce() -> T) -> T {
 /// The peers to ask for `r`'s blobs and the key to sign requests to them with; none when peers
 /// are not set up.
 pub fn peers_for(r: &RegistryRef) -> Option<(Vec<String>, berth_api::auth::Key)> {
-    peers_for_key(&crate::reference::reference_key(&crate::Reference::Registry(
-        r.clone(),
-    )))
+    peers_for_key(&crate::reference::reference_key(
+        &crate::Reference::Registry(r.clone()),
+    ))
     .filter(|(p, _)| !p.is_empty())
 }
 
