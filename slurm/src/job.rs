@@ -69,7 +69,7 @@ pub fn prolog(config: &Config, say: Say<'_>) -> Result<(), SlurmError> {
         tracing::info!("job {job}: scratch {}", dir.display());
         if let Some(text) = spank_env("SPANK_BERTH_STAGE_IN") {
             // Steps start only after the Prolog: the data is there before the first one.
-            let user = berth_spec::user::by_id(uid, gid);
+            let user = berth_sys::user::by_id(uid, gid);
             let result = berth_stage::job::parse_in(&text).and_then(|requests| {
                 berth_stage::job::stage_in(
                     &user,
@@ -107,7 +107,7 @@ pub fn prolog(config: &Config, say: Say<'_>) -> Result<(), SlurmError> {
         in_prolog.registry.in_prolog = true;
         match ids {
             Some((uid, gid)) => {
-                let user = berth_spec::user::by_id(uid, gid);
+                let user = berth_sys::user::by_id(uid, gid);
                 let image = crate::lazy::site_form(&image, &in_prolog, &user).unwrap_or(image);
                 match crate::container::resolve(&image, &in_prolog, &user, None) {
                     Ok(resolved) => {
@@ -215,7 +215,7 @@ pub fn epilog(config: &Config, say: Say<'_>) -> Result<Verdict, SlurmError> {
     ) && let Ok(dir) = berth_stage::scratch::path(root, &job)
         && std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir())
     {
-        let user = berth_spec::user::by_id(uid, gid);
+        let user = berth_sys::user::by_id(uid, gid);
         let result = berth_stage::job::parse_out(&text).and_then(|requests| {
             berth_stage::job::stage_out(&user, &dir, &requests, &config.stage.options())
         });

@@ -83,7 +83,7 @@ pub fn create(config: &Config, parsed: Parsed) -> Result<Answer, SlurmError> {
         SlurmError::input("no --container-image given (and no existing --container-name to use)")
     })?;
     let image_text = image_on_host(&step, image_text)?;
-    let user = spec::user::by_id(step.uid, step.gid);
+    let user = berth_sys::user::by_id(step.uid, step.gid);
     let image_text = crate::lazy::site_form(&image_text, config, &user).unwrap_or(image_text);
     let image = crate::container::resolve(&image_text, config, &user, None)
         .map_err(|e| SlurmError::ImageUnavailable(Box::new(e.into())))?;
@@ -699,7 +699,7 @@ fn as_user(
     gid: u32,
     f: impl FnOnce() -> std::io::Result<()>,
 ) -> Result<(), berth_stage::StageError> {
-    berth_stage::as_user(&spec::user::by_id(uid, gid), f)
+    berth_stage::as_user(&berth_sys::user::by_id(uid, gid), f)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use oci_spec::runtime::{
     RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
-pub use berth_sys::{UserIds, user};
+pub use berth_sys::UserIds;
 pub use parse::BindMount;
 
 /// Spec annotations carrying the user's primary group name and home directory, for the entries
