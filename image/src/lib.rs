@@ -11,6 +11,7 @@
 
 pub mod archive;
 pub mod config;
+pub mod elf;
 mod error;
 pub mod export;
 pub mod import;

@@ -20,9 +20,9 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use berth_image::elf;
 use berth_spec::BindMount;
 
 use crate::NodeError;
@@ -589,9 +589,6 @@ const LIB_DIRS: [&str; 8] = [
     "usr/local/lib",
 ];
 
-/// The most bytes of one ELF structure (headers, dynamic section, string table) read.
-const ELF_PART_MAX: u64 = 4 << 20;
-
 /// What the check needs of an image: the names in its library directories, its MPI, its glibc.
 struct Image {
     names: BTreeSet<String>,
@@ -669,148 +666,13 @@ fn image_mpi(
     if !file.metadata().ok()?.is_file() {
         return None;
     }
-    let info = elf_info(&file).ok()?;
+    let info = elf::read(&file).ok()?;
     abi(info.soname.as_deref()?, name)
 }
 
-/// What the checks read of an ELF shared library.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct ElfInfo {
-    soname: Option<String>,
-    needed: Vec<String>,
-    /// The newest `GLIBC_x.y` among its version needs.
-    glibc: Option<(u32, u32)>,
-}
-
-fn elf_info_host(path: &Path) -> Result<ElfInfo, String> {
+fn elf_info_host(path: &Path) -> Result<elf::Dynamic, String> {
     let file = File::open(path).map_err(|e| e.to_string())?;
-    elf_info(&file)
-}
-
-fn bytes_at(file: &File, offset: u64, len: u64) -> Result<Vec<u8>, String> {
-    if len > ELF_PART_MAX {
-        return Err(format!("an ELF part of {len} bytes (over {ELF_PART_MAX})"));
-    }
-    let mut buf = vec![0; usize::try_from(len).map_err(|e| e.to_string())?];
-    file.read_exact_at(&mut buf, offset)
-        .map_err(|e| format!("reading {len} bytes at {offset}: {e}"))?;
-    Ok(buf)
-}
-
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
-}
-
-fn c_str(b: &[u8], at: u64) -> Option<String> {
-    let rest = b.get(usize::try_from(at).ok()?..)?;
-    let end = rest.iter().position(|c| *c == 0)?;
-    String::from_utf8(rest[..end].to_vec()).ok()
-}
-
-/// Reads a little-endian ELF64 library's SONAME, DT_NEEDED and GLIBC version needs from its
-/// program headers and dynamic section (the section headers may be stripped).
-fn elf_info(file: &File) -> Result<ElfInfo, String> {
-    let bad = |what: &str| format!("not a little-endian ELF64 library ({what})");
-    let header = bytes_at(file, 0, 64)?;
-    if header.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
-        return Err(bad("header"));
-    }
-    let phoff = u64_at(&header, 0x20).ok_or_else(|| bad("e_phoff"))?;
-    let phentsize = u16_at(&header, 0x36).ok_or_else(|| bad("e_phentsize"))?;
-    let phnum = u16_at(&header, 0x38).ok_or_else(|| bad("e_phnum"))?;
-    if phentsize < 56 {
-        return Err(bad("e_phentsize"));
-    }
-    let phdrs = bytes_at(file, phoff, u64::from(phentsize) * u64::from(phnum))?;
-    // (p_type, p_offset, p_vaddr, p_filesz)
-    let headers: Vec<(u32, u64, u64, u64)> = phdrs
-        .chunks_exact(usize::from(phentsize))
-        .filter_map(|p| Some((u32_at(p, 0)?, u64_at(p, 8)?, u64_at(p, 16)?, u64_at(p, 32)?)))
-        .collect();
-    let to_offset = |vaddr: u64| {
-        headers
-            .iter()
-            .find(|(t, _, va, sz)| *t == 1 && *va <= vaddr && vaddr - va < *sz)
-            .map(|(_, off, va, _)| off + (vaddr - va))
-    };
-    let Some(&(_, dyn_off, _, dyn_size)) = headers.iter().find(|(t, ..)| *t == 2) else {
-        return Ok(ElfInfo::default()); // static: no dynamic section
-    };
-    let dynamic = bytes_at(file, dyn_off, dyn_size)?;
-    let entries: Vec<(u64, u64)> = dynamic
-        .chunks_exact(16)
-        .filter_map(|e| Some((u64_at(e, 0)?, u64_at(e, 8)?)))
-        .take_while(|(tag, _)| *tag != 0)
-        .collect();
-    let tag = |t: u64| entries.iter().find(|(k, _)| *k == t).map(|(_, v)| *v);
-    const DT_NEEDED: u64 = 1;
-    const DT_STRTAB: u64 = 5;
-    const DT_STRSZ: u64 = 10;
-    const DT_SONAME: u64 = 14;
-    const DT_VERNEED: u64 = 0x6fff_fffe;
-    const DT_VERNEEDNUM: u64 = 0x6fff_ffff;
-    let strtab_at = tag(DT_STRTAB)
-        .and_then(to_offset)
-        .ok_or_else(|| bad("DT_STRTAB"))?;
-    let strtab = bytes_at(
-        file,
-        strtab_at,
-        tag(DT_STRSZ).ok_or_else(|| bad("DT_STRSZ"))?,
-    )?;
-    let mut info = ElfInfo {
-        soname: tag(DT_SONAME).and_then(|o| c_str(&strtab, o)),
-        needed: entries
-            .iter()
-            .filter(|(k, _)| *k == DT_NEEDED)
-            .filter_map(|(_, o)| c_str(&strtab, *o))
-            .collect(),
-        glibc: None,
-    };
-    if let (Some(at), Some(count)) = (tag(DT_VERNEED).and_then(to_offset), tag(DT_VERNEEDNUM)) {
-        let mut at = at;
-        // Each Elf64_Verneed (16 bytes) heads a chain of Elf64_Vernaux (16 bytes); bounded by
-        // the counts the file gives and by a sane maximum.
-        for _ in 0..count.min(256) {
-            let need = bytes_at(file, at, 16)?;
-            let cnt = u16_at(&need, 2).ok_or_else(|| bad("vn_cnt"))?;
-            let mut aux_at = at + u64::from(u32_at(&need, 8).ok_or_else(|| bad("vn_aux"))?);
-            for _ in 0..cnt.min(256) {
-                let aux = bytes_at(file, aux_at, 16)?;
-                let name = c_str(
-                    &strtab,
-                    u64::from(u32_at(&aux, 8).ok_or_else(|| bad("vna"))?),
-                );
-                if let Some(v) = name.as_deref().and_then(glibc_version_name) {
-                    info.glibc = info.glibc.max(Some(v));
-                }
-                let next = u32_at(&aux, 12).ok_or_else(|| bad("vna_next"))?;
-                if next == 0 {
-                    break;
-                }
-                aux_at += u64::from(next);
-            }
-            let next = u32_at(&need, 12).ok_or_else(|| bad("vn_next"))?;
-            if next == 0 {
-                break;
-            }
-            at += u64::from(next);
-        }
-    }
-    Ok(info)
-}
-
-/// `(2, 34)` of `GLIBC_2.34` (and of `GLIBC_2.2.5`).
-fn glibc_version_name(name: &str) -> Option<(u32, u32)> {
-    let mut parts = name.strip_prefix("GLIBC_")?.split('.');
-    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+    elf::read(&file)
 }
 
 #[cfg(test)]
@@ -838,7 +700,7 @@ mod tests {
     fn sonames_needs_and_glibc_versions_are_read_from_the_library() {
         let dir = tempfile::tempdir().unwrap();
         let lib = library(dir.path(), "libmpi.so.12.1.8", "libmpi.so.12", "strlen(s)");
-        let info = elf_info(&File::open(&lib).unwrap()).unwrap();
+        let info = elf::read(&File::open(&lib).unwrap()).unwrap();
         assert_eq!(info.soname.as_deref(), Some("libmpi.so.12"));
         assert!(info.needed.iter().any(|n| n == "libc.so.6"), "{info:?}");
         assert!(info.glibc.is_some_and(|v| v >= (2, 2)), "{info:?}");
@@ -852,11 +714,6 @@ mod tests {
         );
         assert_eq!(abi("libmpi.so.40", "libmpi.so.40").unwrap().minor, None);
         assert_eq!(abi("libfoo.so.1", "libfoo.so.1"), None);
-        assert_eq!(glibc_version_name("GLIBC_2.2.5"), Some((2, 2)));
-        assert_eq!(glibc_version_name("GLIBC_PRIVATE"), None);
-        std::fs::write(dir.path().join("text"), [b'x'; 100]).unwrap();
-        let e = elf_info(&File::open(dir.path().join("text")).unwrap()).unwrap_err();
-        assert!(e.contains("not a little-endian ELF64 library"), "{e}");
     }
 
     #[test]

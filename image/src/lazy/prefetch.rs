@@ -29,8 +29,6 @@ pub const BYTES_LIMIT: u64 = 256 << 20;
 pub const FILES_LIMIT: usize = 64;
 /// The PATH searched when the image's config gives none (Docker's default).
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-/// The largest ELF part (program headers, dynamic section, string table) read to parse it.
-const ELF_PART_MAX: u64 = 1 << 20;
 
 /// What [`prefetch`] read.
 #[derive(Debug, Default)]
@@ -176,8 +174,13 @@ fn wants(root: &OwnedFd, file: &File, name: &str, search: &str) -> Vec<String> {
     if let Some(line) = head.strip_prefix(b"#!") {
         return interpreter(root, line, search);
     }
-    match elf_needs(file) {
-        Some((interp, needed, dirs)) => {
+    match crate::elf::read(file) {
+        Ok(crate::elf::Dynamic {
+            interp,
+            needed,
+            search: dirs,
+            ..
+        }) => {
             let origin = Path::new(name)
                 .parent()
                 .map(|p| p.display().to_string())
@@ -203,7 +206,7 @@ fn wants(root: &OwnedFd, file: &File, name: &str, search: &str) -> Vec<String> {
             }
             out
         }
-        None => Vec::new(),
+        Err(_) => Vec::new(),
     }
 }
 
@@ -240,97 +243,6 @@ fn library_dirs() -> Vec<String> {
     ]
 }
 
-fn bytes_at(file: &File, offset: u64, len: u64) -> Option<Vec<u8>> {
-    if len > ELF_PART_MAX {
-        return None;
-    }
-    let mut buf = vec![0; usize::try_from(len).ok()?];
-    file.read_exact_at(&mut buf, offset).ok()?;
-    Some(buf)
-}
-
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
-}
-
-fn c_str(b: &[u8], at: u64) -> Option<String> {
-    let rest = b.get(usize::try_from(at).ok()?..)?;
-    let end = rest.iter().position(|c| *c == 0)?;
-    String::from_utf8(rest[..end].to_vec()).ok()
-}
-
-/// A little-endian ELF64 file's loader (PT_INTERP), DT_NEEDED and RUNPATH/RPATH directories,
-/// from its program headers and dynamic section; `None` when it is not one (or lies: every
-/// part is bounded and a bad offset ends the parse).
-fn elf_needs(file: &File) -> Option<(Option<String>, Vec<String>, Vec<String>)> {
-    const PT_LOAD: u32 = 1;
-    const PT_DYNAMIC: u32 = 2;
-    const PT_INTERP: u32 = 3;
-    const DT_NEEDED: u64 = 1;
-    const DT_STRTAB: u64 = 5;
-    const DT_STRSZ: u64 = 10;
-    const DT_RPATH: u64 = 15;
-    const DT_RUNPATH: u64 = 29;
-    let header = bytes_at(file, 0, 64)?;
-    if header.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
-        return None;
-    }
-    let phoff = u64_at(&header, 0x20)?;
-    let phentsize = u16_at(&header, 0x36)?;
-    let phnum = u16_at(&header, 0x38)?;
-    if phentsize < 56 {
-        return None;
-    }
-    let phdrs = bytes_at(file, phoff, u64::from(phentsize) * u64::from(phnum))?;
-    // (p_type, p_offset, p_vaddr, p_filesz)
-    let headers: Vec<(u32, u64, u64, u64)> = phdrs
-        .chunks_exact(usize::from(phentsize))
-        .filter_map(|p| Some((u32_at(p, 0)?, u64_at(p, 8)?, u64_at(p, 16)?, u64_at(p, 32)?)))
-        .collect();
-    let interp = headers
-        .iter()
-        .find(|(t, ..)| *t == PT_INTERP)
-        .and_then(|&(_, off, _, size)| c_str(&bytes_at(file, off, size)?, 0));
-    let Some(&(_, dyn_off, _, dyn_size)) = headers.iter().find(|(t, ..)| *t == PT_DYNAMIC) else {
-        return Some((interp, Vec::new(), Vec::new()));
-    };
-    let to_offset = |vaddr: u64| {
-        headers
-            .iter()
-            .find(|(t, _, va, sz)| *t == PT_LOAD && *va <= vaddr && vaddr - va < *sz)
-            .map(|(_, off, va, _)| off + (vaddr - va))
-    };
-    let dynamic = bytes_at(file, dyn_off, dyn_size)?;
-    let entries: Vec<(u64, u64)> = dynamic
-        .chunks_exact(16)
-        .filter_map(|e| Some((u64_at(e, 0)?, u64_at(e, 8)?)))
-        .take_while(|(tag, _)| *tag != 0)
-        .collect();
-    let tag = |t: u64| entries.iter().find(|(k, _)| *k == t).map(|(_, v)| *v);
-    let strtab = bytes_at(file, tag(DT_STRTAB).and_then(to_offset)?, tag(DT_STRSZ)?)?;
-    let needed = entries
-        .iter()
-        .filter(|(k, _)| *k == DT_NEEDED)
-        .filter_map(|(_, o)| c_str(&strtab, *o))
-        .collect();
-    let dirs = [DT_RUNPATH, DT_RPATH]
-        .into_iter()
-        .filter_map(tag)
-        .filter_map(|o| c_str(&strtab, o))
-        .flat_map(|s| s.split(':').map(str::to_string).collect::<Vec<_>>())
-        .filter(|d| !d.is_empty())
-        .collect();
-    Some((interp, needed, dirs))
-}
-
 /// The chunks of the index `index_hex` the node's cache under `store_root` holds, and all its
 /// chunks (its map: a byte per chunk, 1 once cached and verified); `None` when it has none.
 pub fn cached_chunks(store_root: &Path, index_hex: &str) -> Option<(u64, u64)> {
@@ -352,7 +264,12 @@ mod tests {
         let root = tmp.path();
         let host_sh = std::fs::canonicalize("/bin/sh").unwrap();
         let elf = std::fs::read(&host_sh).unwrap();
-        let Some((Some(interp), needed, _)) = elf_needs(&File::open(&host_sh).unwrap()) else {
+        let Ok(crate::elf::Dynamic {
+            interp: Some(interp),
+            needed,
+            ..
+        }) = crate::elf::read(&File::open(&host_sh).unwrap())
+        else {
             panic!("{} is not a dynamic ELF64", host_sh.display());
         };
         let put = |p: &str, bytes: &[u8]| {
