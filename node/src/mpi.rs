@@ -200,7 +200,10 @@ pub fn reclaim(config: &Config) -> Vec<String> {
         .ok()
         .and_then(|(_, binds)| Stage::new(state_dir, &binds).ok())
         .and_then(|st| st.dir.file_name().map(|n| n.to_string_lossy().into_owned()));
-    let bound = bound_gathered();
+    // A namespace whose mounts cannot be read whole might bind any copy: keep them all.
+    let Some(bound) = bound_gathered() else {
+        return out;
+    };
     let now = std::time::SystemTime::now();
     let mut gone = BTreeSet::new();
     for entry in std::fs::read_dir(&base).into_iter().flatten().flatten() {
@@ -235,10 +238,13 @@ pub fn reclaim(config: &Config) -> Vec<String> {
     out
 }
 
+/// The most of one process's /proc/<pid>/mountinfo read (thousands of mounts fit many times).
+const MOUNTINFO_LIMIT: u64 = 64 << 20;
+
 /// The names of the gathered directories some mount namespace has bound: the last component of
 /// a mount's root (its 4th field in mountinfo) under a `host-mpi` directory, read once per
-/// namespace.
-fn bound_gathered() -> BTreeSet<String> {
+/// namespace; `None` when a namespace's mounts could not be read whole.
+fn bound_gathered() -> Option<BTreeSet<String>> {
     use std::os::unix::fs::MetadataExt;
     let mut seen = BTreeSet::new();
     let mut bound = BTreeSet::new();
@@ -258,8 +264,15 @@ fn bound_gathered() -> BTreeSet<String> {
         if !seen.insert((ns.dev(), ns.ino())) {
             continue;
         }
-        let Ok(text) = std::fs::read_to_string(proc.join("mountinfo")) else {
-            continue;
+        // A process gone since the listing has no mounts to keep; any other failure (a
+        // mountinfo past the bound: a user's namespace with very many mounts) means unknown.
+        let text = match File::open(proc.join("mountinfo")) {
+            Ok(mut f) => match berth_sys::privfs::read_bounded(&mut f, MOUNTINFO_LIMIT) {
+                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                Err(_) => return None,
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(_) => return None,
         };
         for line in text.lines() {
             let Some(root) = line.split(' ').nth(3) else {
@@ -272,7 +285,7 @@ fn bound_gathered() -> BTreeSet<String> {
             }
         }
     }
-    bound
+    Some(bound)
 }
 
 /// What the checks' answer for a compatible pairing is kept as.
