@@ -142,29 +142,37 @@ pub fn open_source_as_user(
     user: &UserIds,
     block_devices: bool,
 ) -> std::io::Result<OwnedFd> {
-    // One thread as the user for both opens (each as_user is a thread started and joined).
-    let (fd, device) = privfs::as_user(user, || -> std::io::Result<(OwnedFd, bool)> {
-        let fd = nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
-        let kind = nix::sys::stat::fstat(&fd)?.st_mode & libc::S_IFMT;
-        if kind != libc::S_IFCHR && kind != libc::S_IFBLK {
-            let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
-            return Ok((nix::fcntl::open(source, flags, Mode::empty())?, false));
-        }
-        if kind == libc::S_IFBLK && !block_devices {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                BLOCK_DEVICE_REFUSED,
-            ));
-        }
-        if may_access(&fd, libc::R_OK).is_err() {
-            may_access(&fd, libc::W_OK)?;
-        }
-        Ok((fd, true))
-    })??;
-    if device {
-        Ok(fd)
-    } else {
-        privfs::readable(fd).map(OwnedFd::from)
+    let opened = privfs::as_user(user, || open_as_caller(source, block_devices))?;
+    checked(opened)
+}
+
+/// [`open_source_as_user`]'s opens, in a thread that already holds the user's credentials: the
+/// source and whether it is a device node.
+fn open_as_caller(source: &Path, block_devices: bool) -> std::io::Result<(OwnedFd, bool)> {
+    let fd = nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
+    let kind = nix::sys::stat::fstat(&fd)?.st_mode & libc::S_IFMT;
+    if kind != libc::S_IFCHR && kind != libc::S_IFBLK {
+        let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+        return Ok((nix::fcntl::open(source, flags, Mode::empty())?, false));
+    }
+    if kind == libc::S_IFBLK && !block_devices {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            BLOCK_DEVICE_REFUSED,
+        ));
+    }
+    if may_access(&fd, libc::R_OK).is_err() {
+        may_access(&fd, libc::W_OK)?;
+    }
+    Ok((fd, true))
+}
+
+/// A device as opened; anything else must be a directory the user can list or a file the user
+/// can read ([`privfs::readable`]).
+fn checked(opened: std::io::Result<(OwnedFd, bool)>) -> std::io::Result<OwnedFd> {
+    match opened? {
+        (fd, true) => Ok(fd),
+        (fd, false) => privfs::readable(fd).map(OwnedFd::from),
     }
 }
 
@@ -315,20 +323,47 @@ pub fn open_sources(
     user: &UserIds,
     block_devices: bool,
 ) -> Result<Vec<Option<Tree>>, SetupError> {
-    let mut trees = Vec::new();
-    for m in spec.mounts().as_deref().unwrap_or_default() {
+    let mounts = spec.mounts().as_deref().unwrap_or_default();
+    let kind = |m: &oci_spec::runtime::Mount| {
         let options = m.options().as_deref().unwrap_or_default();
         let is_bind = m.typ().as_deref() == Some("bind")
             || options.iter().any(|o| o == "bind" || o == "rbind");
-        let user_named = options.iter().any(|o| o == USER_SOURCE_OPTION);
-        trees.push(match (is_bind, m.source()) {
-            (true, Some(src)) => Some(Tree::open(
-                src,
-                options,
-                user_named.then_some(user),
-                block_devices,
-            )?),
-            (false, _) if user_named => {
+        (is_bind, options.iter().any(|o| o == USER_SOURCE_OPTION))
+    };
+    // Every source the user named, opened in one thread with the user's credentials (a
+    // thread started and joined per source cost a step with many host-software binds ms).
+    let named: Vec<&Path> = mounts
+        .iter()
+        .filter(|m| kind(m) == (true, true))
+        .filter_map(|m| m.source().as_deref())
+        .collect();
+    let mut opened = if named.is_empty() {
+        Vec::new()
+    } else {
+        privfs::as_user(user, || {
+            named
+                .iter()
+                .map(|src| open_as_caller(src, block_devices))
+                .collect::<Vec<_>>()
+        })
+        .map_err(|e| SetupError::new(format!("opening mount sources as uid {}: {e}", user.uid)))?
+    }
+    .into_iter();
+    let mut trees = Vec::new();
+    for m in mounts {
+        let options = m.options().as_deref().unwrap_or_default();
+        trees.push(match (kind(m), m.source()) {
+            ((true, true), Some(src)) => {
+                let fd = checked(
+                    opened
+                        .next()
+                        .unwrap_or_else(|| Err(std::io::Error::other("not opened"))),
+                )
+                .map_err(|e| user_source_error(src, user, &e))?;
+                Some(Tree::from_source(src, fd, options)?)
+            }
+            ((true, false), Some(src)) => Some(Tree::open(src, options, None, block_devices)?),
+            ((false, true), _) => {
                 return Err(SetupError::new(format!(
                     "the mount on {} has a user's source but is not a bind mount",
                     m.destination().display()
@@ -338,6 +373,19 @@ pub fn open_sources(
         });
     }
     Ok(trees)
+}
+
+/// Why a source the user named cannot be bound, in one line.
+fn user_source_error(source: &Path, user: &UserIds, e: &std::io::Error) -> SetupError {
+    if is_block_refusal(e) {
+        return SetupError::new(format!("mount source {}: {e}", source.display()));
+    }
+    SetupError::new(format!(
+        "mount source {}: uid {} cannot read it ({e}); give a file or directory the user can \
+         read, or a character device the user may open",
+        source.display(),
+        user.uid
+    ))
 }
 
 /// Opens each image layer (`lowers`, topmost first) and clones its mount (the layer alone, not
@@ -387,20 +435,16 @@ impl Tree {
         block_devices: bool,
     ) -> Result<Tree, SetupError> {
         let fd: OwnedFd = match user {
-            Some(user) => open_source_as_user(source, user, block_devices).map_err(|e| {
-                if is_block_refusal(&e) {
-                    return SetupError::new(format!("mount source {}: {e}", source.display()));
-                }
-                SetupError::new(format!(
-                    "mount source {}: uid {} cannot read it ({e}); give a file or directory the \
-                     user can read, or a character device the user may open",
-                    source.display(),
-                    user.uid
-                ))
-            })?,
+            Some(user) => open_source_as_user(source, user, block_devices)
+                .map_err(|e| user_source_error(source, user, &e))?,
             None => nix::fcntl::open(source, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(|e| SetupError::new(format!("mount source {}: {e}", source.display())))?,
         };
+        Self::from_source(source, fd, options)
+    }
+
+    /// Clones the mount tree of `fd`, the opened `source`, as [`Tree::open`] does.
+    fn from_source(source: &Path, fd: OwnedFd, options: &[String]) -> Result<Tree, SetupError> {
         let st = nix::sys::stat::fstat(&fd)
             .map_err(|e| SetupError::new(format!("mount source {}: {e}", source.display())))?;
         let kind = st.st_mode & libc::S_IFMT;
