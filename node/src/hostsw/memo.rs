@@ -287,10 +287,11 @@ pub(crate) fn own_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Removes the answers not written or recalled for `max_age` (each is read again when next
-/// needed); returns how many.
+/// needed), and the directory once it is empty; returns how many. A node that never kept an
+/// answer gets no directory from this.
 pub(crate) fn reclaim(state_dir: &Path, max_age: std::time::Duration) -> usize {
     let dir = state_dir.join(DIR);
-    if own_dir(&dir).is_err() {
+    if std::fs::symlink_metadata(&dir).is_err() || own_dir(&dir).is_err() {
         return 0;
     }
     let now = std::time::SystemTime::now();
@@ -306,12 +307,40 @@ pub(crate) fn reclaim(state_dir: &Path, max_age: std::time::Duration) -> usize {
             removed += 1;
         }
     }
+    // Fails while an answer is kept (or one is being written): the directory stays.
+    let _ = std::fs::remove_dir(&dir);
     removed
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reclaim_makes_no_directory_and_removes_old_answers_then_the_empty_one() {
+        let state = tempfile::tempdir().unwrap();
+        let dir = state.path().join(DIR);
+        assert_eq!(reclaim(state.path(), std::time::Duration::ZERO), 0);
+        assert!(!dir.exists(), "reclaim made {}", dir.display());
+        own_dir(&dir).unwrap();
+        let (old, fresh) = (dir.join("glibc-old"), dir.join("glibc-fresh"));
+        std::fs::write(&old, "x").unwrap();
+        std::fs::write(&fresh, "x").unwrap();
+        let long_ago = nix::sys::time::TimeSpec::new(1_000_000_000, 0);
+        nix::sys::stat::utimensat(
+            nix::fcntl::AT_FDCWD,
+            &old,
+            &long_ago,
+            &long_ago,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
+        let day = std::time::Duration::from_secs(86_400);
+        assert_eq!(reclaim(state.path(), day), 1);
+        assert!(!old.exists() && fresh.exists() && dir.is_dir());
+        assert_eq!(reclaim(state.path(), std::time::Duration::ZERO), 1);
+        assert!(!dir.exists(), "an empty {} stays", dir.display());
+    }
 
     #[test]
     fn an_answer_is_recalled_only_while_its_files_are_unchanged() {
