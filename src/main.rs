@@ -2,8 +2,11 @@
 
 fn main() {
     let cli = berth::cli::Cli::parse_args();
-    berth::log::init(cli.log_setup());
-    let code = match cli.execute() {
+    // berth.toml is read once: logging takes its [log] (the defaults when it cannot be read;
+    // the verb then reports why), the verb the rest.
+    let config = cli.load_config();
+    berth::log::init(cli.log_setup(config.as_ref().ok()));
+    let code = match cli.execute(config) {
         Ok(code) => code,
         Err(failure) => {
             // The last guard: whatever a user, an image or a server put into the message, it is

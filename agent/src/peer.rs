@@ -333,6 +333,17 @@ enum Found {
     },
 }
 
+/// The answer to a transfer that waited [`UPLOAD_WAIT`] for a `peers.max_uploads` slot in vain.
+fn busy(conn: &mut TcpStream, proof: Option<&Proof>) -> std::io::Result<()> {
+    respond(
+        conn,
+        proof,
+        "503 Service Unavailable",
+        "Retry-After: 1\r\n",
+        b"serving as many transfers as peers.max_uploads allows, for too long\n",
+    )
+}
+
 /// Opens `path` for reading without following a link.
 fn open_nofollow(path: &std::path::Path) -> Option<std::fs::File> {
     std::fs::File::options()
@@ -758,13 +769,7 @@ impl Server {
             );
         }
         let Some((_slot, running)) = self.uploads.take(UPLOAD_WAIT) else {
-            return respond(
-                conn,
-                proof,
-                "503 Service Unavailable",
-                "Retry-After: 1\r\n",
-                b"serving as many transfers as peers.max_uploads allows, for too long\n",
-            );
+            return busy(conn, proof);
         };
         tracing::debug!("serving {digest} ({running} transfers)");
         let from = h.range_from.unwrap_or(0).min(size);
@@ -852,13 +857,7 @@ impl Server {
             std::thread::sleep(POLL);
         }
         let Some((_slot, running)) = self.uploads.take(UPLOAD_WAIT) else {
-            return respond(
-                conn,
-                proof,
-                "503 Service Unavailable",
-                "Retry-After: 1\r\n",
-                b"serving as many transfers as peers.max_uploads allows, for too long\n",
-            );
+            return busy(conn, proof);
         };
         tracing::debug!(
             "serving chunks {first}-{last} of lazy index {digest} ({running} transfers)"

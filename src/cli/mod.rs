@@ -163,9 +163,9 @@ impl Cli {
 
     /// What logging needs to know of this command line. A configuration that cannot be read
     /// logs with the defaults; the verb then reports that error itself.
-    pub fn log_setup(&self) -> crate::log::Setup {
+    pub fn log_setup(&self, config: Option<&Config>) -> crate::log::Setup {
         crate::log::Setup {
-            config: self.load_config().map(|c| c.log).unwrap_or_default(),
+            config: config.map(|c| c.log.clone()).unwrap_or_default(),
             verbose: self.verbose,
             slurm: self.slurm_path(),
         }
@@ -191,11 +191,13 @@ impl Cli {
         }
     }
 
-    pub fn execute(self) -> Result<i32, Failure> {
+    /// Runs the verb with `config`, [`Cli::load_config`]'s answer (read once, before logging
+    /// starts): a verb that needs root refuses another user first, whatever the file says.
+    pub fn execute(self, config: Result<Config, Failure>) -> Result<i32, Failure> {
         if let Some(line) = needs_root(&self.command, nix::unistd::geteuid().as_raw()) {
             return Err(Failure::input(line));
         }
-        let config = self.load_config()?;
+        let config = config?;
         berth_agent::peer::install(&config);
         match &self.command {
             Command::Run(args) => run::execute(args, &config, self.verbose > 0),
